@@ -1,0 +1,267 @@
+"""A small StableHLO builder that writes MLIR text.
+
+Values know their shape and dtype; each op is one method that checks its operands,
+infers the result type and appends one line. SSA names come from the current stage
+and a hint (`%blocks.3.attn.scores`), and every line carries `loc("<stage>")`.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+DTYPES = ("f32", "i32", "i64", "i1")
+
+
+class BuildError(ValueError):
+    """An op was given operands it cannot take (a bug in the graph code)."""
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise BuildError(f"unknown dtype {self.dtype!r}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    def __str__(self) -> str:
+        return "tensor<" + "".join(f"{d}x" for d in self.shape) + self.dtype + ">"
+
+
+@dataclass(frozen=True)
+class Value:
+    name: str
+    type: TensorType
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype
+
+    @property
+    def rank(self) -> int:
+        return len(self.type.shape)
+
+    def __str__(self) -> str:
+        return "%" + self.name
+
+
+def float_literal(x: float) -> str:
+    """An f32 literal MLIR parses back to the same bits (infinities and NaN as hex)."""
+    x32 = np.float32(x)
+    if not np.isfinite(x32):
+        return "0x%08X" % x32.view(np.uint32)
+    text = np.format_float_scientific(x32, unique=True, exp_digits=2)
+    return text.replace(".e", ".0e")
+
+
+def _ints(values) -> str:
+    return ", ".join(str(int(v)) for v in values)
+
+
+def _array(values) -> str:
+    return f"array<i64: {_ints(values)}>"
+
+
+class Builder:
+    def __init__(self):
+        self.arguments: list[tuple[Value, str]] = []
+        self.lines: list[str] = []
+        self._names: set[str] = set()
+        self._stage = "input"
+
+    # -- naming and stages -------------------------------------------------
+    @contextmanager
+    def stage(self, name: str):
+        """Ops built inside carry `loc("name")` and SSA names prefixed by it."""
+        outer, self._stage = self._stage, name
+        try:
+            yield
+        finally:
+            self._stage = outer
+
+    def _fresh(self, hint: str) -> str:
+        base = re.sub(r"[^A-Za-z0-9_.$-]", "_", hint)
+        if not base[0].isalpha() and base[0] != "_":
+            base = "v" + base
+        name, n = base, 0
+        while name in self._names:
+            n += 1
+            name = f"{base}.{n}"
+        self._names.add(name)
+        return name
+
+    def _op(self, hint: str, text: str, result: TensorType) -> Value:
+        value = Value(self._fresh(f"{self._stage}.{hint}" if self._stage else hint), result)
+        self.lines.append(f'{value} = {text} loc("{self._stage}")')
+        return value
+
+    def argument(self, name: str, shape, dtype: str = "f32", abi_name: str | None = None) -> Value:
+        value = Value(self._fresh(name), TensorType(shape, dtype))
+        self.arguments.append((value, abi_name or name))
+        return value
+
+    # -- checks ------------------------------------------------------------
+    @staticmethod
+    def _same(op: str, *values: Value) -> TensorType:
+        first = values[0].type
+        for v in values[1:]:
+            if v.type != first:
+                raise BuildError(f"{op}: operand types differ: {first} vs {v.type}")
+        return first
+
+    # -- constants and iota ------------------------------------------------
+    def constant(self, value: float | int, shape=(), dtype: str = "f32", hint: str = "const") -> Value:
+        """A splat constant."""
+        literal = float_literal(value) if dtype == "f32" else str(int(value))
+        t = TensorType(shape, dtype)
+        return self._op(hint, f"stablehlo.constant dense<{literal}> : {t}", t)
+
+    def constant_array(self, values: np.ndarray, hint: str = "const") -> Value:
+        """A dense 1-D f32 constant (exact: each element printed to round-trip)."""
+        values = np.asarray(values, dtype=np.float32).reshape(-1)
+        t = TensorType((values.size,), "f32")
+        body = ", ".join(float_literal(v) for v in values)
+        return self._op(hint, f"stablehlo.constant dense<[{body}]> : {t}", t)
+
+    def iota(self, shape, dim: int, dtype: str = "i32", hint: str = "iota") -> Value:
+        t = TensorType(shape, dtype)
+        return self._op(hint, f"stablehlo.iota dim = {dim} : {t}", t)
+
+    # -- elementwise ------------------------------------------------------
+    def _binary(self, op: str, a: Value, b: Value, hint: str | None) -> Value:
+        t = self._same(op, a, b)
+        return self._op(hint or op, f"stablehlo.{op} {a}, {b} : {t}", t)
+
+    def add(self, a, b, hint=None): return self._binary("add", a, b, hint)
+    def subtract(self, a, b, hint=None): return self._binary("subtract", a, b, hint)
+    def multiply(self, a, b, hint=None): return self._binary("multiply", a, b, hint)
+    def divide(self, a, b, hint=None): return self._binary("divide", a, b, hint)
+    def maximum(self, a, b, hint=None): return self._binary("maximum", a, b, hint)
+
+    def _unary(self, op: str, x: Value, hint: str | None) -> Value:
+        return self._op(hint or op.split(".")[-1], f"{op} {x} : {x.type}", x.type)
+
+    def negate(self, x, hint=None): return self._unary("stablehlo.negate", x, hint)
+    def exponential(self, x, hint=None): return self._unary("stablehlo.exponential", x, hint)
+    def tanh(self, x, hint=None): return self._unary("stablehlo.tanh", x, hint)
+    def rsqrt(self, x, hint=None): return self._unary("stablehlo.rsqrt", x, hint)
+    def cosine(self, x, hint=None): return self._unary("stablehlo.cosine", x, hint)
+    def sine(self, x, hint=None): return self._unary("stablehlo.sine", x, hint)
+
+    def erf(self, x: Value, hint=None) -> Value:
+        """chlo.erf: StableHLO has no erf of its own."""
+        return self._op(hint or "erf", f"chlo.erf {x} : {x.type} -> {x.type}", x.type)
+
+    def convert(self, x: Value, dtype: str, hint=None) -> Value:
+        t = TensorType(x.shape, dtype)
+        return self._op(hint or "convert", f"stablehlo.convert {x} : ({x.type}) -> {t}", t)
+
+    def compare(self, direction: str, a: Value, b: Value, hint=None) -> Value:
+        t = self._same("compare", a, b)
+        kind = "FLOAT" if t.dtype == "f32" else "SIGNED"
+        result = TensorType(t.shape, "i1")
+        return self._op(hint or "cmp", f"stablehlo.compare {direction}, {a}, {b}, {kind} : ({t}, {t}) -> {result}",
+                        result)
+
+    def select(self, pred: Value, on_true: Value, on_false: Value, hint=None) -> Value:
+        t = self._same("select", on_true, on_false)
+        if pred.shape != t.shape or pred.dtype != "i1":
+            raise BuildError(f"select: predicate {pred.type} does not match {t}")
+        return self._op(hint or "select", f"stablehlo.select {pred}, {on_true}, {on_false} : {pred.type}, {t}", t)
+
+    # -- shape ops ------------------------------------------------------------
+    def broadcast_in_dim(self, x: Value, shape, dims, hint=None) -> Value:
+        shape, dims = tuple(shape), tuple(dims)
+        if len(dims) != x.rank or any(x.shape[i] not in (1, shape[d]) for i, d in enumerate(dims)):
+            raise BuildError(f"broadcast_in_dim: {x.type} cannot map to {shape} by dims {dims}")
+        t = TensorType(shape, x.dtype)
+        return self._op(hint or "bcast", f"stablehlo.broadcast_in_dim {x}, dims = [{_ints(dims)}] : ({x.type}) -> {t}", t)
+
+    def reshape(self, x: Value, shape, hint=None) -> Value:
+        t = TensorType(shape, x.dtype)
+        if prod(t.shape) != prod(x.shape):
+            raise BuildError(f"reshape: {x.type} has a different element count than {t}")
+        return self._op(hint or "reshape", f"stablehlo.reshape {x} : ({x.type}) -> {t}", t)
+
+    def transpose(self, x: Value, perm, hint=None) -> Value:
+        if sorted(perm) != list(range(x.rank)):
+            raise BuildError(f"transpose: {list(perm)} is not a permutation of {x.rank} dims")
+        t = TensorType([x.shape[p] for p in perm], x.dtype)
+        return self._op(hint or "transpose", f"stablehlo.transpose {x}, dims = [{_ints(perm)}] : ({x.type}) -> {t}", t)
+
+    def slice(self, x: Value, start, limit, hint=None) -> Value:
+        if len(start) != x.rank or len(limit) != x.rank or any(
+                not 0 <= s < e <= d for s, e, d in zip(start, limit, x.shape)):
+            raise BuildError(f"slice: [{start}, {limit}) out of {x.type}")
+        t = TensorType([e - s for s, e in zip(start, limit)], x.dtype)
+        ranges = ", ".join(f"{s}:{e}" for s, e in zip(start, limit))
+        return self._op(hint or "slice", f"stablehlo.slice {x} [{ranges}] : ({x.type}) -> {t}", t)
+
+    def concatenate(self, values: list[Value], dim: int, hint=None) -> Value:
+        first = values[0]
+        for v in values[1:]:
+            if v.dtype != first.dtype or any(a != b for i, (a, b) in enumerate(zip(v.shape, first.shape)) if i != dim):
+                raise BuildError(f"concatenate: {v.type} does not stack with {first.type} on dim {dim}")
+        shape = list(first.shape)
+        shape[dim] = sum(v.shape[dim] for v in values)
+        t = TensorType(shape, first.dtype)
+        operands = ", ".join(str(v) for v in values)
+        types = ", ".join(str(v.type) for v in values)
+        return self._op(hint or "concat", f"stablehlo.concatenate {operands}, dim = {dim} : ({types}) -> {t}", t)
+
+    # -- contractions and reductions --------------------------------------------
+    def dot_general(self, a: Value, b: Value, contract: tuple[list, list], batch: tuple[list, list] = ([], []),
+                    hint=None) -> Value:
+        """Result dims: batch dims, then a's free dims, then b's free dims."""
+        (ca, cb), (ba, bb) = contract, batch
+        if a.dtype != b.dtype or [a.shape[i] for i in ca] != [b.shape[i] for i in cb] or \
+                [a.shape[i] for i in ba] != [b.shape[i] for i in bb]:
+            raise BuildError(f"dot_general: {a.type} x {b.type} cannot contract {contract} batch {batch}")
+        free_a = [d for i, d in enumerate(a.shape) if i not in ca and i not in ba]
+        free_b = [d for i, d in enumerate(b.shape) if i not in cb and i not in bb]
+        t = TensorType([a.shape[i] for i in ba] + free_a + free_b, a.dtype)
+        dims = f"contracting_dims = [{_ints(ca)}] x [{_ints(cb)}]"
+        if ba:
+            dims = f"batching_dims = [{_ints(ba)}] x [{_ints(bb)}], " + dims
+        return self._op(hint or "dot", f"stablehlo.dot_general {a}, {b}, {dims} : ({a.type}, {b.type}) -> {t}", t)
+
+    def reduce(self, x: Value, dims, kind: str = "add", hint=None) -> Value:
+        """Sum (`add`) or max (`maximum`) over `dims`."""
+        init = {"add": 0.0, "maximum": float("-inf")}[kind]
+        zero = self.constant(init, (), x.dtype, hint=f"{kind}_init")
+        t = TensorType([d for i, d in enumerate(x.shape) if i not in dims], x.dtype)
+        return self._op(hint or f"reduce_{kind}",
+                        f"stablehlo.reduce({x} init: {zero}) applies stablehlo.{kind} across dimensions = "
+                        f"[{_ints(dims)}] : ({x.type}, {zero.type}) -> {t}", t)
+
+    def gather_rows(self, table: Value, indices: Value, hint=None) -> Value:
+        """table[indices]: rows of a [R, H] table for a 1-D i32 index vector."""
+        if table.rank != 2 or indices.rank != 1 or indices.dtype != "i32":
+            raise BuildError(f"gather_rows: needs [R, H] and [N] i32, got {table.type} and {indices.type}")
+        (n,), (_, h) = indices.shape, table.shape
+        idx = self.reshape(indices, (n, 1), hint=(hint or "gather") + "_idx")
+        t = TensorType((n, h), table.dtype)
+        attrs = ("dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0], "
+                 f"start_index_map = [0], index_vector_dim = 1>, slice_sizes = {_array((1, h))}, "
+                 "indices_are_sorted = false")
+        return self._op(hint or "gather", f'"stablehlo.gather"({table}, {idx}) {{{attrs}}} : '
+                                          f"({table.type}, {idx.type}) -> {t}", t)
+
+    # -- conveniences built on the ops above ------------------------------------
+    def broadcast_to(self, x: Value, shape, dims, hint=None) -> Value:
+        return x if tuple(shape) == x.shape else self.broadcast_in_dim(x, shape, dims, hint)
+
+    def scalar(self, value: float, like: Value, hint: str = "const") -> Value:
+        """A constant splatted to the shape of `like` (StableHLO has no implicit broadcast)."""
+        return self.constant(value, like.shape, like.dtype, hint=hint)

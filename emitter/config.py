@@ -1,0 +1,219 @@
+"""The vision config the graph depends on: parsed from a Hugging Face `config.json`,
+validated, and the presets of the released checkpoints (plus `tiny` for tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+LAYER_NORM_EPS = 1e-6  # hard-coded in transformers' Qwen3-VL, not in any config
+ROPE_THETA = 10000.0  # vision rotary base (transformers' default for the axial rope)
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+
+
+class ConfigError(ValueError):
+    """A config that the graph cannot be built from; the message names the field."""
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    out_hidden_size: int
+    num_heads: int
+    deepstack_visual_indexes: tuple[int, ...]
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = ROPE_THETA
+
+    def __post_init__(self):
+        object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
+        self.validate()
+
+    # Derived sizes, one place each.
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+    @property
+    def merged_hidden_size(self) -> int:
+        return self.hidden_size * self.merge_unit
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def grid_side(self) -> int:
+        return math.isqrt(self.num_position_embeddings)
+
+    def validate(self, source: str = "vision_config") -> None:
+        def bad(name, value, expected):
+            raise ConfigError(f"{source}: field '{name}' = {value!r}: expected {expected}")
+
+        for name in ("depth", "hidden_size", "intermediate_size", "out_hidden_size", "num_heads",
+                     "patch_size", "temporal_patch_size", "in_channels", "num_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                bad(name, value, "a positive integer")
+        if self.hidden_size % self.num_heads:
+            bad("hidden_size", self.hidden_size, f"a multiple of num_heads ({self.num_heads})")
+        if self.head_dim % 4:
+            bad("num_heads", self.num_heads,
+                f"a head count giving a head_dim divisible by 4 (hidden_size {self.hidden_size} / "
+                f"{self.num_heads} = {self.head_dim})")
+        if self.spatial_merge_size != 2:
+            bad("spatial_merge_size", self.spatial_merge_size, "2")
+        if self.grid_side**2 != self.num_position_embeddings:
+            bad("num_position_embeddings", self.num_position_embeddings,
+                "a perfect square (the learned position table is a square grid)")
+        if self.hidden_act != "gelu_pytorch_tanh":
+            bad("hidden_act", self.hidden_act, "'gelu_pytorch_tanh'")
+        indexes = self.deepstack_visual_indexes
+        for i in indexes:
+            if not isinstance(i, int) or not 0 <= i < self.depth:
+                bad("deepstack_visual_indexes", list(indexes), f"block indexes in [0, {self.depth})")
+        if list(indexes) != sorted(set(indexes)):
+            bad("deepstack_visual_indexes", list(indexes), "strictly increasing block indexes")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
+        return d
+
+    def to_hf_vision_config(self) -> dict:
+        """The `vision_config` block of a Hugging Face `config.json` for this config."""
+        d = self.to_dict()
+        d.pop("rope_theta")
+        d["initializer_range"] = 0.02
+        return d
+
+
+REQUIRED_FIELDS = ("depth", "hidden_size", "intermediate_size", "out_hidden_size", "num_heads",
+                   "deepstack_visual_indexes")
+OPTIONAL_FIELDS = ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels",
+                   "num_position_embeddings", "hidden_act")
+
+
+def from_hf_config(config: dict, source: str = "config.json") -> VisionConfig:
+    """Read the vision part of a Hugging Face Qwen3-VL `config.json` (already parsed)."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: expected a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"{source}: field 'model_type' = {model_type!r}: expected one of {list(MODEL_TYPES)}")
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ConfigError(f"{source}: field 'vision_config' is missing: expected an object")
+    kwargs = {}
+    for name in REQUIRED_FIELDS:
+        if name not in vision:
+            raise ConfigError(f"{source}: field 'vision_config.{name}' is missing")
+        kwargs[name] = vision[name]
+    for name in OPTIONAL_FIELDS:
+        if name in vision:
+            kwargs[name] = vision[name]
+    for name in ("patch_size", "temporal_patch_size"):
+        if isinstance(kwargs.get(name), (list, tuple)):
+            sizes = set(kwargs[name])
+            if len(sizes) != 1:
+                raise ConfigError(f"{source}: field 'vision_config.{name}' = {kwargs[name]!r}: expected one size")
+            kwargs[name] = sizes.pop()
+    rope = vision.get("rope_parameters") or {}
+    kwargs["rope_theta"] = float(rope.get("rope_theta", vision.get("rope_theta", ROPE_THETA)))
+    if not isinstance(kwargs["deepstack_visual_indexes"], (list, tuple)):
+        raise ConfigError(f"{source}: field 'vision_config.deepstack_visual_indexes' = "
+                          f"{kwargs['deepstack_visual_indexes']!r}: expected a list of block indexes")
+    try:
+        return VisionConfig(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("vision_config: field '", f"{source}: field 'vision_config.")) from None
+
+
+def load_model_config(model_dir: str | Path) -> VisionConfig:
+    """The vision config of a checkpoint folder (its `config.json`)."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"--model {model_dir}: not a readable folder")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return from_hf_config(config, source=str(path))
+
+
+def _released(depth, hidden, intermediate, out_hidden, deepstack):
+    return VisionConfig(depth=depth, hidden_size=hidden, intermediate_size=intermediate,
+                        out_hidden_size=out_hidden, num_heads=16, deepstack_visual_indexes=deepstack)
+
+
+PRESETS: dict[str, VisionConfig] = {
+    "qwen3-vl-2b": _released(24, 1024, 4096, 2048, (5, 11, 17)),
+    "qwen3-vl-4b": _released(24, 1024, 4096, 2560, (5, 11, 17)),
+    "qwen3-vl-8b": _released(27, 1152, 4304, 4096, (8, 16, 24)),
+    "qwen3-vl-32b": _released(27, 1152, 4304, 5120, (8, 16, 24)),
+    "qwen3-vl-30b-a3b": _released(27, 1152, 4304, 2048, (8, 16, 24)),
+    "qwen3-vl-235b-a22b": _released(27, 1152, 4304, 4096, (8, 16, 24)),
+    # Small enough to compile and run in a unit test; same structure as the real ones.
+    "tiny": VisionConfig(depth=4, hidden_size=64, intermediate_size=128, out_hidden_size=48,
+                         num_heads=4, deepstack_visual_indexes=(1, 2)),
+}
+DEFAULT_PRESET = "qwen3-vl-2b"
+PRESET_MODEL_TYPES = {"qwen3-vl-30b-a3b": "qwen3_vl_moe", "qwen3-vl-235b-a22b": "qwen3_vl_moe"}
+
+
+def preset(name: str) -> VisionConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"--preset {name!r}: unknown preset; expected one of {', '.join(PRESETS)}") from None
+
+
+def weight_schema(cfg: VisionConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Graph weight arguments in checkpoint order: (HF tensor name, shape the graph takes).
+
+    The patch-embed conv weight is taken pre-flattened to [hidden, patch_dim]."""
+    h, i, h4, out = cfg.hidden_size, cfg.intermediate_size, cfg.merged_hidden_size, cfg.out_hidden_size
+    p = "model.visual."
+    names: list[tuple[str, tuple[int, ...]]] = [
+        (p + "patch_embed.proj.weight", (h, cfg.patch_dim)),
+        (p + "patch_embed.proj.bias", (h,)),
+        (p + "pos_embed.weight", (cfg.num_position_embeddings, h)),
+    ]
+    for b in range(cfg.depth):
+        q = f"{p}blocks.{b}."
+        names += [
+            (q + "norm1.weight", (h,)), (q + "norm1.bias", (h,)),
+            (q + "norm2.weight", (h,)), (q + "norm2.bias", (h,)),
+            (q + "attn.qkv.weight", (3 * h, h)), (q + "attn.qkv.bias", (3 * h,)),
+            (q + "attn.proj.weight", (h, h)), (q + "attn.proj.bias", (h,)),
+            (q + "mlp.linear_fc1.weight", (i, h)), (q + "mlp.linear_fc1.bias", (i,)),
+            (q + "mlp.linear_fc2.weight", (h, i)), (q + "mlp.linear_fc2.bias", (h,)),
+        ]
+
+    def merger(prefix, norm_size):
+        return [
+            (prefix + "norm.weight", (norm_size,)), (prefix + "norm.bias", (norm_size,)),
+            (prefix + "linear_fc1.weight", (h4, h4)), (prefix + "linear_fc1.bias", (h4,)),
+            (prefix + "linear_fc2.weight", (out, h4)), (prefix + "linear_fc2.bias", (out,)),
+        ]
+
+    names += merger(p + "merger.", h)
+    for k in range(len(cfg.deepstack_visual_indexes)):
+        names += merger(f"{p}deepstack_merger_list.{k}.", h4)
+    return names

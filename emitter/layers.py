@@ -1,0 +1,141 @@
+"""The vision tower's layers as short functions over the builder.
+
+Each takes the builder first and the values it works on; weights are looked up by
+their checkpoint suffix in a `dict[str, Value]`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .builder import Builder, Value
+from .config import LAYER_NORM_EPS
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_TANH_CUBIC = 0.044715
+
+
+def linear(b: Builder, x: Value, weight: Value, bias: Value, hint: str = "linear") -> Value:
+    """x @ weight.T + bias for a [out, in] weight, as the checkpoint stores it."""
+    y = b.dot_general(x, weight, contract=([x.rank - 1], [1]), hint=hint + "_matmul")
+    return b.add(y, b.broadcast_in_dim(bias, y.shape, [y.rank - 1], hint=hint + "_bias"), hint=hint)
+
+
+def layer_norm(b: Builder, x: Value, weight: Value, bias: Value, eps: float = LAYER_NORM_EPS) -> Value:
+    """LayerNorm over the last dim: centered variance, in f32."""
+    rows, width = x.shape[:-1], x.shape[-1]
+    keep = list(range(x.rank - 1))
+
+    def mean(v, hint):
+        total = b.reduce(v, [x.rank - 1], "add", hint=hint + "_sum")
+        return b.broadcast_in_dim(b.divide(total, b.constant(width, rows), hint=hint), x.shape, keep, hint=hint)
+
+    centered = b.subtract(x, mean(x, "mean"), hint="centered")
+    variance = mean(b.multiply(centered, centered, hint="square"), "var")
+    inv_std = b.rsqrt(b.add(variance, b.scalar(eps, variance, "eps")), hint="inv_std")
+    normed = b.multiply(centered, inv_std, hint="normed")
+    scaled = b.multiply(normed, b.broadcast_in_dim(weight, x.shape, [x.rank - 1]), hint="scaled")
+    return b.add(scaled, b.broadcast_in_dim(bias, x.shape, [x.rank - 1]), hint="norm")
+
+
+def gelu_tanh(b: Builder, x: Value) -> Value:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), PyTorch's gelu(approximate='tanh')."""
+    cube = b.multiply(b.multiply(x, x, hint="x2"), x, hint="x3")
+    inner = b.add(x, b.multiply(b.scalar(GELU_TANH_CUBIC, x), cube), hint="inner")
+    t = b.tanh(b.multiply(b.scalar(SQRT_2_OVER_PI, x), inner))
+    half_x = b.multiply(b.scalar(0.5, x), x, hint="half_x")
+    return b.multiply(half_x, b.add(b.scalar(1.0, x), t), hint="gelu")
+
+
+def gelu_erf(b: Builder, x: Value) -> Value:
+    """Exact GELU: x/2 (1 + erf(x / sqrt 2))."""
+    e = b.erf(b.multiply(x, b.scalar(1.0 / math.sqrt(2.0), x)))
+    half_x = b.multiply(x, b.scalar(0.5, x), hint="half_x")
+    return b.multiply(half_x, b.add(b.scalar(1.0, x), e), hint="gelu")
+
+
+def softmax(b: Builder, scores: Value) -> Value:
+    """Softmax over the last dim, max-subtracted."""
+    last, keep = scores.rank - 1, list(range(scores.rank - 1))
+    peak = b.broadcast_in_dim(b.reduce(scores, [last], "maximum", hint="peak"), scores.shape, keep, hint="peak")
+    e = b.exponential(b.subtract(scores, peak, hint="shifted"), hint="exp")
+    total = b.broadcast_in_dim(b.reduce(e, [last], "add", hint="denom"), scores.shape, keep, hint="denom")
+    return b.divide(e, total, hint="probs")
+
+
+def rotary_tables(b: Builder, rope_pos: Value, inv_freq, head_dim: int) -> tuple[Value, Value]:
+    """cos and sin [B, head_dim] from (row, col) ids [2, B]: angles cat(row*f, col*f) twice."""
+    _, n = rope_pos.shape
+    quarter = head_dim // 4
+    pos = b.convert(rope_pos, "f32", hint="pos")
+    freq = b.broadcast_in_dim(b.constant_array(inv_freq, hint="inv_freq"), (2, n, quarter), [2], hint="inv_freq")
+    angles = b.multiply(b.broadcast_in_dim(pos, (2, n, quarter), [0, 1]), freq, hint="angles")
+    half = b.reshape(b.transpose(angles, [1, 0, 2]), (n, head_dim // 2), hint="angles")
+    full = b.concatenate([half, half], 1, hint="angles")
+    return b.cosine(full, hint="cos"), b.sine(full, hint="sin")
+
+
+def apply_rotary(b: Builder, x: Value, cos: Value, sin: Value) -> Value:
+    """x*cos + rotate_half(x)*sin on [B, heads, head_dim]; cos/sin are [B, head_dim]."""
+    n, heads, d = x.shape
+    first = b.slice(x, (0, 0, 0), (n, heads, d // 2), hint="x1")
+    second = b.slice(x, (0, 0, d // 2), (n, heads, d), hint="x2")
+    rotated = b.concatenate([b.negate(second, hint="neg_x2"), first], 2, hint="rotated")
+    cos = b.broadcast_in_dim(cos, x.shape, [0, 2], hint="cos")
+    sin = b.broadcast_in_dim(sin, x.shape, [0, 2], hint="sin")
+    return b.add(b.multiply(x, cos, hint="x_cos"), b.multiply(rotated, sin, hint="rotated_sin"), hint="roped")
+
+
+def segment_mask(b: Builder, segment_ids: Value) -> Value:
+    """Additive mask [B, B]: 0 where two patches share a segment, -inf elsewhere."""
+    (n,) = segment_ids.shape
+    rows = b.broadcast_in_dim(segment_ids, (n, n), [0], hint="seg_row")
+    cols = b.broadcast_in_dim(segment_ids, (n, n), [1], hint="seg_col")
+    same = b.compare("EQ", rows, cols, hint="same_segment")
+    zero = b.constant(0.0, (n, n), hint="zero")
+    return b.select(same, zero, b.constant(float("-inf"), (n, n), hint="neg_inf"), hint="mask")
+
+
+def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, mask: Value, num_heads: int) -> Value:
+    """Packed multi-head self-attention with fused [Q|K|V] projection and 2-D RoPE."""
+    n, hidden = x.shape
+    head_dim = hidden // num_heads
+    qkv = b.reshape(linear(b, x, w["attn.qkv.weight"], w["attn.qkv.bias"], "qkv"), (n, 3, num_heads, head_dim))
+
+    def head_major(i, name, rope):
+        part = b.reshape(b.slice(qkv, (0, i, 0, 0), (n, i + 1, num_heads, head_dim)), (n, num_heads, head_dim),
+                         hint=name)
+        if rope:
+            part = apply_rotary(b, part, cos, sin)
+        return b.transpose(part, [1, 0, 2], hint=name)  # [heads, B, head_dim]
+
+    q, k, v = head_major(0, "q", True), head_major(1, "k", True), head_major(2, "v", False)
+    scores = b.dot_general(q, k, contract=([2], [2]), batch=([0], [0]), hint="scores")
+    scores = b.multiply(scores, b.scalar(head_dim ** -0.5, scores, "scale"), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+    context = b.dot_general(softmax(b, scores), v, contract=([2], [1]), batch=([0], [0]), hint="context")
+    context = b.reshape(b.transpose(context, [1, 0, 2]), (n, hidden), hint="context")
+    return linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
+
+
+def mlp(b: Builder, x: Value, w: dict) -> Value:
+    up = linear(b, x, w["mlp.linear_fc1.weight"], w["mlp.linear_fc1.bias"], "fc1")
+    return linear(b, gelu_tanh(b, up), w["mlp.linear_fc2.weight"], w["mlp.linear_fc2.bias"], "fc2")
+
+
+def merger(b: Builder, x: Value, w: dict, merge_unit: int, postshuffle_norm: bool, stages: dict, name: str) -> Value:
+    """Patch merger: group `merge_unit` patches into one row, LayerNorm (before or after
+    grouping), then fc2(gelu_erf(fc1(.)))."""
+    n, hidden = x.shape
+    grouped_shape = (n // merge_unit, hidden * merge_unit)
+    if postshuffle_norm:
+        normed = layer_norm(b, b.reshape(x, grouped_shape, hint="grouped"), w["norm.weight"], w["norm.bias"])
+        grouped = normed
+    else:
+        normed = layer_norm(b, x, w["norm.weight"], w["norm.bias"])
+        grouped = b.reshape(normed, grouped_shape, hint="grouped")
+    fc1 = linear(b, grouped, w["linear_fc1.weight"], w["linear_fc1.bias"], "fc1")
+    act = gelu_erf(b, fc1)
+    out = linear(b, act, w["linear_fc2.weight"], w["linear_fc2.bias"], "fc2")
+    stages.update({f"{name}.norm": normed, f"{name}.fc1": fc1, f"{name}.act": act})
+    return out

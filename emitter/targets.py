@@ -1,0 +1,44 @@
+"""Compile targets: the iree-compile flags for each, in one place (they are part of an
+artifact's identity, so the emitter knows them; the runtime's compiler driver uses them)."""
+
+from __future__ import annotations
+
+INPUT_FLAGS = ("--iree-input-type=stablehlo",)
+
+# name -> (runtime driver, flags). "llvm-cpu" bakes the host CPU's features in.
+TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "llvm-cpu": ("local-task", (
+        "--iree-hal-target-device=local",
+        "--iree-hal-local-target-device-backends=llvm-cpu",
+        "--iree-llvmcpu-target-cpu=host",
+        "--iree-opt-data-tiling",
+    )),
+    "cuda-sm80": ("cuda", (
+        "--iree-hal-target-device=cuda",
+        "--iree-cuda-target=sm_80",
+    )),
+    "rocm-gfx942": ("hip", (
+        "--iree-hal-target-device=hip",
+        "--iree-rocm-target=gfx942",
+    )),
+    "vulkan-spirv": ("vulkan", (
+        "--iree-hal-target-backends=vulkan-spirv",
+    )),
+}
+DEFAULT_TARGET = "llvm-cpu"
+
+
+class TargetError(ValueError):
+    pass
+
+
+def target_flags(name: str) -> list[str]:
+    """Every flag passed to iree-compile for `name`, input flags first."""
+    if name not in TARGETS:
+        raise TargetError(f"--target {name!r}: unknown target; expected one of {', '.join(TARGETS)}")
+    return [*INPUT_FLAGS, *TARGETS[name][1]]
+
+
+def runtime_driver(name: str) -> str:
+    target_flags(name)
+    return TARGETS[name][0]

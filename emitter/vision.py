@@ -1,0 +1,163 @@
+"""The Qwen3-VL vision tower as one StableHLO function per bucket.
+
+Per-call inputs (all padded to the bucket B):
+  patches     [B, patch_dim] f32   processed pixels, merge-window order
+  pos_index   [4, B] i32           bilinear corners (ff, fc, cf, cc) into the position table
+  pos_weight  [4, B] f32           their weights
+  rope_pos    [2, B] i32           (row, col) of each patch on its image grid
+  segment_ids [B] i32              one id per image frame; each padding patch its own
+then the weights in checkpoint order (`config.weight_schema`).
+Results: the main merger [B/4, out_hidden], then each DeepStack merger in order;
+the diagnostics variant appends the named stages listed by `stage_names`.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import jinja2
+import numpy as np
+
+from . import __version__
+from .builder import Builder, Value
+from .config import VisionConfig, weight_schema
+from .layers import attention, layer_norm, linear, merger, mlp, rotary_tables, segment_mask
+
+HF_PREFIX = "model.visual."
+BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
+MERGER_STAGES = ("norm", "fc1", "act")
+
+
+class BucketError(ValueError):
+    """A bucket the graph cannot be built for."""
+
+
+def check_bucket(bucket, cfg: VisionConfig | None = None) -> int:
+    unit = cfg.merge_unit if cfg else 4
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket <= 0 or bucket % unit:
+        raise BucketError(f"--bucket {bucket}: expected a positive multiple of {unit} (patches)")
+    return bucket
+
+
+def default_inspect_blocks(cfg: VisionConfig) -> tuple[int, ...]:
+    """Blocks whose inner stages the diagnostics variant records unless told otherwise."""
+    return tuple(sorted({0, cfg.depth - 1}))
+
+
+def rope_inv_freq(cfg: VisionConfig) -> np.ndarray:
+    """1 / theta^(arange(0, rd, 2) / rd) with rd = head_dim/2, in f32 like transformers."""
+    rotary_dim = cfg.head_dim // 2
+    exponent = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    return (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)).astype(np.float32)
+
+
+def output_names(cfg: VisionConfig) -> list[str]:
+    return ["image_embeds"] + [f"deepstack_features.{k}" for k in range(len(cfg.deepstack_visual_indexes))]
+
+
+def stage_names(cfg: VisionConfig, inspect_blocks=None) -> list[str]:
+    """Names of the diagnostics stages, in the order the diagnostics variant returns them."""
+    inspect = default_inspect_blocks(cfg) if inspect_blocks is None else tuple(inspect_blocks)
+    names = ["patch_embed", "pos_embed", "embed"]
+    for i in range(cfg.depth):
+        if i in inspect:
+            names += [f"blocks.{i}.{s}" for s in BLOCK_STAGES]
+        names.append(f"blocks.{i}")
+        if i in cfg.deepstack_visual_indexes:
+            k = cfg.deepstack_visual_indexes.index(i)
+            names += [f"deepstack_merger_list.{k}.{s}" for s in MERGER_STAGES] + [f"deepstack_merger_list.{k}"]
+    names += [f"merger.{s}" for s in MERGER_STAGES] + ["merger"]
+    return names
+
+
+def input_specs(cfg: VisionConfig, bucket: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of the per-call inputs, in argument order."""
+    return [
+        ("patches", (bucket, cfg.patch_dim), "f32"),
+        ("pos_index", (4, bucket), "i32"),
+        ("pos_weight", (4, bucket), "f32"),
+        ("rope_pos", (2, bucket), "i32"),
+        ("segment_ids", (bucket,), "i32"),
+    ]
+
+
+def block(b: Builder, x: Value, w: dict, cos, sin, mask, cfg: VisionConfig, stages: dict, name: str) -> Value:
+    with b.stage(f"{name}.norm1"):
+        normed1 = layer_norm(b, x, w["norm1.weight"], w["norm1.bias"])
+    with b.stage(f"{name}.attn"):
+        attn = attention(b, normed1, w, cos, sin, mask, cfg.num_heads)
+        x = b.add(x, attn, hint="residual")
+    attn_residual = x
+    with b.stage(f"{name}.norm2"):
+        normed2 = layer_norm(b, x, w["norm2.weight"], w["norm2.bias"])
+    with b.stage(f"{name}.mlp"):
+        out = mlp(b, normed2, w)
+        x = b.add(x, out, hint="residual")
+    stages.update({f"{name}.norm1": normed1, f"{name}.attn": attn, f"{name}.attn_residual": attn_residual,
+                   f"{name}.norm2": normed2, f"{name}.mlp": out, name: x})
+    return x
+
+
+def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int) -> tuple[list[Value], dict[str, Value]]:
+    """Emit the tower into `b`; returns (outputs, every named stage)."""
+    inputs = {name: b.argument(name, shape, dtype) for name, shape, dtype in input_specs(cfg, bucket)}
+    weights = {name[len(HF_PREFIX):]: b.argument(name[len(HF_PREFIX):], shape, abi_name=name)
+               for name, shape in weight_schema(cfg)}
+
+    def group(prefix):
+        return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+    stages: dict[str, Value] = {}
+    with b.stage("patch_embed"):
+        stages["patch_embed"] = linear(b, inputs["patches"], weights["patch_embed.proj.weight"],
+                                       weights["patch_embed.proj.bias"], "proj")
+    with b.stage("pos_embed"):
+        flat_index = b.reshape(inputs["pos_index"], (4 * bucket,), hint="flat_index")
+        corners = b.reshape(b.gather_rows(weights["pos_embed.weight"], flat_index, hint="corners"),
+                            (4, bucket, cfg.hidden_size), hint="corners")
+        weight = b.broadcast_in_dim(inputs["pos_weight"], corners.shape, [0, 1], hint="corner_weight")
+        stages["pos_embed"] = b.reduce(b.multiply(corners, weight, hint="weighted"), [0], "add", hint="blend")
+    with b.stage("embed"):
+        x = stages["embed"] = b.add(stages["patch_embed"], stages["pos_embed"], hint="sum")
+    with b.stage("rotary"):
+        cos, sin = rotary_tables(b, inputs["rope_pos"], rope_inv_freq(cfg), cfg.head_dim)
+    with b.stage("mask"):
+        mask = segment_mask(b, inputs["segment_ids"])
+
+    deepstack = []
+    for i in range(cfg.depth):
+        x = block(b, x, group(f"blocks.{i}."), cos, sin, mask, cfg, stages, f"blocks.{i}")
+        if i in cfg.deepstack_visual_indexes:
+            name = f"deepstack_merger_list.{cfg.deepstack_visual_indexes.index(i)}"
+            with b.stage(name):
+                stages[name] = merger(b, x, group(name + "."), cfg.merge_unit, True, stages, name)
+            deepstack.append(stages[name])
+    with b.stage("merger"):
+        stages["merger"] = merger(b, x, group("merger."), cfg.merge_unit, False, stages, "merger")
+    return [stages["merger"], *deepstack], stages
+
+
+def _template() -> jinja2.Template:
+    text = resources.files("qwen3vl_templates").joinpath("module.mlir.j2").read_text()
+    env = jinja2.Environment(keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+                             undefined=jinja2.StrictUndefined)
+    return env.from_string(text)
+
+
+def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
+                       title: str = "") -> str:
+    """MLIR text of the vision tower for one bucket (deterministic: same input, same bytes)."""
+    check_bucket(bucket, cfg)
+    if inspect_blocks is not None:
+        bad = [i for i in inspect_blocks if not 0 <= i < cfg.depth]
+        if bad:
+            raise BucketError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
+    b = Builder()
+    outputs, stages = build_vision_graph(b, cfg, bucket)
+    results = list(zip(output_names(cfg), outputs))
+    if diagnostics:
+        results += [(f"stage.{name}", stages[name]) for name in stage_names(cfg, inspect_blocks)]
+    return _template().render(
+        title=title, version=__version__, bucket=bucket, diagnostics=diagnostics,
+        config=cfg.to_dict(), arguments=b.arguments, body=b.lines, results=results,
+    )

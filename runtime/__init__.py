@@ -1,0 +1,1 @@
+"""Runs emitted Qwen3-VL vision artifacts on IREE: processor, checkpoints, cache, session."""

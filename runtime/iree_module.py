@@ -1,0 +1,29 @@
+"""A compiled module loaded on an IREE device, with arrays kept resident."""
+
+from __future__ import annotations
+
+import numpy as np
+import iree.runtime as rt
+
+
+class LoadedModule:
+    """One vmfb in its own context. `upload` makes device arrays once; `__call__` takes
+    device arrays or numpy arrays (positional, in argument order) and returns numpy copies."""
+
+    def __init__(self, vmfb: bytes, driver: str = "local-task", function: str = "main",
+                 module_name: str = "qwen3vl_vision"):
+        self.config = rt.Config(driver)
+        self.context = rt.SystemContext(config=self.config)
+        self._vmfb = vmfb  # the module maps this buffer: keep it alive
+        self.context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, vmfb))
+        self.function = self.context.modules[module_name][function]
+
+    def upload(self, array: np.ndarray):
+        return rt.asdevicearray(self.config.device, np.ascontiguousarray(array))
+
+    def __call__(self, *args) -> list[np.ndarray]:
+        results = self.function(*args)
+        if not isinstance(results, (list, tuple)):
+            results = [results]
+        # to_host() is a view a later call may overwrite: copy.
+        return [np.array(r.to_host(), copy=True) for r in results]
