@@ -26,6 +26,7 @@ from .layers import attention, layer_norm, linear, merger, mlp, rotary_tables, s
 HF_PREFIX = "model.visual."
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
+STAGE_PREFIX = "stage."
 
 
 class BucketError(ValueError):
@@ -53,6 +54,12 @@ def rope_inv_freq(cfg: VisionConfig) -> np.ndarray:
 
 def output_names(cfg: VisionConfig) -> list[str]:
     return ["image_embeds"] + [f"deepstack_features.{k}" for k in range(len(cfg.deepstack_visual_indexes))]
+
+
+def result_names(cfg: VisionConfig, diagnostics: bool = False, inspect_blocks=None) -> list[str]:
+    """ABI names of the results, in order: outputs, then (diagnostics) `stage.<name>`."""
+    stages = [f"{STAGE_PREFIX}{s}" for s in stage_names(cfg, inspect_blocks)] if diagnostics else []
+    return output_names(cfg) + stages
 
 
 def stage_names(cfg: VisionConfig, inspect_blocks=None) -> list[str]:
@@ -154,9 +161,8 @@ def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False
             raise BucketError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
     b = Builder()
     outputs, stages = build_vision_graph(b, cfg, bucket)
-    results = list(zip(output_names(cfg), outputs))
-    if diagnostics:
-        results += [(f"stage.{name}", stages[name]) for name in stage_names(cfg, inspect_blocks)]
+    values = outputs + ([stages[name] for name in stage_names(cfg, inspect_blocks)] if diagnostics else [])
+    results = list(zip(result_names(cfg, diagnostics, inspect_blocks), values))
     return _template().render(
         title=title, version=__version__, bucket=bucket, diagnostics=diagnostics,
         config=cfg.to_dict(), arguments=b.arguments, body=b.lines, results=results,

@@ -1,0 +1,87 @@
+"""`emit-qwen3vl`: print or write the vision graph for one bucket."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from .config import DEFAULT_PRESET, VisionConfig, load_model_config, preset
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit status 2, no traceback."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+def parse_bucket(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--bucket {text!r}: expected a positive multiple of 4 (patches)") from None
+
+
+def resolve_config(model: str | None, preset_name: str | None) -> tuple[VisionConfig, str]:
+    """The vision config asked for on the command line, and a title naming its source."""
+    if model and preset_name:
+        raise ValueError("--model and --preset: give one, not both")
+    if model:
+        return load_model_config(model), f"model {Path(model).name}"
+    name = preset_name or DEFAULT_PRESET
+    return preset(name), f"preset {name}"
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write via a temp file in the same folder and rename: never a half-written file."""
+    path = Path(path)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--bucket", required=True, metavar="N", help="Patches per call (a positive multiple of 4).")
+@click.option("--model", metavar="DIR", help="Checkpoint folder: reads its config.json.")
+@click.option("--preset", "preset_name", metavar="NAME",
+              help=f"A named config (see `qwen3vl presets`); default {DEFAULT_PRESET}.")
+@click.option("--diagnostics", is_flag=True, help="Append the named intermediate stages to the results.")
+@click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
+              help="With --diagnostics: a block whose inner stages to return (repeatable; "
+                   "default the first and the last block).")
+@click.option("--explain", is_flag=True,
+              help="Print the artifact identity (sha256) and the fields it hashes, instead of MLIR.")
+@click.option("--target", default=None, metavar="T", help="With --explain: the compile target (default llvm-cpu).")
+@click.option("-o", "--output", metavar="FILE", help="Write the MLIR here instead of stdout.")
+def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, explain, target, output):
+    """Emit the Qwen3-VL vision tower (all DeepStack mergers) for one bucket as StableHLO MLIR.
+
+    With no --model or --preset it emits the Qwen3-VL-2B preset, so it needs no files.
+    """
+    from .vision import emit_vision_module
+
+    try:
+        bucket = parse_bucket(bucket)
+        cfg, title = resolve_config(model, preset_name)
+        inspect = tuple(inspect_blocks) if inspect_blocks else None
+        if explain:
+            from .identity import explain_identity
+            text = explain_identity(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect,
+                                    model_dir=model, target=target)
+        else:
+            text = emit_vision_module(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect, title=title)
+        if output:
+            write_atomic(output, text)
+        else:
+            sys.stdout.write(text)
+    except (ValueError, OSError) as e:
+        fail(str(e))
