@@ -1,0 +1,31 @@
+# Everything runs from the checkout's own virtual environment, .venv/.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PARITY_DEPS := torch==2.13.0 transformers==5.24.0
+
+.PHONY: install test parity parity-deps golden demo clean
+
+install: $(BIN)/emit-qwen3vl
+
+$(BIN)/emit-qwen3vl: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	@touch $@
+
+test: install
+	$(BIN)/pytest -q
+
+# torch and transformers only for the parity checks (never imported by the package).
+parity-deps: install
+	$(BIN)/pip install --quiet $(PARITY_DEPS)
+
+parity: parity-deps
+	$(BIN)/pytest -q -m parity
+
+golden: install
+	$(BIN)/python tests/test_golden.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info demo

@@ -1,0 +1,46 @@
+"""Golden MLIR: the emitter must reproduce the files in golden/ byte for byte.
+
+After an intended change, rewrite them with `make golden` (runs this file as a script)."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+
+import pytest
+
+from emitter.config import PRESETS
+from emitter.vision import emit_vision_module
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+CASES = {  # file name -> (preset, bucket, diagnostics)
+    "tiny_b16.mlir": ("tiny", 16, False),
+    "tiny_b16_diagnostics.mlir": ("tiny", 16, True),
+}
+
+
+def emit_case(name: str) -> str:
+    preset, bucket, diagnostics = CASES[name]
+    return emit_vision_module(PRESETS[preset], bucket, diagnostics=diagnostics, title=f"preset {preset}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_emitter_reproduces_golden(name):
+    path = GOLDEN / name
+    expected, actual = path.read_text(), emit_case(name)
+    if actual != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True),
+                                            fromfile=str(path), tofile="emitted", n=2))
+        pytest.fail(f"emitted MLIR differs from golden file {path} (run `make golden` if intended):\n"
+                    + diff[:20000], pytrace=False)
+
+
+def test_golden_files_are_all_cases():
+    assert sorted(p.name for p in GOLDEN.glob("*.mlir")) == sorted(CASES)
+
+
+if __name__ == "__main__":
+    for case in sorted(CASES):
+        (GOLDEN / case).write_text(emit_case(case))
+        print(f"wrote {GOLDEN / case}", file=sys.stderr)
