@@ -1,0 +1,28 @@
+"""The templates ship with the package: a built, non-editable wheel emits too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_installed_wheel_emits(tmp_path):
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+                   check=True, capture_output=True)
+    (wheel,) = wheels.glob("*.whl")
+    subprocess.run([*pip, "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    code = ("import emitter, sys; from emitter.config import PRESETS; from emitter.vision import emit_vision_module;"
+            "assert emitter.__file__.startswith(sys.argv[1]), emitter.__file__;"
+            "print(emit_vision_module(PRESETS['tiny'], 8).count('stablehlo.dot_general'))")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    result = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True,
+                            cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) > 10
