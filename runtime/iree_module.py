@@ -11,8 +11,9 @@ class LoadedModule:
     device arrays or numpy arrays (positional, in argument order) and returns numpy copies."""
 
     def __init__(self, vmfb: bytes, driver: str = "local-task", function: str = "main",
-                 module_name: str = "qwen3vl_vision"):
-        self.config = rt.Config(driver)
+                 module_name: str = "qwen3vl_vision", config: rt.Config | None = None):
+        # Modules sharing one config share its device, so one upload of the weights serves all.
+        self.config = config or rt.Config(driver)
         self.context = rt.SystemContext(config=self.config)
         self._vmfb = vmfb  # the module maps this buffer: keep it alive
         self.context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, vmfb))
