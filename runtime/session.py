@@ -1,0 +1,129 @@
+"""The vision session: a model folder opened once, weights resident on the device,
+artifacts from the cache, images in, merged embeddings and DeepStack features out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import iree.runtime as rt
+
+from emitter.identity import DEFAULT_LADDER
+from emitter.targets import runtime_driver
+
+from .build import build_bucket, make_plan
+from .cache import ArtifactCache, load_verified
+from .checkpoint import load_vision_weights, weights_in_order
+from .iree_module import LoadedModule
+from .packing import Call, host_inputs, pack, patch_count
+from .processor import process_images
+
+_threads_set: int | None = None
+
+
+def set_thread_count(threads: int) -> None:
+    """IREE's task topology is fixed when the first local-task device is made."""
+    global _threads_set
+    if threads < 1:
+        raise ValueError(f"--threads {threads}: expected a positive count")
+    if _threads_set is None:
+        rt.flags.parse_flags(f"--task_topology_group_count={threads}")
+        _threads_set = threads
+    elif _threads_set != threads:
+        raise ValueError(f"--threads {threads}: this process already runs IREE with {_threads_set} threads")
+
+
+@dataclass
+class VisionOutput:
+    """Images in the order given. image_embeds [M, out_hidden]; deepstack_features
+    [K, M, out_hidden] in configured order; grid_thw [n_images, 3]."""
+    image_embeds: np.ndarray
+    deepstack_features: np.ndarray
+    grid_thw: np.ndarray
+    calls: list[Call] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def merged_counts(self, merge_unit: int) -> list[int]:
+        return [patch_count(g) // merge_unit for g in self.grid_thw]
+
+
+class VisionSession:
+    """Open a checkpoint folder; `encode(images)` runs processor, packing, one call per
+    bucket and trimming. Safe to call again and from several threads: each result is a
+    copy that later calls never touch."""
+
+    def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
+                 threads: int | None = None, progress=None):
+        start = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target)
+        self.cfg, self.policy = self.plan.cfg, self.plan.policy
+        self.cache = ArtifactCache(cache_dir)
+        self.progress = progress
+        self.seconds = {}
+        weights = weights_in_order(load_vision_weights(model_dir, self.cfg), self.cfg)
+        self.weight_bytes = sum(w.nbytes for w in weights)
+        self.seconds["load"] = time.perf_counter() - start
+        if threads:
+            set_thread_count(threads)
+        start = time.perf_counter()
+        self.config = rt.Config(runtime_driver(self.plan.target))
+        self.device_weights = [rt.asdevicearray(self.config.device, w) for w in weights]
+        del weights
+        self.seconds["upload"] = time.perf_counter() - start
+        self._modules: dict[int, LoadedModule] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.plan.buckets
+
+    def module(self, bucket: int) -> LoadedModule:
+        """The compiled graph for `bucket`, from the cache (built on a miss)."""
+        if bucket not in self._modules:
+            result = build_bucket(self.plan, bucket, self.cache, self.progress)
+            self._modules[bucket] = LoadedModule(load_verified(result.path), config=self.config)
+        return self._modules[bucket]
+
+    def prepare(self) -> None:
+        """Build or fetch every bucket's artifact now rather than at first use."""
+        for bucket in self.buckets:
+            self.module(bucket)
+
+    def run_call(self, pixel_values: np.ndarray, grids, bucket: int) -> list[np.ndarray]:
+        """One graph call on images already processed; results trimmed to the real merged rows."""
+        merged = sum(patch_count(g) for g in grids) // self.cfg.merge_unit
+        inputs = host_inputs(pixel_values, grids, self.cfg, bucket)
+        with self._lock:
+            results = self.module(bucket)(*inputs, *self.device_weights)
+        return [r[:merged] for r in results]
+
+    def encode(self, images, names=None) -> VisionOutput:
+        """Images (paths or PIL images) -> VisionOutput."""
+        start = time.perf_counter()
+        pixel_values, grid_thw = process_images(images, self.policy, names=names)
+        processed = time.perf_counter()
+        out = self.encode_pixels(pixel_values, grid_thw, names)
+        out.seconds = {"process": processed - start, "run": time.perf_counter() - processed}
+        return out
+
+    def encode_pixels(self, pixel_values: np.ndarray, grid_thw, names=None) -> VisionOutput:
+        """Processor output (pixel_values [N, patch_dim], grid_thw [n, 3]) -> VisionOutput."""
+        grids = [tuple(int(v) for v in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
+        calls = pack(grids, self.buckets, names)
+        starts = np.cumsum([0] + [patch_count(g) for g in grids])
+        main, deepstack = [], []
+        for call in calls:
+            first, last = call.images[0], call.images[-1]
+            rows = pixel_values[starts[first]:starts[last + 1]]
+            results = self.run_call(rows, [grids[i] for i in call.images], call.bucket)
+            main.append(results[0])
+            deepstack.append(np.stack(results[1:]) if len(results) > 1 else None)
+        k, out_hidden = len(self.cfg.deepstack_visual_indexes), self.cfg.out_hidden_size
+        image_embeds = np.concatenate(main) if main else np.zeros((0, out_hidden), np.float32)
+        features = np.concatenate(deepstack, axis=1) if main and k else np.zeros((k, len(image_embeds), out_hidden),
+                                                                                 np.float32)
+        return VisionOutput(image_embeds, features, np.array(grids, np.int64).reshape(-1, 3), calls)

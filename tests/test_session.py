@@ -1,0 +1,70 @@
+"""The vision session end to end on a random tiny checkpoint: processor, packing,
+cached artifacts, resident weights, trimming; against the numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import rel_l2
+from emitter.config import PRESETS
+from runtime.processor import process_images
+from runtime.reference import Reference
+from runtime.session import VisionSession
+from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+
+TINY = PRESETS["tiny"]
+SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
+
+
+def images(seed=0, sizes=((64, 96), (100, 60), (40, 200), (130, 130))):
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    write_checkpoint(folder, TINY, seed=2, processor_policy_dict=SMALL_POLICY)
+    return VisionSession(folder, buckets=(64, 128), cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def reference_output(session, pictures):
+    from runtime.checkpoint import load_vision_weights
+    pixels, grids = process_images(pictures, session.policy)
+    stages = Reference(TINY, load_vision_weights(session.model_dir, TINY)).run(pixels, grids)
+    k = len(TINY.deepstack_visual_indexes)
+    return stages["merger"], np.stack([stages[f"deepstack_merger_list.{i}"] for i in range(k)]), grids
+
+
+def test_encode_matches_reference_across_calls(session):
+    pictures = images()
+    out = session.encode(pictures)
+    expected_main, expected_deepstack, grids = reference_output(session, pictures)
+    np.testing.assert_array_equal(out.grid_thw, grids)
+    assert len(out.calls) >= 2, "these images need more than one call of the largest bucket"
+    assert out.image_embeds.shape == (sum(out.merged_counts(4)), TINY.out_hidden_size)
+    assert out.deepstack_features.shape == (2, *out.image_embeds.shape)
+    assert rel_l2(out.image_embeds, expected_main) <= 1e-5
+    assert rel_l2(out.deepstack_features, expected_deepstack) <= 1e-5
+
+
+def test_smallest_bucket_is_used(session):
+    out = session.encode(images(sizes=((64, 64),)))
+    assert [c.bucket for c in out.calls] == [64]
+
+
+def test_a_second_call_does_not_touch_an_earlier_result(session):
+    first = session.encode(images(1, sizes=((64, 96),)))
+    kept = first.image_embeds.copy()
+    session.encode(images(2, sizes=((64, 96),)))
+    np.testing.assert_array_equal(first.image_embeds, kept)
+
+
+def test_image_too_large_for_every_bucket_is_refused(tmp_path):
+    write_checkpoint(tmp_path, TINY, seed=2, processor_policy_dict=SMALL_POLICY)
+    small = VisionSession(tmp_path, buckets=(16,), cache_dir=tmp_path / "cache")
+    # 96x128 px -> a 6x8 patch grid -> 48 patches
+    with pytest.raises(ValueError, match=r"big\.png: 48 patches .* largest bucket is 16"):
+        small.encode(images(sizes=((96, 128),)), names=["big.png"])
