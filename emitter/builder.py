@@ -15,6 +15,11 @@ from math import prod
 import numpy as np
 
 DTYPES = ("f32", "i32", "i64", "i1")
+COMPARE_DIRECTIONS = ("EQ", "NE", "GE", "GT", "LE", "LT")
+REDUCE_INIT = {  # (kind, dtype) -> identity element
+    ("add", "f32"): 0.0, ("maximum", "f32"): float("-inf"),
+    ("add", "i32"): 0, ("maximum", "i32"): -2**31, ("add", "i64"): 0, ("maximum", "i64"): -2**63,
+}
 
 
 class BuildError(ValueError):
@@ -58,7 +63,10 @@ class Value:
 
 def float_literal(x: float) -> str:
     """An f32 literal MLIR parses back to the same bits (infinities and NaN as hex)."""
-    x32 = np.float32(x)
+    with np.errstate(over="ignore"):
+        x32 = np.float32(x)
+    if np.isfinite(x) and not np.isfinite(x32):
+        raise BuildError(f"{x!r} does not fit in f32")
     if not np.isfinite(x32):
         return "0x%08X" % x32.view(np.uint32)
     text = np.format_float_scientific(x32, unique=True, exp_digits=2)
@@ -84,6 +92,8 @@ class Builder:
     @contextmanager
     def stage(self, name: str):
         """Ops built inside carry `loc("name")` and SSA names prefixed by it."""
+        if '"' in name or "\\" in name:
+            raise BuildError(f"stage name {name!r}: no quotes or backslashes")
         outer, self._stage = self._stage, name
         try:
             yield
@@ -92,7 +102,7 @@ class Builder:
 
     def _fresh(self, hint: str) -> str:
         base = re.sub(r"[^A-Za-z0-9_.$-]", "_", hint)
-        if not base[0].isalpha() and base[0] != "_":
+        if not (base[:1].isalpha() or base[:1] == "_"):
             base = "v" + base
         name, n = base, 0
         while name in self._names:
@@ -136,6 +146,8 @@ class Builder:
 
     def iota(self, shape, dim: int, dtype: str = "i32", hint: str = "iota") -> Value:
         t = TensorType(shape, dtype)
+        if not 0 <= dim < len(t.shape):
+            raise BuildError(f"iota: dim {dim} out of {t}")
         return self._op(hint, f"stablehlo.iota dim = {dim} : {t}", t)
 
     # -- elementwise ------------------------------------------------------
@@ -169,7 +181,9 @@ class Builder:
 
     def compare(self, direction: str, a: Value, b: Value, hint=None) -> Value:
         t = self._same("compare", a, b)
-        kind = "FLOAT" if t.dtype == "f32" else "SIGNED"
+        if direction not in COMPARE_DIRECTIONS:
+            raise BuildError(f"compare: direction {direction!r}, expected one of {COMPARE_DIRECTIONS}")
+        kind = {"f32": "FLOAT", "i1": "UNSIGNED"}.get(t.dtype, "SIGNED")  # booleans compare unsigned
         result = TensorType(t.shape, "i1")
         return self._op(hint or "cmp", f"stablehlo.compare {direction}, {a}, {b}, {kind} : ({t}, {t}) -> {result}",
                         result)
@@ -183,7 +197,7 @@ class Builder:
     # -- shape ops ------------------------------------------------------------
     def broadcast_in_dim(self, x: Value, shape, dims, hint=None) -> Value:
         shape, dims = tuple(shape), tuple(dims)
-        if len(dims) != x.rank or any(x.shape[i] not in (1, shape[d]) for i, d in enumerate(dims)):
+        if len(dims) != x.rank or len(set(dims)) != len(dims) or any(not 0 <= d < len(shape) for d in dims) or any(x.shape[i] not in (1, shape[d]) for i, d in enumerate(dims)):
             raise BuildError(f"broadcast_in_dim: {x.type} cannot map to {shape} by dims {dims}")
         t = TensorType(shape, x.dtype)
         return self._op(hint or "bcast", f"stablehlo.broadcast_in_dim {x}, dims = [{_ints(dims)}] : ({x.type}) -> {t}", t)
@@ -209,9 +223,11 @@ class Builder:
         return self._op(hint or "slice", f"stablehlo.slice {x} [{ranges}] : ({x.type}) -> {t}", t)
 
     def concatenate(self, values: list[Value], dim: int, hint=None) -> Value:
+        if not values or not 0 <= dim < values[0].rank:
+            raise BuildError(f"concatenate: dim {dim} of {[str(v.type) for v in values]}")
         first = values[0]
         for v in values[1:]:
-            if v.dtype != first.dtype or any(a != b for i, (a, b) in enumerate(zip(v.shape, first.shape)) if i != dim):
+            if v.dtype != first.dtype or v.rank != first.rank or any(a != b for i, (a, b) in enumerate(zip(v.shape, first.shape)) if i != dim):
                 raise BuildError(f"concatenate: {v.type} does not stack with {first.type} on dim {dim}")
         shape = list(first.shape)
         shape[dim] = sum(v.shape[dim] for v in values)
@@ -225,6 +241,9 @@ class Builder:
                     hint=None) -> Value:
         """Result dims: batch dims, then a's free dims, then b's free dims."""
         (ca, cb), (ba, bb) = contract, batch
+        for dims, v in ((list(ca) + list(ba), a), (list(cb) + list(bb), b)):
+            if len(set(dims)) != len(dims) or any(not 0 <= d < v.rank for d in dims):
+                raise BuildError(f"dot_general: dims {dims} do not name distinct dims of {v.type}")
         if a.dtype != b.dtype or [a.shape[i] for i in ca] != [b.shape[i] for i in cb] or \
                 [a.shape[i] for i in ba] != [b.shape[i] for i in bb]:
             raise BuildError(f"dot_general: {a.type} x {b.type} cannot contract {contract} batch {batch}")
@@ -238,8 +257,11 @@ class Builder:
 
     def reduce(self, x: Value, dims, kind: str = "add", hint=None) -> Value:
         """Sum (`add`) or max (`maximum`) over `dims`."""
-        init = {"add": 0.0, "maximum": float("-inf")}[kind]
-        zero = self.constant(init, (), x.dtype, hint=f"{kind}_init")
+        if (kind, x.dtype) not in REDUCE_INIT:
+            raise BuildError(f"reduce: no {kind!r} reduction for {x.dtype}")
+        if len(set(dims)) != len(dims) or any(not 0 <= d < x.rank for d in dims):
+            raise BuildError(f"reduce: dims {list(dims)} do not name distinct dims of {x.type}")
+        zero = self.constant(REDUCE_INIT[kind, x.dtype], (), x.dtype, hint=f"{kind}_init")
         t = TensorType([d for i, d in enumerate(x.shape) if i not in dims], x.dtype)
         return self._op(hint or f"reduce_{kind}",
                         f"stablehlo.reduce({x} init: {zero}) applies stablehlo.{kind} across dimensions = "

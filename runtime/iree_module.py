@@ -20,7 +20,7 @@ class LoadedModule:
         self.function = self.context.modules[module_name][function]
 
     def upload(self, array: np.ndarray):
-        return rt.asdevicearray(self.config.device, np.ascontiguousarray(array))
+        return rt.asdevicearray(self.config.device, np.asarray(array, order="C"))
 
     def __call__(self, *args) -> list[np.ndarray]:
         results = self.function(*args)
