@@ -13,6 +13,7 @@ import iree.runtime as rt
 
 from emitter.identity import DEFAULT_LADDER
 from emitter.targets import runtime_driver
+from emitter.vision import result_names
 
 from .build import build_bucket, make_plan
 from .cache import ArtifactCache, load_verified
@@ -56,10 +57,10 @@ class VisionSession:
     copy that later calls never touch."""
 
     def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
-                 threads: int | None = None, progress=None):
+                 threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None):
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
-        self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target)
+        self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks)
         self.cfg, self.policy = self.plan.cfg, self.plan.policy
         self.cache = ArtifactCache(cache_dir)
         self.progress = progress
@@ -93,13 +94,17 @@ class VisionSession:
         for bucket in self.buckets:
             self.module(bucket)
 
+    def result_names(self) -> list[str]:
+        return result_names(self.cfg, self.plan.diagnostics, self.plan.inspect_blocks)
+
     def run_call(self, pixel_values: np.ndarray, grids, bucket: int) -> list[np.ndarray]:
-        """One graph call on images already processed; results trimmed to the real merged rows."""
-        merged = sum(patch_count(g) for g in grids) // self.cfg.merge_unit
+        """One graph call on images already processed; each result (outputs, then any
+        diagnostics stages) trimmed to the real rows: patches, or merged tokens."""
+        patches = sum(patch_count(g) for g in grids)
         inputs = host_inputs(pixel_values, grids, self.cfg, bucket)
         with self._lock:
             results = self.module(bucket)(*inputs, *self.device_weights)
-        return [r[:merged] for r in results]
+        return [r[:patches] if r.shape[0] == bucket else r[:patches // self.cfg.merge_unit] for r in results]
 
     def encode(self, images, names=None) -> VisionOutput:
         """Images (paths or PIL images) -> VisionOutput."""
@@ -113,17 +118,16 @@ class VisionSession:
     def encode_pixels(self, pixel_values: np.ndarray, grid_thw, names=None) -> VisionOutput:
         """Processor output (pixel_values [N, patch_dim], grid_thw [n, 3]) -> VisionOutput."""
         grids = [tuple(int(v) for v in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
-        calls = pack(grids, self.buckets, names)
+        k, out_hidden = len(self.cfg.deepstack_visual_indexes), self.cfg.out_hidden_size
         starts = np.cumsum([0] + [patch_count(g) for g in grids])
+        calls = pack(grids, self.buckets, names)
         main, deepstack = [], []
         for call in calls:
-            first, last = call.images[0], call.images[-1]
-            rows = pixel_values[starts[first]:starts[last + 1]]
+            rows = pixel_values[starts[call.images[0]]:starts[call.images[-1] + 1]]
             results = self.run_call(rows, [grids[i] for i in call.images], call.bucket)
             main.append(results[0])
-            deepstack.append(np.stack(results[1:]) if len(results) > 1 else None)
-        k, out_hidden = len(self.cfg.deepstack_visual_indexes), self.cfg.out_hidden_size
+            deepstack.append(np.stack(results[1:1 + k]) if k else np.zeros((0, len(results[0]), out_hidden)))
         image_embeds = np.concatenate(main) if main else np.zeros((0, out_hidden), np.float32)
-        features = np.concatenate(deepstack, axis=1) if main and k else np.zeros((k, len(image_embeds), out_hidden),
-                                                                                 np.float32)
-        return VisionOutput(image_embeds, features, np.array(grids, np.int64).reshape(-1, 3), calls)
+        features = np.concatenate(deepstack, axis=1) if main else np.zeros((k, 0, out_hidden), np.float32)
+        return VisionOutput(image_embeds, features.astype(np.float32), np.array(grids, np.int64).reshape(-1, 3),
+                            calls)

@@ -1,0 +1,81 @@
+"""`qwen3vl run`: images through a vision session, features to a safetensors file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from .packing import pack
+from .processor import process_images
+from .session import VisionOutput, VisionSession
+
+
+def save_features(path, out: VisionOutput) -> None:
+    """image_embeds [M, D] f32, deepstack_features [K, M, D] f32, grid_thw [n, 3] int64;
+    written to a temp file and renamed, so a failure leaves no partial file."""
+    path = Path(path)
+    tensors = {
+        "image_embeds": np.ascontiguousarray(out.image_embeds, np.float32),
+        "deepstack_features": np.ascontiguousarray(out.deepstack_features, np.float32),
+        "grid_thw": np.ascontiguousarray(out.grid_thw, np.int64),
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "qwen3vl-iree features v1"})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_output_path(path) -> None:
+    """Fail before any work if the output folder is missing."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"-o {path}: folder {parent} does not exist")
+
+
+def summary(session: VisionSession, out: VisionOutput, names, seconds: dict) -> str:
+    lines = [f"model    {session.model_dir} (depth {session.cfg.depth}, hidden {session.cfg.hidden_size}, "
+             f"out {session.cfg.out_hidden_size}, deepstack {list(session.cfg.deepstack_visual_indexes)})"]
+    counts = out.merged_counts(session.cfg.merge_unit)
+    for name, grid, count in zip(names, out.grid_thw, counts):
+        lines.append(f"image    {name}: grid {tuple(int(v) for v in grid)} -> {count} tokens")
+    calls = ", ".join(f"{c.bucket} ({c.patches} patches, images {list(c.images)})" for c in out.calls)
+    lines.append(f"buckets  {calls}")
+    lines.append(f"outputs  image_embeds {list(out.image_embeds.shape)}, "
+                 f"deepstack_features {list(out.deepstack_features.shape)}")
+    lines.append("seconds  " + ", ".join(f"{k} {v:.3f}" for k, v in seconds.items()))
+    return "\n".join(lines)
+
+
+def run_images(model, images, output=None, cache_dir=None, buckets=None, target=None, threads=None,
+               progress=None) -> str:
+    """Encode `images` with the checkpoint in `model`; write `output` if given; return the summary."""
+    if output:
+        check_output_path(output)
+    names = [str(p) for p in images]
+    for name in names:
+        if not Path(name).is_file():
+            raise ValueError(f"{name}: no such image file")
+    session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
+                            progress=progress)
+    t0 = time.perf_counter()
+    pixel_values, grid_thw = process_images(names, session.policy, names=names)
+    t1 = time.perf_counter()
+    for bucket in sorted({call.bucket for call in pack(grid_thw, session.buckets, names)}):
+        session.module(bucket)  # from the cache, compiled on a miss
+    t2 = time.perf_counter()
+    out = session.encode_pixels(pixel_values, grid_thw, names)
+    t3 = time.perf_counter()
+    seconds = {"load": session.seconds["load"], "upload": session.seconds["upload"], "process": t1 - t0,
+               "artifacts": t2 - t1, "run": t3 - t2}
+    if output:
+        save_features(output, out)
+    return summary(session, out, names, seconds)
