@@ -1,0 +1,154 @@
+"""Artifact identity: a sha256 over a canonical JSON of everything that decides whether
+a compiled `.vmfb` may be reused (see DESIGN.md, "Identity and the artifact cache").
+
+Never imports `runtime`. The compiler (`iree.compiler`) is imported lazily, only to
+read its version and to resolve what a target means on this machine: the device
+target attribute iree-compile builds from the target's flags (for llvm-cpu with
+`--iree-llvmcpu-target-cpu=host`: the host CPU name and feature string LLVM detects).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from . import __version__
+from .config import VisionConfig, weight_schema
+from .targets import DEFAULT_TARGET, TARGETS, target_flags
+from .vision import check_bucket, default_inspect_blocks, emit_vision_module
+
+# Bump when the meaning of a cached artifact changes in a way no other field records
+# (e.g. the calling convention of the emitted function).
+FORMAT_VERSION = 1
+
+# The default bucket ladder (patches per call): two 256x256 images fill 512.
+DEFAULT_LADDER = (64, 128, 256, 512)
+
+CONV_WEIGHT = "patch_embed.proj.weight"  # flattened to [hidden, patch_dim] on the host
+
+# A trivial module: compiling it to `preprocessing` materializes the device target.
+_PROBE = """func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = stablehlo.add %a, %a : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+
+
+class IdentityError(ValueError):
+    """The compiler could not tell what a target resolves to on this machine."""
+
+
+def canonical_json(fields: dict) -> str:
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def artifact_identity(fields: dict) -> str:
+    """sha256 hex of the canonical JSON of `fields`."""
+    return hashlib.sha256(canonical_json(fields).encode("ascii")).hexdigest()
+
+
+def weight_schema_fields(cfg: VisionConfig) -> dict:
+    """Compact weight schema: count and sha256 of the full [name, shape, dtype,
+    host_transform] list (the same list as `runtime.checkpoint.weight_schema_identity`)."""
+    schema = [[name, list(shape), "f32", "conv3d_flatten" if name.endswith(CONV_WEIGHT) else "none"]
+              for name, shape in weight_schema(cfg)]
+    digest = hashlib.sha256(canonical_json({"weights": schema}).encode("ascii")).hexdigest()
+    return {"count": len(schema), "sha256": digest}
+
+
+def installed_compiler_version() -> dict:
+    """The installed compiler: package version and source revisions (`iree.compiler.version`)."""
+    from iree.compiler import version as v
+    return {"package": "iree-base-compiler", "version": str(v.VERSION),
+            "revisions": {k: str(r) for k, r in sorted(v.REVISIONS.items())}}
+
+
+_DEVICE_RE = re.compile(r"util\.global private @__device_0 = (#hal\.device\.target<.*>) : !hal\.device")
+_CPU_RE = re.compile(r'\bcpu = "([^"]*)"')
+_FEATURES_RE = re.compile(r'\bcpu_features = "([^"]*)"')
+
+
+@lru_cache(maxsize=None)
+def resolved_device_target(flags: tuple[str, ...]) -> str:
+    """The `#hal.device.target<...>` attribute iree-compile builds for these flags on
+    this machine (host CPU name and features included for target-cpu=host). Stable
+    across processes on one machine; computed once per process per flag set."""
+    import iree.compiler as ireec
+    try:
+        text = ireec.compile_str(_PROBE, extra_args=[*flags, "--compile-to=preprocessing"])
+    except ireec.CompilerToolError as e:
+        raise IdentityError(f"iree-compile could not resolve the target for flags {list(flags)}:\n{e}") from None
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    m = _DEVICE_RE.search(text)
+    if not m:
+        raise IdentityError(f"iree-compile printed no device target for flags {list(flags)}")
+    return m.group(1)
+
+
+def target_fields(target: str, extra_flags=()) -> dict:
+    """Name, backend, every compiler flag, and what the flags resolve to here."""
+    flags = [*target_flags(target), *extra_flags]
+    device = resolved_device_target(tuple(flags))
+    out = {"name": target, "runtime_driver": TARGETS[target][0], "flags": flags, "device_target": device}
+    backend = re.match(r'#hal\.device\.target<"([^"]*)", \[#hal\.executable\.target<"([^"]*)"', device)
+    out["backend"] = backend.group(2) if backend else None
+    if "--iree-llvmcpu-target-cpu=host" in flags:
+        cpu, features = _CPU_RE.search(device), _FEATURES_RE.search(device)
+        out["host_cpu"] = {"name": cpu.group(1) if cpu else None,
+                           "features": features.group(1) if features else None}
+    return out
+
+
+def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None = DEFAULT_TARGET,
+                    diagnostics: bool = False, inspect_blocks=None, compiler_version=None,
+                    extra_flags=()) -> dict:
+    """Canonical JSON-able dict of everything that decides whether a compiled vmfb may
+    be reused. `policy` is a `ProcessorPolicy` (or its `to_dict()`); `compiler_version`
+    overrides the installed compiler's version (tests); `extra_flags` are appended to
+    the target's iree-compile flags (and so must be passed to the compiler too)."""
+    bucket = check_bucket(bucket, cfg)
+    target = target or DEFAULT_TARGET
+    diagnostics = bool(diagnostics)
+    if diagnostics:
+        blocks = default_inspect_blocks(cfg) if inspect_blocks is None else inspect_blocks
+        blocks = sorted({int(i) for i in blocks})
+    else:
+        blocks = []  # the plain variant does not depend on them
+    return {
+        "format_version": FORMAT_VERSION,
+        "emitter_version": __version__,
+        "vision_config": cfg.to_dict(),
+        "bucket": bucket,
+        "diagnostics": diagnostics,
+        "inspect_blocks": blocks,
+        "processor_policy": policy if isinstance(policy, dict) else policy.to_dict(),
+        "weight_schema": weight_schema_fields(cfg),
+        # The emitted graph itself (title comment left out): guards against an emitter
+        # change that nobody recorded in its version.
+        "graph_sha256": hashlib.sha256(
+            emit_vision_module(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect_blocks,
+                               title="").encode("utf-8")).hexdigest(),
+        "target": target_fields(target, extra_flags),
+        "compiler": installed_compiler_version() if compiler_version is None else compiler_version,
+    }
+
+
+def explain_identity(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
+                     model_dir: str | Path | None = None, target: str | None = None, policy=None) -> str:
+    """Human text: the identity and the fields it hashes (pretty JSON). The policy comes
+    from `model_dir`'s preprocessor config when given, else the released default."""
+    from .policy import DEFAULT_POLICY, load_policy
+    if policy is None:
+        policy = load_policy(model_dir) if model_dir else DEFAULT_POLICY
+    fields = artifact_fields(cfg, bucket, policy, target=target, diagnostics=diagnostics,
+                             inspect_blocks=inspect_blocks)
+    return format_explanation(fields)
+
+
+def format_explanation(fields: dict) -> str:
+    return (f"identity {artifact_identity(fields)}\n"
+            f"fields (sha256 of their canonical JSON):\n{json.dumps(fields, indent=2, sort_keys=True)}\n")

@@ -1,0 +1,106 @@
+"""`qwen3vl build`: resolve what to build, then compile each bucket into the cache."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from emitter.cli import parse_bucket, resolve_config
+from emitter.config import VisionConfig
+from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, format_explanation
+from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
+from emitter.targets import DEFAULT_TARGET, target_flags
+from emitter.vision import check_bucket, emit_vision_module
+
+from .cache import ArtifactCache
+from .compiler import compile_mlir
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    cfg: VisionConfig
+    title: str
+    policy: ProcessorPolicy
+    buckets: tuple[int, ...]
+    target: str
+    diagnostics: bool = False
+    inspect_blocks: tuple[int, ...] | None = None
+
+    def fields(self, bucket: int) -> dict:
+        return artifact_fields(self.cfg, bucket, self.policy, target=self.target,
+                               diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    bucket: int
+    identity: str
+    path: Path
+    built: bool
+    seconds: float
+
+
+def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,
+              diagnostics: bool = False, inspect_blocks=None) -> BuildPlan:
+    """Check every input before anything is compiled; ValueError naming the bad one."""
+    if model and not Path(model).is_dir():
+        raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
+                         f"(config.json, preprocessor_config.json, *.safetensors)")
+    cfg, title = resolve_config(model, preset_name)
+    policy = load_policy(model) if model else DEFAULT_POLICY
+    target = target or DEFAULT_TARGET
+    target_flags(target)
+    parsed = []
+    for text in buckets or DEFAULT_LADDER:
+        b = check_bucket(parse_bucket(text) if isinstance(text, str) else text, cfg)
+        if b not in parsed:
+            parsed.append(b)
+    inspect = tuple(inspect_blocks) if inspect_blocks else None
+    if inspect is not None:
+        bad = [i for i in inspect if not 0 <= i < cfg.depth]
+        if bad:
+            raise ValueError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
+    return BuildPlan(cfg, title, policy, tuple(parsed), target, bool(diagnostics), inspect)
+
+
+def emit_and_compile(plan: BuildPlan, bucket: int) -> bytes:
+    text = emit_vision_module(plan.cfg, bucket, diagnostics=plan.diagnostics,
+                              inspect_blocks=plan.inspect_blocks, title=plan.title)
+    return compile_mlir(text, plan.target)
+
+
+def build_bucket(plan: BuildPlan, bucket: int, cache: ArtifactCache,
+                 progress: Callable[[str], None] | None = None) -> BuildResult:
+    """One bucket through the cache; `progress` hears when a compile starts and ends."""
+    report = progress or (lambda message: None)
+    fields = plan.fields(bucket)
+    identity = artifact_identity(fields)
+
+    def emit() -> bytes:
+        report(f"bucket {bucket}: compiling {identity[:12]} ({plan.title}, {plan.target}) ...")
+        t0 = time.monotonic()
+        data = emit_and_compile(plan, bucket)
+        report(f"bucket {bucket}: compiled in {time.monotonic() - t0:.1f} s")
+        return data
+
+    start = time.monotonic()
+    path, built = cache.get_or_build(fields, emit, progress=report)
+    return BuildResult(bucket, identity, path, built, time.monotonic() - start)
+
+
+def build_all(plan: BuildPlan, cache: ArtifactCache, progress=None) -> list[BuildResult]:
+    cache.ensure_root()
+    return [build_bucket(plan, b, cache, progress) for b in plan.buckets]
+
+
+def explain_plan(plan: BuildPlan, cache: ArtifactCache) -> str:
+    """Each bucket's identity, whether the cache holds it, and the fields it hashes."""
+    parts = []
+    for b in plan.buckets:
+        fields = plan.fields(b)
+        path = cache.lookup(fields)
+        state = f"cached at {path}" if path else f"not cached in {cache.root}"
+        parts.append(f"bucket {b}: {state}\n{format_explanation(fields)}")
+    return "\n".join(parts)

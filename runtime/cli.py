@@ -1,0 +1,67 @@
+"""`qwen3vl`: the command-line entry point (presets, build; run/oracle/bench join later)."""
+
+from __future__ import annotations
+
+import click
+
+from emitter.cli import fail
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@click.group(context_settings=CONTEXT)
+def main():
+    """Compile and run the Qwen3-VL vision tower with IREE."""
+
+
+@main.command()
+def presets():
+    """List the named configs."""
+    from emitter.config import PRESETS
+    click.echo(f"{'name':<20} {'depth':>5} {'hidden':>6} {'out_hidden':>10}  deepstack")
+    for name, cfg in PRESETS.items():
+        ds = ",".join(str(i) for i in cfg.deepstack_visual_indexes)
+        click.echo(f"{name:<20} {cfg.depth:>5} {cfg.hidden_size:>6} {cfg.out_hidden_size:>10}  {ds}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", metavar="DIR", help="Checkpoint folder (config.json, preprocessor_config.json).")
+@click.option("--preset", "preset_name", metavar="NAME", help="A named config (see `qwen3vl presets`).")
+@click.option("--bucket", "buckets", multiple=True, metavar="N",
+              help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder (default $QWEN3VL_CACHE_DIR, "
+                                                  "else the user cache folder).")
+@click.option("--diagnostics", is_flag=True, help="Build the diagnostics variant (named intermediate stages).")
+@click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
+              help="With --diagnostics: a block whose inner stages to return (repeatable).")
+@click.option("--explain", is_flag=True,
+              help="Print each bucket's identity, cache state and hashed fields; compile nothing.")
+def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, explain):
+    """Compile every asked bucket into the artifact cache (hits compile nothing)."""
+    from .build import build_bucket, explain_plan, make_plan
+    from .cache import ArtifactCache
+    from .compiler import CompileError
+
+    try:
+        if not model and not preset_name:
+            raise ValueError("--model DIR or --preset NAME: give one")
+        plan = make_plan(model, preset_name, buckets, target, diagnostics, inspect_blocks)
+        cache = ArtifactCache(cache_dir)
+        if explain:
+            click.echo(explain_plan(plan, cache), nl=False)
+            return
+        cache.ensure_root()
+        for b in plan.buckets:
+            r = build_bucket(plan, b, cache, progress=say)
+            click.echo(f"bucket {r.bucket:>5}  {r.identity[:12]}  {'built' if r.built else 'hit':<5} "
+                       f"{r.seconds:7.2f} s  {r.path}")
+    except (ValueError, OSError) as e:
+        fail(str(e))
+    except CompileError as e:  # a bug, not bad input: say so in one block, status 1
+        click.echo(f"error: {e}", err=True)
+        raise SystemExit(1)
