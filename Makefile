@@ -24,6 +24,12 @@ parity-deps: install
 parity: parity-deps
 	$(BIN)/pytest -q -m parity
 
+# The main job with nothing on disk: a deterministic random-weight tiny checkpoint,
+# then the vision tower on a shipped image (compiled into demo/cache on first use).
+demo: install
+	$(BIN)/qwen3vl random-checkpoint demo/tiny-random --preset tiny
+	$(BIN)/qwen3vl run --model demo/tiny-random assets/demo.png -o demo/features.safetensors --cache-dir demo/cache
+
 golden: install
 	$(BIN)/python tests/test_golden.py
 

@@ -1,4 +1,4 @@
-"""`qwen3vl`: the command-line entry point (presets, build; run/oracle/bench join later)."""
+"""`qwen3vl`: the command-line entry point (presets, build, run, oracle, random-checkpoint)."""
 
 from __future__ import annotations
 
@@ -65,3 +65,43 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
     except CompileError as e:  # a bug, not bad input: say so in one block, status 1
         click.echo(f"error: {e}", err=True)
         raise SystemExit(1)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
+@click.argument("images", nargs=-1, required=True, metavar="IMAGE...")
+@click.option("-o", "--output", metavar="FILE",
+              help="Write image_embeds, deepstack_features and grid_thw here (safetensors).")
+@click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
+              help="Buckets to pack into (repeatable; default 64 128 256 512).")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
+@click.option("--threads", type=int, metavar="N", help="IREE worker threads (default: one per core).")
+def run(model, images, output, buckets, target, cache_dir, threads):
+    """Encode images: merged image embeddings and the DeepStack features, in image order."""
+    from .run import run_images
+
+    try:
+        click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say))
+    except (ValueError, OSError) as e:
+        fail(str(e))
+
+
+@main.command("random-checkpoint", context_settings=CONTEXT)
+@click.argument("folder", metavar="DIR")
+@click.option("--preset", "preset_name", default="tiny", show_default=True, metavar="NAME")
+@click.option("--layout", type=click.Choice(["hf", "mlx"]), default="hf", show_default=True)
+@click.option("--dtype", type=click.Choice(["f32", "bf16", "f16"]), default="f32", show_default=True)
+@click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="MLX affine quantization.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def random_checkpoint(folder, preset_name, layout, dtype, bits, seed):
+    """Write a deterministic random-weight checkpoint folder (for demos and tests)."""
+    from emitter.config import preset
+    from .synthetic import write_checkpoint
+
+    try:
+        cfg = preset(preset_name)
+        write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None)
+        click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
+    except (ValueError, OSError) as e:
+        fail(str(e))
