@@ -115,6 +115,19 @@ class VisionSession:
         out.seconds = {"process": processed - start, "run": time.perf_counter() - processed}
         return out
 
+    def prefill(self, input_ids, images, names=None, expand_pads: bool = True):
+        """Encode `images` and package them for a language-model prefill (`PrefillPayload`):
+        visual positions, embeddings, DeepStack features per decoder layer, M-RoPE ids.
+        With `expand_pads`, a prompt holding one image pad per image is expanded first."""
+        from .prefill import IMAGE_PAD, build_prefill_payload, expand_image_pads
+
+        out = self.encode(images, names=names)
+        ids = np.asarray(input_ids).reshape(-1)
+        if expand_pads and np.count_nonzero(ids == IMAGE_PAD) == len(out.grid_thw):
+            ids = expand_image_pads(ids, out.grid_thw, self.cfg.spatial_merge_size)
+        return build_prefill_payload(ids, out.image_embeds, out.deepstack_features, out.grid_thw,
+                                     len(self.cfg.deepstack_visual_indexes), self.cfg.spatial_merge_size)
+
     def encode_pixels(self, pixel_values: np.ndarray, grid_thw, names=None) -> VisionOutput:
         """Processor output (pixel_values [N, patch_dim], grid_thw [n, 3]) -> VisionOutput."""
         grids = [tuple(int(v) for v in g) for g in np.asarray(grid_thw).reshape(-1, 3)]

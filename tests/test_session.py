@@ -68,3 +68,15 @@ def test_image_too_large_for_every_bucket_is_refused(tmp_path):
     # 96x128 px -> a 6x8 patch grid -> 48 patches
     with pytest.raises(ValueError, match=r"big\.png: 48 patches .* largest bucket is 16"):
         small.encode(images(sizes=((96, 128),)), names=["big.png"])
+
+
+def test_prefill_payload_from_a_prompt(session):
+    from runtime.prefill import IMAGE_PAD, VISION_END, VISION_START
+    pictures = images(sizes=((64, 96), (100, 60)))
+    prompt = [1, 2, VISION_START, IMAGE_PAD, VISION_END, 3, VISION_START, IMAGE_PAD, VISION_END, 4]
+    payload = session.prefill(prompt, pictures)
+    out = session.encode(pictures)
+    np.testing.assert_array_equal(payload.image_embeds, out.image_embeds)
+    assert [layer for layer, _ in payload.deepstack] == [0, 1]
+    assert len(payload.visual_positions) == len(out.image_embeds)
+    assert payload.position_ids.shape == (3, len(payload.input_ids))
