@@ -105,3 +105,8 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, seed):
         click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
     except (ValueError, OSError) as e:
         fail(str(e))
+
+
+from .oracle import oracle_command  # noqa: E402
+
+main.add_command(oracle_command)

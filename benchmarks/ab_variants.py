@@ -1,0 +1,126 @@
+"""A/B timing of graph variants and compiler flags, alternating in one process.
+
+Each variant is (emit function, extra flags). Graph variants are written here as
+alternative layer functions patched into the emitter for the emission only, so the
+emitter keeps one implementation; a variant that wins moves into emitter/layers.py.
+
+    .venv/bin/python benchmarks/ab_variants.py baseline no_data_tiling --preset qwen3-vl-2b
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_vision import processed_images, vision_flops  # noqa: E402
+from emitter import layers, vision  # noqa: E402
+from emitter.config import PRESETS, weight_schema  # noqa: E402
+from runtime.compiler import compile_mlir  # noqa: E402
+from runtime.packing import host_inputs  # noqa: E402
+from runtime.synthetic import random_vision_weights  # noqa: E402
+
+
+@contextmanager
+def patched(module, name, replacement):
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def attention_no_transpose(b, x, w, cos, sin, mask, num_heads):
+    """Scores and context contract over the head axis in place: no q/k/v transposes."""
+    n, hidden = x.shape
+    head_dim = hidden // num_heads
+    qkv = b.reshape(layers.linear(b, x, w["attn.qkv.weight"], w["attn.qkv.bias"], "qkv"), (n, 3, num_heads, head_dim))
+
+    def part(i, name, rope):
+        p = b.reshape(b.slice(qkv, (0, i, 0, 0), (n, i + 1, num_heads, head_dim)), (n, num_heads, head_dim), hint=name)
+        return layers.apply_rotary(b, p, cos, sin) if rope else p
+
+    q, k, v = part(0, "q", True), part(1, "k", True), part(2, "v", False)
+    scores = b.dot_general(q, k, contract=([2], [2]), batch=([1], [1]), hint="scores")  # [H, B, B]
+    scores = b.multiply(scores, b.scalar(head_dim ** -0.5, scores, "scale"), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+    context = b.dot_general(layers.softmax(b, scores), v, contract=([2], [0]), batch=([0], [1]), hint="context")
+    context = b.reshape(b.transpose(context, [1, 0, 2]), (n, hidden), hint="context")
+    return layers.linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
+
+
+VARIANTS = {
+    "baseline": (None, []),
+    "no_data_tiling": (None, ["--iree-opt-data-tiling=false"]),
+    "ukernels": (None, ["--iree-llvmcpu-enable-ukernels=all"]),
+    "O3": (None, ["--iree-opt-level=O3"]),
+    "no_transpose_attention": ((vision, "attention", attention_no_transpose), []),
+}
+
+
+def emit(cfg, bucket, variant):
+    patch, _ = VARIANTS[variant]
+    if patch is None:
+        return vision.emit_vision_module(cfg, bucket)
+    with patched(*patch):
+        return vision.emit_vision_module(cfg, bucket)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="+", choices=sorted(VARIANTS))
+    p.add_argument("--preset", default="qwen3-vl-2b")
+    p.add_argument("--bucket", type=int, default=512)
+    p.add_argument("--images", default="256x256,256x256")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+
+    import iree.runtime as rt
+    from runtime.iree_module import LoadedModule
+    from runtime.session import set_thread_count
+
+    cfg = PRESETS[args.preset]
+    pixels, grid_thw = processed_images([tuple(int(v) for v in s.split("x")) for s in args.images.split(",")])
+    grids = [tuple(int(v) for v in g) for g in grid_thw]
+    weights = random_vision_weights(cfg, seed=0)
+    set_thread_count(args.threads)
+    config = rt.Config("local-task")
+    device_weights = [rt.asdevicearray(config.device, np.ascontiguousarray(weights[n].reshape(s)))
+                      for n, s in weight_schema(cfg)]
+    del weights
+    inputs = host_inputs(pixels, grids, cfg, args.bucket)
+    modules, outputs = {}, {}
+    for name in args.variants:
+        start = time.perf_counter()
+        modules[name] = LoadedModule(compile_mlir(emit(cfg, args.bucket, name), extra_flags=VARIANTS[name][1]),
+                                     config=config)
+        print(f"{name}: compiled in {time.perf_counter() - start:.1f} s", flush=True)
+        outputs[name] = modules[name](*inputs, *device_weights)[0]
+    times = {name: [] for name in args.variants}
+    for i in range(args.repeats + 1):
+        for name, module in modules.items():
+            start = time.perf_counter()
+            module(*inputs, *device_weights)
+            if i:
+                times[name].append(time.perf_counter() - start)
+    flops = vision_flops(cfg, grids, args.bucket)
+    base = statistics.median(times[args.variants[0]])
+    first = outputs[args.variants[0]]
+    for name in args.variants:
+        m = statistics.median(times[name])
+        diff = float(np.linalg.norm(outputs[name] - first) / np.linalg.norm(first))
+        print(f"{name:<24} {m:7.3f} s  {flops / m / 1e9:5.0f} GFLOP/s  x{base / m:5.2f} vs {args.variants[0]}"
+              f"  spread {(max(times[name]) - min(times[name])) / m:.0%}  rel diff {diff:.1e}")
+
+
+if __name__ == "__main__":
+    main()

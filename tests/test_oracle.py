@@ -1,0 +1,231 @@
+"""`qwen3vl oracle` on a random tiny checkpoint: the diagnostics graph against the numpy
+reference stage by stage, same-input verdicts, negative controls, the report, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from emitter.config import PRESETS
+from emitter.vision import default_inspect_blocks
+from runtime.oracle import (CONTROL_NAMES, REPORT_SCHEMA_VERSION, check_report, compare, format_table,
+                            oracle_command, oracle_stage_names, run_oracle)
+from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+
+TINY = PRESETS["tiny"]
+SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
+BUCKET = "64"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny checkpoint, two images (4x6 and 6x4 patches: 48 in all) and one shared cache."""
+    root = tmp_path_factory.mktemp("oracle")
+    model = root / "model"
+    write_checkpoint(model, TINY, seed=2, processor_policy_dict=SMALL_POLICY)
+    rng = np.random.default_rng(0)
+    images = []
+    for i, (h, w) in enumerate([(64, 96), (100, 60)]):
+        path = root / f"image{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        images.append(str(path))
+    return {"model": str(model), "images": images, "cache": str(root / "cache"), "root": root}
+
+
+def invoke(setup, *args, bucket=BUCKET):
+    argv = ["--model", setup["model"], *setup["images"], "--cache-dir", setup["cache"], "--bucket", bucket, *args]
+    return CliRunner().invoke(oracle_command, argv, catch_exceptions=False)
+
+
+def oracle(setup, **kwargs):
+    kwargs.setdefault("buckets", (int(BUCKET),))
+    return run_oracle(setup["model"], setup["images"], cache_dir=setup["cache"], **kwargs)
+
+
+def table_stages(output: str) -> list[str]:
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("stage ")) + 2
+    stop = lines.index("", start)
+    return [line.split()[0] for line in lines[start:stop]]
+
+
+# --------------------------------------------------------------------------- compare
+
+def test_compare_metrics():
+    e = np.array([[1.0, -2.0], [0.0, 4.0]], np.float32)
+    same = compare(e, e, 0.0, 0.0, 0.0)
+    assert same["pass"] and same["max_abs"] == 0 and same["rel_l2"] == 0 and same["violations"] == 0
+    a = e + np.array([[0.0, 0.0], [1e-3, 0.0]], np.float32)
+    r = compare(a, e, atol=1e-4, rtol=0.0, max_rel_l2=1.0)
+    assert r["violations"] == 1 and not r["pass"] and r["max_abs"] == pytest.approx(1e-3)
+    assert compare(a, e, atol=2e-3, rtol=0.0, max_rel_l2=1.0)["pass"]
+    assert not compare(a, e, atol=2e-3, rtol=0.0, max_rel_l2=1e-6)["pass"], "relative L2 is part of the rule"
+    nan = e.copy()
+    nan[0, 0] = np.nan
+    r = compare(nan, e, 1.0, 1.0, 1.0)
+    assert r["nonfinite"] == 1 and not r["pass"]
+    missing = compare(None, e, 1.0, 1.0, 1.0)
+    assert missing["missing"] and not missing["pass"] and missing["elements"] == 4
+    assert not compare(e[:1], e, 1.0, 1.0, 1.0)["pass"], "a shape mismatch fails"
+    zero = compare(np.ones(3), np.zeros(3), 0.0, 0.0, 1.0)
+    assert zero["rel_l2"] is None and not zero["pass"], "infinite relative L2 is written as null"
+
+
+# --------------------------------------------------------------------------- passing run
+
+def test_oracle_passes_with_table_in_graph_order_and_a_valid_report(setup, tmp_path):
+    path = tmp_path / "report.json"
+    result = invoke(setup, "--report", str(path))
+    assert result.exit_code == 0, result.output
+    inspect = default_inspect_blocks(TINY)
+    expected = oracle_stage_names(TINY, inspect)
+    assert table_stages(result.stdout) == expected
+    assert expected[:4] == ["patch_embed", "pos_embed", "embed", "blocks.0.input"]
+    assert expected[-4:] == ["merger.norm", "merger.fc1", "merger.act", "merger"]
+    assert "first failure  none" in result.stdout and "result     PASS" in result.stdout
+
+    report = json.loads(path.read_text())
+    check_report(report)
+    assert report["schema_version"] == REPORT_SCHEMA_VERSION
+    assert report["pass"] is True and report["first_failure"] is None
+    assert [c["stage"] for c in report["comparisons"]] == expected
+    assert report["grids"] == [[1, 4, 6], [1, 6, 4]]
+    assert [i["path"] for i in report["images"]] == setup["images"]
+    assert report["calls"] == [{"bucket": 64, "images": [0, 1], "patches": 48}]
+    assert report["device"]["target"] == "llvm-cpu" and report["device"]["driver"] == "local-task"
+    assert report["device"]["cpu"]
+    assert report["inspect_blocks"] == list(inspect)
+    assert {"atol", "rtol", "max_rel_l2", "rule"} <= set(report["tolerances"])
+    assert report["model"]["config"]["depth"] == TINY.depth
+    by_stage = {c["stage"]: c for c in report["comparisons"]}
+    assert by_stage["merger"]["source"] == "image_embeds" and by_stage["merger"]["elements"] == 12 * 48
+    assert by_stage["blocks.0.norm1"]["elements"] == 48 * TINY.hidden_size
+    # Same-input: inspected blocks, mergers and the sum always; their rows say so.
+    for name in ("embed", "blocks.0.attn", "blocks.0", f"blocks.{TINY.depth - 1}.mlp", "merger.fc1",
+                 "deepstack_merger_list.1"):
+        assert by_stage[name]["same_input"] is not None and by_stage[name]["same_input"]["pass"], name
+    assert by_stage["patch_embed"]["same_input"] is None
+    negative = {c["name"]: c for c in report["controls"]["negative"]}
+    assert set(negative) == set(CONTROL_NAMES) and all(c["detected"] for c in negative.values())
+    assert negative["deepstack_last_dropped"]["failing_stages"] == ["deepstack_merger_list.1"]
+    assert negative["deepstack_0_zeroed"]["failing_stages"] == ["deepstack_merger_list.0"]
+    assert all(c["rel_l2"] < 1e-5 for c in report["comparisons"])
+
+
+def test_images_over_several_calls_are_concatenated(setup):
+    report = oracle(setup, buckets=(32,), reference_dtype="f32")
+    assert [c["images"] for c in report["calls"]] == [[0], [1]]
+    assert report["pass"], format_table(report)
+    by_stage = {c["stage"]: c for c in report["comparisons"]}
+    assert by_stage["blocks.1"]["shape"] == [48, TINY.hidden_size]
+    assert by_stage["merger"]["shape"] == [12, TINY.out_hidden_size]
+
+
+def test_stage_filter_inspects_the_blocks_it_names(setup):
+    report = oracle(setup, stages=["merger", "blocks.1.attn", "embed"])
+    assert [c["stage"] for c in report["comparisons"]] == ["embed", "blocks.1.attn", "merger"]
+    assert 1 in report["inspect_blocks"] and report["pass"]
+    assert report["comparisons"][1]["same_input"]["input"] == "blocks.0"
+    assert all(c["detected"] for c in report["controls"]["negative"]), "controls run whatever the filter"
+
+
+# --------------------------------------------------------------------------- failing runs
+
+def test_a_failing_stage_is_named_exits_1_and_the_report_is_still_written(setup, tmp_path):
+    path = tmp_path / "report.json"
+    result = invoke(setup, "--report", str(path), "--atol", "0", "--rtol", "0", "--max-rel-l2", "0")
+    assert result.exit_code == 1, result.output
+    report = json.loads(path.read_text())
+    check_report(report)
+    first = next(c for c in report["comparisons"] if not c["pass"])
+    assert report["pass"] is False and report["first_failure"]["stage"] == first["stage"]
+    assert f"first failure  {first['stage']}:" in result.stdout
+    assert "result     FAIL" in result.stdout
+    assert all(c["detected"] for c in report["controls"]["negative"])
+
+
+def test_reference_drift_upstream_is_told_apart_from_local_error(setup, monkeypatch):
+    """A different position table in the reference: pos_embed is wrong (local); the blocks
+    are right on the graph's own input, so their failures are inherited."""
+    import runtime.checkpoint as checkpoint
+    load = checkpoint.load_vision_weights
+
+    def skewed(model_dir, cfg):
+        weights = dict(load(model_dir, cfg))
+        weights["model.visual.pos_embed.weight"] = weights["model.visual.pos_embed.weight"] * 1.01
+        return weights
+
+    monkeypatch.setattr(checkpoint, "load_vision_weights", skewed)
+    report = oracle(setup)
+    check_report(report)
+    by_stage = {c["stage"]: c for c in report["comparisons"]}
+    assert report["first_failure"]["stage"] == "pos_embed" and report["first_failure"]["verdict"] == "local"
+    assert by_stage["patch_embed"]["pass"]
+    for name in ("embed", "blocks.0.norm1", "blocks.0.attn", "blocks.0.mlp", "blocks.0", "blocks.1", "merger"):
+        assert by_stage[name]["verdict"] == "inherited", name
+    assert by_stage["blocks.1"]["same_input"] is not None, "a failing block is recomputed even if not inspected"
+    assert "pos_embed" in report["controls"]["same_input"]["local_failures"]
+    assert "right on its own input" not in format_table(report).split("first failure")[1]
+
+
+def test_a_wrong_block_in_the_graph_is_local(setup):
+    def perturb(graph):
+        graph["stage.blocks.2"] = graph["stage.blocks.2"] + np.float32(1e-2)
+        return graph
+
+    report = oracle(setup, perturb=perturb)
+    first = report["first_failure"]
+    assert first["stage"] == "blocks.2" and first["verdict"] == "local"
+    by_stage = {c["stage"]: c for c in report["comparisons"]}
+    assert by_stage["blocks.3.input"]["alias_of"] == "blocks.2" and not by_stage["blocks.3.input"]["pass"]
+
+
+def test_an_undetected_control_fails_the_run(setup, tmp_path):
+    path = tmp_path / "report.json"
+    result = invoke(setup, "--report", str(path), "--atol", "1e9", "--rtol", "1e9", "--max-rel-l2", "1e9")
+    assert result.exit_code == 1, result.output
+    report = json.loads(path.read_text())
+    negative = {c["name"]: c for c in report["controls"]["negative"]}
+    assert negative["deepstack_0_zeroed"]["detected"] is False, "zeroes are within these tolerances"
+    assert negative["deepstack_last_dropped"]["detected"] is True, "a missing output always fails"
+    assert report["first_failure"] is None and report["pass"] is False
+    assert "NOT DETECTED" in result.stdout
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("args, needle", [
+    (["--stage", "blocks.1.nope"], "--stage blocks.1.nope: unknown stage; expected patch_embed"),
+    (["--stage", "blocks.99"], "N in 0..3"),
+    (["--inspect-block", "99"], "--inspect-block 99: expected a block index in [0, 4)"),
+    (["--atol", "-1"], "--atol -1.0: expected a finite, non-negative number"),
+    (["--rtol", "-0.5"], "--rtol -0.5"),
+    (["--atol", "nan"], "--atol nan"),
+    (["--bucket", "30"], "--bucket 30"),
+])
+def test_bad_input_is_one_line_exit_2(setup, args, needle):
+    result = invoke(setup, *args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+    assert result.stdout == ""
+
+
+def test_missing_model_folder_and_image_are_one_line_errors(setup, tmp_path):
+    runner = CliRunner()
+    for argv, needle in [
+        (["--model", str(tmp_path / "nope"), *setup["images"]], "not a readable folder"),
+        (["--model", str(tmp_path), *setup["images"]], "config.json"),
+        (["--model", setup["model"], str(tmp_path / "missing.png")], "missing.png: no such image file"),
+        (["--model", setup["model"]], "give at least one image"),
+        (["--model", setup["model"], *setup["images"], "--report", str(tmp_path / "no" / "r.json")],
+         "does not exist"),
+    ]:
+        result = runner.invoke(oracle_command, argv, catch_exceptions=False)
+        assert result.exit_code == 2, (argv, result.output)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
