@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # torch_reference (the parity harness) 
 
 from emitter.config import PRESETS, VisionConfig, weight_schema  # noqa: E402
 from emitter.vision import emit_vision_module  # noqa: E402
+from runtime.checkpoint import weights_in_order  # noqa: E402
 from runtime.compiler import compile_mlir  # noqa: E402
 from runtime.packing import host_inputs  # noqa: E402
 from runtime.synthetic import random_vision_weights  # noqa: E402
@@ -82,6 +83,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                   help="ours in bf16 matmuls: also times transformers in bf16; errors against f32")
     p.add_argument("--flag", action="append", default=[], help="extra iree-compile flag (a lever to try)")
     p.add_argument("--no-torch", action="store_true", help="measure our side only")
     p.add_argument("--json", help="write the figures here")
@@ -96,10 +99,11 @@ def main(argv=None):
     pixels, grid_thw = processed_images(sizes)
     grids = [tuple(int(v) for v in g) for g in grid_thw]
     weights = random_vision_weights(cfg, seed=0)
-    graph_weights = [np.ascontiguousarray(weights[name].reshape(shape)) for name, shape in weight_schema(cfg)]
+    graph_weights = weights_in_order({name: weights[name].reshape(shape) for name, shape in weight_schema(cfg)},
+                                     cfg, args.precision)
 
     start = time.perf_counter()
-    text = emit_vision_module(cfg, args.bucket)
+    text = emit_vision_module(cfg, args.bucket, precision=args.precision)
     emit_s = time.perf_counter() - start
     start = time.perf_counter()
     vmfb = compile_mlir(text, extra_flags=args.flag)
@@ -114,7 +118,7 @@ def main(argv=None):
     def ours():
         return module(*inputs, *device_weights)[0][:merged]
 
-    peer = None
+    peers = {}  # name -> callable
     if not args.no_torch:
         try:
             import torch
@@ -124,32 +128,43 @@ def main(argv=None):
             load_state_dict(model, weights)
             tp, tg = torch.from_numpy(pixels), torch.from_numpy(np.asarray(grid_thw))
 
-            def peer():
+            def torch_f32():
                 with torch.no_grad():
                     return model(tp, grid_thw=tg).pooler_output.numpy()
-        except ImportError:
-            peer = None
+            peers["transformers f32"] = torch_f32
+            if args.precision == "bf16":
+                import copy
+                model16 = copy.deepcopy(model).to(torch.bfloat16)
 
-    ours_times, peer_times = [], []
+                def torch_bf16():
+                    with torch.no_grad():
+                        return model16(tp.to(torch.bfloat16), grid_thw=tg).pooler_output.float().numpy()
+                peers["transformers bf16"] = torch_bf16
+        except ImportError:
+            pass
+
+    runs = {"ours (IREE)": ours, **peers}
+    times = {name: [] for name in runs}
     for i in range(args.warmup + args.repeats):
-        for fn, times in ((ours, ours_times), (peer, peer_times)):
-            if fn is None:
-                continue
+        for name, fn in runs.items():
             start = time.perf_counter()
-            result = fn()
+            fn()
             if i >= args.warmup:
-                times.append(time.perf_counter() - start)
+                times[name].append(time.perf_counter() - start)
     ours_out = ours()
     error = None
-    if peer:
-        expected = peer()
+    if peers:
+        expected = peers["transformers f32"]()
         error = float(np.linalg.norm(ours_out - expected) / np.linalg.norm(expected))
+    ours_times = times["ours (IREE)"]
+    peer_times = times.get("transformers f32", [])
 
     flops = vision_flops(cfg, grids, args.bucket)
     ceiling_name, ceiling = matmul_ceiling(args.threads)
     ours_s, ours_spread = median_spread(ours_times)
     figures = {
         "preset": args.preset, "bucket": args.bucket, "images": args.images, "threads": args.threads,
+        "precision": args.precision,
         "flags": args.flag, "ours_s": ours_s, "ours_spread": ours_spread,
         "torch_s": None, "torch_spread": None, "ratio": None, "rel_l2_vs_torch": error,
         "gflop": flops / 1e9, "gflops": flops / ours_s / 1e9, "ceiling_gflops": ceiling, "ceiling_by": ceiling_name,
@@ -162,16 +177,17 @@ def main(argv=None):
         figures.update(torch_s=torch_s, torch_spread=torch_spread, ratio=torch_s / ours_s,
                        torch_gflops=flops / torch_s / 1e9)
 
-    rows = [("ours (IREE)", f"{ours_s:.3f} s", f"±{ours_spread * 50:.0f}%", f"{figures['gflops']:.0f} GFLOP/s")]
-    if peer_times:
-        rows.append(("transformers f32", f"{figures['torch_s']:.3f} s", f"±{figures['torch_spread'] * 50:.0f}%",
-                     f"{figures['torch_gflops']:.0f} GFLOP/s"))
+    if "transformers bf16" in times:
+        bf16_s, _ = median_spread(times["transformers bf16"])
+        figures.update(torch_bf16_s=bf16_s, ratio_vs_torch_bf16=bf16_s / ours_s)
     print(f"{args.preset}, bucket {args.bucket}, images {args.images}, {args.threads} threads, "
-          f"{figures['gflop']:.0f} GFLOP of work, flags {args.flag or 'default'}")
-    for row in rows:
-        print("  {:<18} {:>9} {:>6} {:>14}".format(*row))
+          f"{figures['gflop']:.0f} GFLOP of work, precision {args.precision}, flags {args.flag or 'default'}")
+    for name, t in times.items():
+        m, spread = median_spread(t)
+        print(f"  {name:<18} {m:8.3f} s  ±{spread * 50:3.0f}%  {flops / m / 1e9:5.0f} GFLOP/s  "
+              f"ratio (it / ours) {m / ours_s:5.2f}")
     if peer_times:
-        print(f"  ratio (torch / ours)  {figures['ratio']:.3f}   rel L2 vs torch {error:.2e}")
+        print(f"  rel L2 of ours vs transformers f32: {error:.2e}")
     print(f"  matmul ceiling ({ceiling_name}) {ceiling:.0f} GFLOP/s; ours reaches {figures['ceiling_fraction']:.0%}")
     print(f"  emit {emit_s:.3f} s, compile {compile_s:.1f} s, vmfb {len(vmfb) / 1e6:.2f} MB, "
           f"weights {figures['weights_bytes'] / 1e9:.2f} GB, peak RSS {figures['peak_rss_bytes'] / 1e9:.2f} GB")

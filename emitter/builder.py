@@ -14,7 +14,7 @@ from math import prod
 
 import numpy as np
 
-DTYPES = ("f32", "i32", "i64", "i1")
+DTYPES = ("f32", "bf16", "i32", "i64", "i1")
 COMPARE_DIRECTIONS = ("EQ", "NE", "GE", "GT", "LE", "LT")
 REDUCE_INIT = {  # (kind, dtype) -> identity element
     ("add", "f32"): 0.0, ("maximum", "f32"): float("-inf"),
@@ -238,8 +238,9 @@ class Builder:
 
     # -- contractions and reductions --------------------------------------------
     def dot_general(self, a: Value, b: Value, contract: tuple[list, list], batch: tuple[list, list] = ([], []),
-                    hint=None) -> Value:
-        """Result dims: batch dims, then a's free dims, then b's free dims."""
+                    hint=None, result_dtype: str | None = None) -> Value:
+        """Result dims: batch dims, then a's free dims, then b's free dims; the result
+        dtype may be wider than the operands' (bf16 x bf16 -> f32 accumulates in f32)."""
         (ca, cb), (ba, bb) = contract, batch
         for dims, v in ((list(ca) + list(ba), a), (list(cb) + list(bb), b)):
             if len(set(dims)) != len(dims) or any(not 0 <= d < v.rank for d in dims):
@@ -249,7 +250,7 @@ class Builder:
             raise BuildError(f"dot_general: {a.type} x {b.type} cannot contract {contract} batch {batch}")
         free_a = [d for i, d in enumerate(a.shape) if i not in ca and i not in ba]
         free_b = [d for i, d in enumerate(b.shape) if i not in cb and i not in bb]
-        t = TensorType([a.shape[i] for i in ba] + free_a + free_b, a.dtype)
+        t = TensorType([a.shape[i] for i in ba] + free_a + free_b, result_dtype or a.dtype)
         dims = f"contracting_dims = [{_ints(ca)}] x [{_ints(cb)}]"
         if ba:
             dims = f"batching_dims = [{_ints(ba)}] x [{_ints(bb)}], " + dims

@@ -58,11 +58,13 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
 @click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
               help="With --diagnostics: a block whose inner stages to return (repeatable; "
                    "default the first and the last block).")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help="bf16: matmul weights and operands in bf16, f32 accumulation, norms and softmax.")
 @click.option("--explain", is_flag=True,
               help="Print the artifact identity (sha256) and the fields it hashes, instead of MLIR.")
 @click.option("--target", default=None, metavar="T", help="With --explain: the compile target (default llvm-cpu).")
 @click.option("-o", "--output", metavar="FILE", help="Write the MLIR here instead of stdout.")
-def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, explain, target, output):
+def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, precision, explain, target, output):
     """Emit the Qwen3-VL vision tower (all DeepStack mergers) for one bucket as StableHLO MLIR.
 
     With no --model or --preset it emits the Qwen3-VL-2B preset, so it needs no files.
@@ -76,9 +78,10 @@ def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, explain, 
         if explain:
             from .identity import explain_identity
             text = explain_identity(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect,
-                                    model_dir=model, target=target)
+                                    model_dir=model, target=target, precision=precision)
         else:
-            text = emit_vision_module(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect, title=title)
+            text = emit_vision_module(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect, title=title,
+                                      precision=precision)
         if output:
             write_atomic(output, text)
         else:

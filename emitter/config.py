@@ -184,6 +184,42 @@ def preset(name: str) -> VisionConfig:
         raise ConfigError(f"--preset {name!r}: unknown preset; expected one of {', '.join(PRESETS)}") from None
 
 
+PRECISIONS = ("f32", "bf16")  # bf16: matmul operands in bf16, accumulation, norms and softmax in f32
+CONV_WEIGHT = "model.visual.patch_embed.proj.weight"
+MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One graph weight argument: its checkpoint name, the shape and dtype the graph
+    takes, and what the host does to the checkpoint tensor to get there."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    host_transform: str
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
+    """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
+    (exact for bf16 checkpoints); norms, biases and the position table stay f32."""
+    check_precision(precision)
+    specs = []
+    for name, shape in weight_schema(cfg):
+        transforms = ["conv3d_flatten"] if name == CONV_WEIGHT else []
+        dtype = "f32"
+        if precision == "bf16" and name.endswith(MATMUL_WEIGHT_SUFFIXES):
+            dtype = "bf16"
+            transforms.append("round_to_bf16")
+        specs.append(WeightSpec(name, shape, dtype, "+".join(transforms) or "none"))
+    return specs
+
+
 def weight_schema(cfg: VisionConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Graph weight arguments in checkpoint order: (HF tensor name, shape the graph takes).
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import __version__
-from .config import VisionConfig, weight_schema
+from .config import VisionConfig, check_precision, graph_weights
 from .targets import DEFAULT_TARGET, TARGETS, target_flags
 from .vision import check_bucket, default_inspect_blocks, emit_vision_module
 
@@ -27,7 +27,6 @@ FORMAT_VERSION = 1
 # The default bucket ladder (patches per call): two 256x256 images fill 512.
 DEFAULT_LADDER = (64, 128, 256, 512)
 
-CONV_WEIGHT = "patch_embed.proj.weight"  # flattened to [hidden, patch_dim] on the host
 
 # A trivial module: compiling it to `preprocessing` materializes the device target.
 _PROBE = """func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {
@@ -50,11 +49,10 @@ def artifact_identity(fields: dict) -> str:
     return hashlib.sha256(canonical_json(fields).encode("ascii")).hexdigest()
 
 
-def weight_schema_fields(cfg: VisionConfig) -> dict:
+def weight_schema_fields(cfg: VisionConfig, precision: str = "f32") -> dict:
     """Compact weight schema: count and sha256 of the full [name, shape, dtype,
-    host_transform] list (the same list as `runtime.checkpoint.weight_schema_identity`)."""
-    schema = [[name, list(shape), "f32", "conv3d_flatten" if name.endswith(CONV_WEIGHT) else "none"]
-              for name, shape in weight_schema(cfg)]
+    host_transform] list (`config.graph_weights`)."""
+    schema = [[w.name, list(w.shape), w.dtype, w.host_transform] for w in graph_weights(cfg, precision)]
     digest = hashlib.sha256(canonical_json({"weights": schema}).encode("ascii")).hexdigest()
     return {"count": len(schema), "sha256": digest}
 
@@ -105,7 +103,7 @@ def target_fields(target: str, extra_flags=()) -> dict:
 
 def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None = DEFAULT_TARGET,
                     diagnostics: bool = False, inspect_blocks=None, compiler_version=None,
-                    extra_flags=()) -> dict:
+                    extra_flags=(), precision: str = "f32") -> dict:
     """Canonical JSON-able dict of everything that decides whether a compiled vmfb may
     be reused. `policy` is a `ProcessorPolicy` (or its `to_dict()`); `compiler_version`
     overrides the installed compiler's version (tests); `extra_flags` are appended to
@@ -125,27 +123,29 @@ def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None =
         "bucket": bucket,
         "diagnostics": diagnostics,
         "inspect_blocks": blocks,
+        "precision": check_precision(precision),
         "processor_policy": policy if isinstance(policy, dict) else policy.to_dict(),
-        "weight_schema": weight_schema_fields(cfg),
+        "weight_schema": weight_schema_fields(cfg, precision),
         # The emitted graph itself (title comment left out): guards against an emitter
         # change that nobody recorded in its version.
         "graph_sha256": hashlib.sha256(
             emit_vision_module(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect_blocks,
-                               title="").encode("utf-8")).hexdigest(),
+                               title="", precision=precision).encode("utf-8")).hexdigest(),
         "target": target_fields(target, extra_flags),
         "compiler": installed_compiler_version() if compiler_version is None else compiler_version,
     }
 
 
 def explain_identity(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
-                     model_dir: str | Path | None = None, target: str | None = None, policy=None) -> str:
+                     model_dir: str | Path | None = None, target: str | None = None, policy=None,
+                     precision: str = "f32") -> str:
     """Human text: the identity and the fields it hashes (pretty JSON). The policy comes
     from `model_dir`'s preprocessor config when given, else the released default."""
     from .policy import DEFAULT_POLICY, load_policy
     if policy is None:
         policy = load_policy(model_dir) if model_dir else DEFAULT_POLICY
     fields = artifact_fields(cfg, bucket, policy, target=target, diagnostics=diagnostics,
-                             inspect_blocks=inspect_blocks)
+                             inspect_blocks=inspect_blocks, precision=precision)
     return format_explanation(fields)
 
 

@@ -15,9 +15,18 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_TANH_CUBIC = 0.044715
 
 
+def matmul(b: Builder, x: Value, y: Value, contract, batch=([], []), operand_dtype: str = "f32",
+           hint: str = "matmul") -> Value:
+    """dot_general with operands in `operand_dtype` (converted if needed) and an f32 result."""
+    x, y = (v if v.dtype == operand_dtype else b.convert(v, operand_dtype, hint=f"{hint}_{operand_dtype}")
+            for v in (x, y))
+    return b.dot_general(x, y, contract=contract, batch=batch, hint=hint, result_dtype="f32")
+
+
 def linear(b: Builder, x: Value, weight: Value, bias: Value, hint: str = "linear") -> Value:
-    """x @ weight.T + bias for a [out, in] weight, as the checkpoint stores it."""
-    y = b.dot_general(x, weight, contract=([x.rank - 1], [1]), hint=hint + "_matmul")
+    """x @ weight.T + bias for a [out, in] weight, as the checkpoint stores it; the
+    matmul takes its operands in the weight's dtype (f32, or bf16 under that policy)."""
+    y = matmul(b, x, weight, ([x.rank - 1], [1]), operand_dtype=weight.dtype, hint=hint + "_matmul")
     return b.add(y, b.broadcast_in_dim(bias, y.shape, [y.rank - 1], hint=hint + "_bias"), hint=hint)
 
 
@@ -97,9 +106,11 @@ def segment_mask(b: Builder, segment_ids: Value) -> Value:
 
 
 def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, mask: Value, num_heads: int) -> Value:
-    """Packed multi-head self-attention with fused [Q|K|V] projection and 2-D RoPE."""
+    """Packed multi-head self-attention with fused [Q|K|V] projection and 2-D RoPE; the
+    score and context matmuls take their operands in the attention weights' dtype."""
     n, hidden = x.shape
     head_dim = hidden // num_heads
+    operand_dtype = w["attn.qkv.weight"].dtype
     qkv = b.reshape(linear(b, x, w["attn.qkv.weight"], w["attn.qkv.bias"], "qkv"), (n, 3, num_heads, head_dim))
 
     def head_major(i, name, rope):
@@ -110,10 +121,10 @@ def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, mask: Value
         return b.transpose(part, [1, 0, 2], hint=name)  # [heads, B, head_dim]
 
     q, k, v = head_major(0, "q", True), head_major(1, "k", True), head_major(2, "v", False)
-    scores = b.dot_general(q, k, contract=([2], [2]), batch=([0], [0]), hint="scores")
+    scores = matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
     scores = b.multiply(scores, b.scalar(head_dim ** -0.5, scores, "scale"), hint="scores")
     scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
-    context = b.dot_general(softmax(b, scores), v, contract=([2], [1]), batch=([0], [0]), hint="context")
+    context = matmul(b, softmax(b, scores), v, ([2], [1]), ([0], [0]), operand_dtype, hint="context")
     context = b.reshape(b.transpose(context, [1, 0, 2]), (n, hidden), hint="context")
     return linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
 

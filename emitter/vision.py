@@ -20,7 +20,7 @@ import numpy as np
 
 from . import __version__
 from .builder import Builder, Value
-from .config import VisionConfig, weight_schema
+from .config import VisionConfig, graph_weights
 from .layers import attention, layer_norm, linear, merger, mlp, rotary_tables, segment_mask
 
 HF_PREFIX = "model.visual."
@@ -105,11 +105,12 @@ def block(b: Builder, x: Value, w: dict, cos, sin, mask, cfg: VisionConfig, stag
     return x
 
 
-def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int) -> tuple[list[Value], dict[str, Value]]:
+def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: str = "f32"
+                       ) -> tuple[list[Value], dict[str, Value]]:
     """Emit the tower into `b`; returns (outputs, every named stage)."""
     inputs = {name: b.argument(name, shape, dtype) for name, shape, dtype in input_specs(cfg, bucket)}
-    weights = {name[len(HF_PREFIX):]: b.argument(name[len(HF_PREFIX):], shape, abi_name=name)
-               for name, shape in weight_schema(cfg)}
+    weights = {w.name[len(HF_PREFIX):]: b.argument(w.name[len(HF_PREFIX):], w.shape, w.dtype, abi_name=w.name)
+               for w in graph_weights(cfg, precision)}
 
     def group(prefix):
         return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
@@ -152,18 +153,20 @@ def _template() -> jinja2.Template:
 
 
 def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
-                       title: str = "") -> str:
-    """MLIR text of the vision tower for one bucket (deterministic: same input, same bytes)."""
+                       title: str = "", precision: str = "f32") -> str:
+    """MLIR text of the vision tower for one bucket (deterministic: same input, same bytes).
+    `precision` "bf16" takes the matmul weights in bf16 and runs every matmul on bf16
+    operands with f32 accumulation; everything else stays f32."""
     check_bucket(bucket, cfg)
     if inspect_blocks is not None:
         bad = [i for i in inspect_blocks if not 0 <= i < cfg.depth]
         if bad:
             raise BucketError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
     b = Builder()
-    outputs, stages = build_vision_graph(b, cfg, bucket)
+    outputs, stages = build_vision_graph(b, cfg, bucket, precision)
     values = outputs + ([stages[name] for name in stage_names(cfg, inspect_blocks)] if diagnostics else [])
     results = list(zip(result_names(cfg, diagnostics, inspect_blocks), values))
     return _template().render(
-        title=title, version=__version__, bucket=bucket, diagnostics=diagnostics,
+        title=title, version=__version__, bucket=bucket, diagnostics=diagnostics, precision=precision,
         config=cfg.to_dict(), arguments=b.arguments, body=b.lines, results=results,
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from emitter.cli import parse_bucket, resolve_config
-from emitter.config import VisionConfig
+from emitter.config import VisionConfig, check_precision
 from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, format_explanation
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.targets import DEFAULT_TARGET, target_flags
@@ -27,10 +27,12 @@ class BuildPlan:
     target: str
     diagnostics: bool = False
     inspect_blocks: tuple[int, ...] | None = None
+    precision: str = "f32"
 
     def fields(self, bucket: int) -> dict:
         return artifact_fields(self.cfg, bucket, self.policy, target=self.target,
-                               diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks)
+                               diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks,
+                               precision=self.precision)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class BuildResult:
 
 
 def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,
-              diagnostics: bool = False, inspect_blocks=None) -> BuildPlan:
+              diagnostics: bool = False, inspect_blocks=None, precision: str = "f32") -> BuildPlan:
     """Check every input before anything is compiled; ValueError naming the bad one."""
     if model and not Path(model).is_dir():
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
@@ -62,12 +64,13 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
         bad = [i for i in inspect if not 0 <= i < cfg.depth]
         if bad:
             raise ValueError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
-    return BuildPlan(cfg, title, policy, tuple(parsed), target, bool(diagnostics), inspect)
+    return BuildPlan(cfg, title, policy, tuple(parsed), target, bool(diagnostics), inspect,
+                     check_precision(precision))
 
 
 def emit_and_compile(plan: BuildPlan, bucket: int) -> bytes:
     text = emit_vision_module(plan.cfg, bucket, diagnostics=plan.diagnostics,
-                              inspect_blocks=plan.inspect_blocks, title=plan.title)
+                              inspect_blocks=plan.inspect_blocks, title=plan.title, precision=plan.precision)
     return compile_mlir(text, plan.target)
 
 

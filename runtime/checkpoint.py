@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter.config import VisionConfig, weight_schema
+from emitter.config import VisionConfig, graph_weights, weight_schema
 
 HF_PREFIX = "model.visual."
 VISION_PREFIXES = ("model.visual.", "visual.", "vision_tower.")  # in order of preference
@@ -54,15 +54,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int
     end: int
-
-
-# --------------------------------------------------------------------------- identity
-
-def weight_schema_identity(cfg: VisionConfig) -> list[list]:
-    """The weight schema as plain data for artifact identity:
-    [name, shape, "f32", host_transform] per graph weight argument, in order."""
-    return [[name, list(shape), "f32", "conv3d_flatten" if name.endswith(CONV_NAME) else "none"]
-            for name, shape in weight_schema(cfg)]
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -395,6 +386,9 @@ def load_vision_weights(model_dir: str | Path, cfg: VisionConfig) -> dict[str, n
     return out
 
 
-def weights_in_order(weights: dict[str, np.ndarray], cfg: VisionConfig) -> list[np.ndarray]:
-    """The arrays of `load_vision_weights` as the graph's ordered weight arguments."""
-    return [weights[name] for name, _ in weight_schema(cfg)]
+def weights_in_order(weights: dict[str, np.ndarray], cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
+    """The arrays of `load_vision_weights` as the graph's ordered weight arguments, each
+    in the dtype the graph takes under `precision` (bf16: round to nearest even)."""
+    import ml_dtypes
+    return [weights[w.name] if w.dtype == "f32" else weights[w.name].astype(ml_dtypes.bfloat16)
+            for w in graph_weights(cfg, precision)]

@@ -39,9 +39,11 @@ def presets():
 @click.option("--diagnostics", is_flag=True, help="Build the diagnostics variant (named intermediate stages).")
 @click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
               help="With --diagnostics: a block whose inner stages to return (repeatable).")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
 @click.option("--explain", is_flag=True,
               help="Print each bucket's identity, cache state and hashed fields; compile nothing.")
-def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, explain):
+def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, precision, explain):
     """Compile every asked bucket into the artifact cache (hits compile nothing)."""
     from .build import build_bucket, explain_plan, make_plan
     from .cache import ArtifactCache
@@ -50,7 +52,7 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
     try:
         if not model and not preset_name:
             raise ValueError("--model DIR or --preset NAME: give one")
-        plan = make_plan(model, preset_name, buckets, target, diagnostics, inspect_blocks)
+        plan = make_plan(model, preset_name, buckets, target, diagnostics, inspect_blocks, precision)
         cache = ArtifactCache(cache_dir)
         if explain:
             click.echo(explain_plan(plan, cache), nl=False)
@@ -77,12 +79,15 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
 @click.option("--threads", type=int, metavar="N", help="IREE worker threads (default: one per core).")
-def run(model, images, output, buckets, target, cache_dir, threads):
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
+def run(model, images, output, buckets, target, cache_dir, threads, precision):
     """Encode images: merged image embeddings and the DeepStack features, in image order."""
     from .run import run_images
 
     try:
-        click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say))
+        click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say,
+                              precision=precision))
     except (ValueError, OSError) as e:
         fail(str(e))
 

@@ -57,15 +57,17 @@ class VisionSession:
     copy that later calls never touch."""
 
     def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
-                 threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None):
+                 threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None,
+                 precision: str = "f32"):
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
-        self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks)
+        self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks,
+                              precision)
         self.cfg, self.policy = self.plan.cfg, self.plan.policy
         self.cache = ArtifactCache(cache_dir)
         self.progress = progress
         self.seconds = {}
-        weights = weights_in_order(load_vision_weights(model_dir, self.cfg), self.cfg)
+        weights = weights_in_order(load_vision_weights(model_dir, self.cfg), self.cfg, precision)
         self.weight_bytes = sum(w.nbytes for w in weights)
         self.seconds["load"] = time.perf_counter() - start
         if threads:

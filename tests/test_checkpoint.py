@@ -15,7 +15,7 @@ import pytest
 from emitter.config import PRESETS, load_model_config, weight_schema
 from runtime import checkpoint as ck
 from runtime.checkpoint import (CheckpointError, dequantize_mlx, load_vision_weights, pack_mlx,
-                                read_safetensors_header, unpack_mlx, weight_schema_identity)
+                                read_safetensors_header, unpack_mlx)
 from runtime.synthetic import (DEFAULT_PROCESSOR, quantize_mlx, round_to_dtype, write_checkpoint,
                                write_safetensors)
 
@@ -87,42 +87,6 @@ def one_line_naming(err: pytest.ExceptionInfo, *parts: str) -> str:
 
 
 # --------------------------------------------------------------------------- identity, folder
-
-def test_weight_schema_identity():
-    ident = weight_schema_identity(CFG)
-    assert [row[0] for row in ident] == [name for name, _ in weight_schema(CFG)]
-    assert ident[0] == [CONV, [CFG.hidden_size, 1536], "f32", "conv3d_flatten"]
-    assert all(row[2] == "f32" and row[3] == "none" for row in ident[1:])
-    assert json.loads(json.dumps(ident)) == ident
-
-
-def test_weight_schema_identity_agrees_with_emitter():
-    identity = pytest.importorskip("emitter.identity")
-    if not hasattr(identity, "weight_schema_fields"):
-        pytest.skip("emitter.identity has no weight_schema_fields")
-    ident = {"weights": weight_schema_identity(CFG)}
-    digest = hashlib.sha256(identity.canonical_json(ident).encode("ascii")).hexdigest()
-    assert identity.weight_schema_fields(CFG) == {"count": len(ident["weights"]), "sha256": digest}
-
-
-def test_synthetic_folder_contents(tmp_path):
-    write_checkpoint(tmp_path / "a", CFG)
-    write_checkpoint(tmp_path / "b", CFG, processor_policy_dict={"patch_size": 16, "custom": 1})
-    write_checkpoint(tmp_path / "c", CFG, layout="mlx", bits=4, group_size=32)
-    assert load_model_config(tmp_path / "a") == CFG
-    assert load_model_config(tmp_path / "c") == CFG
-    other = dataclasses.replace(CFG, rope_theta=5000.0, num_position_embeddings=64)
-    write_checkpoint(tmp_path / "d", other, model_type="qwen3_vl_moe")
-    assert load_model_config(tmp_path / "d") == other
-    assert json.loads((tmp_path / "a" / "preprocessor_config.json").read_text()) == DEFAULT_PROCESSOR
-    custom = json.loads((tmp_path / "b" / "preprocessor_config.json").read_text())
-    assert custom == {"patch_size": 16, "custom": 1}
-    config = json.loads((tmp_path / "c" / "config.json").read_text())
-    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
-    assert config["text_config"]["hidden_size"] == CFG.out_hidden_size
-    names = read_safetensors_header(tmp_path / "a" / "model.safetensors")
-    assert any(n.startswith("model.language_model.") for n in names)
-
 
 def test_synthetic_is_deterministic(tmp_path):
     for d, seed in (("a", 3), ("b", 3), ("c", 4)):
@@ -500,3 +464,22 @@ def test_synthetic_weights_match_parity_fixture(tmp_path):
         assert e.dtype == "F32"
         ref = np.frombuffer(data[e.begin:e.end], "<f4").reshape(shape)
         np.testing.assert_array_equal(weights[name], ref, err_msg=name)
+
+
+def test_synthetic_folder_contents(tmp_path):
+    write_checkpoint(tmp_path / "a", CFG)
+    write_checkpoint(tmp_path / "b", CFG, processor_policy_dict={"patch_size": 16, "custom": 1})
+    write_checkpoint(tmp_path / "c", CFG, layout="mlx", bits=4, group_size=32)
+    assert load_model_config(tmp_path / "a") == CFG
+    assert load_model_config(tmp_path / "c") == CFG
+    other = dataclasses.replace(CFG, rope_theta=5000.0, num_position_embeddings=64)
+    write_checkpoint(tmp_path / "d", other, model_type="qwen3_vl_moe")
+    assert load_model_config(tmp_path / "d") == other
+    assert json.loads((tmp_path / "a" / "preprocessor_config.json").read_text()) == DEFAULT_PROCESSOR
+    custom = json.loads((tmp_path / "b" / "preprocessor_config.json").read_text())
+    assert custom == {"patch_size": 16, "custom": 1}
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    assert config["text_config"]["hidden_size"] == CFG.out_hidden_size
+    names = read_safetensors_header(tmp_path / "a" / "model.safetensors")
+    assert any(n.startswith("model.language_model.") for n in names)

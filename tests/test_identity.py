@@ -40,7 +40,7 @@ def test_deterministic_and_json(base):
     assert fields["target"]["backend"] == "llvm-cpu"
     assert fields["target"]["host_cpu"]["name"] and "+" in fields["target"]["host_cpu"]["features"]
     assert fields["compiler"]["version"].startswith("3.13")
-    assert fields["weight_schema"]["count"] == len(ident.weight_schema(TINY))
+    assert fields["weight_schema"]["count"] == len(ident.graph_weights(TINY))
 
 
 def _policy_variants():
@@ -114,19 +114,28 @@ def test_compiler_version_changes_identity(base):
 
 
 def test_weight_schema_change_changes_identity(base, monkeypatch):
-    real = ident.weight_schema
+    import dataclasses
+    real = ident.graph_weights
 
-    def renamed(cfg):
-        schema = real(cfg)
-        return [(schema[0][0] + "_x", schema[0][1])] + schema[1:]
+    def renamed(cfg, precision):
+        schema = real(cfg, precision)
+        return [dataclasses.replace(schema[0], name=schema[0].name + "_x")] + schema[1:]
 
-    def reshaped(cfg):
-        schema = real(cfg)
-        return schema[:-1] + [(schema[-1][0], schema[-1][1] + (1,))]
+    def reshaped(cfg, precision):
+        schema = real(cfg, precision)
+        return schema[:-1] + [dataclasses.replace(schema[-1], shape=schema[-1].shape + (1,))]
 
-    for fake in (renamed, reshaped):
-        monkeypatch.setattr(ident, "weight_schema", fake)
+    def retyped(cfg, precision):
+        schema = real(cfg, precision)
+        return schema[:-1] + [dataclasses.replace(schema[-1], dtype="bf16")]
+
+    for fake in (renamed, reshaped, retyped):
+        monkeypatch.setattr(ident, "graph_weights", fake)
         assert ident_of() != base
+
+
+def test_precision_changes_identity(base):
+    assert ident_of(precision="bf16") != base
 
 
 def test_emitted_graph_change_changes_identity(base, monkeypatch):
