@@ -57,17 +57,61 @@ def attention_no_transpose(b, x, w, cos, sin, mask, num_heads):
     return layers.linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
 
 
+def attention_core_removed(b, x, w, cos, sin, mask, num_heads):
+    """Diagnostic only (wrong output): qkv and proj kept, scores/softmax/context dropped,
+    to measure what the attention core costs."""
+    n, hidden = x.shape
+    qkv = layers.linear(b, x, w["attn.qkv.weight"], w["attn.qkv.bias"], "qkv")
+    v = b.slice(qkv, (0, 2 * hidden), (n, 3 * hidden), hint="v")
+    return layers.linear(b, v, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
+
+
+def attention_lean_softmax(b, x, w, cos, sin, mask, num_heads):
+    """q scaled before the scores (B*D multiplies, not B*B) and the softmax division
+    deferred to the context (B*D divisions, not B*B)."""
+    n, hidden = x.shape
+    head_dim = hidden // num_heads
+    qkv = b.reshape(layers.linear(b, x, w["attn.qkv.weight"], w["attn.qkv.bias"], "qkv"), (n, 3, num_heads, head_dim))
+
+    def head_major(i, name, rope):
+        part = b.reshape(b.slice(qkv, (0, i, 0, 0), (n, i + 1, num_heads, head_dim)), (n, num_heads, head_dim), hint=name)
+        if rope:
+            part = layers.apply_rotary(b, part, cos, sin)
+        return b.transpose(part, [1, 0, 2], hint=name)
+
+    q, k, v = head_major(0, "q", True), head_major(1, "k", True), head_major(2, "v", False)
+    q = b.multiply(q, b.scalar(head_dim ** -0.5, q, "scale"), hint="q_scaled")
+    scores = b.dot_general(q, k, contract=([2], [2]), batch=([0], [0]), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+    last, keep = 2, [0, 1]
+    peak = b.broadcast_in_dim(b.reduce(scores, [last], "maximum", hint="peak"), scores.shape, keep, hint="peak")
+    e = b.exponential(b.subtract(scores, peak, hint="shifted"), hint="exp")
+    denom = b.broadcast_in_dim(b.reduce(e, [last], "add", hint="denom"), (num_heads, n, head_dim), keep, hint="denom")
+    context = b.divide(b.dot_general(e, v, contract=([2], [1]), batch=([0], [0]), hint="context"), denom, hint="context")
+    context = b.reshape(b.transpose(context, [1, 0, 2]), (n, hidden), hint="context")
+    return layers.linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
+
+
 VARIANTS = {
     "baseline": (None, []),
     "no_data_tiling": (None, ["--iree-opt-data-tiling=false"]),
     "ukernels": (None, ["--iree-llvmcpu-enable-ukernels=all"]),
     "O3": (None, ["--iree-opt-level=O3"]),
     "no_transpose_attention": ((vision, "attention", attention_no_transpose), []),
+    "lean_softmax": ((vision, "attention", attention_lean_softmax), []),
+    "diag_no_attention_core": ((vision, "attention", attention_core_removed), []),
 }
 
 
-def emit(cfg, bucket, variant):
-    patch, _ = VARIANTS[variant]
+def variant(name):
+    """A named variant, or `flags:--a,--b` for the baseline graph with extra flags."""
+    if name.startswith("flags:"):
+        return None, name[len("flags:"):].split(",")
+    return VARIANTS[name]
+
+
+def emit(cfg, bucket, name):
+    patch, _ = variant(name)
     if patch is None:
         return vision.emit_vision_module(cfg, bucket)
     with patched(*patch):
@@ -76,7 +120,7 @@ def emit(cfg, bucket, variant):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("variants", nargs="+", choices=sorted(VARIANTS))
+    p.add_argument("variants", nargs="+", help=f"{', '.join(VARIANTS)}, or flags:--flag1,--flag2")
     p.add_argument("--preset", default="qwen3-vl-2b")
     p.add_argument("--bucket", type=int, default=512)
     p.add_argument("--images", default="256x256,256x256")
@@ -101,7 +145,7 @@ def main(argv=None):
     modules, outputs = {}, {}
     for name in args.variants:
         start = time.perf_counter()
-        modules[name] = LoadedModule(compile_mlir(emit(cfg, args.bucket, name), extra_flags=VARIANTS[name][1]),
+        modules[name] = LoadedModule(compile_mlir(emit(cfg, args.bucket, name), extra_flags=variant(name)[1]),
                                      config=config)
         print(f"{name}: compiled in {time.perf_counter() - start:.1f} s", flush=True)
         outputs[name] = modules[name](*inputs, *device_weights)[0]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 
+from .atomic import write_atomic  # noqa: F401  (re-exported for the runtime)
 from .config import DEFAULT_PRESET, VisionConfig, load_model_config, preset
 
 
@@ -33,20 +32,6 @@ def resolve_config(model: str | None, preset_name: str | None) -> tuple[VisionCo
         return load_model_config(model), f"model {Path(model).name}"
     name = preset_name or DEFAULT_PRESET
     return preset(name), f"preset {name}"
-
-
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write via a temp file in the same folder and rename: never a half-written file."""
-    path = Path(path)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode) as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 LAYER_NORM_EPS = 1e-6  # hard-coded in transformers' Qwen3-VL, not in any config

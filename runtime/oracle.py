@@ -520,8 +520,8 @@ def format_table(report: dict) -> str:
     tol = report["tolerances"]
     dev = report["device"]
     lines = [f"model      {report['model']['path']}",
-             f"images     " + ", ".join(f"{i['path']} {tuple(i['grid_thw'])}" for i in report["images"]),
-             f"calls      " + ", ".join(f"bucket {c['bucket']} (images {c['images']}, {c['patches']} patches)"
+             "images     " + ", ".join(f"{i['path']} {tuple(i['grid_thw'])}" for i in report["images"]),
+             "calls      " + ", ".join(f"bucket {c['bucket']} (images {c['images']}, {c['patches']} patches)"
                                       for c in report["calls"]),
              f"device     {dev['target']} ({dev['driver']}), {dev['cpu']}; reference {report['reference']['dtype']}",
              f"tolerance  atol {tol['atol']:g}, rtol {tol['rtol']:g}, max rel L2 {tol['max_rel_l2']:g}",

@@ -18,12 +18,11 @@ numpy only; torch and transformers are the parity reference in the tests, never 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
+
+from emitter.atomic import write_atomic
 
 # Token ids of Qwen3-VL's tokenizer (transformers' Qwen3VLConfig defaults:
 # vision_start_token_id, vision_end_token_id, image_token_id, video_token_id).
@@ -354,17 +353,7 @@ def save_payload(path, payload: PrefillPayload) -> None:
     }
     data = save({k: np.require(v, requirements="C") for k, v in tensors.items()},  # keeps 0-d
                 metadata={"format": PAYLOAD_FORMAT, "version": PAYLOAD_VERSION})
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, data)
 
 
 def load_payload(path) -> PrefillPayload:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import save
+
+from emitter.atomic import write_atomic
 
 from .packing import pack
 from .processor import process_images
@@ -18,20 +18,12 @@ from .session import VisionOutput, VisionSession
 def save_features(path, out: VisionOutput) -> None:
     """image_embeds [M, D] f32, deepstack_features [K, M, D] f32, grid_thw [n, 3] int64;
     written to a temp file and renamed, so a failure leaves no partial file."""
-    path = Path(path)
     tensors = {
         "image_embeds": np.ascontiguousarray(out.image_embeds, np.float32),
         "deepstack_features": np.ascontiguousarray(out.deepstack_features, np.float32),
         "grid_thw": np.ascontiguousarray(out.grid_thw, np.int64),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "qwen3vl-iree features v1"})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, save(tensors, metadata={"format": "qwen3vl-iree features v1"}))
 
 
 def check_output_path(path) -> None:

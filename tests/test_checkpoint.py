@@ -5,7 +5,6 @@ text tensors never read, and every error a broken folder can raise."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 

@@ -4,7 +4,6 @@ softmax in f32. An option, never the default; part of the artifact identity."""
 from __future__ import annotations
 
 import ml_dtypes
-import numpy as np
 import pytest
 
 from conftest import rel_l2

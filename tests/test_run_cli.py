@@ -16,7 +16,6 @@ from safetensors.numpy import load_file
 
 from conftest import rel_l2
 from emitter.config import PRESETS
-from emitter.policy import load_policy
 from runtime.checkpoint import load_vision_weights
 from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
