@@ -92,6 +92,21 @@ def attention_lean_softmax(b, x, w, cos, sin, mask, num_heads):
     return layers.linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
 
 
+def gelu_removed(b, x):
+    """Diagnostic only (wrong output): what the blocks' tanh GELU costs."""
+    return x
+
+
+def gelu_tanh_via_exp(b, x):
+    """tanh(u) = 1 - 2 / (exp(2u) + 1): one exp and one divide instead of IREE's tanh."""
+    cube = b.multiply(b.multiply(x, x, hint="x2"), x, hint="x3")
+    inner = b.add(x, b.multiply(b.scalar(layers.GELU_TANH_CUBIC, x), cube), hint="inner")
+    two_u = b.multiply(b.scalar(2 * layers.SQRT_2_OVER_PI, x), inner)
+    # 0.5 x (1 + tanh u) = x - x / (exp(2u) + 1)
+    denom = b.add(b.exponential(two_u), b.scalar(1.0, x))
+    return b.subtract(x, b.divide(x, denom), hint="gelu")
+
+
 VARIANTS = {
     "baseline": (None, []),
     "no_data_tiling": (None, ["--iree-opt-data-tiling=false"]),
@@ -99,6 +114,8 @@ VARIANTS = {
     "O3": (None, ["--iree-opt-level=O3"]),
     "no_transpose_attention": ((vision, "attention", attention_no_transpose), []),
     "lean_softmax": ((vision, "attention", attention_lean_softmax), []),
+    "diag_no_gelu": ((layers, "gelu_tanh", gelu_removed), []),
+    "gelu_via_exp": ((layers, "gelu_tanh", gelu_tanh_via_exp), []),
     "diag_no_attention_core": ((vision, "attention", attention_core_removed), []),
 }
 
