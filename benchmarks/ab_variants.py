@@ -109,6 +109,7 @@ def gelu_tanh_via_exp(b, x):
 
 VARIANTS = {
     "baseline": (None, []),
+    "parameters": (None, [], "parameters"),
     "no_data_tiling": (None, ["--iree-opt-data-tiling=false"]),
     "ukernels": (None, ["--iree-llvmcpu-enable-ukernels=all"]),
     "O3": (None, ["--iree-opt-level=O3"]),
@@ -124,15 +125,20 @@ def variant(name):
     """A named variant, or `flags:--a,--b` for the baseline graph with extra flags."""
     if name.startswith("flags:"):
         return None, name[len("flags:"):].split(",")
-    return VARIANTS[name]
+    return VARIANTS[name][:2]
+
+
+def binding(name) -> str:
+    spec = VARIANTS.get(name, ())
+    return spec[2] if len(spec) > 2 else "arguments"
 
 
 def emit(cfg, bucket, name):
     patch, _ = variant(name)
     if patch is None:
-        return vision.emit_vision_module(cfg, bucket)
+        return vision.emit_vision_module(cfg, bucket, weights=binding(name))
     with patched(*patch):
-        return vision.emit_vision_module(cfg, bucket)
+        return vision.emit_vision_module(cfg, bucket, weights=binding(name))
 
 
 def main(argv=None):
@@ -146,7 +152,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import iree.runtime as rt
-    from runtime.iree_module import LoadedModule
+    from runtime.iree_module import LoadedModule, parameters_module
     from runtime.session import set_thread_count
 
     cfg = PRESETS[args.preset]
@@ -155,22 +161,27 @@ def main(argv=None):
     weights = random_vision_weights(cfg, seed=0)
     set_thread_count(args.threads)
     config = rt.Config("local-task")
-    device_weights = [rt.asdevicearray(config.device, np.ascontiguousarray(weights[n].reshape(s)))
-                      for n, s in weight_schema(cfg)]
+    host_weights = [(n, np.ascontiguousarray(weights[n].reshape(s))) for n, s in weight_schema(cfg)]
+    device_weights = [rt.asdevicearray(config.device, a) for _, a in host_weights]
+    params = parameters_module(config, host_weights)
     del weights
     inputs = host_inputs(pixels, grids, cfg, args.bucket)
     modules, outputs = {}, {}
+
+    def call(name, module):
+        return module(*inputs, *(device_weights if binding(name) == "arguments" else []))
+
     for name in args.variants:
         start = time.perf_counter()
         modules[name] = LoadedModule(compile_mlir(emit(cfg, args.bucket, name), extra_flags=variant(name)[1]),
-                                     config=config)
+                                     config=config, modules=[params] if binding(name) == "parameters" else [])
         print(f"{name}: compiled in {time.perf_counter() - start:.1f} s", flush=True)
-        outputs[name] = modules[name](*inputs, *device_weights)[0]
+        outputs[name] = call(name, modules[name])[0]
     times = {name: [] for name in args.variants}
     for i in range(args.repeats + 1):
         for name, module in modules.items():
             start = time.perf_counter()
-            module(*inputs, *device_weights)
+            call(name, module)
             if i:
                 times[name].append(time.perf_counter() - start)
     flops = vision_flops(cfg, grids, args.bucket)

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # torch_reference (the parity harness) for the peer
 
 from emitter.config import PRESETS, VisionConfig, weight_schema  # noqa: E402
+from emitter.config import graph_weights as graph_weight_specs  # noqa: E402
 from emitter.vision import emit_vision_module  # noqa: E402
 from runtime.checkpoint import weights_in_order  # noqa: E402
 from runtime.compiler import compile_mlir  # noqa: E402
@@ -85,13 +86,15 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
                    help="ours in bf16 matmuls: also times transformers in bf16; errors against f32")
+    p.add_argument("--weights", choices=["parameters", "arguments"], default="parameters",
+                   help="weight binding (the runtime's default: parameters)")
     p.add_argument("--flag", action="append", default=[], help="extra iree-compile flag (a lever to try)")
     p.add_argument("--no-torch", action="store_true", help="measure our side only")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
 
     import iree.runtime as rt
-    from runtime.iree_module import LoadedModule
+    from runtime.iree_module import LoadedModule, parameters_module
     from runtime.session import set_thread_count
 
     cfg = PRESETS[args.preset]
@@ -103,15 +106,22 @@ def main(argv=None):
                                      cfg, args.precision)
 
     start = time.perf_counter()
-    text = emit_vision_module(cfg, args.bucket, precision=args.precision)
+    text = emit_vision_module(cfg, args.bucket, precision=args.precision, weights=args.weights)
     emit_s = time.perf_counter() - start
     start = time.perf_counter()
     vmfb = compile_mlir(text, extra_flags=args.flag)
     compile_s = time.perf_counter() - start
 
     set_thread_count(args.threads)
-    module = LoadedModule(vmfb, config=rt.Config("local-task"))
-    device_weights = [module.upload(w) for w in graph_weights]
+    config = rt.Config("local-task")
+    if args.weights == "parameters":
+        params = parameters_module(config, [(w.name, a) for w, a in zip(graph_weight_specs(cfg, args.precision),
+                                                                        graph_weights)])
+        module = LoadedModule(vmfb, config=config, modules=[params])
+        device_weights = []
+    else:
+        module = LoadedModule(vmfb, config=config)
+        device_weights = [module.upload(w) for w in graph_weights]
     inputs = host_inputs(pixels, grids, cfg, args.bucket)
     merged = len(pixels) // cfg.merge_unit
 
@@ -164,7 +174,7 @@ def main(argv=None):
     ours_s, ours_spread = median_spread(ours_times)
     figures = {
         "preset": args.preset, "bucket": args.bucket, "images": args.images, "threads": args.threads,
-        "precision": args.precision,
+        "precision": args.precision, "weights": args.weights,
         "flags": args.flag, "ours_s": ours_s, "ours_spread": ours_spread,
         "torch_s": None, "torch_spread": None, "ratio": None, "rel_l2_vs_torch": error,
         "gflop": flops / 1e9, "gflops": flops / ours_s / 1e9, "ceiling_gflops": ceiling, "ceiling_by": ceiling_name,
@@ -181,7 +191,8 @@ def main(argv=None):
         bf16_s, _ = median_spread(times["transformers bf16"])
         figures.update(torch_bf16_s=bf16_s, ratio_vs_torch_bf16=bf16_s / ours_s)
     print(f"{args.preset}, bucket {args.bucket}, images {args.images}, {args.threads} threads, "
-          f"{figures['gflop']:.0f} GFLOP of work, precision {args.precision}, flags {args.flag or 'default'}")
+          f"{figures['gflop']:.0f} GFLOP of work, precision {args.precision}, weights {args.weights}, "
+          f"flags {args.flag or 'default'}")
     for name, t in times.items():
         m, spread = median_spread(t)
         print(f"  {name:<18} {m:8.3f} s  ±{spread * 50:3.0f}%  {flops / m / 1e9:5.0f} GFLOP/s  "

@@ -84,6 +84,7 @@ def _array(values) -> str:
 class Builder:
     def __init__(self):
         self.arguments: list[tuple[Value, str]] = []
+        self.globals: list[str] = []  # module-level declarations (parameter-backed weights)
         self.lines: list[str] = []
         self._names: set[str] = set()
         self._stage = "input"
@@ -119,6 +120,17 @@ class Builder:
     def argument(self, name: str, shape, dtype: str = "f32", abi_name: str | None = None) -> Value:
         value = Value(self._fresh(name), TensorType(shape, dtype))
         self.arguments.append((value, abi_name or name))
+        return value
+
+    def parameter(self, name: str, shape, dtype: str, key: str, scope: str = "model") -> Value:
+        """An immutable module global read from a parameter archive (`scope::key`), loaded
+        here. IREE hoists work that depends only on such globals (e.g. packing a weight into
+        the data-tiled layout) out of the function, into module initialization."""
+        t = TensorType(shape, dtype)
+        symbol = self._fresh("global." + name)
+        self.globals.append(f'util.global private @{symbol} = #stream.parameter.named<"{scope}"::"{key}"> : {t}')
+        value = Value(self._fresh(name), t)
+        self.lines.append(f'{value} = util.global.load @{symbol} : {t} loc("{key}")')
         return value
 
     # -- checks ------------------------------------------------------------

@@ -45,11 +45,13 @@ def resolve_config(model: str | None, preset_name: str | None) -> tuple[VisionCo
                    "default the first and the last block).")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help="bf16: matmul weights and operands in bf16, f32 accumulation, norms and softmax.")
+@click.option("--weights", type=click.Choice(["arguments", "parameters"]), default="arguments", show_default=True,
+              help="Weights as function arguments, or as globals read from a parameter archive (scope `model`).")
 @click.option("--explain", is_flag=True,
               help="Print the artifact identity (sha256) and the fields it hashes, instead of MLIR.")
 @click.option("--target", default=None, metavar="T", help="With --explain: the compile target (default llvm-cpu).")
 @click.option("-o", "--output", metavar="FILE", help="Write the MLIR here instead of stdout.")
-def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, precision, explain, target, output):
+def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, precision, weights, explain, target, output):
     """Emit the Qwen3-VL vision tower (all DeepStack mergers) for one bucket as StableHLO MLIR.
 
     With no --model or --preset it emits the Qwen3-VL-2B preset, so it needs no files.
@@ -63,10 +65,10 @@ def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, precision
         if explain:
             from .identity import explain_identity
             text = explain_identity(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect,
-                                    model_dir=model, target=target, precision=precision)
+                                    model_dir=model, target=target, precision=precision, weights=weights)
         else:
             text = emit_vision_module(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect, title=title,
-                                      precision=precision)
+                                      precision=precision, weights=weights)
         if output:
             write_atomic(output, text)
         else:

@@ -18,7 +18,7 @@ from pathlib import Path
 from . import __version__
 from .config import VisionConfig, check_precision, graph_weights
 from .targets import DEFAULT_TARGET, TARGETS, target_flags
-from .vision import check_bucket, default_inspect_blocks, emit_vision_module
+from .vision import check_binding, check_bucket, default_inspect_blocks, emit_vision_module
 
 # Bump when the meaning of a cached artifact changes in a way no other field records
 # (e.g. the calling convention of the emitted function).
@@ -103,7 +103,7 @@ def target_fields(target: str, extra_flags=()) -> dict:
 
 def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None = DEFAULT_TARGET,
                     diagnostics: bool = False, inspect_blocks=None, compiler_version=None,
-                    extra_flags=(), precision: str = "f32") -> dict:
+                    extra_flags=(), precision: str = "f32", weights: str = "arguments") -> dict:
     """Canonical JSON-able dict of everything that decides whether a compiled vmfb may
     be reused. `policy` is a `ProcessorPolicy` (or its `to_dict()`); `compiler_version`
     overrides the installed compiler's version (tests); `extra_flags` are appended to
@@ -124,13 +124,14 @@ def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None =
         "diagnostics": diagnostics,
         "inspect_blocks": blocks,
         "precision": check_precision(precision),
+        "weight_binding": check_binding(weights),
         "processor_policy": policy if isinstance(policy, dict) else policy.to_dict(),
         "weight_schema": weight_schema_fields(cfg, precision),
         # The emitted graph itself (title comment left out): guards against an emitter
         # change that nobody recorded in its version.
         "graph_sha256": hashlib.sha256(
             emit_vision_module(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect_blocks,
-                               title="", precision=precision).encode("utf-8")).hexdigest(),
+                               title="", precision=precision, weights=weights).encode("utf-8")).hexdigest(),
         "target": target_fields(target, extra_flags),
         "compiler": installed_compiler_version() if compiler_version is None else compiler_version,
     }
@@ -138,14 +139,14 @@ def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None =
 
 def explain_identity(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
                      model_dir: str | Path | None = None, target: str | None = None, policy=None,
-                     precision: str = "f32") -> str:
+                     precision: str = "f32", weights: str = "arguments") -> str:
     """Human text: the identity and the fields it hashes (pretty JSON). The policy comes
     from `model_dir`'s preprocessor config when given, else the released default."""
     from .policy import DEFAULT_POLICY, load_policy
     if policy is None:
         policy = load_policy(model_dir) if model_dir else DEFAULT_POLICY
     fields = artifact_fields(cfg, bucket, policy, target=target, diagnostics=diagnostics,
-                             inspect_blocks=inspect_blocks, precision=precision)
+                             inspect_blocks=inspect_blocks, precision=precision, weights=weights)
     return format_explanation(fields)
 
 

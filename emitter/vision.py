@@ -27,6 +27,10 @@ HF_PREFIX = "model.visual."
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
 STAGE_PREFIX = "stage."
+# How weights reach the function: as arguments (uploaded once, passed every call) or as
+# globals from a parameter archive (packed for the matmuls once, at module load).
+WEIGHT_BINDINGS = ("arguments", "parameters")
+PARAMETER_SCOPE = "model"
 
 
 class BucketError(ValueError):
@@ -105,11 +109,26 @@ def block(b: Builder, x: Value, w: dict, cos, sin, mask, cfg: VisionConfig, stag
     return x
 
 
-def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: str = "f32"
-                       ) -> tuple[list[Value], dict[str, Value]]:
+def bind_weight(b: Builder, w, binding: str) -> Value:
+    """A weight as a function argument named by its checkpoint name, or as a global read
+    from the parameter archive under that name."""
+    short = w.name[len(HF_PREFIX):]
+    if binding == "arguments":
+        return b.argument(short, w.shape, w.dtype, abi_name=w.name)
+    return b.parameter(short, w.shape, w.dtype, key=w.name, scope=PARAMETER_SCOPE)
+
+
+def check_binding(binding: str) -> str:
+    if binding not in WEIGHT_BINDINGS:
+        raise BucketError(f"--weights {binding!r}: expected one of {', '.join(WEIGHT_BINDINGS)}")
+    return binding
+
+
+def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: str = "f32",
+                       binding: str = "arguments") -> tuple[list[Value], dict[str, Value]]:
     """Emit the tower into `b`; returns (outputs, every named stage)."""
     inputs = {name: b.argument(name, shape, dtype) for name, shape, dtype in input_specs(cfg, bucket)}
-    weights = {w.name[len(HF_PREFIX):]: b.argument(w.name[len(HF_PREFIX):], w.shape, w.dtype, abi_name=w.name)
+    weights = {w.name[len(HF_PREFIX):]: bind_weight(b, w, check_binding(binding))
                for w in graph_weights(cfg, precision)}
 
     def group(prefix):
@@ -153,20 +172,30 @@ def _template() -> jinja2.Template:
 
 
 def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
-                       title: str = "", precision: str = "f32") -> str:
+                       title: str = "", precision: str = "f32", weights: str = "arguments") -> str:
     """MLIR text of the vision tower for one bucket (deterministic: same input, same bytes).
     `precision` "bf16" takes the matmul weights in bf16 and runs every matmul on bf16
-    operands with f32 accumulation; everything else stays f32."""
+    operands with f32 accumulation; everything else stays f32. `weights` "parameters"
+    reads the weights from a parameter archive (scope `model`, keys the checkpoint
+    names) instead of taking them as arguments."""
     check_bucket(bucket, cfg)
     if inspect_blocks is not None:
         bad = [i for i in inspect_blocks if not 0 <= i < cfg.depth]
         if bad:
             raise BucketError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
     b = Builder()
-    outputs, stages = build_vision_graph(b, cfg, bucket, precision)
+    outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights)
     values = outputs + ([stages[name] for name in stage_names(cfg, inspect_blocks)] if diagnostics else [])
     results = list(zip(result_names(cfg, diagnostics, inspect_blocks), values))
+    return render_module(b, results, title=title, bucket=bucket, diagnostics=diagnostics, precision=precision,
+                         config=cfg.to_dict())
+
+
+def render_module(b: Builder, results: list[tuple[str, Value]], *, title: str = "", bucket: int = 0,
+                  diagnostics: bool = False, precision: str = "f32", config: dict | None = None) -> str:
+    """The builder's globals, arguments and lines wrapped in the module skeleton, with
+    `results` (ABI name, value) returned in order."""
     return _template().render(
         title=title, version=__version__, bucket=bucket, diagnostics=diagnostics, precision=precision,
-        config=cfg.to_dict(), arguments=b.arguments, body=b.lines, results=results,
+        config=config or {}, arguments=b.arguments, globals=b.globals, body=b.lines, results=results,
     )

@@ -12,7 +12,11 @@ from emitter.config import VisionConfig, check_precision
 from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, format_explanation
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.targets import DEFAULT_TARGET, target_flags
-from emitter.vision import check_bucket, emit_vision_module
+from emitter.vision import check_binding, check_bucket, emit_vision_module
+
+# The runtime's artifacts read their weights from a parameter archive: IREE then packs
+# them for the matmuls once at load instead of on every call (docs/performance.md).
+DEFAULT_BINDING = "parameters"
 
 from .cache import ArtifactCache
 from .compiler import compile_mlir
@@ -28,11 +32,12 @@ class BuildPlan:
     diagnostics: bool = False
     inspect_blocks: tuple[int, ...] | None = None
     precision: str = "f32"
+    weights: str = "arguments"
 
     def fields(self, bucket: int) -> dict:
         return artifact_fields(self.cfg, bucket, self.policy, target=self.target,
                                diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks,
-                               precision=self.precision)
+                               precision=self.precision, weights=self.weights)
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,8 @@ class BuildResult:
 
 
 def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,
-              diagnostics: bool = False, inspect_blocks=None, precision: str = "f32") -> BuildPlan:
+              diagnostics: bool = False, inspect_blocks=None, precision: str = "f32",
+              weights: str | None = None) -> BuildPlan:
     """Check every input before anything is compiled; ValueError naming the bad one."""
     if model and not Path(model).is_dir():
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
@@ -65,12 +71,13 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
         if bad:
             raise ValueError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
     return BuildPlan(cfg, title, policy, tuple(parsed), target, bool(diagnostics), inspect,
-                     check_precision(precision))
+                     check_precision(precision), check_binding(weights or DEFAULT_BINDING))
 
 
 def emit_and_compile(plan: BuildPlan, bucket: int) -> bytes:
     text = emit_vision_module(plan.cfg, bucket, diagnostics=plan.diagnostics,
-                              inspect_blocks=plan.inspect_blocks, title=plan.title, precision=plan.precision)
+                              inspect_blocks=plan.inspect_blocks, title=plan.title, precision=plan.precision,
+                              weights=plan.weights)
     return compile_mlir(text, plan.target)
 
 

@@ -41,9 +41,12 @@ def presets():
               help="With --diagnostics: a block whose inner stages to return (repeatable).")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
+@click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
+              help="How the graph gets its weights: a parameter archive (packed once at load: faster, one packed "
+                   "copy per loaded bucket) or function arguments (shared by all buckets, packed every call).")
 @click.option("--explain", is_flag=True,
               help="Print each bucket's identity, cache state and hashed fields; compile nothing.")
-def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, precision, explain):
+def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, precision, weights, explain):
     """Compile every asked bucket into the artifact cache (hits compile nothing)."""
     from .build import build_bucket, explain_plan, make_plan
     from .cache import ArtifactCache
@@ -52,7 +55,7 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
     try:
         if not model and not preset_name:
             raise ValueError("--model DIR or --preset NAME: give one")
-        plan = make_plan(model, preset_name, buckets, target, diagnostics, inspect_blocks, precision)
+        plan = make_plan(model, preset_name, buckets, target, diagnostics, inspect_blocks, precision, weights)
         cache = ArtifactCache(cache_dir)
         if explain:
             click.echo(explain_plan(plan, cache), nl=False)
@@ -81,13 +84,16 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 @click.option("--threads", type=int, metavar="N", help="IREE worker threads (default: one per core).")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
-def run(model, images, output, buckets, target, cache_dir, threads, precision):
+@click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
+              help="How the graph gets its weights: a parameter archive (packed once at load: faster, one packed "
+                   "copy per loaded bucket) or function arguments (shared by all buckets, packed every call).")
+def run(model, images, output, buckets, target, cache_dir, threads, precision, weights):
     """Encode images: merged image embeddings and the DeepStack features, in image order."""
     from .run import run_images
 
     try:
         click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say,
-                              precision=precision))
+                              precision=precision, weights=weights))
     except (ValueError, OSError) as e:
         fail(str(e))
 

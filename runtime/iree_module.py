@@ -11,10 +11,12 @@ class LoadedModule:
     device arrays or numpy arrays (positional, in argument order) and returns numpy copies."""
 
     def __init__(self, vmfb: bytes, driver: str = "local-task", function: str = "main",
-                 module_name: str = "qwen3vl_vision", config: rt.Config | None = None):
+                 module_name: str = "qwen3vl_vision", config: rt.Config | None = None, modules=()):
         # Modules sharing one config share its device, so one upload of the weights serves all.
         self.config = config or rt.Config(driver)
         self.context = rt.SystemContext(config=self.config)
+        for module in modules:  # e.g. the parameter provider, before the module that needs it
+            self.context.add_vm_module(module)
         self._vmfb = vmfb  # the module maps this buffer: keep it alive
         self.context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, vmfb))
         self.function = self.context.modules[module_name][function]
@@ -28,3 +30,12 @@ class LoadedModule:
             results = [results]
         # to_host() is a view a later call may overwrite: copy.
         return [np.array(r.to_host(), copy=True) for r in results]
+
+
+def parameters_module(config: rt.Config, named_arrays, scope: str = "model") -> rt.VmModule:
+    """An `io_parameters` module serving `(name, array)` pairs under `scope`; the arrays
+    are referenced, not copied, and must stay alive as long as the module."""
+    index = rt.ParameterIndex()
+    for name, array in named_arrays:
+        rt.parameter_index_add_numpy_ndarray(index, name, np.ascontiguousarray(array))
+    return rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=scope))

@@ -48,7 +48,7 @@ def summary(session: VisionSession, out: VisionOutput, names, seconds: dict) -> 
 
 
 def run_images(model, images, output=None, cache_dir=None, buckets=None, target=None, threads=None,
-               progress=None, precision: str = "f32") -> str:
+               progress=None, precision: str = "f32", weights: str = "parameters") -> str:
     """Encode `images` with the checkpoint in `model`; write `output` if given; return the summary."""
     if output:
         check_output_path(output)
@@ -57,7 +57,7 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
         if not Path(name).is_file():
             raise ValueError(f"{name}: no such image file")
     session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
-                            progress=progress, precision=precision)
+                            progress=progress, precision=precision, weights=weights)
     t0 = time.perf_counter()
     pixel_values, grid_thw = process_images(names, session.policy, names=names)
     t1 = time.perf_counter()

@@ -13,12 +13,13 @@ import iree.runtime as rt
 
 from emitter.identity import DEFAULT_LADDER
 from emitter.targets import runtime_driver
-from emitter.vision import result_names
+from emitter.config import graph_weights
+from emitter.vision import PARAMETER_SCOPE, result_names
 
-from .build import build_bucket, make_plan
+from .build import DEFAULT_BINDING, build_bucket, make_plan
 from .cache import ArtifactCache, load_verified
 from .checkpoint import load_vision_weights, weights_in_order
-from .iree_module import LoadedModule
+from .iree_module import LoadedModule, parameters_module
 from .packing import Call, host_inputs, pack, patch_count
 from .processor import process_images
 
@@ -58,11 +59,11 @@ class VisionSession:
 
     def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
                  threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None,
-                 precision: str = "f32"):
+                 precision: str = "f32", weights: str = DEFAULT_BINDING):
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks,
-                              precision)
+                              precision, weights)
         self.cfg, self.policy = self.plan.cfg, self.plan.policy
         self.cache = ArtifactCache(cache_dir)
         self.progress = progress
@@ -74,7 +75,15 @@ class VisionSession:
             set_thread_count(threads)
         start = time.perf_counter()
         self.config = rt.Config(runtime_driver(self.plan.target))
-        self.device_weights = [rt.asdevicearray(self.config.device, w) for w in weights]
+        if self.plan.weights == "parameters":  # each bucket's module packs them once, at load
+            specs = graph_weights(self.cfg, precision)
+            self._weight_arrays = weights  # the provider references these
+            self._extra_modules = [parameters_module(self.config, [(w.name, a) for w, a in zip(specs, weights)],
+                                                     PARAMETER_SCOPE)]
+            self.device_weights = []
+        else:  # uploaded once, passed to every call of every bucket
+            self._extra_modules = []
+            self.device_weights = [rt.asdevicearray(self.config.device, w) for w in weights]
         del weights
         self.seconds["upload"] = time.perf_counter() - start
         self._modules: dict[int, LoadedModule] = {}
@@ -88,7 +97,8 @@ class VisionSession:
         """The compiled graph for `bucket`, from the cache (built on a miss)."""
         if bucket not in self._modules:
             result = build_bucket(self.plan, bucket, self.cache, self.progress)
-            self._modules[bucket] = LoadedModule(load_verified(result.path), config=self.config)
+            self._modules[bucket] = LoadedModule(load_verified(result.path), config=self.config,
+                                                 modules=self._extra_modules)
         return self._modules[bucket]
 
     def prepare(self) -> None:

@@ -235,7 +235,7 @@ def test_cli_model_folder(tmp_path):
     out = qwen3vl("build", "--model", str(tmp_path / "m"), "--bucket", "16", "--cache-dir",
                   str(tmp_path / "c"), "--explain")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[1] == f"identity {artifact_identity(artifact_fields(TINY, 16, policy))}"
+    assert out.stdout.splitlines()[1] == f"identity {artifact_identity(artifact_fields(TINY, 16, policy, weights='parameters'))}"
     assert not (tmp_path / "c").exists() or not list((tmp_path / "c").iterdir())
     (tmp_path / "m" / "preprocessor_config.json").unlink()
     out = qwen3vl("build", "--model", str(tmp_path / "m"), "--bucket", "16", "--cache-dir", str(tmp_path / "c"))

@@ -73,3 +73,25 @@ def test_live_parity_with_transformers():
     module = compiled("tiny", 128, True, ALL_BLOCKS)
     ours = run_graph(module, TINY, weights, pixels, grid_thw, 128, diagnostics=True, inspect=ALL_BLOCKS)
     compare_all(ours, {f"stage.{k}": v for k, v in expected.items()})
+
+
+def test_parameter_bound_weights_match_fixture(tiny_parity):
+    """The same graph with its weights read from a parameter archive instead of arguments."""
+    import iree.runtime as rt
+    from conftest import graph_weights
+    from emitter.config import graph_weights as weight_specs
+    from emitter.vision import emit_vision_module, result_names
+    from runtime.compiler import compile_mlir
+    from runtime.iree_module import LoadedModule, parameters_module
+    from runtime.packing import host_inputs
+
+    weights, pixels, grid_thw, stages = tiny_parity
+    config = rt.Config("local-task")
+    named = [(w.name, a) for w, a in zip(weight_specs(TINY), graph_weights(TINY, weights))]
+    module = LoadedModule(compile_mlir(emit_vision_module(TINY, 128, weights="parameters")), config=config,
+                          modules=[parameters_module(config, named)])
+    results = dict(zip(result_names(TINY), module(*host_inputs(pixels, [tuple(g) for g in grid_thw], TINY, 128))))
+    merged = len(pixels) // TINY.merge_unit
+    compare_all({k: v[:merged] for k, v in results.items()},
+                {"image_embeds": stages["merger"], "deepstack_features.0": stages["deepstack_merger_list.0"],
+                 "deepstack_features.1": stages["deepstack_merger_list.1"]})

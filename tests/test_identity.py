@@ -194,3 +194,7 @@ def test_emit_cli_explain():
 
 def test_default_ladder():
     assert DEFAULT_LADDER == (64, 128, 256, 512)
+
+
+def test_weight_binding_changes_identity(base):
+    assert ident_of(weights="parameters") != base

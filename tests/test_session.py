@@ -80,3 +80,12 @@ def test_prefill_payload_from_a_prompt(session):
     assert [layer for layer, _ in payload.deepstack] == [0, 1]
     assert len(payload.visual_positions) == len(out.image_embeds)
     assert payload.position_ids.shape == (3, len(payload.input_ids))
+
+
+def test_argument_bound_weights_give_the_same_result(session, tmp_path):
+    """The runtime's default binding (parameters) and weights as arguments agree."""
+    other = VisionSession(session.model_dir, buckets=(64, 128), cache_dir=tmp_path, weights="arguments")
+    assert session.plan.weights == "parameters" and other.plan.weights == "arguments"
+    pictures = images(3, sizes=((64, 96), (100, 60)))
+    np.testing.assert_allclose(other.encode(pictures).image_embeds, session.encode(pictures).image_embeds,
+                               rtol=1e-5, atol=1e-6)
