@@ -36,6 +36,6 @@ def parameters_module(config: rt.Config, named_arrays, scope: str = "model") -> 
     """An `io_parameters` module serving `(name, array)` pairs under `scope`; the arrays
     are referenced, not copied, and must stay alive as long as the module."""
     index = rt.ParameterIndex()
-    for name, array in named_arrays:
-        rt.parameter_index_add_numpy_ndarray(index, name, np.ascontiguousarray(array))
+    for name, array in named_arrays:  # raw bytes: the module knows each global's type (bf16 too)
+        index.add_buffer(name, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     return rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=scope))

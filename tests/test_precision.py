@@ -45,3 +45,16 @@ def test_bf16_graph_is_close_to_transformers_f32(tiny_parity):
     assert 1e-5 < error < 2e-2, error  # clearly not f32, clearly the same function
     for k in range(2):
         assert rel_l2(results[f"deepstack_features.{k}"][:merged], stages[f"deepstack_merger_list.{k}"]) < 2e-2
+
+
+def test_bf16_session_with_parameter_bound_weights(tmp_path):
+    """bf16 weights served from the parameter archive (raw bytes, any dtype)."""
+    from PIL import Image
+    from runtime.session import VisionSession
+    from runtime.synthetic import write_checkpoint
+    import numpy as np
+    write_checkpoint(tmp_path / "m", TINY, seed=3)
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8))
+    exact = VisionSession(tmp_path / "m", buckets=(256,), cache_dir=tmp_path / "c").encode([picture])
+    fast = VisionSession(tmp_path / "m", buckets=(256,), cache_dir=tmp_path / "c", precision="bf16").encode([picture])
+    assert 1e-5 < rel_l2(fast.image_embeds, exact.image_embeds) < 2e-2
