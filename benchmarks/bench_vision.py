@@ -68,17 +68,19 @@ def matmul_ceiling(threads: int, repeats: int = 7) -> tuple[str, float]:
     return name, 2 * 512 * 1024 * 4096 / statistics.median(times) / 1e9
 
 
-def processed_images(sizes, seed=0):
+def processed_images(sizes, seed=0, policy=None):
     from PIL import Image
+    from emitter.policy import DEFAULT_POLICY
     from runtime.processor import process_images
     rng = np.random.default_rng(seed)
     pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
-    return process_images(pictures)
+    return process_images(pictures, policy or DEFAULT_POLICY)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="qwen3-vl-2b")
+    p.add_argument("--preset", default="qwen3-vl-2b", help="a preset, with random weights")
+    p.add_argument("--model", help="a checkpoint folder instead of a preset")
     p.add_argument("--bucket", type=int, default=512)
     p.add_argument("--images", default="256x256,256x256", help="comma-separated WxH sizes")
     p.add_argument("--repeats", type=int, default=5)
@@ -97,11 +99,21 @@ def main(argv=None):
     from runtime.iree_module import LoadedModule, parameters_module
     from runtime.session import set_thread_count
 
-    cfg = PRESETS[args.preset]
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.images.split(",")]
-    pixels, grid_thw = processed_images(sizes)
+    if args.model:  # a checkpoint's config, processor policy and weights
+        from emitter.config import load_model_config
+        from emitter.policy import load_policy
+        from runtime.checkpoint import load_vision_weights
+        cfg = load_model_config(args.model)
+        pixels, grid_thw = processed_images(sizes, policy=load_policy(args.model))
+        conv = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        weights = {name: (w.reshape(conv) if name.endswith("patch_embed.proj.weight") else w)
+                   for name, w in load_vision_weights(args.model, cfg).items()}
+    else:  # a preset with random weights
+        cfg = PRESETS[args.preset]
+        pixels, grid_thw = processed_images(sizes)
+        weights = random_vision_weights(cfg, seed=0)
     grids = [tuple(int(v) for v in g) for g in grid_thw]
-    weights = random_vision_weights(cfg, seed=0)
     graph_weights = weights_in_order({name: weights[name].reshape(shape) for name, shape in weight_schema(cfg)},
                                      cfg, args.precision)
 
@@ -173,7 +185,7 @@ def main(argv=None):
     ceiling_name, ceiling = matmul_ceiling(args.threads)
     ours_s, ours_spread = median_spread(ours_times)
     figures = {
-        "preset": args.preset, "bucket": args.bucket, "images": args.images, "threads": args.threads,
+        "preset": None if args.model else args.preset, "model": args.model, "bucket": args.bucket, "images": args.images, "threads": args.threads,
         "precision": args.precision, "weights": args.weights,
         "flags": args.flag, "ours_s": ours_s, "ours_spread": ours_spread,
         "torch_s": None, "torch_spread": None, "ratio": None, "rel_l2_vs_torch": error,
@@ -190,7 +202,7 @@ def main(argv=None):
     if "transformers bf16" in times:
         bf16_s, _ = median_spread(times["transformers bf16"])
         figures.update(torch_bf16_s=bf16_s, ratio_vs_torch_bf16=bf16_s / ours_s)
-    print(f"{args.preset}, bucket {args.bucket}, images {args.images}, {args.threads} threads, "
+    print(f"{args.model or args.preset}, bucket {args.bucket}, images {args.images}, {args.threads} threads, "
           f"{figures['gflop']:.0f} GFLOP of work, precision {args.precision}, weights {args.weights}, "
           f"flags {args.flag or 'default'}")
     for name, t in times.items():

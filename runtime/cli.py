@@ -121,3 +121,25 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, seed):
 from .oracle import oracle_command  # noqa: E402
 
 main.add_command(oracle_command)
+
+
+@main.command(context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True))
+@click.pass_context
+def bench(ctx):
+    """Time the compiled tower against transformers' f32 tower (same weights, same images,
+    alternating in one process). Options: --preset NAME | --model DIR, --bucket N,
+    --images WxH,WxH, --repeats, --warmup, --threads, --precision, --weights, --json FILE,
+    --no-torch; `qwen3vl bench -- --help` lists them all.
+
+    The benchmark lives in the source checkout (benchmarks/bench_vision.py), beside the
+    parity harness it borrows transformers' tower from, so that the package itself never
+    imports torch."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vision.py"
+    if not script.is_file():
+        fail(f"qwen3vl bench: {script} not found; the benchmark runs from a source checkout")
+    sys.argv = [str(script), *ctx.args]
+    runpy.run_path(str(script), run_name="__main__")
