@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from emitter.config import ROPE_THETA, VisionConfig, weight_schema
-from runtime.checkpoint import CONV_NAME, HF_PREFIX, INDEX_NAME, MLX_PREFIX, dequantize_mlx, pack_mlx
+
+from .prefill import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+from .checkpoint import CONV_NAME, HF_PREFIX, INDEX_NAME, MLX_PREFIX, dequantize_mlx, pack_mlx
 
 __all__ = ["write_checkpoint", "quantize_mlx", "dequantize_mlx", "round_to_dtype",
            "write_safetensors", "random_vision_weights", "DEFAULT_PROCESSOR"]
@@ -278,10 +280,10 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
         "architectures": ["Qwen3VLForConditionalGeneration" if model_type == "qwen3_vl"
                           else "Qwen3VLMoeForConditionalGeneration"],
         "model_type": model_type,
-        "image_token_id": 151655,
-        "video_token_id": 151656,
-        "vision_start_token_id": 151652,
-        "vision_end_token_id": 151653,
+        "image_token_id": IMAGE_PAD,
+        "video_token_id": VIDEO_PAD,
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
         "tie_word_embeddings": False,
         "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype],
         "text_config": _text_config(cfg),

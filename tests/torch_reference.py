@@ -7,7 +7,6 @@ Imported only by tests and scripts (needs torch and transformers), never by the 
   HF checkpoint names (`model.visual.*`), scaled so activations stay O(1) through the tower.
 - `run_vision_tower(cfg, state_dict, pixel_values, grid_thw)`: outputs plus every intermediate
   stage (see `stage_keys(cfg)`), captured with forward hooks on the model's own modules.
-- `vision_config_json(cfg, model_type)`: a full `config.json` dict for a checkpoint folder.
 """
 
 from __future__ import annotations
@@ -216,57 +215,5 @@ def run_vision_tower(cfg: VisionConfig, state_dict: dict[str, np.ndarray], pixel
 
 
 # ---------------------------------------------------------------------------------------------
-# config.json
-
-
-def _tiny_text_config(cfg: VisionConfig, model_type: str) -> dict:
-    """A tiny text config whose hidden size matches the vision tower's output."""
-    n_layers = max(len(cfg.deepstack_visual_indexes), 1)
-    d = {
-        "model_type": model_type + "_text",
-        "vocab_size": 151936,
-        "hidden_size": cfg.out_hidden_size,
-        "intermediate_size": 2 * cfg.out_hidden_size,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
-                            "mrope_section": [4, 2, 2], "mrope_interleaved": True},
-        "tie_word_embeddings": False,
-        "dtype": "float32",
-    }
-    if model_type == "qwen3_vl_moe":
-        d.update({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": cfg.out_hidden_size,
-                  "decoder_sparse_step": 1, "mlp_only_layers": []})
-    return d
-
-
-def vision_config_json(cfg: VisionConfig, model_type: str = "qwen3_vl") -> dict:
-    """A full `config.json` dict (model_type, vision_config, tiny text_config) that transformers'
-    `Qwen3VLConfig` / `Qwen3VLMoeConfig` accepts."""
-    if model_type not in ("qwen3_vl", "qwen3_vl_moe"):
-        raise ValueError(f"model_type {model_type!r}: expected 'qwen3_vl' or 'qwen3_vl_moe'")
-    vision = {"model_type": model_type, **cfg.to_hf_vision_config()}  # as released checkpoints write it
-    if cfg.rope_theta != ROPE_THETA:
-        vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": float(cfg.rope_theta)}
-    return {
-        "architectures": ["Qwen3VLMoeForConditionalGeneration" if model_type == "qwen3_vl_moe"
-                          else "Qwen3VLForConditionalGeneration"],
-        "model_type": model_type,
-        "image_token_id": 151655,
-        "video_token_id": 151656,
-        "vision_start_token_id": 151652,
-        "vision_end_token_id": 151653,
-        "tie_word_embeddings": False,
-        "dtype": "float32",
-        "vision_config": vision,
-        "text_config": _tiny_text_config(cfg, model_type),
-    }
-
-
 __all__ = ["PRESETS", "hf_vision_config", "make_vision_model", "random_vision_state_dict", "run_vision_tower", "stage_keys",
-           "vision_config_json", "hf_weight_shapes", "load_state_dict"]
+           "hf_weight_shapes", "load_state_dict"]
