@@ -6,7 +6,9 @@ Per-call inputs (all padded to the bucket B):
   pos_weight  [4, B] f32           their weights
   rope_pos    [2, B] i32           (row, col) of each patch on its image grid
   segment_ids [B] i32              one id per image frame; each padding patch its own
-then the weights in checkpoint order (`config.weight_schema`).
+then the weights in checkpoint order (`config.graph_weights`), each named by its
+checkpoint tensor name; or, with weights="parameters", no weight arguments: each weight
+is a global read from the parameter archive under that name.
 Results: the main merger [B/4, out_hidden], then each DeepStack merger in order;
 the diagnostics variant appends the named stages listed by `stage_names`.
 """
