@@ -52,7 +52,8 @@ def pack(grids, buckets, names=None) -> list[Call]:
         if n > largest:
             name = names[i] if names else f"image {i}"
             raise PackingError(f"{name}: {n} patches (grid {tuple(int(v) for v in grid)}) fit no bucket; "
-                               f"the largest bucket is {largest} patches")
+                               f"the largest bucket is {largest} patches (add a bucket of at least {n}, "
+                               f"e.g. --bucket {n})")
         if used + n > largest:
             close()
             current, used = [], 0
