@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +60,10 @@ class VisionSession:
 
     def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
                  threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None,
-                 precision: str = "f32", weights: str = DEFAULT_BINDING):
+                 precision: str = "f32", weights: str = DEFAULT_BINDING, max_loaded: int | None = None):
+        """`max_loaded`: how many buckets' modules stay loaded at once (least recently used
+        dropped first). With parameter-bound weights each loaded module holds its own packed
+        copy of the weights, so it defaults to 2 there; with weights as arguments, all."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks,
@@ -86,7 +90,8 @@ class VisionSession:
             self.device_weights = [rt.asdevicearray(self.config.device, w) for w in weights]
         del weights
         self.seconds["upload"] = time.perf_counter() - start
-        self._modules: dict[int, LoadedModule] = {}
+        self._modules: OrderedDict[int, LoadedModule] = OrderedDict()
+        self.max_loaded = max_loaded or (2 if self.plan.weights == "parameters" else len(self.buckets))
         self._lock = threading.Lock()
 
     @property
@@ -95,7 +100,11 @@ class VisionSession:
 
     def module(self, bucket: int) -> LoadedModule:
         """The compiled graph for `bucket`, from the cache (built on a miss)."""
-        if bucket not in self._modules:
+        if bucket in self._modules:
+            self._modules.move_to_end(bucket)
+        else:
+            while len(self._modules) >= self.max_loaded:
+                self._modules.popitem(last=False)  # frees its packed weights
             result = build_bucket(self.plan, bucket, self.cache, self.progress)
             self._modules[bucket] = LoadedModule(load_verified(result.path), config=self.config,
                                                  modules=self._extra_modules)

@@ -89,3 +89,17 @@ def test_argument_bound_weights_give_the_same_result(session, tmp_path):
     pictures = images(3, sizes=((64, 96), (100, 60)))
     np.testing.assert_allclose(other.encode(pictures).image_embeds, session.encode(pictures).image_embeds,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_loaded_buckets_are_bounded(tmp_path):
+    """With parameter-bound weights each loaded bucket packs its own copy: at most
+    `max_loaded` stay loaded, least recently used dropped, results unchanged."""
+    write_checkpoint(tmp_path / "m", TINY, seed=2, processor_policy_dict=SMALL_POLICY)
+    session = VisionSession(tmp_path / "m", buckets=(32, 64, 128), cache_dir=tmp_path / "c", max_loaded=1)
+    small, large = images(sizes=((64, 64),)), images(sizes=((150, 200),))  # 16 and 120 patches
+    first = session.encode(small).image_embeds
+    session.encode(large)
+    assert list(session._modules) == [128]
+    again = session.encode(small)
+    assert list(session._modules) == [again.calls[0].bucket]
+    np.testing.assert_array_equal(again.image_embeds, first)
