@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # torch_reference (the parity harness) for the peer
 
-from emitter.config import PRESETS, VisionConfig, weight_schema  # noqa: E402
+from emitter.config import CONV_WEIGHT, PRESETS, VisionConfig, weight_schema  # noqa: E402
 from emitter.config import graph_weights as graph_weight_specs  # noqa: E402
 from emitter.vision import emit_vision_module  # noqa: E402
 from runtime.checkpoint import weights_in_order  # noqa: E402
@@ -106,8 +106,7 @@ def main(argv=None):
         from runtime.checkpoint import load_vision_weights
         cfg = load_model_config(args.model)
         pixels, grid_thw = processed_images(sizes, policy=load_policy(args.model))
-        conv = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        weights = {name: (w.reshape(conv) if name.endswith("patch_embed.proj.weight") else w)
+        weights = {name: (w.reshape(cfg.conv_shape) if name == CONV_WEIGHT else w)
                    for name, w in load_vision_weights(args.model, cfg).items()}
     else:  # a preset with random weights
         cfg = PRESETS[args.preset]

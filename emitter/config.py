@@ -11,6 +11,8 @@ from pathlib import Path
 LAYER_NORM_EPS = 1e-6  # hard-coded in transformers' Qwen3-VL, not in any config
 ROPE_THETA = 10000.0  # vision rotary base (transformers' default for the axial rope)
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+HF_PREFIX = "model.visual."  # Hugging Face checkpoint names of the vision tower
+CONV_WEIGHT = HF_PREFIX + "patch_embed.proj.weight"  # the graph takes it flattened to [hidden, patch_dim]
 
 
 class ConfigError(ValueError):
@@ -53,6 +55,11 @@ class VisionConfig:
     @property
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def conv_shape(self) -> tuple[int, ...]:
+        """The patch-embed Conv3d weight as the checkpoint stores it: [hidden, C, T, P, P]."""
+        return (self.hidden_size, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
 
     @property
     def grid_side(self) -> int:
@@ -185,7 +192,6 @@ def preset(name: str) -> VisionConfig:
 
 
 PRECISIONS = ("f32", "bf16")  # bf16: matmul operands in bf16, accumulation, norms and softmax in f32
-CONV_WEIGHT = "model.visual.patch_embed.proj.weight"
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
@@ -225,9 +231,9 @@ def weight_schema(cfg: VisionConfig) -> list[tuple[str, tuple[int, ...]]]:
 
     The patch-embed conv weight is taken pre-flattened to [hidden, patch_dim]."""
     h, i, h4, out = cfg.hidden_size, cfg.intermediate_size, cfg.merged_hidden_size, cfg.out_hidden_size
-    p = "model.visual."
+    p = HF_PREFIX
     names: list[tuple[str, tuple[int, ...]]] = [
-        (p + "patch_embed.proj.weight", (h, cfg.patch_dim)),
+        (CONV_WEIGHT, (h, cfg.patch_dim)),
         (p + "patch_embed.proj.bias", (h,)),
         (p + "pos_embed.weight", (cfg.num_position_embeddings, h)),
     ]

@@ -22,10 +22,9 @@ import numpy as np
 
 from . import __version__
 from .builder import Builder, Value
-from .config import VisionConfig, graph_weights
+from .config import HF_PREFIX, VisionConfig, graph_weights
 from .layers import attention, layer_norm, linear, merger, mlp, rotary_tables, segment_mask
 
-HF_PREFIX = "model.visual."
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
 STAGE_PREFIX = "stage."

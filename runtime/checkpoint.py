@@ -27,13 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter.config import VisionConfig, graph_weights, weight_schema
+from emitter.config import CONV_WEIGHT, HF_PREFIX, VisionConfig, graph_weights, weight_schema
 
-HF_PREFIX = "model.visual."
-VISION_PREFIXES = ("model.visual.", "visual.", "vision_tower.")  # in order of preference
 MLX_PREFIX = "vision_tower."
+VISION_PREFIXES = (HF_PREFIX, "visual.", MLX_PREFIX)  # in order of preference
 INDEX_NAME = "model.safetensors.index.json"
-CONV_NAME = "patch_embed.proj.weight"
+CONV_NAME = CONV_WEIGHT[len(HF_PREFIX):]  # the suffix every layout shares
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -341,8 +340,9 @@ def _read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry],
 
 
 def _conv_to_hf(key: str, w: np.ndarray, entry: TensorEntry, cfg: VisionConfig) -> np.ndarray:
-    h, c, t, p = cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size
-    hf_shape, mlx_shape = (h, c, t, p, p), (h, t, p, p, c)
+    hf_shape = cfg.conv_shape
+    h, c, t, p, _ = hf_shape
+    mlx_shape = (h, t, p, p, c)
     if w.shape == hf_shape:
         return w
     if w.shape == mlx_shape:  # channels-last (MLX): [h, T, P, P, C] -> [h, C, T, P, P]

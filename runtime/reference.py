@@ -12,9 +12,8 @@ import math
 
 import numpy as np
 
-from emitter.config import LAYER_NORM_EPS, VisionConfig
+from emitter.config import HF_PREFIX, LAYER_NORM_EPS, VisionConfig
 
-PREFIX = "model.visual."
 
 
 def layer_norm(x, weight, bias, eps=LAYER_NORM_EPS):
@@ -128,7 +127,7 @@ class Reference:
 
     def __init__(self, cfg: VisionConfig, weights: dict[str, np.ndarray], dtype=np.float32):
         self.cfg, self.dtype = cfg, np.dtype(dtype)
-        self.w = {k[len(PREFIX):] if k.startswith(PREFIX) else k: np.asarray(v).astype(self.dtype)
+        self.w = {k[len(HF_PREFIX):] if k.startswith(HF_PREFIX) else k: np.asarray(v).astype(self.dtype)
                   for k, v in weights.items()}
         self.w["patch_embed.proj.weight"] = self.w["patch_embed.proj.weight"].reshape(cfg.hidden_size, -1)
 

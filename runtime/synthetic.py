@@ -126,9 +126,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[str, tuple[int,
 # --------------------------------------------------------------------------- weights
 
 def _hf_shape(cfg: VisionConfig, suffix: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if suffix == CONV_NAME:
-        return (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-    return shape
+    return cfg.conv_shape if suffix == CONV_NAME else shape
 
 
 def random_vision_weights(cfg: VisionConfig, seed: int = 0) -> dict[str, np.ndarray]:

@@ -19,7 +19,6 @@ from runtime.iree_module import LoadedModule  # noqa: E402
 from runtime.packing import host_inputs  # noqa: E402
 
 FIXTURES = TESTS / "fixtures"
-CONV = "model.visual.patch_embed.proj.weight"
 
 
 @lru_cache(maxsize=None)

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from emitter.config import PRESETS, ROPE_THETA, VisionConfig, weight_schema
-
-PREFIX = "model.visual."
-CONV_WEIGHT = PREFIX + "patch_embed.proj.weight"
+from emitter.config import CONV_WEIGHT, PRESETS, ROPE_THETA, VisionConfig, weight_schema
+from emitter.config import HF_PREFIX as PREFIX
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,8 +49,7 @@ def make_vision_model(cfg: VisionConfig):
 
 def hf_weight_shapes(cfg: VisionConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Checkpoint names and shapes in checkpoint order (conv weight in its 5-D HF shape)."""
-    conv = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-    return [(name, conv if name == CONV_WEIGHT else shape) for name, shape in weight_schema(cfg)]
+    return [(name, cfg.conv_shape if name == CONV_WEIGHT else shape) for name, shape in weight_schema(cfg)]
 
 
 def random_vision_state_dict(cfg: VisionConfig, seed: int) -> dict[str, np.ndarray]:
