@@ -187,20 +187,8 @@ def device_info(target: str, threads: int | None) -> dict:
 
 
 def _graph_stages(session, pixel_values, grid_thw, names) -> tuple[dict[str, np.ndarray], list[dict]]:
-    """Every result of the diagnostics graph over all images, per name, concatenated in
-    image order across calls (one call per pack)."""
-    from .packing import pack, patch_count
-    grids = [tuple(int(v) for v in g) for g in grid_thw]
-    starts = np.cumsum([0] + [patch_count(g) for g in grids])
-    calls = pack(grids, session.buckets, names)
-    result_names = session.result_names()
-    parts: dict[str, list[np.ndarray]] = {n: [] for n in result_names}
-    for call in calls:
-        rows = pixel_values[starts[call.images[0]]:starts[call.images[-1] + 1]]
-        results = session.run_call(rows, [grids[i] for i in call.images], call.bucket)
-        for name, value in zip(result_names, results):
-            parts[name].append(value)
-    graph = {n: np.concatenate(v) for n, v in parts.items()}
+    """Every result of the diagnostics graph over all images, per name, in image order."""
+    calls, graph = session.run_packed(pixel_values, grid_thw, names)
     info = [{"bucket": c.bucket, "images": list(c.images), "patches": c.patches} for c in calls]
     return graph, info
 

@@ -61,8 +61,10 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
     t0 = time.perf_counter()
     pixel_values, grid_thw = process_images(names, session.policy, names=names)
     t1 = time.perf_counter()
-    for bucket in sorted({call.bucket for call in pack(grid_thw, session.buckets, names)}):
-        session.module(bucket)  # from the cache, compiled on a miss
+    needed = list(dict.fromkeys(call.bucket for call in pack(grid_thw, session.buckets, names)))
+    if len(needed) <= session.max_loaded:  # else loading them now would evict some before the run
+        for bucket in needed:
+            session.module(bucket)  # from the cache, compiled on a miss
     t2 = time.perf_counter()
     out = session.encode_pixels(pixel_values, grid_thw, names)
     t3 = time.perf_counter()

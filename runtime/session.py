@@ -73,7 +73,6 @@ class VisionSession:
         self.progress = progress
         self.seconds = {}
         weights = weights_in_order(load_vision_weights(model_dir, self.cfg), self.cfg, precision)
-        self.weight_bytes = sum(w.nbytes for w in weights)
         self.seconds["load"] = time.perf_counter() - start
         if threads:
             set_thread_count(threads)
@@ -110,11 +109,6 @@ class VisionSession:
                                                  modules=self._extra_modules)
         return self._modules[bucket]
 
-    def prepare(self) -> None:
-        """Build or fetch every bucket's artifact now rather than at first use."""
-        for bucket in self.buckets:
-            self.module(bucket)
-
     def result_names(self) -> list[str]:
         return result_names(self.cfg, self.plan.diagnostics, self.plan.inspect_blocks)
 
@@ -149,19 +143,25 @@ class VisionSession:
         return build_prefill_payload(ids, out.image_embeds, out.deepstack_features, out.grid_thw,
                                      len(self.cfg.deepstack_visual_indexes), self.cfg.spatial_merge_size)
 
-    def encode_pixels(self, pixel_values: np.ndarray, grid_thw, names=None) -> VisionOutput:
-        """Processor output (pixel_values [N, patch_dim], grid_thw [n, 3]) -> VisionOutput."""
+    def run_packed(self, pixel_values: np.ndarray, grid_thw, names=None) -> tuple[list[Call], dict[str, np.ndarray]]:
+        """Images already processed, packed in order, one graph call per pack: every result
+        by its ABI name, rows concatenated in image order (None when there is no image)."""
         grids = [tuple(int(v) for v in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
-        k, out_hidden = len(self.cfg.deepstack_visual_indexes), self.cfg.out_hidden_size
         starts = np.cumsum([0] + [patch_count(g) for g in grids])
         calls = pack(grids, self.buckets, names)
-        main, deepstack = [], []
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in self.result_names()}
         for call in calls:
             rows = pixel_values[starts[call.images[0]]:starts[call.images[-1] + 1]]
-            results = self.run_call(rows, [grids[i] for i in call.images], call.bucket)
-            main.append(results[0])
-            deepstack.append(np.stack(results[1:1 + k]) if k else np.zeros((0, len(results[0]), out_hidden)))
-        image_embeds = np.concatenate(main) if main else np.zeros((0, out_hidden), np.float32)
-        features = np.concatenate(deepstack, axis=1) if main else np.zeros((k, 0, out_hidden), np.float32)
-        return VisionOutput(image_embeds, features.astype(np.float32), np.array(grids, np.int64).reshape(-1, 3),
-                            calls)
+            for name, value in zip(parts, self.run_call(rows, [grids[i] for i in call.images], call.bucket)):
+                parts[name].append(value)
+        return calls, {name: np.concatenate(values) if values else None for name, values in parts.items()}
+
+    def encode_pixels(self, pixel_values: np.ndarray, grid_thw, names=None) -> VisionOutput:
+        """Processor output (pixel_values [N, patch_dim], grid_thw [n, 3]) -> VisionOutput."""
+        k, out_hidden = len(self.cfg.deepstack_visual_indexes), self.cfg.out_hidden_size
+        calls, results = self.run_packed(pixel_values, grid_thw, names)
+        image_embeds = results["image_embeds"] if calls else np.zeros((0, out_hidden), np.float32)
+        features = (np.stack([results[f"deepstack_features.{i}"] for i in range(k)]) if calls and k
+                    else np.zeros((k, len(image_embeds), out_hidden), np.float32))
+        grids = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+        return VisionOutput(image_embeds, features.astype(np.float32), grids, calls)
