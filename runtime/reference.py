@@ -1,6 +1,6 @@
 """An eager numpy reference of the vision tower, stage by stage.
 
-Written from the reference math (`shared/notes/qwen3vl-reference.md`), independently of
+Written from the reference math (`docs/reference-math.md`), independently of
 the emitter's graph: no bucket padding, position embedding by per-image linspace and
 reorder, attention per segment (no mask). f32 by default; f64 on request.
 Stage names match the diagnostics variant (`emitter.vision.stage_names`).
