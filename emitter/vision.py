@@ -1,4 +1,6 @@
-"""The Qwen3-VL vision tower as one StableHLO function per bucket.
+"""The Qwen3-VL vision tower as one StableHLO function per bucket: `main` alone
+(`emit_vision_module`, emit-qwen3vl), or the artifact module (`emit_artifact_module`)
+exporting `encode_<B>` per bucket (and `encode_<B>_diagnostics`) over shared weight globals.
 
 Per-call inputs (all padded to the bucket B):
   patches     [B, patch_dim] f32   processed pixels, merge-window order
@@ -172,31 +174,76 @@ def _template() -> jinja2.Template:
     return env.from_string(text)
 
 
-def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
-                       title: str = "", precision: str = "f32", weights: str = "arguments") -> str:
-    """MLIR text of the vision tower for one bucket (deterministic: same input, same bytes).
-    `precision` "bf16" takes the matmul weights in bf16 and runs every matmul on bf16
-    operands with f32 accumulation; everything else stays f32. `weights` "parameters"
-    reads the weights from a parameter archive (scope `model`, keys the checkpoint
-    names) instead of taking them as arguments."""
-    check_bucket(bucket, cfg)
-    if inspect_blocks is not None:
-        bad = [i for i in inspect_blocks if not 0 <= i < cfg.depth]
-        if bad:
-            raise BucketError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
+def entry_name(bucket: int, diagnostics: bool = False) -> str:
+    """The artifact module's entry for a bucket: `encode_<B>`, or `encode_<B>_diagnostics`."""
+    return f"encode_{bucket}" + ("_diagnostics" if diagnostics else "")
+
+
+def check_inspect_blocks(cfg: VisionConfig, inspect_blocks) -> None:
+    bad = [i for i in inspect_blocks or () if not 0 <= i < cfg.depth]
+    if bad:
+        raise BucketError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
+
+
+def vision_function(cfg: VisionConfig, bucket: int, name: str, diagnostics: bool = False, inspect_blocks=None,
+                    precision: str = "f32", weights: str = "arguments") -> tuple[dict, list[str]]:
+    """One bucket's function (name, arguments, results, body) and the weight globals it reads."""
     b = Builder()
     outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights)
-    values = outputs + ([stages[name] for name in stage_names(cfg, inspect_blocks)] if diagnostics else [])
+    values = outputs + ([stages[s] for s in stage_names(cfg, inspect_blocks)] if diagnostics else [])
     results = list(zip(result_names(cfg, diagnostics, inspect_blocks), values))
-    return render_module(b, results, title=title, bucket=bucket, diagnostics=diagnostics, precision=precision,
-                         config=cfg.to_dict())
+    return {"name": name, "arguments": b.arguments, "results": results, "body": b.lines}, b.globals
+
+
+def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
+                       title: str = "", precision: str = "f32", weights: str = "arguments") -> str:
+    """MLIR text of the vision tower for one bucket, function `main` (deterministic: same
+    input, same bytes). `precision` "bf16" takes the matmul weights in bf16 and runs every
+    matmul on bf16 operands with f32 accumulation; everything else stays f32. `weights`
+    "parameters" reads the weights from a parameter archive (scope `model`, keys the
+    checkpoint names) instead of taking them as arguments."""
+    check_bucket(bucket, cfg)
+    check_inspect_blocks(cfg, inspect_blocks)
+    function, globals_ = vision_function(cfg, bucket, "main", diagnostics, inspect_blocks, precision, weights)
+    return render_functions([function], globals_, title=title, buckets=[bucket], diagnostics=diagnostics,
+                            precision=precision, config=cfg.to_dict())
+
+
+def emit_artifact_module(cfg: VisionConfig, buckets, diagnostics: bool = False, inspect_blocks=None,
+                         title: str = "", precision: str = "f32", weights: str = "parameters") -> str:
+    """MLIR text of the artifact module: one entry `encode_<B>` per bucket (and, with
+    `diagnostics`, `encode_<B>_diagnostics` beside it), every entry reading the same weight
+    globals (scope `model`, keys the checkpoint names), so each weight is loaded and packed
+    once for all buckets. With `weights` "arguments" each entry takes them as arguments."""
+    buckets = [check_bucket(b, cfg) for b in buckets]
+    if not buckets or len(set(buckets)) != len(buckets):
+        raise BucketError(f"buckets {buckets}: expected one or more distinct buckets")
+    check_inspect_blocks(cfg, inspect_blocks)
+    functions, shared = [], None
+    for bucket in buckets:
+        for diag in (False, True) if diagnostics else (False,):
+            function, globals_ = vision_function(cfg, bucket, entry_name(bucket, diag), diag, inspect_blocks,
+                                                 precision, weights)
+            assert shared is None or globals_ == shared, "every entry reads the same weight globals"
+            functions.append(function)
+            shared = globals_
+    return render_functions(functions, shared, title=title, buckets=buckets, diagnostics=diagnostics,
+                            precision=precision, config=cfg.to_dict())
+
+
+def render_functions(functions: list[dict], globals_: list[str], *, title: str = "", buckets=(0,),
+                     diagnostics: bool = False, precision: str = "f32", config: dict | None = None) -> str:
+    """Functions (name, arguments, results, body) over shared globals, in the module skeleton."""
+    return _template().render(
+        title=title, version=__version__, buckets=list(buckets), diagnostics=diagnostics, precision=precision,
+        config=config or {}, globals=globals_, functions=functions,
+    )
 
 
 def render_module(b: Builder, results: list[tuple[str, Value]], *, title: str = "", bucket: int = 0,
                   diagnostics: bool = False, precision: str = "f32", config: dict | None = None) -> str:
-    """The builder's globals, arguments and lines wrapped in the module skeleton, with
-    `results` (ABI name, value) returned in order."""
-    return _template().render(
-        title=title, version=__version__, bucket=bucket, diagnostics=diagnostics, precision=precision,
-        config=config or {}, arguments=b.arguments, globals=b.globals, body=b.lines, results=results,
-    )
+    """The builder's globals, arguments and lines as function `main` in the module skeleton,
+    with `results` (ABI name, value) returned in order."""
+    function = {"name": "main", "arguments": b.arguments, "results": results, "body": b.lines}
+    return render_functions([function], b.globals, title=title, buckets=[bucket], diagnostics=diagnostics,
+                            precision=precision, config=config)

@@ -11,18 +11,21 @@ from pathlib import Path
 import pytest
 
 from emitter.config import PRESETS
-from emitter.vision import emit_vision_module
+from emitter.vision import emit_artifact_module, emit_vision_module
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
-CASES = {  # file name -> (preset, bucket, diagnostics)
-    "tiny_b16.mlir": ("tiny", 16, False),
-    "tiny_b16_diagnostics.mlir": ("tiny", 16, True),
+CASES = {  # file name -> (preset, buckets, diagnostics); several buckets: the artifact module
+    "tiny_b16.mlir": ("tiny", (16,), False),
+    "tiny_b16_diagnostics.mlir": ("tiny", (16,), True),
+    "tiny_artifact_b16_b32.mlir": ("tiny", (16, 32), False),
 }
 
 
 def emit_case(name: str) -> str:
-    preset, bucket, diagnostics = CASES[name]
-    return emit_vision_module(PRESETS[preset], bucket, diagnostics=diagnostics, title=f"preset {preset}")
+    preset, buckets, diagnostics = CASES[name]
+    if len(buckets) == 1:  # emit-qwen3vl's single function, weights as arguments
+        return emit_vision_module(PRESETS[preset], buckets[0], diagnostics=diagnostics, title=f"preset {preset}")
+    return emit_artifact_module(PRESETS[preset], buckets, diagnostics=diagnostics, title=f"preset {preset}")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
