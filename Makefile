@@ -2,33 +2,40 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PARITY_DEPS := torch==2.13.0 transformers==5.24.0
 
-.PHONY: install test parity parity-deps golden demo clean
+.PHONY: install test-deps test parity golden demo clean
 
+# The package alone (what `make demo` needs).
 install: $(BIN)/emit-qwen3vl
 
 $(BIN)/emit-qwen3vl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	@touch $@
+
+# The test-only dependencies, pinned in pyproject.toml's `test` extra: pytest, and torch,
+# transformers and the rest for the checks against the reference implementations.
+test-deps: $(VENV)/.test-deps
+
+$(VENV)/.test-deps: pyproject.toml $(BIN)/emit-qwen3vl
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $@
 
-test: install
-	$(BIN)/pytest -q
+test: test-deps
+	QWEN3VL_REQUIRE_REFERENCES=1 $(BIN)/pytest -q
 
-# torch and transformers only for the parity checks (never imported by the package).
-parity-deps: install
-	$(BIN)/pip install --quiet $(PARITY_DEPS)
-
-parity: parity-deps
+# Only the checks against transformers (and the other reference implementations).
+parity: test-deps
 	$(BIN)/pytest -q -m parity
 
 # The main job with nothing on disk: a deterministic random-weight tiny checkpoint,
 # then the vision tower on a shipped image (compiled into demo/cache on first use).
-demo: install
-	$(BIN)/qwen3vl random-checkpoint demo/tiny-random --preset tiny
+demo: install demo/tiny-random/config.json
 	$(BIN)/qwen3vl run --model demo/tiny-random assets/demo.png -o demo/features.safetensors --cache-dir demo/cache
+
+demo/tiny-random/config.json: | $(BIN)/emit-qwen3vl
+	$(BIN)/qwen3vl random-checkpoint demo/tiny-random --preset tiny
 
 golden: install
 	$(BIN)/python tests/test_golden.py

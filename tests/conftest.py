@@ -20,6 +20,24 @@ from runtime.packing import host_inputs  # noqa: E402
 
 FIXTURES = TESTS / "fixtures"
 
+# The reference implementations the suite checks against. `make test` installs them and
+# sets QWEN3VL_REQUIRE_REFERENCES=1, so that a missing one fails the run instead of
+# silently skipping the checks that need it.
+REFERENCE_MODULES = ("torch", "transformers")
+
+
+def pytest_sessionstart(session):
+    import importlib
+    import os
+    if os.environ.get("QWEN3VL_REQUIRE_REFERENCES") != "1":
+        return
+    for name in REFERENCE_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - any import failure is a broken install
+            raise pytest.UsageError(f"QWEN3VL_REQUIRE_REFERENCES=1 but {name} does not import ({e}); "
+                                    f"run `make test-deps`") from None
+
 
 @lru_cache(maxsize=None)
 def compiled(preset: str, bucket: int, diagnostics: bool = False, inspect=None) -> LoadedModule:
