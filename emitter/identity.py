@@ -18,11 +18,12 @@ from pathlib import Path
 from . import __version__
 from .config import VisionConfig, check_precision, graph_weights
 from .targets import DEFAULT_TARGET, TARGETS, target_flags
-from .vision import check_binding, check_bucket, default_inspect_blocks, emit_vision_module
+from .vision import check_binding, check_bucket, default_inspect_blocks, emit_artifact_module
 
 # Bump when the meaning of a cached artifact changes in a way no other field records
-# (e.g. the calling convention of the emitted function).
-FORMAT_VERSION = 1
+# (e.g. the calling convention of the emitted function). 2: one module per bucket set,
+# entries `encode_<B>`.
+FORMAT_VERSION = 2
 
 # The default bucket ladder (patches per call): two 256x256 images fill 512.
 DEFAULT_LADDER = (64, 128, 256, 512)
@@ -101,14 +102,22 @@ def target_fields(target: str, extra_flags=()) -> dict:
     return out
 
 
-def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None = DEFAULT_TARGET,
+def bucket_set(buckets, cfg: VisionConfig | None = None) -> list[int]:
+    """A bucket or several as the artifact's bucket set: checked, distinct, ascending."""
+    buckets = [buckets] if isinstance(buckets, int) else list(buckets)
+    return sorted({check_bucket(b, cfg) for b in buckets})
+
+
+def artifact_fields(cfg: VisionConfig, buckets, policy, target: str | None = DEFAULT_TARGET,
                     diagnostics: bool = False, inspect_blocks=None, compiler_version=None,
                     extra_flags=(), precision: str = "f32", weights: str = "arguments") -> dict:
     """Canonical JSON-able dict of everything that decides whether a compiled vmfb may
-    be reused. `policy` is a `ProcessorPolicy` (or its `to_dict()`); `compiler_version`
-    overrides the installed compiler's version (tests); `extra_flags` are appended to
-    the target's iree-compile flags (and so must be passed to the compiler too)."""
-    bucket = check_bucket(bucket, cfg)
+    be reused. The vmfb is the artifact module (`emit_artifact_module`) for the bucket
+    set `buckets` (one bucket or several). `policy` is a `ProcessorPolicy` (or its
+    `to_dict()`); `compiler_version` overrides the installed compiler's version (tests);
+    `extra_flags` are appended to the target's iree-compile flags (and so must be passed
+    to the compiler too)."""
+    buckets = bucket_set(buckets, cfg)
     target = target or DEFAULT_TARGET
     diagnostics = bool(diagnostics)
     if diagnostics:
@@ -120,7 +129,7 @@ def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None =
         "format_version": FORMAT_VERSION,
         "emitter_version": __version__,
         "vision_config": cfg.to_dict(),
-        "bucket": bucket,
+        "buckets": buckets,
         "diagnostics": diagnostics,
         "inspect_blocks": blocks,
         "precision": check_precision(precision),
@@ -130,18 +139,19 @@ def artifact_fields(cfg: VisionConfig, bucket: int, policy, target: str | None =
         # The emitted graph itself (title comment left out): guards against an emitter
         # change that nobody recorded in its version.
         "graph_sha256": hashlib.sha256(
-            emit_vision_module(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect_blocks,
-                               title="", precision=precision, weights=weights).encode("utf-8")).hexdigest(),
+            emit_artifact_module(cfg, buckets, diagnostics=diagnostics, inspect_blocks=inspect_blocks,
+                                 title="", precision=precision, weights=weights).encode("utf-8")).hexdigest(),
         "target": target_fields(target, extra_flags),
         "compiler": installed_compiler_version() if compiler_version is None else compiler_version,
     }
 
 
-def explain_identity(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
+def explain_identity(cfg: VisionConfig, bucket, diagnostics: bool = False, inspect_blocks=None,
                      model_dir: str | Path | None = None, target: str | None = None, policy=None,
                      precision: str = "f32", weights: str = "arguments") -> str:
-    """Human text: the identity and the fields it hashes (pretty JSON). The policy comes
-    from `model_dir`'s preprocessor config when given, else the released default."""
+    """Human text: the identity of the artifact for `bucket` (one or several) and the
+    fields it hashes (pretty JSON). The policy comes from `model_dir`'s preprocessor
+    config when given, else the released default."""
     from .policy import DEFAULT_POLICY, load_policy
     if policy is None:
         policy = load_policy(model_dir) if model_dir else DEFAULT_POLICY

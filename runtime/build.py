@@ -1,4 +1,5 @@
-"""`qwen3vl build`: resolve what to build, then compile each bucket into the cache."""
+"""`qwen3vl build`: resolve what to build, then compile the artifact module (one entry per
+bucket, `encode_<B>`) into the cache."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from emitter.config import VisionConfig, check_precision
 from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, format_explanation
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.targets import DEFAULT_TARGET, target_flags
-from emitter.vision import check_binding, check_bucket, emit_vision_module
+from emitter.vision import check_binding, check_bucket, emit_artifact_module
 
 # The runtime's artifacts read their weights from a parameter archive: IREE then packs
 # them for the matmuls once at load instead of on every call (docs/performance.md).
@@ -34,15 +35,16 @@ class BuildPlan:
     precision: str = "f32"
     weights: str = "arguments"
 
-    def fields(self, bucket: int) -> dict:
-        return artifact_fields(self.cfg, bucket, self.policy, target=self.target,
+    def fields(self) -> dict:
+        """The identity fields of the artifact module for the whole bucket set."""
+        return artifact_fields(self.cfg, self.buckets, self.policy, target=self.target,
                                diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks,
                                precision=self.precision, weights=self.weights)
 
 
 @dataclass(frozen=True)
 class BuildResult:
-    bucket: int
+    buckets: tuple[int, ...]
     identity: str
     path: Path
     built: bool
@@ -65,7 +67,11 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
         b = check_bucket(parse_bucket(text) if isinstance(text, str) else text, cfg)
         if b not in parsed:
             parsed.append(b)
+    parsed.sort()  # the artifact's bucket set; packing picks the smallest that holds
     inspect = tuple(inspect_blocks) if inspect_blocks else None
+    if inspect is not None and not diagnostics:
+        raise ValueError(f"--inspect-block {inspect[0]}: needs --diagnostics (it picks which blocks' stages "
+                         f"the diagnostics variant returns)")
     if inspect is not None:
         bad = [i for i in inspect if not 0 <= i < cfg.depth]
         if bad:
@@ -74,43 +80,36 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
                      check_precision(precision), check_binding(weights or DEFAULT_BINDING))
 
 
-def emit_and_compile(plan: BuildPlan, bucket: int) -> bytes:
-    text = emit_vision_module(plan.cfg, bucket, diagnostics=plan.diagnostics,
-                              inspect_blocks=plan.inspect_blocks, title=plan.title, precision=plan.precision,
-                              weights=plan.weights)
+def emit_and_compile(plan: BuildPlan) -> bytes:
+    text = emit_artifact_module(plan.cfg, plan.buckets, diagnostics=plan.diagnostics,
+                                inspect_blocks=plan.inspect_blocks, title=plan.title, precision=plan.precision,
+                                weights=plan.weights)
     return compile_mlir(text, plan.target)
 
 
-def build_bucket(plan: BuildPlan, bucket: int, cache: ArtifactCache,
-                 progress: Callable[[str], None] | None = None) -> BuildResult:
-    """One bucket through the cache; `progress` hears when a compile starts and ends."""
+def build_artifact(plan: BuildPlan, cache: ArtifactCache,
+                   progress: Callable[[str], None] | None = None) -> BuildResult:
+    """The artifact module through the cache; `progress` hears when a compile starts and ends."""
     report = progress or (lambda message: None)
-    fields = plan.fields(bucket)
+    fields = plan.fields()
     identity = artifact_identity(fields)
+    buckets = " ".join(map(str, plan.buckets))
 
     def emit() -> bytes:
-        report(f"bucket {bucket}: compiling {identity[:12]} ({plan.title}, {plan.target}) ...")
+        report(f"buckets {buckets}: compiling {identity[:12]} ({plan.title}, {plan.target}) ...")
         t0 = time.monotonic()
-        data = emit_and_compile(plan, bucket)
-        report(f"bucket {bucket}: compiled in {time.monotonic() - t0:.1f} s")
+        data = emit_and_compile(plan)
+        report(f"buckets {buckets}: compiled in {time.monotonic() - t0:.1f} s")
         return data
 
     start = time.monotonic()
     path, built = cache.get_or_build(fields, emit, progress=report)
-    return BuildResult(bucket, identity, path, built, time.monotonic() - start)
-
-
-def build_all(plan: BuildPlan, cache: ArtifactCache, progress=None) -> list[BuildResult]:
-    cache.ensure_root()
-    return [build_bucket(plan, b, cache, progress) for b in plan.buckets]
+    return BuildResult(plan.buckets, identity, path, built, time.monotonic() - start)
 
 
 def explain_plan(plan: BuildPlan, cache: ArtifactCache) -> str:
-    """Each bucket's identity, whether the cache holds it, and the fields it hashes."""
-    parts = []
-    for b in plan.buckets:
-        fields = plan.fields(b)
-        path = cache.lookup(fields)
-        state = f"cached at {path}" if path else f"not cached in {cache.root}"
-        parts.append(f"bucket {b}: {state}\n{format_explanation(fields)}")
-    return "\n".join(parts)
+    """The artifact's identity, whether the cache holds it, and the fields it hashes."""
+    fields = plan.fields()
+    path = cache.lookup(fields)
+    state = f"cached at {path}" if path else f"not cached in {cache.root}"
+    return f"buckets {' '.join(map(str, plan.buckets))}: {state}\n{format_explanation(fields)}"

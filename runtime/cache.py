@@ -1,12 +1,15 @@
-"""The artifact cache: `<identity>.vmfb` plus a `<identity>.json` manifest per entry.
+"""The artifact cache: `<identity>.<kind>` plus a `<identity>.json` manifest per entry;
+kind `vmfb` (the compiled module, identity from `emitter.identity`) or `irpa` (the weight
+archive, identity from its content: `runtime.archive`).
 
 - Root: an explicit folder, else `$QWEN3VL_CACHE_DIR`, else `$XDG_CACHE_HOME/qwen3vl-iree`
   (default `~/.cache/qwen3vl-iree`).
 - An entry is used only when its manifest parses, restates the identity and the fields
-  (and the fields hash to the identity), and the vmfb's size and sha256 match it;
-  otherwise the problem is reported (which file, why) and the entry is rebuilt.
-- Writes are atomic: temp file in the same folder, fsync, `os.replace`; the vmfb first,
-  the manifest last, so a manifest never describes a vmfb that is not there yet.
+  (and the fields hash to the identity), and the file's size and sha256 match it;
+  otherwise the problem is reported once (which file, why) and the entry is rebuilt.
+- Writes are atomic: temp file in the same folder, fsync, `os.replace`; the file first,
+  the manifest last, so a manifest never describes a file that is not there yet; if the
+  manifest cannot be written (full disk) the file is removed too.
 - Concurrent builds of one identity compile once: an exclusive `flock` on
   `<identity>.lock`, and a re-check after it is acquired.
 """
@@ -59,7 +62,7 @@ class EntryProblem(Exception):
     """Why an existing entry cannot be used (message names the file)."""
 
 
-def _read_manifest(manifest_path: Path) -> dict:
+def _read_manifest(manifest_path: Path, kind: str = "vmfb") -> dict:
     try:
         text = manifest_path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -70,9 +73,38 @@ def _read_manifest(manifest_path: Path) -> dict:
         manifest = json.loads(text)
     except json.JSONDecodeError as e:
         raise EntryProblem(f"{manifest_path}: manifest is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("vmfb"), dict):
-        raise EntryProblem(f"{manifest_path}: manifest lacks the 'vmfb' record")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get(kind), dict):
+        raise EntryProblem(f"{manifest_path}: manifest lacks the '{kind}' record")
     return manifest
+
+
+def file_sha256(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a file, read in chunks (archives are gigabytes)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _check_record(path: Path, record: dict, size: int, sha: str, kind: str) -> None:
+    want_size, want_sha = record.get("size"), record.get("sha256")
+    if size != want_size:
+        raise EntryProblem(f"{path}: {kind} is {size} bytes, manifest says {want_size}")
+    if sha != want_sha:
+        raise EntryProblem(f"{path}: {kind} sha256 {sha[:16]}... does not match manifest's {str(want_sha)[:16]}...")
+
+
+def check_file(path: Path, manifest: dict, manifest_path: Path, kind: str) -> None:
+    """Size and sha256 of the entry's file against its manifest record."""
+    try:
+        size, sha = file_sha256(path)
+    except FileNotFoundError:
+        raise EntryProblem(f"{path}: {kind} missing (its manifest {manifest_path.name} is there)") from None
+    except OSError as e:
+        raise EntryProblem(f"{path}: {kind} unreadable ({e.strerror or e})") from None
+    _check_record(path, manifest[kind], size, sha, kind)
 
 
 def check_vmfb(vmfb_path: Path, manifest: dict, manifest_path: Path) -> bytes:
@@ -83,13 +115,7 @@ def check_vmfb(vmfb_path: Path, manifest: dict, manifest_path: Path) -> bytes:
         raise EntryProblem(f"{vmfb_path}: vmfb missing (its manifest {manifest_path.name} is there)") from None
     except OSError as e:
         raise EntryProblem(f"{vmfb_path}: vmfb unreadable ({e.strerror or e})") from None
-    want_size, want_sha = manifest["vmfb"].get("size"), manifest["vmfb"].get("sha256")
-    if len(data) != want_size:
-        raise EntryProblem(f"{vmfb_path}: vmfb is {len(data)} bytes, manifest says {want_size}")
-    got = sha256_bytes(data)
-    if got != want_sha:
-        raise EntryProblem(f"{vmfb_path}: vmfb sha256 {got[:16]}... does not match manifest's "
-                           f"{str(want_sha)[:16]}...")
+    _check_record(vmfb_path, manifest["vmfb"], len(data), sha256_bytes(data), "vmfb")
     return data
 
 
@@ -122,13 +148,13 @@ class ArtifactCache:
             raise CacheError(f"cache folder {self.root}: not a folder; expected a writable folder")
         return self.root
 
-    def paths(self, identity: str) -> tuple[Path, Path, Path]:
-        return (self.root / f"{identity}.vmfb", self.root / f"{identity}.json", self.root / f"{identity}.lock")
+    def paths(self, identity: str, kind: str = "vmfb") -> tuple[Path, Path, Path]:
+        return (self.root / f"{identity}.{kind}", self.root / f"{identity}.json", self.root / f"{identity}.lock")
 
-    def check(self, identity: str, fields: dict) -> Path:
-        """The vmfb path when the entry checks out; EntryProblem (naming the file) if not."""
-        vmfb_path, manifest_path, _ = self.paths(identity)
-        manifest = _read_manifest(manifest_path)
+    def check(self, identity: str, fields: dict, kind: str = "vmfb") -> Path:
+        """The entry's file when it checks out; EntryProblem (naming the file) if not."""
+        path, manifest_path, _ = self.paths(identity, kind)
+        manifest = _read_manifest(manifest_path, kind)
         if manifest.get("identity") != identity:
             raise EntryProblem(f"{manifest_path}: manifest is for identity {manifest.get('identity')!r}")
         mfields = manifest.get("fields")
@@ -136,13 +162,13 @@ class ArtifactCache:
             raise EntryProblem(f"{manifest_path}: manifest fields do not hash to {identity[:12]}")
         if canonical_json(mfields) != canonical_json(fields):
             raise EntryProblem(f"{manifest_path}: manifest fields differ from the requested ones")
-        check_vmfb(vmfb_path, manifest, manifest_path)
-        return vmfb_path
+        check_file(path, manifest, manifest_path, kind)
+        return path
 
-    def lookup(self, fields: dict) -> Path | None:
-        """The vmfb path when a good entry exists (no lock, no build, no report)."""
+    def lookup(self, fields: dict, kind: str = "vmfb") -> Path | None:
+        """The entry's file when a good entry exists (no lock, no build, no report)."""
         try:
-            return self.check(artifact_identity(fields), fields)
+            return self.check(artifact_identity(fields), fields, kind)
         except EntryProblem:
             return None
 
@@ -165,53 +191,62 @@ class ArtifactCache:
     def _remove_stale_temps(self, identity: str) -> None:
         # Under the identity's lock only this process writes its files: any temp
         # left is from a process that died mid-write.
-        for tmp in self.root.glob(f".{identity}.*.tmp"):
+        for tmp in self.root.glob(f".{identity}.*"):
             tmp.unlink(missing_ok=True)
 
     def get_or_build(self, fields: dict, emit_fn: Callable[[], bytes],
                      progress: Callable[[str], None] | None = None) -> tuple[Path, bool]:
         """(vmfb path, built): reuse a checked-out entry, else call `emit_fn()` for the
         vmfb bytes (once across processes) and store it atomically."""
-        report = progress or (lambda message: None)
+        def write(path: Path) -> None:
+            data = emit_fn()
+            if not isinstance(data, (bytes, bytearray)) or not data:
+                raise CacheError(f"build of {path.stem[:12]} produced no vmfb bytes")
+            write_atomic(path, bytes(data))
+        return self.get_or_write(fields, "vmfb", write, progress)
+
+    def get_or_write(self, fields: dict, kind: str, write_fn: Callable[[Path], None],
+                     progress: Callable[[str], None] | None = None) -> tuple[Path, bool]:
+        """(path, built) of the `<identity>.<kind>` entry: reuse a checked-out one, else
+        call `write_fn(path)` (once across processes), which writes the file whole or not
+        at all, then record its size and sha256 in the manifest."""
         identity = artifact_identity(fields)
         self.ensure_root()
-        vmfb_path, manifest_path, lock_path = self.paths(identity)
+        path, manifest_path, lock_path = self.paths(identity, kind)
         try:  # fast path: a good entry needs no lock (files only ever appear whole)
-            return self.check(identity, fields), False
+            return self.check(identity, fields, kind), False
         except EntryProblem:
             pass
         with self._locked(lock_path):
             try:
-                return self.check(identity, fields), False  # built by another process meanwhile
+                return self.check(identity, fields, kind), False  # built by another process meanwhile
             except EntryProblem as e:
-                if vmfb_path.exists() or manifest_path.exists():
+                if path.exists() or manifest_path.exists():
                     message = f"cache entry {identity[:12]} rejected: {e}; rebuilding"
-                    log.warning(message)
-                    report(message)
+                    (progress or log.warning)(message)  # once: to the caller if it listens, else the log
             self._remove_stale_temps(identity)
-            manifest_path.unlink(missing_ok=True)  # never leave one describing a bad vmfb
+            manifest_path.unlink(missing_ok=True)  # never leave one describing a bad file
             start = time.monotonic()
-            data = emit_fn()
-            if not isinstance(data, (bytes, bytearray)) or not data:
-                raise CacheError(f"build of {identity[:12]} produced no vmfb bytes")
-            data = bytes(data)
-            seconds = time.monotonic() - start
-            manifest = {
-                "manifest_format": MANIFEST_FORMAT,
-                "identity": identity,
-                "fields": fields,
-                "vmfb": {"file": vmfb_path.name, "sha256": sha256_bytes(data), "size": len(data)},
-                "created": _now(),
-                "build_seconds": round(seconds, 3),
-            }
             try:
-                write_atomic(vmfb_path, data)
+                write_fn(path)
+                size, sha = file_sha256(path)
+                manifest = {
+                    "manifest_format": MANIFEST_FORMAT,
+                    "identity": identity,
+                    "fields": fields,
+                    kind: {"file": path.name, "sha256": sha, "size": size},
+                    "created": _now(),
+                    "build_seconds": round(time.monotonic() - start, 3),
+                }
                 write_atomic(manifest_path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-            except OSError as e:
+            except BaseException as e:
+                path.unlink(missing_ok=True)  # a file without a manifest only holds space
                 manifest_path.unlink(missing_ok=True)
-                raise CacheError(f"cache folder {self.root}: cannot write entry {identity[:12]} "
-                                 f"({e.strerror or e}); expected a writable folder") from None
-            return vmfb_path, True
+                if isinstance(e, OSError) and not isinstance(e, CacheError):
+                    raise CacheError(f"cache folder {self.root}: cannot write entry {identity[:12]} "
+                                     f"({e.strerror or e}); expected a writable folder") from None
+                raise
+            return path, True
 
 
 def get_or_build(fields: dict, emit_fn: Callable[[], bytes], progress: Callable[[str], None] | None = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from emitter.cli import fail
@@ -13,9 +15,16 @@ def say(message: str) -> None:
     click.echo(message, err=True)
 
 
+def terminated(signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C: a running iree-compile is killed, temp files removed."""
+    click.echo("error: terminated (SIGTERM)", err=True)
+    raise SystemExit(128 + signum)
+
+
 @click.group(context_settings=CONTEXT)
 def main():
     """Compile and run the Qwen3-VL vision tower with IREE."""
+    signal.signal(signal.SIGTERM, terminated)
 
 
 @main.command()
@@ -45,10 +54,10 @@ def presets():
               help="How the graph gets its weights: a parameter archive (packed once at load: faster, one packed "
                    "copy per loaded bucket) or function arguments (shared by all buckets, packed every call).")
 @click.option("--explain", is_flag=True,
-              help="Print each bucket's identity, cache state and hashed fields; compile nothing.")
+              help="Print the artifact's identity, cache state and hashed fields; compile nothing.")
 def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, precision, weights, explain):
-    """Compile every asked bucket into the artifact cache (hits compile nothing)."""
-    from .build import build_bucket, explain_plan, make_plan
+    """Compile the artifact module (one entry per asked bucket) into the cache (a hit compiles nothing)."""
+    from .build import build_artifact, explain_plan, make_plan
     from .cache import ArtifactCache
     from .compiler import CompileError
 
@@ -61,10 +70,9 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
             click.echo(explain_plan(plan, cache), nl=False)
             return
         cache.ensure_root()
-        for b in plan.buckets:
-            r = build_bucket(plan, b, cache, progress=say)
-            click.echo(f"bucket {r.bucket:>5}  {r.identity[:12]}  {'built' if r.built else 'hit':<5} "
-                       f"{r.seconds:7.2f} s  {r.path}")
+        r = build_artifact(plan, cache, progress=say)
+        click.echo(f"buckets {','.join(map(str, r.buckets))}  {r.identity[:12]}  {'built' if r.built else 'hit':<5} "
+                   f"{r.seconds:7.2f} s  {r.path}")
     except (ValueError, OSError) as e:
         fail(str(e))
     except CompileError as e:  # a bug, not bad input: say so in one block, status 1
@@ -81,7 +89,7 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
               help="Buckets to pack into (repeatable; default 64 128 256 512).")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
-@click.option("--threads", type=int, metavar="N", help="IREE worker threads (default: one per core).")
+@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
 @click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
@@ -106,7 +114,9 @@ def run(model, images, output, buckets, target, cache_dir, threads, precision, w
 @click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="MLX affine quantization.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def random_checkpoint(folder, preset_name, layout, dtype, bits, seed):
-    """Write a deterministic random-weight checkpoint folder (for demos and tests)."""
+    """Write a deterministic random-weight checkpoint folder (for demos and tests).
+
+    DIR must be new or empty; the folder is written whole or not at all."""
     from emitter.config import preset
     from .synthetic import write_checkpoint
 

@@ -2,13 +2,43 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import iree.runtime as rt
 
+from emitter.targets import runtime_driver
+
+
+class DeviceMemoryError(MemoryError):
+    """IREE could not allocate what a call needs (RESOURCE_EXHAUSTED)."""
+
+
+def device_config(target: str) -> rt.Config:
+    """The IREE runtime config (driver and device) for a compile target; a ValueError
+    naming the target and the missing driver when this machine cannot make the device."""
+    driver = runtime_driver(target)
+    try:
+        return rt.Config(driver)
+    except (RuntimeError, ValueError) as e:
+        detail = str(e.__cause__ or e).splitlines()[0]
+        detail = re.sub(r"^.*?: [A-Z_]+; ", "", detail)  # drop "Error creating driver: file.c:66: UNAVAILABLE; "
+        raise ValueError(f"--target {target}: this machine cannot create an IREE '{driver}' device "
+                         f"({detail})") from None
+
+
+def _out_of_memory(e: RuntimeError) -> RuntimeError:
+    """IREE's allocation failures as DeviceMemoryError, anything else unchanged."""
+    if "RESOURCE_EXHAUSTED" not in str(e):
+        return e
+    reason = re.search(r"RESOURCE_EXHAUSTED; ([^;]*)", str(e))
+    return DeviceMemoryError(reason.group(1) if reason else "RESOURCE_EXHAUSTED")
+
 
 class LoadedModule:
-    """One vmfb in its own context. `upload` makes device arrays once; `__call__` takes
-    device arrays or numpy arrays (positional, in argument order) and returns numpy copies."""
+    """One vmfb in its own context. `upload` makes device arrays once; `__call__` (the
+    function named at load, `main` by default) and `call(name, ...)` take device arrays or
+    numpy arrays (positional, in argument order) and return numpy copies."""
 
     def __init__(self, vmfb: bytes, driver: str = "local-task", function: str = "main",
                  module_name: str = "qwen3vl_vision", config: rt.Config | None = None, modules=()):
@@ -18,14 +48,25 @@ class LoadedModule:
         for module in modules:  # e.g. the parameter provider, before the module that needs it
             self.context.add_vm_module(module)
         self._vmfb = vmfb  # the module maps this buffer: keep it alive
-        self.context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, vmfb))
-        self.function = self.context.modules[module_name][function]
+        try:  # initializers run here (e.g. packing parameter-bound weights)
+            self.context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, vmfb))
+        except RuntimeError as e:
+            raise _out_of_memory(e) from None
+        self.module = self.context.modules[module_name]
+        self.function = self.module[function] if function else None
 
     def upload(self, array: np.ndarray):
         return rt.asdevicearray(self.config.device, np.asarray(array, order="C"))
 
     def __call__(self, *args) -> list[np.ndarray]:
-        results = self.function(*args)
+        return self.call(None, *args)
+
+    def call(self, function: str | None, *args) -> list[np.ndarray]:
+        """Call an exported function by name (e.g. `encode_64`; None: the one named at load)."""
+        try:
+            results = (self.module[function] if function else self.function)(*args)
+        except RuntimeError as e:
+            raise _out_of_memory(e) from None
         if not isinstance(results, (list, tuple)):
             results = [results]
         # to_host() is a view a later call may overwrite: copy.

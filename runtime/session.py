@@ -1,26 +1,31 @@
-"""The vision session: a model folder opened once, weights resident on the device,
-artifacts from the cache, images in, merged embeddings and DeepStack features out."""
+"""The vision session: a model folder opened once; its weights resident once, read from
+the weight archive (.irpa, memory-mapped); one artifact module holding every bucket's
+entry (`encode_<B>`), from the cache; images in, merged embeddings and DeepStack
+features out."""
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import iree.runtime as rt
 
+from emitter.atomic import write_atomic
 from emitter.identity import DEFAULT_LADDER
-from emitter.targets import runtime_driver
 from emitter.config import graph_weights
-from emitter.vision import PARAMETER_SCOPE, result_names
+from emitter.vision import PARAMETER_SCOPE, entry_name, input_specs, result_names
 
-from .build import DEFAULT_BINDING, build_bucket, make_plan
+from .archive import cached_archive, entry_array, open_archive
+from .archive import parameters_module as archive_parameters
+from .build import DEFAULT_BINDING, build_artifact, make_plan
 from .cache import ArtifactCache, load_verified
-from .checkpoint import load_vision_weights, weights_in_order
-from .iree_module import LoadedModule, parameters_module
+from .checkpoint import weights_in_order
+from .iree_module import LoadedModule, device_config, parameters_module
 from .packing import Call, host_inputs, pack, patch_count
 from .processor import process_images
 
@@ -31,7 +36,7 @@ def set_thread_count(threads: int) -> None:
     """IREE's task topology is fixed when the first local-task device is made."""
     global _threads_set
     if threads < 1:
-        raise ValueError(f"--threads {threads}: expected a positive count")
+        raise ValueError(f"--threads {threads}: expected a count of IREE worker threads, 1 or more")
     if _threads_set is None:
         rt.flags.parse_flags(f"--task_topology_group_count={threads}")
         _threads_set = threads
@@ -60,10 +65,14 @@ class VisionSession:
 
     def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
                  threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None,
-                 precision: str = "f32", weights: str = DEFAULT_BINDING, max_loaded: int | None = None):
-        """`max_loaded`: how many buckets' modules stay loaded at once (least recently used
-        dropped first). With parameter-bound weights each loaded module holds its own packed
-        copy of the weights, so it defaults to 2 there; with weights as arguments, all."""
+                 precision: str = "f32", weights: str = DEFAULT_BINDING, vision_weights: dict | None = None,
+                 dump_inputs=None):
+        """The weights come from the checkpoint's archive in the cache (written on first
+        use, memory-mapped, checked against the config); the one artifact module serves
+        every bucket, so each weight is packed once. `vision_weights`: the weights by
+        checkpoint name, as `load_vision_weights` returns them, in place of the folder's
+        (the oracle's zeroed-branch control; served from memory, no archive).
+        `dump_inputs`: a folder; each call writes `<NN>/call.json` and one `.npy` per input."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks,
@@ -72,54 +81,88 @@ class VisionSession:
         self.cache = ArtifactCache(cache_dir)
         self.progress = progress
         self.seconds = {}
-        weights = weights_in_order(load_vision_weights(model_dir, self.cfg), self.cfg, precision)
+        self.archive_path = None
+        if vision_weights is None:
+            self.archive_path = cached_archive(model_dir, self.cfg, precision, self.cache, progress)
+            self.parameters = open_archive(self.archive_path, self.cfg, precision)  # mmapped, checked
         self.seconds["load"] = time.perf_counter() - start
-        if threads:
+        if threads is not None:
             set_thread_count(threads)
         start = time.perf_counter()
-        self.config = rt.Config(runtime_driver(self.plan.target))
-        if self.plan.weights == "parameters":  # each bucket's module packs them once, at load
-            specs = graph_weights(self.cfg, precision)
-            self._weight_arrays = weights  # the provider references these
-            self._extra_modules = [parameters_module(self.config, [(w.name, a) for w, a in zip(specs, weights)],
-                                                     PARAMETER_SCOPE)]
-            self.device_weights = []
+        self.config = device_config(self.plan.target)
+        specs = graph_weights(self.cfg, precision)
+        if vision_weights is not None:
+            arrays = weights_in_order(vision_weights, self.cfg, precision)
+        else:
+            arrays = [entry_array(self.parameters, w.name, w.shape, w.dtype) for w in specs]
+        self._extra_modules, self.device_weights = [], []
+        if self.plan.weights == "parameters":  # the artifact's initializer packs them once, at load
+            self._weight_arrays = arrays  # an in-memory provider references these
+            self._extra_modules = [archive_parameters(self.config, self.parameters) if vision_weights is None
+                                   else parameters_module(self.config, [(w.name, a) for w, a in zip(specs, arrays)],
+                                                          PARAMETER_SCOPE)]
         else:  # uploaded once, passed to every call of every bucket
-            self._extra_modules = []
-            self.device_weights = [rt.asdevicearray(self.config.device, w) for w in weights]
-        del weights
+            self.device_weights = [rt.asdevicearray(self.config.device, a) for a in arrays]
+        del arrays
         self.seconds["upload"] = time.perf_counter() - start
-        self._modules: OrderedDict[int, LoadedModule] = OrderedDict()
-        self.max_loaded = max_loaded or (2 if self.plan.weights == "parameters" else len(self.buckets))
+        self._artifact: LoadedModule | None = None
+        self.max_loaded = len(self.buckets)  # one module holds them all
+        self.dump_dir = Path(dump_inputs) if dump_inputs else None
+        self._calls = 0
         self._lock = threading.Lock()
 
     @property
     def buckets(self) -> tuple[int, ...]:
         return self.plan.buckets
 
-    def module(self, bucket: int) -> LoadedModule:
-        """The compiled graph for `bucket`, from the cache (built on a miss)."""
-        if bucket in self._modules:
-            self._modules.move_to_end(bucket)
-        else:
-            while len(self._modules) >= self.max_loaded:
-                self._modules.popitem(last=False)  # frees its packed weights
-            result = build_bucket(self.plan, bucket, self.cache, self.progress)
-            self._modules[bucket] = LoadedModule(load_verified(result.path), config=self.config,
-                                                 modules=self._extra_modules)
-        return self._modules[bucket]
+    def artifact(self) -> LoadedModule:
+        """The artifact module (every bucket), from the cache (built on a miss), loaded once."""
+        if self._artifact is None:
+            result = build_artifact(self.plan, self.cache, self.progress)
+            self.artifact_identity = result.identity
+            self._artifact = LoadedModule(load_verified(result.path), config=self.config,
+                                          modules=self._extra_modules, function=None)
+        return self._artifact
+
+    def function_name(self, bucket: int) -> str:
+        return entry_name(bucket, self.plan.diagnostics)
+
+    def module(self, bucket: int):
+        """A callable running `bucket`'s entry of the artifact module (loaded on first use)."""
+        if bucket not in self.buckets:
+            raise ValueError(f"bucket {bucket}: not one of this session's buckets {list(self.buckets)}")
+        artifact, name = self.artifact(), self.function_name(bucket)
+        return lambda *args: artifact.call(name, *args)
 
     def result_names(self) -> list[str]:
         return result_names(self.cfg, self.plan.diagnostics, self.plan.inspect_blocks)
 
-    def run_call(self, pixel_values: np.ndarray, grids, bucket: int) -> list[np.ndarray]:
+    def run_call(self, pixel_values: np.ndarray, grids, bucket: int, images=None) -> list[np.ndarray]:
         """One graph call on images already processed; each result (outputs, then any
         diagnostics stages) trimmed to the real rows: patches, or merged tokens."""
         patches = sum(patch_count(g) for g in grids)
         inputs = host_inputs(pixel_values, grids, self.cfg, bucket)
         with self._lock:
+            if self.dump_dir:
+                self._dump(inputs, grids, bucket, images)
             results = self.module(bucket)(*inputs, *self.device_weights)
         return [r[:patches] if r.shape[0] == bucket else r[:patches // self.cfg.merge_unit] for r in results]
+
+    def _dump(self, inputs, grids, bucket: int, images) -> None:
+        """`<dump_dir>/<NN>/`: one `.npy` per input, named as in abi.json, and call.json."""
+        folder = self.dump_dir / f"{self._calls:02d}"
+        self._calls += 1
+        folder.mkdir(parents=True, exist_ok=True)
+        names = [name for name, _, _ in input_specs(self.cfg, bucket)]
+        for name, array in zip(names, inputs):
+            write_atomic(folder / f"{name}.npy", _npy_bytes(np.asarray(array)))
+        patches = sum(patch_count(g) for g in grids)
+        call = {"function": self.function_name(bucket), "bucket": bucket, "images": list(images or []),
+                "grid_thw": [list(map(int, g)) for g in grids], "patches": patches,
+                "merged": patches // self.cfg.merge_unit, "inputs": [f"{n}.npy" for n in names],
+                "outputs": self.result_names(), "precision": self.plan.precision,
+                "weights_archive": str(self.archive_path) if self.archive_path else None}
+        write_atomic(folder / "call.json", json.dumps(call, indent=1) + "\n")
 
     def encode(self, images, names=None) -> VisionOutput:
         """Images (paths or PIL images) -> VisionOutput."""
@@ -152,7 +195,8 @@ class VisionSession:
         parts: dict[str, list[np.ndarray]] = {name: [] for name in self.result_names()}
         for call in calls:
             rows = pixel_values[starts[call.images[0]]:starts[call.images[-1] + 1]]
-            for name, value in zip(parts, self.run_call(rows, [grids[i] for i in call.images], call.bucket)):
+            labels = [names[i] if names else f"image {i}" for i in call.images]
+            for name, value in zip(parts, self.run_call(rows, [grids[i] for i in call.images], call.bucket, labels)):
                 parts[name].append(value)
         return calls, {name: np.concatenate(values) if values else None for name, values in parts.items()}
 
@@ -165,3 +209,9 @@ class VisionSession:
                     else np.zeros((k, len(image_embeds), out_hidden), np.float32))
         grids = np.asarray(grid_thw, np.int64).reshape(-1, 3)
         return VisionOutput(image_embeds, features.astype(np.float32), grids, calls)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()

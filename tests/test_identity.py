@@ -18,7 +18,7 @@ TINY = PRESETS["tiny"]
 
 
 def ident_of(**overrides) -> str:
-    kwargs = dict(cfg=TINY, bucket=16, policy=DEFAULT_POLICY, target="llvm-cpu", diagnostics=False)
+    kwargs = dict(cfg=TINY, buckets=16, policy=DEFAULT_POLICY, target="llvm-cpu", diagnostics=False)
     kwargs.update(overrides)
     return artifact_identity(artifact_fields(**kwargs))
 
@@ -34,7 +34,7 @@ def test_deterministic_and_json(base):
     assert artifact_identity(fields) == base == ident_of()
     assert len(base) == 64 and int(base, 16) >= 0
     # What the design says the identity covers is all there.
-    assert {"format_version", "emitter_version", "vision_config", "bucket", "diagnostics", "inspect_blocks",
+    assert {"format_version", "emitter_version", "vision_config", "buckets", "diagnostics", "inspect_blocks",
             "processor_policy", "weight_schema", "graph_sha256", "target", "compiler"} <= set(fields)
     assert fields["target"]["flags"][0] == "--iree-input-type=stablehlo"
     assert fields["target"]["backend"] == "llvm-cpu"
@@ -64,7 +64,8 @@ def test_each_policy_field_changes_identity(base, name, value):
 
 
 def test_bucket_changes_identity(base):
-    assert ident_of(bucket=32) != base
+    assert ident_of(buckets=32) != base
+    assert ident_of(buckets=(16, 32)) != base and ident_of(buckets=(32, 16)) == ident_of(buckets=(16, 32))
 
 
 @pytest.mark.parametrize("name,value", [("depth", 3), ("hidden_size", 128), ("intermediate_size", 256),
@@ -139,8 +140,8 @@ def test_precision_changes_identity(base):
 
 
 def test_emitted_graph_change_changes_identity(base, monkeypatch):
-    real = ident.emit_vision_module
-    monkeypatch.setattr(ident, "emit_vision_module", lambda *a, **k: real(*a, **k).replace("1.0e-01", "2.0e-01"))
+    real = ident.emit_artifact_module
+    monkeypatch.setattr(ident, "emit_artifact_module", lambda *a, **k: real(*a, **k).replace("1.0e-01", "2.0e-01"))
     assert ident_of() != base
 
 
@@ -176,7 +177,7 @@ def test_identity_module_does_not_import_runtime():
 def test_explain_identity(tmp_path, base):
     text = explain_identity(TINY, 16)
     assert text.startswith(f"identity {base}\n")
-    assert '"bucket": 16' in text
+    assert '"buckets": [\n    16\n  ]' in text
     # A model folder's preprocessor config is the policy.
     policy = dataclasses.replace(DEFAULT_POLICY, max_pixels=1024 * 1024)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(policy.to_preprocessor_config()))

@@ -91,15 +91,17 @@ def test_argument_bound_weights_give_the_same_result(session, tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_loaded_buckets_are_bounded(tmp_path):
-    """With parameter-bound weights each loaded bucket packs its own copy: at most
-    `max_loaded` stay loaded, least recently used dropped, results unchanged."""
+def test_one_module_serves_every_bucket(tmp_path):
+    """All buckets are entries of one loaded module over one memory-mapped archive."""
     write_checkpoint(tmp_path / "m", TINY, seed=2, processor_policy_dict=SMALL_POLICY)
-    session = VisionSession(tmp_path / "m", buckets=(32, 64, 128), cache_dir=tmp_path / "c", max_loaded=1)
+    session = VisionSession(tmp_path / "m", buckets=(128, 32, 64), cache_dir=tmp_path / "c")
+    assert session.buckets == (32, 64, 128)
     small, large = images(sizes=((64, 64),)), images(sizes=((150, 200),))  # 16 and 120 patches
-    first = session.encode(small).image_embeds
-    session.encode(large)
-    assert list(session._modules) == [128]
+    first = session.encode(small)
+    artifact = session.artifact()
+    assert session.encode(large).calls[0].bucket == 128 and session.artifact() is artifact
     again = session.encode(small)
-    assert list(session._modules) == [again.calls[0].bucket]
-    np.testing.assert_array_equal(again.image_embeds, first)
+    assert again.calls[0].bucket == 32
+    np.testing.assert_array_equal(again.image_embeds, first.image_embeds)
+    assert sorted(p.suffix for p in (tmp_path / "c").iterdir() if p.suffix != ".lock") == [
+        ".irpa", ".json", ".json", ".vmfb"]
