@@ -154,7 +154,7 @@ def explain_identity(cfg: VisionConfig, bucket, diagnostics: bool = False, inspe
     config when given, else the released default."""
     from .policy import DEFAULT_POLICY, load_policy
     if policy is None:
-        policy = load_policy(model_dir) if model_dir else DEFAULT_POLICY
+        policy = load_policy(model_dir, cfg) if model_dir else DEFAULT_POLICY
     fields = artifact_fields(cfg, bucket, policy, target=target, diagnostics=diagnostics,
                              inspect_blocks=inspect_blocks, precision=precision, weights=weights)
     return format_explanation(fields)

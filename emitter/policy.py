@@ -304,16 +304,44 @@ def _read_json(path: Path):
         raise PolicyError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def load_policy(model_dir: str | Path) -> ProcessorPolicy:
-    """Read `<model_dir>/preprocessor_config.json` (or, when only the combined layout
-    is there, the `image_processor` object of `processor_config.json`)."""
-    model_dir = Path(model_dir)
+# Sizes the processor and the vision config must agree on: (policy field, config field).
+SHARED_SIZES = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                ("merge_size", "spatial_merge_size"), ("in_channels", "in_channels"))
+
+
+def check_matches_config(policy: ProcessorPolicy, cfg, policy_source: str, config_source: str) -> None:
+    """Refuse a policy whose patch, temporal, merge or channel size differs from the vision
+    config's (`cfg`, an `emitter.config.VisionConfig`): the pixels would be cut or ordered
+    for another graph. PolicyError naming both files."""
+    for ours, theirs in SHARED_SIZES:
+        a, b = getattr(policy, ours), getattr(cfg, theirs)
+        if a != b:
+            raise PolicyError(
+                f"{policy_source}: {ours} = {a} disagrees with {config_source}: vision_config.{theirs} = {b}; "
+                f"expected the same value in both files"
+            )
+
+
+def _read_policy(model_dir: Path) -> tuple[ProcessorPolicy, str]:
+    """The folder's policy and the file (or file[object]) it came from."""
     path = model_dir / PREPROCESSOR_CONFIG
     if path.is_file():
-        return ProcessorPolicy.from_preprocessor_config(_read_json(path), source=str(path))
+        return ProcessorPolicy.from_preprocessor_config(_read_json(path), source=str(path)), str(path)
     combined = model_dir / PROCESSOR_CONFIG
     if combined.is_file():
         d = _read_json(combined)
         if isinstance(d, dict) and isinstance(d.get("image_processor"), dict):
-            return ProcessorPolicy.from_preprocessor_config(d["image_processor"], source=f"{combined}[image_processor]")
+            source = f"{combined}[image_processor]"
+            return ProcessorPolicy.from_preprocessor_config(d["image_processor"], source=source), source
     raise PolicyError(f"{path}: missing: a checkpoint folder needs its {PREPROCESSOR_CONFIG}")
+
+
+def load_policy(model_dir: str | Path, cfg=None) -> ProcessorPolicy:
+    """Read `<model_dir>/preprocessor_config.json` (or, when only the combined layout
+    is there, the `image_processor` object of `processor_config.json`). With `cfg` (the
+    folder's vision config), also check that the two files agree (`check_matches_config`)."""
+    model_dir = Path(model_dir)
+    policy, source = _read_policy(model_dir)
+    if cfg is not None:
+        check_matches_config(policy, cfg, source, str(model_dir / "config.json"))
+    return policy

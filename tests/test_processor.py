@@ -208,6 +208,49 @@ def test_load_policy(tmp_path):
         load_policy(bad)
 
 
+@pytest.mark.parametrize("field, value, config_field", [
+    ("merge_size", 1, "spatial_merge_size"),      # same patch_dim: patches silently reordered
+    ("patch_size", 14, "patch_size"),             # "fits no bucket" or a shape error
+    ("temporal_patch_size", 3, "temporal_patch_size"),
+])
+def test_policy_disagreeing_with_config_is_refused(tmp_path, field, value, config_field):
+    from emitter.config import PRESETS
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**RELEASED, field: value}))
+    with pytest.raises(PolicyError) as e:
+        load_policy(tmp_path, PRESETS["tiny"])
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert f"preprocessor_config.json: {field} = {value} disagrees with {tmp_path / 'config.json'}" in msg
+    assert f"vision_config.{config_field} = " in msg
+    assert load_policy(tmp_path).merge_size == (value if field == "merge_size" else 2)  # alone it parses
+
+    combined = tmp_path / "combined"
+    combined.mkdir()
+    (combined / "processor_config.json").write_text(json.dumps({"image_processor": {**RELEASED, field: value}}))
+    with pytest.raises(PolicyError, match=r"processor_config.json\[image_processor\]: .* disagrees with .*config.json"):
+        load_policy(combined, PRESETS["tiny"])
+
+
+def test_policy_mismatch_stops_build_before_compiling(tmp_path):
+    """`qwen3vl build --model` names both files and compiles nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from emitter.config import PRESETS
+    from runtime.synthetic import write_checkpoint
+    model = tmp_path / "model"
+    write_checkpoint(model, PRESETS["tiny"])
+    (model / "preprocessor_config.json").write_text(json.dumps({**RELEASED, "merge_size": 1}))
+    cache = tmp_path / "cache"
+    qwen3vl = Path(sys.executable).with_name("qwen3vl")
+    r = subprocess.run([str(qwen3vl), "build", "--model", str(model), "--bucket", "64", "--cache-dir", str(cache)],
+                       capture_output=True, text=True)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "merge_size = 1 disagrees with" in lines[0] and "spatial_merge_size = 2" in lines[0], r.stderr
+    assert not any(cache.rglob("*.vmfb"))
+
+
 # --------------------------------------------------------------------------- images
 
 
