@@ -143,7 +143,8 @@ def expand_image_pads(input_ids, grid_thw, merge_size: int = 2) -> np.ndarray:
 
 
 def mrope_position_ids(input_ids, grid_thw, merge_size: int = 2, *, video_grid_thw=None,
-                       attention_mask=None) -> tuple[np.ndarray, int]:
+                       attention_mask=None, image_token_id: int = IMAGE_PAD,
+                       video_token_id: int = VIDEO_PAD) -> tuple[np.ndarray, int]:
     """M-RoPE position ids [3, S] int64 and the rope delta of one sequence, as transformers'
     `Qwen3VLModel.get_rope_index` computes them (with `mm_token_type_ids` as its processor
     makes them: image pad 1, video pad 2, everything else 0).
@@ -157,7 +158,8 @@ def mrope_position_ids(input_ids, grid_thw, merge_size: int = 2, *, video_grid_t
     rope_delta = max(position) + 1 - (number of unmasked tokens).
 
     With `attention_mask` [S] (1 keep, 0 pad), positions are computed over the kept
-    tokens only and the masked slots hold 0, as in transformers.
+    tokens only and the masked slots hold 0, as in transformers. `image_token_id` /
+    `video_token_id`: the checkpoint's pad ids (config.json), when not Qwen3-VL's own.
 
     Fails closed where transformers would silently misalign: every vision run must have
     exactly its grid's merged token count, and every grid must be used."""
@@ -179,8 +181,8 @@ def mrope_position_ids(input_ids, grid_thw, merge_size: int = 2, *, video_grid_t
     if kept.size == 0:
         raise PrefillError("input_ids: no (unmasked) tokens")
     types = np.zeros(kept.shape, np.int8)
-    types[kept == IMAGE_PAD] = _IMAGE
-    types[kept == VIDEO_PAD] = _VIDEO
+    types[kept == image_token_id] = _IMAGE
+    types[kept == video_token_id] = _VIDEO
     kept_index = np.flatnonzero(keep)
 
     used = {_IMAGE: 0, _VIDEO: 0}
@@ -266,6 +268,9 @@ def _as_deepstack(deepstack_features, num_layers: int, embeds: np.ndarray) -> li
                            "feature(s) were given")
     out = []
     for k, f in enumerate(feats):
+        if f is None:
+            raise PrefillError(f"deepstack_features[{k}]: missing; the config has {num_layers} DeepStack layer(s) "
+                               "and each needs its features")
         f = _as_features(f, f"deepstack_features[{k}]")
         if f.shape != embeds.shape:
             raise PrefillError(f"deepstack_features[{k}]: shape {list(f.shape)} differs from image_embeds "

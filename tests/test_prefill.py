@@ -222,6 +222,8 @@ def _bad_payload_cases():
         (dict(deepstack_features=None), "has 3 DeepStack layer\\(s\\) but no deepstack features"),
         (dict(deepstack_features=[]), "has 3 DeepStack layer\\(s\\) but no deepstack features"),
         (dict(deepstack_features=ds[:2]), "has 3 DeepStack layer\\(s\\) but 2 deepstack feature"),
+        (dict(deepstack_features=[ds[0], ds[1], None]), r"deepstack_features\[2\]: missing; the config has 3"),
+        (dict(deepstack_features=[ds[0], None, ds[2]]), r"deepstack_features\[1\]: missing"),
         (dict(deepstack_features=np.concatenate([ds, ds[:1]])), "3 DeepStack layer\\(s\\) but 4"),
         (dict(num_deepstack_layers=0), "has 0 DeepStack layer\\(s\\) but 3"),
         (dict(num_deepstack_layers=-1), "num_deepstack_layers"),
