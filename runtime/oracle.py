@@ -332,9 +332,9 @@ def run_oracle(model_dir, images, atol: float = DEFAULT_ATOL, rtol: float = DEFA
     names = [str(p) for p in images]
     if not names:
         raise ValueError("IMAGE: give at least one image file")
+    from .processor import check_image_file
     for name in names:
-        if not Path(name).is_file():
-            raise ValueError(f"{name}: no such image file")
+        check_image_file(name)  # missing, a directory, a FIFO...: say which
 
     seconds = {}
     t0 = time.perf_counter()

@@ -1,6 +1,12 @@
 """The Qwen3-VL image processor: PIL images or image files to `pixel_values`
-[patches, C*T*P*P] f32 and `grid_thw`, bit-identical to transformers'
-`Qwen2VLImageProcessorPil` run with the same `ProcessorPolicy`.
+[patches, C*T*P*P] f32 and `grid_thw`, bit-identical to transformers' PIL backend,
+`Qwen2VLImageProcessorPil`, run with the same `ProcessorPolicy`.
+
+Not to its torchvision backend (`Qwen2VLImageProcessor`, which transformers picks
+whenever torchvision is installed; the released preprocessor_config.json names it
+`Qwen2VLImageProcessorFast`): that one resizes with torch's bicubic and normalizes with
+a fused formula. On images already on the 32-pixel grid the two agree to one float32
+step; on resized ones torch's bicubic differs from PIL's (the README has the figures).
 
 What transformers does, step by step, and how it is reproduced here:
 
@@ -10,8 +16,9 @@ What transformers does, step by step, and how it is reproduced here:
 2. RGB (`do_convert_rgb`, `image_transforms.convert_to_rgb`): an image with an "A" band
    (RGBA, LA, PA, LAB's "A" too) or a `transparency` entry in `info` (P, L, RGB with a
    tRNS chunk) is converted to RGBA and alpha-composited onto opaque white; any other
-   mode goes through PIL's `convert("RGB")` (16-bit and 32-bit integer modes clamp to
-   0..255, F truncates, CMYK/YCbCr use PIL's matrices).
+   mode goes through PIL's `convert("RGB")` (CMYK/YCbCr use PIL's matrices). Modes wider
+   than 8 bits (I;16, I, F) are refused: PIL clamps them to 0..255, which transformers
+   does too, turning a 16-bit photo white.
 3. Resize (`do_resize`): `smart_resize` to multiples of patch*merge, then PIL
    `resize((w, h), resample)` on the uint8 RGB image.
 4. Rescale (`do_rescale`): `uint8 -> float64 * rescale_factor -> float32`.
@@ -26,6 +33,8 @@ What transformers does, step by step, and how it is reproduced here:
 from __future__ import annotations
 
 import os
+import stat
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence, Union
@@ -40,6 +49,8 @@ ImageLike = Union[Image.Image, str, os.PathLike]
 __all__ = [
     "ImageError",
     "ImageLike",
+    "check_image_file",
+    "image_grid",
     "load_image",
     "to_rgb",
     "process_image",
@@ -70,24 +81,109 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
-def load_image(path: str | os.PathLike, name: str | None = None) -> Image.Image:
-    """Open an image file the way transformers' `load_image` does: EXIF-rotated and
-    converted to RGB (mode "RGB", decoded, file closed)."""
+# Modes whose samples are wider than 8 bits. PIL's convert("RGB"), which transformers
+# uses, clamps them to 0..255: a 16-bit photo comes out almost white. Refused here.
+WIDE_MODES = {"I": "32-bit integer", "I;16": "16-bit", "I;16L": "16-bit", "I;16B": "16-bit",
+              "I;16N": "16-bit", "F": "32-bit float"}
+
+
+def check_image_file(path: str | os.PathLike, name: str | None = None) -> None:
+    """A path that names a regular file; else ImageError saying what it is (missing, a
+    directory, a FIFO...). Checked before opening: a FIFO would block the open."""
     name = _name_of(path, name)
-    p = Path(path)
-    if not p.exists():
-        raise ImageError(f"{name}: no such file")
-    if not p.is_file():
-        raise ImageError(f"{name}: not a regular file")
     try:
-        with Image.open(p) as im:
-            if im.width == 0 or im.height == 0:
-                raise ImageError(f"{name}: image has zero size ({im.width}x{im.height})")
-            return ImageOps.exif_transpose(im).convert("RGB")
-    except ImageError:
-        raise
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ImageError(f"{name}: no such image file") from None
+    except OSError as e:
+        raise ImageError(f"{name}: cannot read ({e.strerror or e})") from None
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file")
+    raise ImageError(f"{name}: is {kind}, not an image file")
+
+
+def _check_mode(image: Image.Image, name: str) -> None:
+    if image.mode in WIDE_MODES:
+        raise ImageError(
+            f"{name}: mode {image.mode} ({WIDE_MODES[image.mode]} samples) would be clamped to 0..255 by the "
+            f"RGB conversion (transformers' too: mostly white); convert it to 8 bits per channel first"
+        )
+
+
+def _open(path: str | os.PathLike, name: str) -> Image.Image:
+    """`PIL.Image.open`, lazily (header only), with the file's problems as ImageError."""
+    check_image_file(path, name)
+    try:
+        with warnings.catch_warnings():  # a large image is sized before decoding: PIL's warning is noise
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(path)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, zlib/struct errors...
         raise ImageError(f"{name}: cannot decode image ({_one_line(e)})") from None
+    if image.width == 0 or image.height == 0:
+        image.close()
+        raise ImageError(f"{name}: image has zero size ({image.width}x{image.height})")
+    return image
+
+
+def _upright_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) after `ImageOps.exif_transpose`, read from the header."""
+    try:
+        orientation = image.getexif().get(0x0112, 1)
+    except Exception:
+        orientation = 1
+    return (image.height, image.width) if orientation in (5, 6, 7, 8) else image.size
+
+
+def load_image(path: str | os.PathLike, name: str | None = None) -> Image.Image:
+    """Open an image file the way transformers' `load_image` does: EXIF-rotated and
+    converted to RGB (mode "RGB", decoded, file closed). Modes wider than 8 bits are refused."""
+    name = _name_of(path, name)
+    with _open(path, name) as im:
+        _check_mode(im, name)
+        try:
+            return ImageOps.exif_transpose(im).convert("RGB")
+        except Exception as e:
+            raise ImageError(f"{name}: cannot decode image ({_one_line(e)})") from None
+
+
+def image_grid(image: ImageLike, policy: ProcessorPolicy = DEFAULT_POLICY,
+               name: str | None = None) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid `process_image` will give, from a path's header alone
+    (nothing decoded): lets a caller check that an image fits before decoding it."""
+    name = _name_of(image, name)
+    if isinstance(image, (str, os.PathLike)):
+        with _open(image, name) as im:
+            width, height = _upright_size(im)
+    elif isinstance(image, Image.Image):
+        width, height = image.size
+    else:
+        raise ImageError(f"{name}: expected a PIL image or a path, got {type(image).__name__}")
+    new_h, new_w = _resized_size(height, width, policy, name)
+    return 1, new_h // policy.patch_size, new_w // policy.patch_size
+
+
+def _resized_size(height: int, width: int, policy: ProcessorPolicy, name: str) -> tuple[int, int]:
+    """`smart_resize` (or the grid check when do_resize is off), errors as ImageError."""
+    if width == 0 or height == 0:
+        raise ImageError(f"{name}: image has zero size ({width}x{height})")
+    if not policy.do_resize:
+        f = policy.factor
+        if height % f or width % f:
+            raise ImageError(
+                f"{name}: {width}x{height} is not a multiple of {f} (patch_size*merge_size) "
+                f"and the policy has do_resize off"
+            )
+        return height, width
+    long_side, short_side = max(height, width), min(height, width)
+    if long_side / short_side > MAX_ASPECT_RATIO:  # transformers' exact condition
+        raise ImageError(
+            f"{name}: {width}x{height} has aspect ratio {long_side / short_side:.6g}; "
+            f"the processor refuses more than {MAX_ASPECT_RATIO} (crop or pad it)"
+        )
+    return smart_resize(height, width, policy.factor, policy.min_pixels, policy.max_pixels)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -124,12 +220,12 @@ def _pixel_table(policy: ProcessorPolicy) -> np.ndarray:
 def _rgb_array(image: ImageLike, policy: ProcessorPolicy, name: str) -> np.ndarray:
     """Decode, convert and resize: the uint8 [H, W, 3] array transformers normalizes."""
     if isinstance(image, (str, os.PathLike)):
+        image_grid(image, policy, name)  # sized from the header: refused before decoding
         image = load_image(image, name)
     elif not isinstance(image, Image.Image):
         raise ImageError(f"{name}: expected a PIL image or a path, got {type(image).__name__}")
     width, height = image.size
-    if width == 0 or height == 0:
-        raise ImageError(f"{name}: image has zero size ({width}x{height})")
+    new_h, new_w = _resized_size(height, width, policy, name)  # before decoding
     try:
         image.load()  # a lazily opened file decodes here: truncation shows up now
     except Exception as e:
@@ -137,6 +233,7 @@ def _rgb_array(image: ImageLike, policy: ProcessorPolicy, name: str) -> np.ndarr
 
     try:
         if policy.do_convert_rgb:
+            _check_mode(image, name)
             rgb = to_rgb(image)
         else:
             arr = np.asarray(image)
@@ -152,24 +249,10 @@ def _rgb_array(image: ImageLike, policy: ProcessorPolicy, name: str) -> np.ndarr
         raise ImageError(f"{name}: cannot convert mode {image.mode} to RGB ({_one_line(e)})") from None
 
     if policy.do_resize:
-        long_side, short_side = max(height, width), min(height, width)
-        if long_side / short_side > MAX_ASPECT_RATIO:  # transformers' exact condition
-            raise ImageError(
-                f"{name}: {width}x{height} has aspect ratio {long_side / short_side:.6g}; "
-                f"the processor refuses more than {MAX_ASPECT_RATIO} (crop or pad it)"
-            )
-        new_h, new_w = smart_resize(height, width, policy.factor, policy.min_pixels, policy.max_pixels)
         try:
             rgb = rgb.resize((new_w, new_h), resample=policy.resample)
         except Exception as e:
             raise ImageError(f"{name}: cannot resize to {new_w}x{new_h} ({_one_line(e)})") from None
-    else:
-        f = policy.factor
-        if height % f or width % f:
-            raise ImageError(
-                f"{name}: {width}x{height} is not a multiple of {f} (patch_size*merge_size) "
-                f"and the policy has do_resize off"
-            )
     return np.asarray(rgb)
 
 

@@ -11,7 +11,7 @@ from safetensors.numpy import save
 from emitter.atomic import write_atomic
 
 from .packing import pack
-from .processor import process_images
+from .processor import check_image_file, image_grid, process_images
 from .session import VisionOutput, VisionSession
 
 
@@ -54,11 +54,11 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
         check_output_path(output)
     names = [str(p) for p in images]
     for name in names:
-        if not Path(name).is_file():
-            raise ValueError(f"{name}: no such image file")
+        check_image_file(name)  # missing, a directory, a FIFO...: say which
     session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
                             progress=progress, precision=precision, weights=weights)
     t0 = time.perf_counter()
+    pack([image_grid(name, session.policy) for name in names], session.buckets, names)  # headers only: fits?
     pixel_values, grid_thw = process_images(names, session.policy, names=names)
     t1 = time.perf_counter()
     needed = list(dict.fromkeys(call.bucket for call in pack(grid_thw, session.buckets, names)))

@@ -10,6 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -17,7 +20,8 @@ from PIL import Image
 
 from emitter.policy import (DEFAULT_POLICY, PolicyError, ProcessorPolicy, load_policy,
                             smart_resize)
-from runtime.processor import ImageError, process_image, process_images
+from runtime.processor import (WIDE_MODES, ImageError, check_image_file, image_grid, process_image,
+                               process_images)
 
 # What Qwen/Qwen3-VL-*/preprocessor_config.json holds (no resample, rescale, do_*).
 RELEASED = {
@@ -265,8 +269,95 @@ def _image_error(image, *needles, **kw):
 
 
 def test_missing_and_non_file_paths(tmp_path):
-    _image_error(tmp_path / "nope.png", "nope.png", "no such file")
-    _image_error(str(tmp_path), str(tmp_path), "not a regular file")
+    _image_error(tmp_path / "nope.png", "nope.png: no such image file")
+    _image_error(str(tmp_path), f"{tmp_path}: is a directory, not an image file")
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)  # opening it would block: refused from its stat alone
+    _image_error(fifo, "pipe.png: is a FIFO (named pipe), not an image file")
+    for path, expected in [(tmp_path, "is a directory"), (fifo, "is a FIFO"), (tmp_path / "nope", "no such image file")]:
+        with pytest.raises(ImageError, match=expected):
+            check_image_file(path)
+        with pytest.raises(ImageError, match=expected):
+            image_grid(path)
+
+
+def _png_header(path, width, height):
+    """A PNG whose header says width x height and which holds no pixel data."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b""))
+    return path
+
+
+@pytest.mark.filterwarnings("error")
+def test_grid_from_header_before_decoding(tmp_path):
+    """A 144-megapixel image is sized from its header: the bucket check can refuse it
+    before 1.8 GB are decoded (this file has no pixels at all: decoding it would fail)."""
+    from runtime.packing import PackingError, pack
+    big = _png_header(tmp_path / "big.png", 12000, 12000)
+    assert image_grid(big) == (1, 256, 256) == DEFAULT_POLICY.grid_thw(12000, 12000)
+    with pytest.raises(PackingError, match="big.png"):
+        pack([image_grid(big)], [64, 512], [str(big)])
+    _image_error(big, "big.png", "cannot decode")  # proof that it holds nothing to decode
+    _image_error(_png_header(tmp_path / "wide.png", 2010, 10), "wide.png", "aspect ratio 201")
+    with pytest.raises(ImageError, match="aspect ratio 201"):
+        image_grid(tmp_path / "wide.png")
+
+
+def test_run_says_what_a_bad_image_path_is(tmp_path):
+    """`qwen3vl run`: a directory, a FIFO, a missing file and a 144-megapixel header each
+    get one line and a non-zero exit, the last from its header (it holds no pixels)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from emitter.config import PRESETS
+    from runtime.synthetic import write_checkpoint
+    model = tmp_path / "model"
+    write_checkpoint(model, PRESETS["tiny"])
+    os.mkfifo(tmp_path / "pipe.png")
+    qwen3vl = Path(sys.executable).with_name("qwen3vl")
+    cases = [(tmp_path / "pics", "is a directory, not an image file"),
+             (tmp_path / "pipe.png", "is a FIFO (named pipe), not an image file"),
+             (tmp_path / "nope.png", "no such image file"),
+             (_png_header(tmp_path / "big.png", 12000, 12000), "65536 patches (grid (1, 256, 256)) fit no bucket")]
+    (tmp_path / "pics").mkdir()
+    for image, expected in cases:
+        r = subprocess.run([str(qwen3vl), "run", "--model", str(model), "--bucket", "64", str(image),
+                            "--cache-dir", str(tmp_path / "cache"), "-o", str(tmp_path / "out.safetensors")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and expected in r.stderr.strip().splitlines()[-1], r.stderr
+        assert "Warning" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_image_grid_matches_processing_and_exif(tmp_path):
+    for policy in (SMALL, DEFAULT_POLICY):
+        for w, h in [(77, 33), (500, 130), (40, 3)]:
+            img = rand_rgb(w, h, w)
+            assert image_grid(img, policy) == process_image(img, policy)[1]
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90: stored 160 wide, shown 40 wide
+    rand_rgb(160, 40, 3).save(tmp_path / "rotated.jpg", exif=exif.tobytes())
+    assert image_grid(tmp_path / "rotated.jpg", SMALL) == process_image(tmp_path / "rotated.jpg", SMALL)[1]
+
+
+WIDE = {"I;16": lambda: Image.fromarray(np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16),
+        "I": lambda: Image.fromarray(np.arange(64 * 64, dtype=np.int32).reshape(64, 64)),
+        "F": lambda: Image.fromarray(np.linspace(0, 1, 64 * 64, dtype=np.float32).reshape(64, 64))}
+
+
+@pytest.mark.parametrize("mode", list(WIDE))
+def test_wide_modes_are_refused(tmp_path, mode):
+    """16-bit greyscale, 32-bit integer and float images: PIL's RGB conversion would clamp
+    them to 0..255 (mostly white), so they are refused, from a PIL image or a file."""
+    img = WIDE[mode]()
+    assert img.mode == mode
+    _image_error(img, f"mode {mode}", "clamped to 0..255", "convert it to 8 bits")
+    path = tmp_path / ("deep.png" if mode == "I;16" else "deep.tiff")
+    img.save(path)
+    assert Image.open(path).mode in WIDE_MODES
+    _image_error(path, path.name, "clamped to 0..255")
 
 
 def test_corrupt_files(tmp_path):
@@ -449,6 +540,11 @@ def test_parity_with_transformers(mode, size, policy_name):
     policy = POLICIES[policy_name]
     seed = sum(map(ord, mode)) * 7919 + size[0] * 31 + size[1]
     img = _make(mode, *size, seed)
+    if mode in WIDE_MODES and policy.do_convert_rgb:
+        # transformers converts with PIL's clamp to 0..255; we refuse (test_wide_modes_are_refused)
+        with pytest.raises(ImageError, match="clamped to 0..255"):
+            process_image(img.copy(), policy)
+        img = img.convert("RGB")
     pv, grid = process_image(img.copy(), policy)
     _assert_same(_hf(policy_name)(images=img), pv, grid)
 
@@ -462,6 +558,18 @@ def test_parity_errors_with_transformers():
             _hf("small")(images=img)
         with pytest.raises(ImageError, match="aspect ratio"):
             process_image(img, SMALL)
+
+
+@pytest.mark.parity
+def test_transformers_clamps_wide_modes_to_white(tmp_path):
+    """Why 16-bit files are refused: transformers' PIL backend reads a 16-bit greyscale
+    gradient (0..65535) as pixels clamped at 255, so almost all of it is white (1.0)."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "deep.png"
+    WIDE["I;16"]().save(path)
+    ref = np.asarray(_hf("small-half")(images=str(path))["pixel_values"])
+    assert (ref == 1.0).mean() > 0.9
+    _image_error(path, "deep.png", "mode I;16", "clamped to 0..255")
 
 
 @pytest.mark.parity
@@ -479,8 +587,6 @@ def test_parity_paths_and_batches(tmp_path):
     exif[0x0112] = 6  # Orientation: rotate 90 (the stored image is sideways)
     _make("RGB", 160, 40, 3).save(tmp_path / "rotated.jpg", exif=exif.tobytes(), quality=90)
     files.append(tmp_path / "rotated.jpg")
-    _make("I;16", 70, 50, 4).save(tmp_path / "deep.png")
-    files.append(tmp_path / "deep.png")
     _make("L", 33, 900, 5).save(tmp_path / "gray.gif")
     files.append(tmp_path / "gray.gif")
 
