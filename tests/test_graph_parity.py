@@ -95,3 +95,29 @@ def test_parameter_bound_weights_match_fixture(tiny_parity):
     compare_all({k: v[:merged] for k, v in results.items()},
                 {"image_embeds": stages["merger"], "deepstack_features.0": stages["deepstack_merger_list.0"],
                  "deepstack_features.1": stages["deepstack_merger_list.1"]})
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_2b_preset_parity_with_transformers_at_bucket_512():
+    """The released 2B tower (random weights) on two images filling bucket 512: every output
+    within TOLERANCE of transformers."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from PIL import Image
+    from runtime.processor import process_images
+    from torch_reference import random_vision_state_dict, run_vision_tower
+
+    cfg = PRESETS["qwen3-vl-2b"]
+    rng = np.random.default_rng(11)
+    images = [Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)) for _ in range(2)]
+    pixels, grid_thw = process_images(images)
+    assert len(pixels) == 512
+    weights = random_vision_state_dict(cfg, seed=5)
+    expected = run_vision_tower(cfg, weights, pixels, grid_thw)
+    ours = run_graph(compiled("qwen3-vl-2b", 512), cfg, weights, pixels, grid_thw, 512)
+    reference = {"image_embeds": expected["merger"]}
+    for k in range(len(cfg.deepstack_visual_indexes)):
+        reference[f"deepstack_features.{k}"] = expected[f"deepstack_merger_list.{k}"]
+    errors = compare_all(ours, reference)
+    assert len(errors) == 1 + len(cfg.deepstack_visual_indexes) == 4
