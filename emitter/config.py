@@ -87,6 +87,8 @@ class VisionConfig:
                 "a perfect square (the learned position table is a square grid)")
         if self.hidden_act != "gelu_pytorch_tanh":
             bad("hidden_act", self.hidden_act, "'gelu_pytorch_tanh'")
+        if not _is_positive_number(self.rope_theta):
+            bad("rope_theta", self.rope_theta, "a finite positive number (the rotary base)")
         indexes = self.deepstack_visual_indexes
         for i in indexes:
             if not isinstance(i, int) or not 0 <= i < self.depth:
@@ -105,6 +107,11 @@ class VisionConfig:
         d.pop("rope_theta")
         d["initializer_range"] = 0.02
         return d
+
+
+def _is_positive_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
 
 
 REQUIRED_FIELDS = ("depth", "hidden_size", "intermediate_size", "out_hidden_size", "num_heads",
@@ -137,8 +144,7 @@ def from_hf_config(config: dict, source: str = "config.json") -> VisionConfig:
             if len(sizes) != 1:
                 raise ConfigError(f"{source}: field 'vision_config.{name}' = {kwargs[name]!r}: expected one size")
             kwargs[name] = sizes.pop()
-    rope = vision.get("rope_parameters") or {}
-    kwargs["rope_theta"] = float(rope.get("rope_theta", vision.get("rope_theta", ROPE_THETA)))
+    kwargs["rope_theta"] = _rope_theta(vision, source)
     if not isinstance(kwargs["deepstack_visual_indexes"], (list, tuple)):
         raise ConfigError(f"{source}: field 'vision_config.deepstack_visual_indexes' = "
                           f"{kwargs['deepstack_visual_indexes']!r}: expected a list of block indexes")
@@ -146,6 +152,28 @@ def from_hf_config(config: dict, source: str = "config.json") -> VisionConfig:
         return VisionConfig(**kwargs)
     except ConfigError as e:
         raise ConfigError(str(e).replace("vision_config: field '", f"{source}: field 'vision_config.")) from None
+
+
+def _rope_theta(vision: dict, source: str) -> float:
+    """The vision rotary base: `rope_parameters.rope_theta` (transformers 5), else a legacy
+    top-level `rope_theta`, else the default. The rope type, if given, must be what
+    transformers' vision rotary embedding accepts: 'axial' ('default' is read as axial)."""
+    rope = vision.get("rope_parameters")
+    if rope is None:
+        rope = {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: field 'vision_config.rope_parameters' = {rope!r}: expected an object")
+    rope_type = rope.get("rope_type", "axial")
+    if rope_type not in ("axial", "default"):
+        raise ConfigError(f"{source}: field 'vision_config.rope_parameters.rope_type' = {rope_type!r}: "
+                          f"expected 'axial' (the vision tower's 2-D rotary embedding)")
+    field, theta = "rope_parameters.rope_theta", rope.get("rope_theta")
+    if theta is None:
+        field, theta = "rope_theta", vision.get("rope_theta", ROPE_THETA)
+    if not _is_positive_number(theta):
+        raise ConfigError(f"{source}: field 'vision_config.{field}' = {theta!r}: expected a finite positive "
+                          f"number (the rotary base)")
+    return float(theta)
 
 
 def load_model_config(model_dir: str | Path) -> VisionConfig:

@@ -59,6 +59,9 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
                          f"(config.json, preprocessor_config.json, *.safetensors)")
     cfg, title = resolve_config(model, preset_name)
+    if model:  # the config against the weights' headers, before anything is sized by it
+        from .checkpoint import check_checkpoint
+        check_checkpoint(model, cfg)
     policy = load_policy(model, cfg) if model else DEFAULT_POLICY
     target = target or DEFAULT_TARGET
     target_flags(target)

@@ -10,10 +10,14 @@ Two layouts are understood:
   position table) optionally affine-quantized: `weight` uint32 [out, in*bits/32]
   holding a little-endian bit stream of `bits`-bit codes (least-significant bits
   first), `scales` and `biases` [out, in/group_size]; `w = q*scale + bias` in f32.
+  `bits` and `group_size` come from config.json's `quantization` block (global, or a
+  per-module entry as mlx-lm / mlx-vlm write them); the stored shapes must agree.
 
-Only the vision tensors are read. With an index, only the shards holding vision
-tensors are opened; within a shard only the vision tensors' byte ranges are read,
-so a large checkpoint's text weights are never loaded. bf16 and f16 are widened to
+Only the vision tensors are read, and every one the checkpoint holds must be one the
+config uses (a `depth` smaller than the checkpoint's is an error, not a silent cut).
+Index entries must name files inside the folder. With an index, only the shards
+holding vision tensors are opened; within a shard only the vision tensors' byte
+ranges are read, so a large checkpoint's text weights are never loaded. bf16 and f16 are widened to
 f32 exactly. Every problem is a `CheckpointError` whose one-line message names the
 tensor and the file.
 """
@@ -118,11 +122,15 @@ def _check_size(entry: TensorEntry) -> None:
                               f"{list(entry.shape)} needs {want} (in {entry.file})")
 
 
-def read_float_tensor(entry: TensorEntry) -> np.ndarray:
-    """A F32, F16 or BF16 tensor widened exactly to f32 (a new, writable array)."""
+def _check_float(entry: TensorEntry) -> None:
     if entry.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"{entry.name}: unsupported dtype {entry.dtype} (expected one of "
                               f"{', '.join(FLOAT_DTYPES)}) (in {entry.file})")
+
+
+def read_float_tensor(entry: TensorEntry) -> np.ndarray:
+    """A F32, F16 or BF16 tensor widened exactly to f32 (a new, writable array)."""
+    _check_float(entry)
     _check_size(entry)
     raw = _read_raw(entry)
     if entry.dtype == "F32":
@@ -182,31 +190,77 @@ def dequantize_mlx(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray,
     return q * s + b
 
 
-def _quantization_config(model_dir: Path) -> dict:
+@dataclass(frozen=True)
+class QuantConfig:
+    """config.json's `quantization` block as mlx-lm / mlx-vlm write it: global `bits`,
+    `group_size` and `mode`, plus per-module entries keyed by module path (a dict of
+    overrides, or false for a module left unquantized)."""
+    block: dict
+    source: str  # where it was read, for messages: "<dir>/config.json 'quantization'"
+
+    def module(self, paths: tuple[str, ...]) -> tuple[dict | None, str]:
+        """The settings that apply to a module known by `paths` (its stored and Hugging Face
+        spellings) and the config entry they come from; None for a module marked false."""
+        for path in paths:
+            override = self.block.get(path)
+            if isinstance(override, dict):
+                return {**self.block, **override}, f"{self.source}[{path!r}]"
+            if override is False:
+                return None, f"{self.source}[{path!r}]"
+        return self.block, self.source
+
+    def names_module(self, paths: tuple[str, ...]) -> bool:
+        return any(isinstance(self.block.get(path), dict) for path in paths)
+
+
+def quantization_config(model_dir: Path) -> QuantConfig | None:
+    """The MLX quantization block of the folder's config.json (`quantization`, else an
+    MLX-style `quantization_config`), or None when it has none."""
     path = model_dir / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
+        return None
     if not isinstance(config, dict):
-        return {}
+        return None
     for key in ("quantization", "quantization_config"):
         q = config.get(key)
-        if isinstance(q, dict) and ("bits" in q or "group_size" in q or "mode" in q):
-            return q
-    return {}
+        if isinstance(q, dict) and "quant_method" not in q and ("bits" in q or "group_size" in q or "mode" in q):
+            return QuantConfig(q, f"{path} '{key}'")
+    return None
 
 
-def _module_quant(qconfig: dict, module: str, hf_module: str) -> dict:
-    """The quantization settings that apply to one module: a per-module override keyed by
-    its path (stored or Hugging Face spelling) if there is one, else the global ones."""
-    for key in (module, hf_module):
-        override = qconfig.get(key)
-        if isinstance(override, dict):
-            return {**qconfig, **override}
-        if override is False:
-            return {"disabled": True}
-    return qconfig
+def _module_paths(module: str) -> tuple[str, ...]:
+    """A module's stored path and its other spellings, as config entries may key it."""
+    for prefix in VISION_PREFIXES:
+        if module.startswith(prefix):
+            rest = module[len(prefix):]
+            return (module, *(p + rest for p in VISION_PREFIXES if p != prefix))
+    return (module,)
+
+
+def _quant_settings(key: str, entry: TensorEntry, qconfig: QuantConfig | None,
+                    paths: tuple[str, ...], n_in: int) -> tuple[int, int]:
+    """(bits, group_size) the config gives a stored quantized weight, checked to be usable."""
+    if qconfig is None:
+        raise CheckpointError(f"{key}: quantized ({entry.dtype}) but {entry.file.parent / 'config.json'} has "
+                              f"no 'quantization' block giving bits and group_size (as mlx-vlm writes it)")
+    settings, source = qconfig.module(paths)
+    if settings is None:
+        raise CheckpointError(f"{key}: quantized ({entry.dtype}) but {source} is false (unquantized) "
+                              f"(in {entry.file})")
+    mode = settings.get("mode", "affine")
+    if mode != "affine":
+        raise CheckpointError(f"{key}: quantization mode {mode!r} ({source}) is not supported; "
+                              f"expected 'affine' (in {entry.file})")
+    bits, group_size = settings.get("bits"), settings.get("group_size")
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in QUANT_BITS:
+        raise CheckpointError(f"{key}: {source} gives bits {bits!r}; expected one of "
+                              f"{', '.join(map(str, QUANT_BITS))}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0 or n_in % group_size:
+        raise CheckpointError(f"{key}: {source} gives group_size {group_size!r}; expected a positive "
+                              f"divisor of the weight's {n_in} inputs")
+    return bits, group_size
 
 
 # --------------------------------------------------------------------------- folder scan
@@ -229,6 +283,17 @@ def _add_entries(found: dict[str, TensorEntry], entries: dict[str, TensorEntry])
         found[name] = entry
 
 
+def _check_shard_name(name: str, shard, index_path: Path) -> None:
+    """An index entry names a file inside the model folder (symlinks allowed, as in a hub
+    cache), never an absolute path or one that climbs out with `..`."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{name}: shard {shard!r} is not a file name (in {index_path})")
+    parts = Path(shard).parts
+    if Path(shard).is_absolute() or ".." in parts:
+        raise CheckpointError(f"{name}: shard {shard!r} lies outside the model folder; expected a file "
+                              f"name inside {index_path.parent} (in {index_path})")
+
+
 def scan_vision_tensors(model_dir: str | Path) -> tuple[dict[str, TensorEntry], str]:
     """Locate every vision tensor of a checkpoint folder without reading tensor data.
 
@@ -248,8 +313,9 @@ def scan_vision_tensors(model_dir: str | Path) -> tuple[dict[str, TensorEntry], 
             raise CheckpointError(f"{index_path}: no 'weight_map' object")
         by_shard: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
+            _check_shard_name(name, shard, index_path)
             if _is_vision(name):
-                by_shard.setdefault(str(shard), []).append(name)
+                by_shard.setdefault(shard, []).append(name)
         if not by_shard:
             raise CheckpointError(f"{index_path}: no vision weights (no tensor named "
                                   f"{' / '.join(p + '*' for p in VISION_PREFIXES)})")
@@ -295,95 +361,166 @@ def _choose_prefix(found: dict[str, TensorEntry]) -> str:
     raise AssertionError("unreachable: found holds only vision names")
 
 
-# --------------------------------------------------------------------------- loading
+# --------------------------------------------------------------------------- matching
 
-def _read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry],
-                    shape: tuple[int, ...], qconfig: dict) -> np.ndarray:
+@dataclass(frozen=True)
+class StoredWeight:
+    """One graph weight as the checkpoint stores it, checked from the headers alone:
+    `quant` is (bits, group_size, scales entry, biases entry) for an MLX-quantized one."""
+    hf_name: str
+    shape: tuple[int, ...]  # the graph's
+    entry: TensorEntry
+    quant: tuple[int, int, TensorEntry, TensorEntry] | None = None
+
+
+def _indexed_count(found: dict[str, TensorEntry], stem: str) -> int:
+    """1 + the largest k of the tensors named `{stem}{k}.*` (0 if none)."""
+    ks = [name[len(stem):].split(".", 1)[0] for name in found if name.startswith(stem)]
+    return 1 + max((int(k) for k in ks if k.isdigit()), default=-1)
+
+
+def check_structure(found: dict[str, TensorEntry], prefix: str, cfg: VisionConfig, where: str) -> None:
+    """The config's block and DeepStack-merger counts against the tensors the checkpoint
+    holds; names only, so a wild `depth` fails before anything is built per block."""
+    blocks = _indexed_count(found, prefix + "blocks.")
+    if cfg.depth != blocks:
+        raise CheckpointError(f"config.json: vision_config.depth = {cfg.depth}, but the checkpoint holds {blocks} "
+                              f"blocks ({prefix}blocks.0-{blocks - 1} in {where})")
+    mergers = _indexed_count(found, prefix + "deepstack_merger_list.")
+    taps = len(cfg.deepstack_visual_indexes)
+    if taps != mergers:
+        raise CheckpointError(f"config.json: vision_config.deepstack_visual_indexes = "
+                              f"{list(cfg.deepstack_visual_indexes)} names {taps} DeepStack blocks, but the "
+                              f"checkpoint holds {mergers} DeepStack mergers ({prefix}deepstack_merger_list.* "
+                              f"in {where})")
+
+
+def _is_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry]) -> bool:
+    return entry.dtype == "U32" or (key.endswith(".weight") and key[:-7] + ".scales" in found)
+
+
+def _quantized_layout(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
+                      qconfig: QuantConfig | None) -> tuple[int, int, TensorEntry, TensorEntry]:
+    """An MLX affine-quantized weight's stored shapes checked against the bits and group
+    size the config gives its module (never guessed from the shapes)."""
     module = key[: -len(".weight")] if key.endswith(".weight") else key
+    if len(shape) != 2:
+        raise CheckpointError(f"{key}: quantized, but only 2-D weights can be (expected "
+                              f"{list(shape)}) (in {entry.file})")
+    if entry.dtype != "U32":
+        raise CheckpointError(f"{key}: unsupported dtype {entry.dtype} for a quantized weight (it has "
+                              f"{module}.scales; expected U32) (in {entry.file})")
+    out, n_in = shape
+    paths = _module_paths(module)
+    bits, group_size = _quant_settings(key, entry, qconfig, paths, n_in)
     scales_e, biases_e = found.get(module + ".scales"), found.get(module + ".biases")
-    hf_module = HF_PREFIX + module[len(MLX_PREFIX):] if module.startswith(MLX_PREFIX) else module
-    mode = _module_quant(qconfig, module, hf_module).get("mode", "affine")
     if scales_e is None:
         raise CheckpointError(f"{key}: quantized ({entry.dtype}) but {module}.scales is missing "
                               f"(in {entry.file})")
     if biases_e is None:
-        extra = f"; quantization mode {mode!r} is not supported (only 'affine')" if mode != "affine" else ""
-        raise CheckpointError(f"{key}: quantized but {module}.biases is missing{extra} (in {entry.file})")
-    if len(shape) != 2:
-        raise CheckpointError(f"{key}: quantized, but only 2-D weights can be (expected "
-                              f"{list(shape)}) (in {entry.file})")
-    out, n_in = shape
-    packed = read_uint32_tensor(entry)
-    if packed.ndim != 2 or packed.shape[0] != out:
-        raise CheckpointError(f"{key}: unexpected shape {list(packed.shape)} for a packed {list(shape)} "
-                              f"weight (in {entry.file})")
-    words = packed.shape[1]
-    bits = words * 32 // n_in
-    if words * 32 % n_in or bits not in QUANT_BITS:
-        raise CheckpointError(f"{key}: unexpected shape {list(packed.shape)}: {words} words per row do "
-                              f"not pack {n_in} codes of 2, 3, 4, 5, 6 or 8 bits (in {entry.file})")
-    scales = read_float_tensor(scales_e)
-    biases = read_float_tensor(biases_e)
-    if scales.ndim != 2 or scales.shape[0] != out or scales.shape[1] == 0 or n_in % scales.shape[1]:
-        raise CheckpointError(f"{module}.scales: unexpected shape {list(scales.shape)} for a "
-                              f"{list(shape)} weight (in {scales_e.file})")
-    if biases.shape != scales.shape:
-        raise CheckpointError(f"{module}.biases: unexpected shape {list(biases.shape)} (expected "
-                              f"{list(scales.shape)}, as the scales) (in {biases_e.file})")
-    group_size = n_in // scales.shape[1]
-    for arr, e in ((scales, scales_e), (biases, biases_e)):
-        if not np.isfinite(arr).all():
-            raise CheckpointError(f"{e.name}: non-finite values (in {e.file})")
-    # The shapes fix bits and group size unambiguously, so a config whose `quantization`
-    # block (or a per-module override in it) is absent or spelled differently still loads.
-    return dequantize_mlx(packed, scales, biases, bits, group_size)
+        raise CheckpointError(f"{key}: quantized but {module}.biases is missing (in {entry.file})")
+    if (n_in * bits) % 32 or entry.shape != (out, n_in * bits // 32):
+        raise CheckpointError(f"{key}: stored shape {list(entry.shape)}, but {bits}-bit codes for a "
+                              f"{list(shape)} weight pack into [{out}, {n_in * bits / 32:g}] uint32 "
+                              f"(bits {bits} from {qconfig.module(paths)[1]}) (in {entry.file})")
+    groups = (out, n_in // group_size)
+    for e in (scales_e, biases_e):
+        _check_float(e)
+        if e.shape != groups:
+            raise CheckpointError(f"{e.name}: stored shape {list(e.shape)}, but group_size {group_size} "
+                                  f"over a {list(shape)} weight needs {list(groups)} (in {e.file})")
+    return bits, group_size, scales_e, biases_e
 
 
-def _conv_to_hf(key: str, w: np.ndarray, entry: TensorEntry, cfg: VisionConfig) -> np.ndarray:
-    hf_shape = cfg.conv_shape
-    h, c, t, p, _ = hf_shape
-    mlx_shape = (h, t, p, p, c)
-    if w.shape == hf_shape:
-        return w
-    if w.shape == mlx_shape:  # channels-last (MLX): [h, T, P, P, C] -> [h, C, T, P, P]
-        return np.ascontiguousarray(w.transpose(0, 4, 1, 2, 3))
-    if w.shape == (h, cfg.patch_dim):
-        return w.reshape(hf_shape)
-    raise CheckpointError(f"{key}: unexpected shape {list(w.shape)} (expected {list(hf_shape)}, or "
-                          f"{list(mlx_shape)} channels-last) (in {entry.file})")
+def _conv_layouts(cfg: VisionConfig) -> dict[tuple[int, ...], str]:
+    """The stored shapes the patch-embed conv may take, each with its layout."""
+    h, c, t, p, _ = cfg.conv_shape
+    return {cfg.conv_shape: "hf", (h, t, p, p, c): "channels-last", (h, cfg.patch_dim): "flat"}
+
+
+def _stored_weight(hf_name: str, shape: tuple[int, ...], prefix: str, found: dict[str, TensorEntry],
+                   qconfig: QuantConfig | None, cfg: VisionConfig, where: str) -> StoredWeight:
+    key = prefix + hf_name[len(HF_PREFIX):]
+    entry = found.get(key)
+    if entry is None:
+        raise CheckpointError(f"{key}: missing (in {where})")
+    if hf_name == CONV_WEIGHT:
+        _check_float(entry)
+        if entry.shape not in _conv_layouts(cfg):
+            hf_shape, mlx_shape = list(_conv_layouts(cfg))[:2]
+            raise CheckpointError(f"{key}: unexpected shape {list(entry.shape)} (expected {list(hf_shape)}, or "
+                                  f"{list(mlx_shape)} channels-last) (in {entry.file})")
+        return StoredWeight(hf_name, shape, entry)
+    if _is_quantized(key, entry, found):
+        return StoredWeight(hf_name, shape, entry, _quantized_layout(key, entry, found, shape, qconfig))
+    paths = _module_paths(key[: -len(".weight")]) if key.endswith(".weight") else ()
+    if paths and qconfig is not None and qconfig.names_module(paths):
+        raise CheckpointError(f"{key}: stored unquantized ({entry.dtype}), but {qconfig.module(paths)[1]} "
+                              f"gives it quantization settings (in {entry.file})")
+    _check_float(entry)
+    if entry.shape != shape:
+        raise CheckpointError(f"{key}: unexpected shape {list(entry.shape)} (expected {list(shape)}) "
+                              f"(in {entry.file})")
+    return StoredWeight(hf_name, shape, entry)
+
+
+def _check_all_used(found: dict[str, TensorEntry], used: set[str]) -> None:
+    """Every vision tensor the checkpoint holds is one the config reads."""
+    unused = sorted(set(found) - used)
+    if unused:
+        first = found[unused[0]]
+        raise CheckpointError(f"{first.name}: a vision tensor the config does not use ({len(unused)} unused "
+                              f"in all); config.json does not match the checkpoint (in {first.file})")
+
+
+def check_checkpoint(model_dir: str | Path, cfg: VisionConfig) -> list[StoredWeight]:
+    """Match `cfg` against the vision tensors of a checkpoint folder, from the safetensors
+    headers (and index) alone, no tensor data read: block and DeepStack-merger counts
+    first (so a wild `depth` fails before anything is built per block), then every graph
+    weight present with a usable dtype and shape (each quantized one against the bits and
+    group size config.json's `quantization` gives it), and no vision tensor left unused.
+    Returns the graph weights in `weight_schema(cfg)` order."""
+    model_dir = Path(model_dir)
+    found, where = scan_vision_tensors(model_dir)
+    prefix = _choose_prefix(found)
+    check_structure(found, prefix, cfg, where)
+    qconfig = quantization_config(model_dir)
+    stored = [_stored_weight(name, shape, prefix, found, qconfig, cfg, where) for name, shape in weight_schema(cfg)]
+    used = {s.entry.name for s in stored} | {e.name for s in stored if s.quant for e in s.quant[2:]}
+    _check_all_used(found, used)
+    return stored
+
+
+# --------------------------------------------------------------------------- loading
+
+def _read_stored(s: StoredWeight, cfg: VisionConfig) -> np.ndarray:
+    """One graph weight as exact f32: widened or dequantized, the conv reordered to
+    (C, T, P, P) and flattened, finiteness checked."""
+    if s.quant:
+        bits, group_size, scales_e, biases_e = s.quant
+        packed = read_uint32_tensor(s.entry)
+        scales, biases = read_float_tensor(scales_e), read_float_tensor(biases_e)
+        for arr, e in ((scales, scales_e), (biases, biases_e)):
+            if not np.isfinite(arr).all():
+                raise CheckpointError(f"{e.name}: non-finite values (in {e.file})")
+        w = dequantize_mlx(packed, scales, biases, bits, group_size)
+    else:
+        w = read_float_tensor(s.entry)
+        if s.hf_name == CONV_WEIGHT and _conv_layouts(cfg)[w.shape] == "channels-last":
+            w = w.transpose(0, 4, 1, 2, 3)  # [h, T, P, P, C] -> [h, C, T, P, P]
+        w = w.reshape(s.shape)
+    if not np.isfinite(w).all():
+        bad = int(np.size(w) - np.count_nonzero(np.isfinite(w)))
+        raise CheckpointError(f"{s.entry.name}: {bad} non-finite values (in {s.entry.file})")
+    return np.ascontiguousarray(w, dtype=np.float32)
 
 
 def load_vision_weights(model_dir: str | Path, cfg: VisionConfig) -> dict[str, np.ndarray]:
     """The graph's weight arguments as f32 arrays, keyed by their Hugging Face names in
-    `weight_schema(cfg)` order; the patch-embed conv flattened to [hidden, patch_dim]
-    in (C, T, P, P) order."""
-    model_dir = Path(model_dir)
-    found, where = scan_vision_tensors(model_dir)
-    prefix = _choose_prefix(found)
-    qconfig = _quantization_config(model_dir)
-    out: dict[str, np.ndarray] = {}
-    for hf_name, shape in weight_schema(cfg):
-        suffix = hf_name[len(HF_PREFIX):]
-        key = prefix + suffix
-        entry = found.get(key)
-        if entry is None:
-            raise CheckpointError(f"{key}: missing (in {where})")
-        is_conv = suffix == CONV_NAME
-        quantized = entry.dtype == "U32" or (key.endswith(".weight") and key[:-7] + ".scales" in found)
-        if quantized and not is_conv:
-            w = _read_quantized(key, entry, found, shape, qconfig)
-        else:
-            w = read_float_tensor(entry)
-        if is_conv:
-            w = _conv_to_hf(key, w, entry, cfg).reshape(shape)
-        elif w.shape != shape:
-            raise CheckpointError(f"{key}: unexpected shape {list(w.shape)} (expected {list(shape)}) "
-                                  f"(in {entry.file})")
-        if not np.isfinite(w).all():
-            bad = int(np.size(w) - np.count_nonzero(np.isfinite(w)))
-            raise CheckpointError(f"{key}: {bad} non-finite values (in {entry.file})")
-        out[hf_name] = np.ascontiguousarray(w, dtype=np.float32)
-    return out
+    `weight_schema(cfg)` order; the patch-embed conv flattened to [hidden, patch_dim] in
+    (C, T, P, P) order. Everything `check_checkpoint` checks is checked before any tensor
+    data is read."""
+    return {s.hf_name: _read_stored(s, cfg) for s in check_checkpoint(model_dir, cfg)}
 
 
 def weights_in_order(weights: dict[str, np.ndarray], cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:

@@ -9,10 +9,14 @@ affine-quantized, plus a few text-model tensors that a vision loader must ignore
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from emitter.atomic import write_atomic
 from emitter.config import ROPE_THETA, VisionConfig, weight_schema
 
 from .prefill import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
@@ -106,7 +110,8 @@ def quantize_mlx(w: np.ndarray, bits: int, group_size: int,
 
 def write_safetensors(path: str | Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]],
                       metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file from {name: (dtype tag, shape, raw little-endian bytes)}."""
+    """Write a safetensors file from {name: (dtype tag, shape, raw little-endian bytes)},
+    atomically (whole or not at all)."""
     header: dict = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -116,11 +121,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[str, tuple[int,
         offset += len(data)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for _, _, data in tensors.values():
-            f.write(data)
+    write_atomic(path, b"".join([len(text).to_bytes(8, "little"), text, *(d for _, _, d in tensors.values())]))
 
 
 # --------------------------------------------------------------------------- weights
@@ -196,6 +197,19 @@ def _text_tensors(cfg: VisionConfig, rng: np.random.Generator, layout: str) -> d
     }
 
 
+def check_new_folder(model_dir: Path) -> None:
+    """A checkpoint is written as a whole folder: refuse one that exists with files in it
+    (a stale index or shard beside the new files would be read in their place)."""
+    if model_dir.is_symlink() or (model_dir.exists() and not model_dir.is_dir()):
+        raise ValueError(f"{model_dir}: exists and is not a folder; expected a new or empty folder")
+    if model_dir.is_dir():
+        held = sorted(os.listdir(model_dir))
+        if held:
+            raise ValueError(f"{model_dir}: not empty (holds {held[0]}"
+                             f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}); "
+                             f"expected a new or empty folder")
+
+
 def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, layout: str = "hf",
                      dtype: str = "f32", bits: int | None = None, group_size: int = 64, shards: int = 1,
                      processor_policy_dict: dict | None = None, model_type: str = "qwen3_vl",
@@ -208,7 +222,10 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     size the group size divides (the linears and the position table), scales and biases in
     `dtype`. `quant_overrides` maps a module suffix (e.g. "blocks.0.attn.qkv") to
     {"bits", "group_size"} (recorded in config.json's `quantization` under the module's
-    path) or False (left unquantized)."""
+    path) or False (left unquantized).
+
+    `model_dir` must be new or empty. The files are written into a temp folder beside it,
+    which is renamed into place once complete: on any error nothing is left behind."""
     if layout not in ("hf", "mlx"):
         raise ValueError(f"layout {layout!r}: expected 'hf' or 'mlx'")
     if dtype not in _ST_DTYPE:
@@ -218,7 +235,27 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     if shards < 1:
         raise ValueError("shards must be at least 1")
     model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
+    check_new_folder(model_dir)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+    try:
+        source = _write_files(tmp, cfg, seed, layout, dtype, bits, group_size, shards, processor_policy_dict,
+                              model_type, quant_overrides)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+        os.replace(tmp, model_dir)  # onto a missing or empty folder
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # named by the folder asked for, never the temp one
+            reason = (e.strerror or str(e)).replace(str(tmp), str(model_dir))
+            raise OSError(f"{model_dir}: cannot write the checkpoint ({reason})") from None
+        raise
+    return source
+
+
+def _write_files(model_dir: Path, cfg: VisionConfig, seed: int, layout: str, dtype: str, bits: int | None,
+                 group_size: int, shards: int, processor_policy_dict: dict | None, model_type: str,
+                 quant_overrides: dict[str, dict | bool] | None) -> dict[str, np.ndarray]:
+    """The files of `write_checkpoint`, written into `model_dir` (a fresh folder)."""
     source = random_vision_weights(cfg, seed)
     rng = np.random.Generator(np.random.PCG64(seed + 1_000_003))
     overrides = dict(quant_overrides or {})
@@ -269,7 +306,7 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
                 weight_map[n] = file
                 total += len(tensors[n][2])
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (model_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        write_atomic(model_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
     vision = {"model_type": model_type, **cfg.to_hf_vision_config()}  # as released checkpoints write it
     if cfg.rope_theta != ROPE_THETA:
@@ -293,7 +330,7 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
             quant[MLX_PREFIX + module] = settings
         config["quantization"] = quant
         config["quantization_config"] = quant
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_atomic(model_dir / "config.json", json.dumps(config, indent=2) + "\n")
     processor = DEFAULT_PROCESSOR if processor_policy_dict is None else processor_policy_dict
-    (model_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    write_atomic(model_dir / "preprocessor_config.json", json.dumps(processor, indent=2) + "\n")
     return source

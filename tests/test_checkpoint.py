@@ -231,12 +231,18 @@ def test_mlx_quantized_overrides_and_mixed_bits(tmp_path):
         hf = f"model.visual.{module}.weight"
         packed, scales, biases = quantize_mlx(source[hf], bits, gs)
         np.testing.assert_array_equal(weights[hf], dequantize_mlx(packed, scales, biases, bits, gs))
-    # Shapes fix bits and group size, so a config without `quantization` loads the same.
-    del config["quantization"], config["quantization_config"]
+    # The per-module entry may also be keyed by the Hugging Face module path.
+    config["quantization"]["model.visual." + QKV0] = config["quantization"].pop("vision_tower." + QKV0)
     (tmp_path / "config.json").write_text(json.dumps(config))
     again = load_vision_weights(tmp_path, CFG)
     for name in weights:
         np.testing.assert_array_equal(again[name], weights[name])
+    # Bits are never guessed from shapes: quantized tensors need the config's block.
+    del config["quantization"], config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as err:
+        load_vision_weights(tmp_path, CFG)
+    one_line_naming(err, "vision_tower.", "no 'quantization' block", "config.json")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -336,7 +342,7 @@ def test_error_packed_shape(tmp_path):
             lambda t: {**t, name: ("U32", (192, 7), np.zeros((192, 7), "<u4").tobytes())})
     with pytest.raises(CheckpointError) as err:
         load_vision_weights(tmp_path, CFG)
-    one_line_naming(err, name, "unexpected shape [192, 7]", "model.safetensors")
+    one_line_naming(err, name, "stored shape [192, 7]", "[192, 8]", "model.safetensors")
 
 
 def test_error_duplicate_without_index(tmp_path):
