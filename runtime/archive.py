@@ -143,7 +143,8 @@ def open_archive(path: str | os.PathLike, cfg: VisionConfig, precision: str = "f
         if entry.length != nbytes:
             raise ArchiveError(f"{spec.name}: holds {entry.length} bytes in {path}; expected {nbytes} ({want})")
     if entries:
-        raise ArchiveError(f"{sorted(entries)[0]}: in {path} but not a weight of this config")
+        raise ArchiveError(f"{sorted(entries)[0]}: in {path} but not a weight of this config; "
+                           f"expected only the graph's {len(graph_weights(cfg, precision))} weights")
     return index
 
 

@@ -51,8 +51,8 @@ def presets():
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
 @click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
-              help="How the graph gets its weights: a parameter archive (packed once at load: faster, one packed "
-                   "copy per loaded bucket) or function arguments (shared by all buckets, packed every call).")
+              help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
+                   "faster) or function arguments (packed on every call).")
 @click.option("--explain", is_flag=True,
               help="Print the artifact's identity, cache state and hashed fields; compile nothing.")
 def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, precision, weights, explain):
@@ -93,17 +93,46 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
 @click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
-              help="How the graph gets its weights: a parameter archive (packed once at load: faster, one packed "
-                   "copy per loaded bucket) or function arguments (shared by all buckets, packed every call).")
-def run(model, images, output, buckets, target, cache_dir, threads, precision, weights):
+              help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
+                   "faster) or function arguments (packed on every call).")
+@click.option("--dump-inputs", metavar="DIR",
+              help="Write each call's inputs as DIR/<NN>/<name>.npy with DIR/<NN>/call.json (see `qwen3vl export`).")
+def run(model, images, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
     """Encode images: merged image embeddings and the DeepStack features, in image order."""
     from .run import run_images
 
     try:
         click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say,
-                              precision=precision, weights=weights))
+                              precision=precision, weights=weights, dump_inputs=dump_inputs))
     except (ValueError, OSError) as e:
         fail(str(e))
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
+@click.option("-o", "--output", required=True, metavar="OUT", help="Folder to write (created if missing).")
+@click.option("--bucket", "buckets", multiple=True, metavar="N",
+              help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help="bf16: matmul weights and operands in bf16 with f32 accumulation; f32 is exact.")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--name", metavar="NAME", help="File stem of the vmfb and irpa (default: the model folder's name).")
+@click.option("--diagnostics", is_flag=True, help="Also export encode_<B>_diagnostics (named intermediate stages).")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
+def export(model, output, buckets, precision, target, name, diagnostics, cache_dir):
+    """Write OUT/NAME.vmfb (one entry per bucket), OUT/NAME.irpa (the weights), OUT/abi.json and
+    OUT/README.txt: a folder IREE's own iree-run-module runs."""
+    from .compiler import CompileError
+    from .export import export as export_folder
+
+    try:
+        click.echo(export_folder(model, output, buckets, precision, target, cache_dir, name, diagnostics,
+                                 progress=say))
+    except (ValueError, OSError) as e:
+        fail(str(e))
+    except CompileError as e:
+        click.echo(f"error: {e}", err=True)
+        raise SystemExit(1)
 
 
 @main.command("random-checkpoint", context_settings=CONTEXT)

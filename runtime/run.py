@@ -48,15 +48,18 @@ def summary(session: VisionSession, out: VisionOutput, names, seconds: dict) -> 
 
 
 def run_images(model, images, output=None, cache_dir=None, buckets=None, target=None, threads=None,
-               progress=None, precision: str = "f32", weights: str = "parameters") -> str:
-    """Encode `images` with the checkpoint in `model`; write `output` if given; return the summary."""
+               progress=None, precision: str = "f32", weights: str = "parameters", dump_inputs=None) -> str:
+    """Encode `images` with the checkpoint in `model`; write `output` if given; return the summary.
+    `dump_inputs`: a folder for each call's inputs (`<NN>/call.json` and `<NN>/<input>.npy`)."""
     if output:
         check_output_path(output)
     names = [str(p) for p in images]
     for name in names:
         check_image_file(name)  # missing, a directory, a FIFO...: say which
+    if dump_inputs and Path(dump_inputs).exists() and not Path(dump_inputs).is_dir():
+        raise ValueError(f"--dump-inputs {dump_inputs}: is a file; expected a folder (created if missing)")
     session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
-                            progress=progress, precision=precision, weights=weights)
+                            progress=progress, precision=precision, weights=weights, dump_inputs=dump_inputs)
     t0 = time.perf_counter()
     pack([image_grid(name, session.policy) for name in names], session.buckets, names)  # headers only: fits?
     pixel_values, grid_thw = process_images(names, session.policy, names=names)
