@@ -1,4 +1,8 @@
-"""Whole files or nothing: every file this project writes goes through `write_atomic`."""
+"""Whole files or nothing: every file this project writes goes through `write_atomic`.
+
+The temp file sits beside the target as `.<name>.tmp.<pid>.<random>`: a writer killed
+between writing and renaming (kill -9) leaves one behind, and the next write of the
+same target removes it once its process is gone."""
 
 from __future__ import annotations
 
@@ -7,21 +11,77 @@ import tempfile
 from pathlib import Path
 
 
+class WriteError(OSError):
+    """A write that failed, named by its target (never by the temp file)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def temp_prefix(path: Path) -> str:
+    return f".{path.name}.tmp."
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Remove temps of `path` left by writers that no longer run."""
+    prefix = temp_prefix(path)
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split(".", 1)[0]
+        if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
+            (path.parent / name).unlink(missing_ok=True)
+
+
+def check_writable(path: str | os.PathLike, flag: str = "-o") -> Path:
+    """Fail before any work if `path` cannot be written: its folder must exist and be
+    writable, and it must not be a folder itself. Returns the resolved path."""
+    target = Path(path).expanduser()
+    parent = target.absolute().parent  # a symlink is replaced, not written through
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder; expected a file name")
+    if not parent.exists():
+        raise ValueError(f"{flag} {path}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: folder {parent} is not writable")
+    return target.resolve()
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) -> None:
     """Write a temp file beside `path`, fsync it, rename it over `path`; on any error the
-    temp is removed and `path` is untouched."""
+    temp is removed, `path` is untouched, and the error (WriteError) names `path`."""
     path = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temps(path)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{temp_prefix(path)}{os.getpid()}.", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)  # mkstemp makes 0600
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            reason = "is a folder" if path.is_dir() else (e.strerror or str(e))
+            raise WriteError(f"cannot write {path}: {reason}") from None
         raise
     try:  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)

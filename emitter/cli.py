@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .atomic import write_atomic  # noqa: F401  (re-exported for the runtime)
+from .atomic import check_writable, write_atomic
 from .config import DEFAULT_PRESET, VisionConfig, load_model_config, preset
 
 
@@ -22,6 +22,18 @@ def parse_bucket(text: str) -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"--bucket {text!r}: expected a positive multiple of 4 (patches)") from None
+
+
+def write_stdout(text: str) -> None:
+    """All of `text` on stdout, or OSError when stdout is closed or goes away."""
+    if sys.stdout is None:  # started with stdout closed
+        raise OSError("stdout is closed; give -o FILE")
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # reader gone, or stdout closed meanwhile
+        sys.stdout = None  # nothing left to flush at exit
+        raise OSError("stdout closed before all of the output was written; give -o FILE") from None
 
 
 def resolve_config(model: str | None, preset_name: str | None) -> tuple[VisionConfig, str]:
@@ -62,6 +74,11 @@ def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, precision
         bucket = parse_bucket(bucket)
         cfg, title = resolve_config(model, preset_name)
         inspect = tuple(inspect_blocks) if inspect_blocks else None
+        if inspect and not diagnostics:
+            raise ValueError(f"--inspect-block {inspect[0]}: needs --diagnostics (it picks which blocks' stages "
+                             f"the diagnostics variant returns)")
+        if output:
+            check_writable(output, "-o")
         if explain:
             from .identity import explain_identity
             text = explain_identity(cfg, bucket, diagnostics=diagnostics, inspect_blocks=inspect,
@@ -72,6 +89,6 @@ def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, precision
         if output:
             write_atomic(output, text)
         else:
-            sys.stdout.write(text)
+            write_stdout(text)
     except (ValueError, OSError) as e:
         fail(str(e))

@@ -1,20 +1,53 @@
-"""Drives iree-compile: MLIR text in, vmfb bytes out."""
+"""Drives iree-compile: MLIR text in, vmfb bytes out.
+
+iree-compile runs as our own child process, tied to us: it is killed when we die
+(PR_SET_PDEATHSIG on Linux, even on SIGKILL) or when the call is interrupted
+(KeyboardInterrupt, SystemExit from a SIGTERM handler), so no compile outlives the
+command that asked for it."""
 
 from __future__ import annotations
 
-import iree.compiler as ireec
+import ctypes
+import signal
+import subprocess
+import sys
+
+from iree.compiler.tools.binaries import find_tool
 
 from emitter.targets import target_flags
+
+# What iree.compiler.compile_str put before our flags; kept so the vmfb stays the same.
+BASE_FLAGS = ("--iree-input-type=auto", "--iree-vm-bytecode-module-output-format=flatbuffer-binary",
+              "--mlir-print-debuginfo", "--mlir-print-op-on-diagnostic=false")
+PR_SET_PDEATHSIG = 1
 
 
 class CompileError(RuntimeError):
     pass
 
 
+def die_with_parent() -> None:
+    """In the child, before exec: ask the kernel to SIGKILL us when the thread that
+    started us exits (Linux; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def compile_command(target: str = "llvm-cpu", extra_flags=()) -> list[str]:
+    """The iree-compile command line: MLIR on stdin, vmfb on stdout."""
+    return [find_tool("iree-compile"), "-", *BASE_FLAGS, *target_flags(target), *extra_flags]
+
+
 def compile_mlir(text: str, target: str = "llvm-cpu", extra_flags=()) -> bytes:
     """Compile StableHLO text for `target` with the flags the identity records."""
-    flags = [*target_flags(target), *extra_flags]
-    try:
-        return ireec.compile_str(text, extra_args=flags)
-    except ireec.CompilerToolError as e:
-        raise CompileError(f"iree-compile failed for target {target}:\n{e}") from None
+    command = compile_command(target, extra_flags)
+    # run() kills the child on any exception while waiting (KeyboardInterrupt, SystemExit).
+    done = subprocess.run(command, input=text.encode("utf-8"), capture_output=True, preexec_fn=die_with_parent)
+    if done.returncode != 0:
+        reason = (f"killed by signal {-done.returncode}" if done.returncode < 0
+                  else f"exit status {done.returncode}")
+        raise CompileError(f"iree-compile failed for target {target} ({reason}):\n"
+                           f"{done.stderr.decode('utf-8', 'replace').strip()}")
+    if done.stderr:  # warnings
+        sys.stderr.write(done.stderr.decode("utf-8", "replace"))
+    return done.stdout

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save
 
-from emitter.atomic import write_atomic
+from emitter.atomic import check_writable, write_atomic
+from emitter.config import VisionConfig
+from emitter.targets import runtime_driver
 
 from .packing import pack
 from .processor import check_image_file, image_grid, process_images
@@ -26,11 +30,61 @@ def save_features(path, out: VisionOutput) -> None:
     write_atomic(path, save(tensors, metadata={"format": "qwen3vl-iree features v1"}))
 
 
-def check_output_path(path) -> None:
-    """Fail before any work if the output folder is missing."""
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise ValueError(f"-o {path}: folder {parent} does not exist")
+def check_output_path(path, model, images) -> None:
+    """Fail before any work if `-o` cannot be written or would overwrite an input: an
+    image, or a file of the checkpoint folder (a new *.safetensors there would be read
+    as part of the checkpoint)."""
+    target = check_writable(path, "-o")
+    for image in images:
+        if Path(image).resolve() == target:
+            raise ValueError(f"-o {path}: is the input image {image}; choose another file")
+    if target.parent == Path(model).resolve() and (target.exists() or target.suffix == ".safetensors"):
+        raise ValueError(f"-o {path}: would write into the checkpoint folder {model} "
+                         f"({'replacing its file' if target.exists() else 'as a weight file'}); choose another folder")
+
+
+def check_finite(out: VisionOutput) -> None:
+    """NaN or inf in an output means the tower overflowed (e.g. huge weights): fail, name it."""
+    for name, value in (("image_embeds", out.image_embeds), ("deepstack_features", out.deepstack_features)):
+        bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+        if bad:
+            raise ValueError(f"output {name}: {bad} of {value.size} values are NaN or inf; the tower overflowed "
+                             f"f32 (check the checkpoint's weights)")
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: physical memory, or a smaller cgroup or
+    address-space limit (ulimit -v)."""
+    limits = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
+    address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if address_space != resource.RLIM_INFINITY:
+        limits.append(address_space)
+    try:
+        cgroup = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cgroup.isdigit():
+            limits.append(int(cgroup))
+    except OSError:
+        pass
+    return min(limits)
+
+
+def attention_bytes(cfg: VisionConfig, bucket: int) -> int:
+    """A lower bound on one call's memory: the f32 attention scores of all heads over the
+    bucket. Measured on the tiny preset, a call's peak is about 2.5 times this."""
+    return 4 * cfg.num_heads * bucket * bucket
+
+
+def check_bucket_memory(cfg: VisionConfig, buckets, target: str) -> None:
+    """Refuse, before compiling, a bucket whose attention alone exceeds the host's memory
+    (CPU targets; a device's own memory is only known when it allocates)."""
+    if runtime_driver(target) not in ("local-task", "local-sync"):
+        return
+    memory = machine_memory()
+    for bucket in sorted(buckets, reverse=True):
+        need = attention_bytes(cfg, bucket)
+        if need > memory:
+            raise ValueError(f"--bucket {bucket}: does not fit in memory: its attention scores alone take "
+                             f"{need / 2**30:.1f} GiB, this machine has {memory / 2**30:.1f} GiB; use a smaller bucket")
 
 
 def summary(session: VisionSession, out: VisionOutput, names, seconds: dict) -> str:
@@ -51,11 +105,11 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
                progress=None, precision: str = "f32", weights: str = "parameters", dump_inputs=None) -> str:
     """Encode `images` with the checkpoint in `model`; write `output` if given; return the summary.
     `dump_inputs`: a folder for each call's inputs (`<NN>/call.json` and `<NN>/<input>.npy`)."""
-    if output:
-        check_output_path(output)
     names = [str(p) for p in images]
     for name in names:
         check_image_file(name)  # missing, a directory, a FIFO...: say which
+    if output:
+        check_output_path(output, model, names)
     if dump_inputs and Path(dump_inputs).exists() and not Path(dump_inputs).is_dir():
         raise ValueError(f"--dump-inputs {dump_inputs}: is a file; expected a folder (created if missing)")
     session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
@@ -65,12 +119,17 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
     pixel_values, grid_thw = process_images(names, session.policy, names=names)
     t1 = time.perf_counter()
     needed = list(dict.fromkeys(call.bucket for call in pack(grid_thw, session.buckets, names)))
-    if len(needed) <= session.max_loaded:  # else loading them now would evict some before the run
-        for bucket in needed:
-            session.module(bucket)  # from the cache, compiled on a miss
-    t2 = time.perf_counter()
-    out = session.encode_pixels(pixel_values, grid_thw, names)
+    check_bucket_memory(session.cfg, needed, session.plan.target)
+    try:
+        if len(needed) <= session.max_loaded:  # else loading them now would evict some before the run
+            for bucket in needed:
+                session.module(bucket)  # from the cache, compiled on a miss
+        t2 = time.perf_counter()
+        out = session.encode_pixels(pixel_values, grid_thw, names)
+    except MemoryError as e:
+        raise ValueError(f"--bucket {max(needed)}: does not fit in memory ({e}); use a smaller bucket") from None
     t3 = time.perf_counter()
+    check_finite(out)
     seconds = {"load": session.seconds["load"], "upload": session.seconds["upload"], "process": t1 - t0,
                "artifacts": t2 - t1, "run": t3 - t2}
     if output:
