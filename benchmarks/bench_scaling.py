@@ -14,6 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from emitter.atomic import check_writable, write_atomic
+from emitter.cli import fail
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -32,6 +35,11 @@ def main(argv=None):
     p.add_argument("--precision", default="f32")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.json:
+        try:
+            check_writable(args.json, "--json")
+        except ValueError as e:
+            fail(str(e))
     rows = []
     for bucket in args.buckets:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -48,7 +56,10 @@ def main(argv=None):
               f"{r['bucket'] / base['bucket']:9.1f} {r['gflops']:8.0f} {r['peak_rss_bytes'] / 1e9:11.2f} "
               f"{r['compile_s']:9.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        try:
+            write_atomic(args.json, json.dumps(rows, indent=1) + "\n")
+        except OSError as e:
+            fail(str(e))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # torch_reference (the parity harness) for the peer
 
+from emitter.atomic import check_writable, write_atomic  # noqa: E402
+from emitter.cli import fail  # noqa: E402
 from emitter.config import CONV_WEIGHT, PRESETS, VisionConfig, weight_schema  # noqa: E402
 from emitter.config import graph_weights as graph_weight_specs  # noqa: E402
 from emitter.vision import emit_vision_module  # noqa: E402
@@ -99,6 +101,13 @@ def main(argv=None):
     from runtime.iree_module import LoadedModule, parameters_module
     from runtime.session import set_thread_count
 
+    try:  # before any work
+        if args.json:
+            check_writable(args.json, "--json")
+        set_thread_count(args.threads)
+    except ValueError as e:
+        fail(str(e))
+
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.images.split(",")]
     if args.model:  # a checkpoint's config, processor policy and weights
         from emitter.config import load_model_config
@@ -123,7 +132,6 @@ def main(argv=None):
     vmfb = compile_mlir(text, extra_flags=args.flag)
     compile_s = time.perf_counter() - start
 
-    set_thread_count(args.threads)
     config = rt.Config("local-task")
     if args.weights == "parameters":
         params = parameters_module(config, [(w.name, a) for w, a in zip(graph_weight_specs(cfg, args.precision),
@@ -214,7 +222,10 @@ def main(argv=None):
     print(f"  emit {emit_s:.3f} s, compile {compile_s:.1f} s, vmfb {len(vmfb) / 1e6:.2f} MB, "
           f"weights {figures['weights_bytes'] / 1e9:.2f} GB, peak RSS {figures['peak_rss_bytes'] / 1e9:.2f} GB")
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+        try:
+            write_atomic(args.json, json.dumps(figures, indent=1) + "\n")
+        except OSError as e:
+            fail(str(e))
     return figures
 
 

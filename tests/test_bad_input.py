@@ -163,6 +163,17 @@ def test_inspect_block_without_diagnostics_is_refused(tmp_path, command):
     one_line_error(result, "--inspect-block 1", "--diagnostics")
 
 
+@pytest.mark.parametrize("case", ["json into a missing folder", "json is a folder", "threads 0"])
+def test_bench_refuses_bad_options_before_any_work(tmp_path, case):
+    args = {"json into a missing folder": (["--json", str(tmp_path / "no" / "b.json")], "--json"),
+            "json is a folder": (["--json", str(tmp_path)], "is a folder"),
+            "threads 0": (["--threads", "0"], "--threads 0")}[case]
+    result = subprocess.run([QWEN3VL, "bench", "--preset", "tiny", "--bucket", "16", "--images", "32x32",
+                             "--no-torch", *args[0]], capture_output=True, text=True)
+    one_line_error(result, args[1])
+    assert result.stdout == ""  # no figures: refused before the run
+
+
 # --------------------------------------------------------------------------- killing a build
 
 def children_named(pid: int, name: str) -> list[int]:
