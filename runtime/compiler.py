@@ -20,6 +20,8 @@ from emitter.targets import target_flags
 BASE_FLAGS = ("--iree-input-type=auto", "--iree-vm-bytecode-module-output-format=flatbuffer-binary",
               "--mlir-print-debuginfo", "--mlir-print-op-on-diagnostic=false")
 PR_SET_PDEATHSIG = 1
+# Looked up here, not in the forked child: between fork and exec the child only makes the call.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 class CompileError(RuntimeError):
@@ -29,8 +31,8 @@ class CompileError(RuntimeError):
 def die_with_parent() -> None:
     """In the child, before exec: ask the kernel to SIGKILL us when the thread that
     started us exits (Linux; elsewhere a no-op)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def compile_command(target: str = "llvm-cpu", extra_flags=()) -> list[str]:
