@@ -240,3 +240,32 @@ def test_cli_model_folder(tmp_path):
     (tmp_path / "m" / "preprocessor_config.json").unlink()
     out = qwen3vl("build", "--model", str(tmp_path / "m"), "--bucket", "16", "--cache-dir", str(tmp_path / "c"))
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "preprocessor_config.json" in out.stderr
+
+
+def test_full_disk_leaves_no_vmfb_without_manifest(tmp_path, fields):
+    """A real full file system (a tmpfs just big enough for the vmfb, not its manifest):
+    the build fails with one error naming the cache, and leaves no vmfb behind."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    vmfb = CountingBuild()()
+    root = tmp_path / "small"
+    root.mkdir()
+    size = (len(vmfb) + 4095) // 4096 * 4096
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pytest.raises(CacheError, match=f"cache folder {root}: cannot write entry"):
+            ArtifactCache(root).get_or_build(fields, CountingBuild())
+        assert sorted(p.suffix for p in root.iterdir()) == [".lock"]
+    finally:
+        subprocess.run(["umount", str(root)])
+
+
+def test_cli_rejection_is_reported_once(tmp_path):
+    args = ("build", "--preset", "tiny", "--bucket", "16", "--cache-dir", str(tmp_path))
+    assert qwen3vl(*args).returncode == 0
+    vmfb = next(tmp_path.glob("*.vmfb"))
+    vmfb.write_bytes(vmfb.read_bytes()[:-1])
+    out = qwen3vl(*args)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("rejected") == 1 and str(vmfb) in out.stderr

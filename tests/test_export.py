@@ -234,3 +234,21 @@ def test_export_bad_input(exported, tmp_path, args, needle):
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_weights_are_packed_once_for_every_bucket():
+    """Compiled for three buckets, the module holds one buffer of data-tiled (packed) weights,
+    shared by every entry, the same size as for one bucket: IREE packs each weight once, at load."""
+    import re
+    import iree.compiler as ireec
+    from emitter.targets import target_flags
+    from emitter.vision import emit_artifact_module
+
+    def packed(buckets):
+        text = ireec.compile_str(emit_artifact_module(TINY, buckets),
+                                 extra_args=[*target_flags("llvm-cpu"), "--compile-to=vm"])
+        text = text.decode() if isinstance(text, bytes) else text
+        return sorted(set(re.findall(r"vm\.global\.ref private mutable @(__hoisted_\w+__encoded)", text)))
+
+    one, three = packed([16]), packed([16, 32, 64])
+    assert len(one) == 1 and three == one
