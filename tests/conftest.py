@@ -23,12 +23,14 @@ FIXTURES = TESTS / "fixtures"
 # The reference implementations the suite checks against. `make test` installs them and
 # sets QWEN3VL_REQUIRE_REFERENCES=1, so that a missing one fails the run instead of
 # silently skipping the checks that need it.
-REFERENCE_MODULES = ("torch", "transformers")
+REFERENCE_MODULES = ("torch", "transformers", "torchvision")
 
 
 def pytest_sessionstart(session):
     import importlib
     import os
+    from torch_reference import import_torchvision
+    import_torchvision()  # before anything imports it: PyPI's build needs this beside the CPU torch
     if os.environ.get("QWEN3VL_REQUIRE_REFERENCES") != "1":
         return
     for name in REFERENCE_MODULES:

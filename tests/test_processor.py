@@ -600,3 +600,31 @@ def test_parity_paths_and_batches(tmp_path):
     pv, grid = process_images(mixed, SMALL)
     _assert_same(_hf("small")(images=mixed), pv, grid)
     assert grid.shape == (3, 3)
+
+
+# --------------------------------------------------------------------------- torchvision backend
+
+
+@pytest.mark.parity
+def test_torchvision_backend_difference_is_what_the_readme_says():
+    """transformers' torchvision backend (`Qwen2VLImageProcessor`, picked whenever torchvision
+    is installed) is not what we match: on the 32-pixel grid (no resize) the pixel values
+    differ only by its fused normalization (under 1.2e-7); once resized, torch's bicubic
+    differs from PIL's: at most one uint8 level on a smooth picture, many on noise.
+    Measured on the 2B tower by tests/measure_processor_backends.py (figures in the README)."""
+    from measure_processor_backends import noise, shapes, torchvision_processor
+    theirs = torchvision_processor()
+    level = DEFAULT_POLICY.rescale_factor / DEFAULT_POLICY.image_std[0]
+
+    def levels(img):
+        ours, grid = process_image(img.copy())
+        out = theirs(images=img, return_tensors="np")
+        ref = np.asarray(out["pixel_values"])
+        assert ref.shape == ours.shape and np.asarray(out["image_grid_thw"]).tolist() == [list(grid)]
+        return np.abs(ref.astype(np.float64) - ours) / level
+
+    for img in (shapes(640, 480, 1), noise(256, 256, 4)):  # on the grid: same uint8 values
+        assert 0 < levels(img).max() * level <= 1.2e-7
+    smooth = levels(shapes(300, 500, 2))
+    assert np.rint(smooth).max() == 1 and 0 < (smooth >= 0.5).mean() < 0.005
+    assert np.rint(levels(noise(500, 333, 5))).max() >= 10

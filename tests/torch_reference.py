@@ -11,10 +11,55 @@ Imported only by tests and scripts (needs torch and transformers), never by the 
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import numpy as np
 
 from emitter.config import CONV_WEIGHT, PRESETS, ROPE_THETA, VisionConfig, weight_schema
 from emitter.config import HF_PREFIX as PREFIX
+
+
+# ---------------------------------------------------------------------------------------------
+# torchvision beside the CPU build of torch
+
+_TORCHVISION_OPS = None  # the schema library, kept alive for the life of the process
+
+
+def import_torchvision():
+    """Import torchvision (the backend transformers' `Qwen2VLImageProcessor` runs on) beside
+    torch 2.13.0+cpu; None when it is not installed.
+
+    PyPI's torchvision 0.28.0, the release paired with torch 2.13.0, is a CUDA build: its
+    compiled ops (`torchvision/_C.so`) need libtorch_cuda and do not load beside the CPU
+    build, and `import torchvision` then fails registering a fake kernel for an op that was
+    never declared ("operator torchvision::nms does not exist") -- and with it every
+    `transformers` module that imports torchvision (modeling_qwen3_vl included). The image
+    transforms transformers uses are plain torch. So, only when the compiled ops failed to
+    load, declare the schemas of the two ops the import registers kernels for (nms, qnms;
+    no kernels: calling them fails) and import again. Must run before anything imports
+    torchvision: conftest.py and this module's import do it."""
+    global _TORCHVISION_OPS
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision
+        return torchvision
+    except RuntimeError as e:
+        if "torchvision::" not in str(e) or _TORCHVISION_OPS is not None:
+            raise
+    import torch
+
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        del sys.modules[name]  # the half-imported package
+    _TORCHVISION_OPS = torch.library.Library("torchvision", "DEF")
+    for op in ("nms", "qnms"):
+        _TORCHVISION_OPS.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    import torchvision
+    return torchvision
+
+
+import_torchvision()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,5 +257,5 @@ def run_vision_tower(cfg: VisionConfig, state_dict: dict[str, np.ndarray], pixel
 
 
 # ---------------------------------------------------------------------------------------------
-__all__ = ["PRESETS", "hf_vision_config", "make_vision_model", "random_vision_state_dict", "run_vision_tower", "stage_keys",
+__all__ = ["PRESETS", "import_torchvision", "hf_vision_config", "make_vision_model", "random_vision_state_dict", "run_vision_tower", "stage_keys",
            "hf_weight_shapes", "load_state_dict"]
