@@ -133,6 +133,25 @@ class Builder:
         self.lines.append(f'{value} = util.global.load @{symbol} : {t} loc("{key}")')
         return value
 
+    def state(self, name: str, shape, dtype: str = "f32") -> tuple[str, TensorType]:
+        """A mutable module global, zero at module load (e.g. a KV cache that stays on the
+        device between calls); returns (symbol, type) for `load_state` / `store_state`."""
+        t = TensorType(shape, dtype)
+        symbol = self._fresh("state." + name)
+        zero = float_literal(0.0) if dtype in ("f32", "bf16") else "0"
+        self.globals.append(f"util.global private mutable @{symbol} = dense<{zero}> : {t}")
+        return symbol, t
+
+    def load_state(self, state: tuple[str, TensorType], hint: str | None = None) -> Value:
+        symbol, t = state
+        return self._op(hint or symbol, f"util.global.load @{symbol} : {t}", t)
+
+    def store_state(self, value: Value, state: tuple[str, TensorType]) -> None:
+        symbol, t = state
+        if value.type != t:
+            raise BuildError(f"store_state: {value.type} into @{symbol} of {t}")
+        self.lines.append(f'util.global.store {value}, @{symbol} : {t} loc("{self._stage}")')
+
     # -- checks ------------------------------------------------------------
     @staticmethod
     def _same(op: str, *values: Value) -> TensorType:
@@ -233,6 +252,30 @@ class Builder:
         t = TensorType([e - s for s, e in zip(start, limit)], x.dtype)
         ranges = ", ".join(f"{s}:{e}" for s, e in zip(start, limit))
         return self._op(hint or "slice", f"stablehlo.slice {x} [{ranges}] : ({x.type}) -> {t}", t)
+
+    def _check_starts(self, op: str, x: Value, starts) -> str:
+        if len(starts) != x.rank or any(s.shape != () or s.dtype != "i32" for s in starts):
+            raise BuildError(f"{op}: needs {x.rank} scalar i32 start indices for {x.type}")
+        return ", ".join(str(s) for s in starts)
+
+    def dynamic_slice(self, x: Value, starts: list[Value], sizes, hint=None) -> Value:
+        """x[s0:s0+n0, ...] at run-time starts (scalar i32; clamped into range by StableHLO)."""
+        operands = self._check_starts("dynamic_slice", x, starts)
+        if len(sizes) != x.rank or any(not 0 < n <= d for n, d in zip(sizes, x.shape)):
+            raise BuildError(f"dynamic_slice: sizes {list(sizes)} out of {x.type}")
+        t = TensorType(sizes, x.dtype)
+        types = ", ".join([str(x.type)] + [str(s.type) for s in starts])
+        return self._op(hint or "dslice", f"stablehlo.dynamic_slice {x}, {operands}, sizes = [{_ints(sizes)}] : "
+                                          f"({types}) -> {t}", t)
+
+    def dynamic_update_slice(self, x: Value, update: Value, starts: list[Value], hint=None) -> Value:
+        """x with `update` written at run-time starts (scalar i32; clamped into range)."""
+        operands = self._check_starts("dynamic_update_slice", x, starts)
+        if update.dtype != x.dtype or update.rank != x.rank or any(u > d for u, d in zip(update.shape, x.shape)):
+            raise BuildError(f"dynamic_update_slice: {update.type} does not fit in {x.type}")
+        types = ", ".join([str(x.type), str(update.type)] + [str(s.type) for s in starts])
+        return self._op(hint or "dupdate", f"stablehlo.dynamic_update_slice {x}, {update}, {operands} : "
+                                           f"({types}) -> {x.type}", x.type)
 
     def concatenate(self, values: list[Value], dim: int, hint=None) -> Value:
         if not values or not 0 <= dim < values[0].rank:

@@ -1,4 +1,4 @@
-"""The vision tower's layers as short functions over the builder.
+"""The layers of the vision tower and of the language model as short functions over the builder.
 
 Each takes the builder first and the values it works on; weights are looked up by
 their checkpoint suffix in a `dict[str, Value]`.
@@ -7,6 +7,8 @@ their checkpoint suffix in a `dict[str, Value]`.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from .builder import Builder, Value
 from .config import LAYER_NORM_EPS
@@ -150,3 +152,72 @@ def merger(b: Builder, x: Value, w: dict, merge_unit: int, postshuffle_norm: boo
     out = linear(b, act, w["linear_fc2.weight"], w["linear_fc2.bias"], "fc2")
     stages.update({f"{name}.norm": normed, f"{name}.fc1": fc1, f"{name}.act": act})
     return out
+
+
+# -- the language model's layers ---------------------------------------------------------
+
+
+def project(b: Builder, x: Value, weight: Value, hint: str = "proj") -> Value:
+    """x @ weight.T for a bias-free [out, in] weight, operands in the weight's dtype."""
+    return matmul(b, x, weight, ([x.rank - 1], [1]), operand_dtype=weight.dtype, hint=hint)
+
+
+def rms_norm(b: Builder, x: Value, weight: Value, eps: float) -> Value:
+    """weight * x * rsqrt(mean(x^2) + eps) over the last dim, in f32 (transformers' RMSNorm)."""
+    rows, width, keep = x.shape[:-1], x.shape[-1], list(range(x.rank - 1))
+    total = b.reduce(b.multiply(x, x, hint="square"), [x.rank - 1], "add", hint="sum_sq")
+    mean = b.divide(total, b.constant(width, rows), hint="mean_sq")
+    inv = b.rsqrt(b.add(mean, b.scalar(eps, mean, "eps")), hint="inv_rms")
+    normed = b.multiply(x, b.broadcast_in_dim(inv, x.shape, keep, hint="inv_rms"), hint="normed")
+    return b.multiply(b.broadcast_in_dim(weight, x.shape, [x.rank - 1], hint="weight"), normed, hint="rms")
+
+
+def silu(b: Builder, x: Value) -> Value:
+    """x / (1 + exp(-x)), as PyTorch's CPU kernel computes it."""
+    return b.divide(x, b.add(b.scalar(1.0, x), b.exponential(b.negate(x))), hint="silu")
+
+
+def gated_mlp(b: Builder, x: Value, w: dict) -> Value:
+    """down(silu(gate(x)) * up(x))."""
+    gate = silu(b, project(b, x, w["mlp.gate_proj.weight"], "gate"))
+    up = project(b, x, w["mlp.up_proj.weight"], "up")
+    return project(b, b.multiply(gate, up, hint="gated"), w["mlp.down_proj.weight"], "down")
+
+
+def mrope_tables(b: Builder, positions: Value, inv_freq, mrope_section) -> tuple[Value, Value]:
+    """cos and sin [S, head_dim] from (t, h, w) position ids [3, S], interleaved M-RoPE:
+    frequency j takes the h row when j % 3 == 1 and j < 3*section[1], the w row when
+    j % 3 == 2 and j < 3*section[2], else the t row; then cat(angles, angles)."""
+    _, n = positions.shape
+    half = len(inv_freq)
+    rows = np.zeros((3, half), np.float32)
+    for j in range(half):
+        r = 1 if j % 3 == 1 and j < 3 * mrope_section[1] else 2 if j % 3 == 2 and j < 3 * mrope_section[2] else 0
+        rows[r, j] = 1.0
+    pos = b.broadcast_in_dim(b.convert(positions, "f32", hint="pos"), (3, n, half), [0, 1], hint="pos")
+    pick = b.broadcast_in_dim(b.reshape(b.constant_array(rows.reshape(-1), hint="rows"), (3, half)),
+                              (3, n, half), [0, 2], hint="rows")
+    chosen = b.reduce(b.multiply(pos, pick, hint="picked"), [0], "add", hint="pos")  # exact: p + 0 + 0
+    freq = b.broadcast_in_dim(b.constant_array(inv_freq, hint="inv_freq"), (n, half), [1], hint="inv_freq")
+    angles = b.multiply(chosen, freq, hint="angles")
+    full = b.concatenate([angles, angles], 1, hint="angles")
+    return b.cosine(full, hint="cos"), b.sine(full, hint="sin")
+
+
+def grouped_attention(b: Builder, q: Value, keys: Value, values: Value, mask: Value) -> Value:
+    """Attention of queries q [S, H, D] over keys/values [KVH, T, D], H/KVH query heads
+    per KV head (query head h reads KV head h // (H/KVH)), additive mask [S, T];
+    returns [S, H*D]."""
+    s, heads, d = q.shape
+    kv_heads, t, _ = keys.shape
+    groups = heads // kv_heads
+    q = b.reshape(b.transpose(b.reshape(q, (s, kv_heads, groups, d)), [1, 2, 0, 3]), (kv_heads, groups * s, d),
+                  hint="q_grouped")
+    scores = matmul(b, q, keys, ([2], [2]), ([0], [0]), hint="scores")
+    scores = b.multiply(scores, b.scalar(d ** -0.5, scores, "scale"), hint="scores")
+    scores = b.reshape(scores, (kv_heads, groups, s, t), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [2, 3], hint="mask"), hint="masked")
+    probs = b.reshape(softmax(b, scores), (kv_heads, groups * s, t), hint="probs")
+    context = matmul(b, probs, values, ([2], [1]), ([0], [0]), hint="context")
+    context = b.transpose(b.reshape(context, (kv_heads, groups, s, d)), [2, 0, 1, 3], hint="context")
+    return b.reshape(context, (s, heads * d), hint="context")

@@ -1,0 +1,306 @@
+"""The Qwen3-VL language model as one module: `prefill_<S>` per prompt bucket S and
+`decode`, over the same weight globals (a parameter archive, scope `model`, keys the
+checkpoint names) and the same KV cache, mutable globals that stay on the device
+between calls (`[kv_heads, context, head_dim]` per layer, K and V).
+
+prefill_<S> (prompt padded to S tokens; S <= context):
+  tokens        [S] i32        token ids (image pads included)
+  visual        [S] i32        1 at the image-pad positions, else 0
+  visual_embeds [S, D] f32     the image embeddings at those rows (zeros elsewhere)
+  deepstack     [K, S, D] f32  DeepStack feature k at those rows (zeros elsewhere); added
+                               to the hidden states after decoder layer k (absent when K = 0)
+  positions     [3, S] i32     (t, h, w) M-RoPE position ids
+  last          [] i32         index of the last real token
+  -> logits [1, vocab] f32 of token `last`; K and V of rows 0..S-1 written to cache slots 0..S-1.
+decode:
+  token [1] i32, positions [3, 1] i32, slot [] i32 (its cache slot = its text position)
+  -> logits [1, vocab] f32; its K and V written to cache slot `slot`, attention over 0..slot.
+
+Per layer (transformers' Qwen3VLTextDecoderLayer): h = x + o(attn(rope(q_norm(q(n1))),
+rope(k_norm(k(n1))), v(n1))), n1 = rms(x); y = h + down(silu(gate(n2)) * up(n2)),
+n2 = rms(h). Then the final RMSNorm and lm_head (the embedding table when tied).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import __version__
+from .builder import Builder, Value
+from .config import WeightSpec, check_precision
+from .layers import apply_rotary, gated_mlp, grouped_attention, mrope_tables, project, rms_norm
+from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+
+PARAMETER_SCOPE = "model"
+MODULE_NAME = "qwen3vl_text"
+DECODE = "decode"
+MATMUL_SUFFIXES = ("proj.weight", "embed_tokens.weight", LM_HEAD)
+
+
+class TextShapeError(ValueError):
+    """A prompt bucket or context the graph cannot be built for."""
+
+
+def prefill_name(bucket: int) -> str:
+    return f"prefill_{bucket}"
+
+
+def check_text_shapes(buckets, context: int) -> tuple[tuple[int, ...], int]:
+    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
+        raise TextShapeError(f"--context {context!r}: expected a positive number of tokens")
+    out = []
+    for bucket in buckets:
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 < bucket <= context:
+            raise TextShapeError(f"prompt bucket {bucket!r}: expected a positive token count <= the context {context}")
+        if bucket not in out:
+            out.append(bucket)
+    if not out:
+        raise TextShapeError("prompt buckets: expected at least one")
+    return tuple(sorted(out)), context
+
+
+def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
+    """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
+    under bf16 the projection matrices, the embedding table and lm_head are bf16."""
+    check_precision(precision)
+    d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    p = TEXT_PREFIX
+    shapes = [(p + "embed_tokens.weight", (cfg.vocab_size, d))]
+    for n in range(cfg.num_hidden_layers):
+        q = f"{p}layers.{n}."
+        shapes += [
+            (q + "input_layernorm.weight", (d,)), (q + "post_attention_layernorm.weight", (d,)),
+            (q + "self_attn.q_proj.weight", (cfg.num_attention_heads * hd, d)),
+            (q + "self_attn.k_proj.weight", (cfg.num_key_value_heads * hd, d)),
+            (q + "self_attn.v_proj.weight", (cfg.num_key_value_heads * hd, d)),
+            (q + "self_attn.o_proj.weight", (d, cfg.num_attention_heads * hd)),
+            (q + "self_attn.q_norm.weight", (hd,)), (q + "self_attn.k_norm.weight", (hd,)),
+            (q + "mlp.gate_proj.weight", (i, d)), (q + "mlp.up_proj.weight", (i, d)), (q + "mlp.down_proj.weight", (d, i)),
+        ]
+    shapes.append((p + "norm.weight", (d,)))
+    if not cfg.tie_word_embeddings:
+        shapes.append((LM_HEAD, (cfg.vocab_size, d)))
+    bf16 = precision == "bf16"
+    return [WeightSpec(name, shape, "bf16" if bf16 and name.endswith(MATMUL_SUFFIXES) else "f32",
+                       "round_to_bf16" if bf16 and name.endswith(MATMUL_SUFFIXES) else "none")
+            for name, shape in shapes]
+
+
+def rope_inv_freq(cfg: TextConfig) -> np.ndarray:
+    """1 / theta^(arange(0, head_dim, 2) / head_dim), in f32 like transformers."""
+    exponent = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
+    return (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)).astype(np.float32)
+
+
+def prefill_inputs(cfg: TextConfig, bucket: int, deepstack_layers: int) -> list[tuple[str, tuple, str]]:
+    """(name, shape, dtype) of prefill_<bucket>'s arguments, in order."""
+    d = cfg.hidden_size
+    deepstack = [("deepstack", (deepstack_layers, bucket, d), "f32")] if deepstack_layers else []
+    return [("tokens", (bucket,), "i32"), ("visual", (bucket,), "i32"), ("visual_embeds", (bucket, d), "f32"),
+            *deepstack, ("positions", (3, bucket), "i32"), ("last", (), "i32")]
+
+
+DECODE_INPUTS = [("token", (1,), "i32"), ("positions", (3, 1), "i32"), ("slot", (), "i32")]
+
+
+class TextGraph:
+    """One function's builder with the weights and KV cache bound (same globals, same order,
+    in every function of the module)."""
+
+    def __init__(self, cfg: TextConfig, context: int, precision: str):
+        self.cfg, self.context, self.b = cfg, context, Builder()
+        self.inputs: dict[str, Value] = {}
+        self.w = {s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype, key=s.name,
+                                           scope=PARAMETER_SCOPE) for s in text_weights(cfg, precision)}
+        cache = (cfg.num_key_value_heads, context, cfg.head_dim)
+        self.cache = [(self.b.state(f"layers.{n}.k_cache", cache), self.b.state(f"layers.{n}.v_cache", cache))
+                      for n in range(cfg.num_hidden_layers)]
+
+    def argument(self, name, shape, dtype) -> Value:
+        self.inputs[name] = self.b.argument(name, shape, dtype)
+        return self.inputs[name]
+
+    def layer_weights(self, n: int) -> dict:
+        prefix = f"{TEXT_PREFIX}layers.{n}."
+        return {k[len(prefix):]: v for k, v in self.w.items() if k.startswith(prefix)}
+
+    def embed(self, tokens: Value) -> Value:
+        table = self.w[TEXT_PREFIX + "embed_tokens.weight"]
+        rows = self.b.gather_rows(table, tokens, hint="embed")
+        return rows if rows.dtype == "f32" else self.b.convert(rows, "f32", hint="embed")
+
+    def qkv(self, x: Value, w: dict, cos: Value, sin: Value) -> tuple[Value, Value, Value]:
+        """q [S, H, hd], and k, v [KVH, S, hd]: projected, q/k RMS-normed per head, roped."""
+        b, cfg = self.b, self.cfg
+        s = x.shape[0]
+
+        def heads(name, count):
+            return b.reshape(project(b, x, w[f"self_attn.{name}_proj.weight"], name), (s, count, cfg.head_dim),
+                             hint=name)
+
+        q = apply_rotary(b, rms_norm(b, heads("q", cfg.num_attention_heads), w["self_attn.q_norm.weight"],
+                                     cfg.rms_norm_eps), cos, sin)
+        k = apply_rotary(b, rms_norm(b, heads("k", cfg.num_key_value_heads), w["self_attn.k_norm.weight"],
+                                     cfg.rms_norm_eps), cos, sin)
+        v = heads("v", cfg.num_key_value_heads)
+        return q, b.transpose(k, [1, 0, 2], hint="k"), b.transpose(v, [1, 0, 2], hint="v")
+
+    def layer(self, n: int, x: Value, cos: Value, sin: Value, attend) -> Value:
+        """One decoder layer; `attend(n, q, k, v)` stores K/V and returns the context [S, H*hd]."""
+        b, w, eps = self.b, self.layer_weights(n), self.cfg.rms_norm_eps
+        with b.stage(f"layers.{n}.attn"):
+            q, k, v = self.qkv(rms_norm(b, x, w["input_layernorm.weight"], eps), w, cos, sin)
+            x = b.add(x, project(b, attend(n, q, k, v), w["self_attn.o_proj.weight"], "o"), hint="residual")
+        with b.stage(f"layers.{n}.mlp"):
+            return b.add(x, gated_mlp(b, rms_norm(b, x, w["post_attention_layernorm.weight"], eps), w),
+                         hint="residual")
+
+    def logits(self, row: Value) -> Value:
+        """Final RMSNorm and lm_head of one row [1, D] -> [1, vocab]."""
+        b = self.b
+        with b.stage("lm_head"):
+            normed = rms_norm(b, row, self.w[TEXT_PREFIX + "norm.weight"], self.cfg.rms_norm_eps)
+            head = self.w.get(LM_HEAD, self.w[TEXT_PREFIX + "embed_tokens.weight"])
+            return project(b, normed, head, "lm_head")
+
+    def rope(self, positions: Value) -> tuple[Value, Value]:
+        with self.b.stage("rope"):
+            return mrope_tables(self.b, positions, rope_inv_freq(self.cfg), self.cfg.mrope_section)
+
+    def function(self, name: str, logits: Value) -> dict:
+        return {"name": name, "arguments": self.b.arguments, "results": [("logits", logits)], "body": self.b.lines}
+
+
+def causal_mask(b: Builder, s: int) -> Value:
+    """Additive [S, S]: 0 where key <= query, -inf after."""
+    rows, cols = b.iota((s, s), 0, hint="query"), b.iota((s, s), 1, hint="key")
+    return b.select(b.compare("LE", cols, rows, hint="causal"), b.constant(0.0, (s, s), hint="zero"),
+                    b.constant(float("-inf"), (s, s), hint="neg_inf"), hint="mask")
+
+
+def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layers: int,
+                     precision: str = "f32") -> tuple[dict, list[str]]:
+    g = TextGraph(cfg, context, precision)
+    b = g.b
+    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in prefill_inputs(cfg, bucket,
+                                                                                               deepstack_layers)}
+    d = cfg.hidden_size
+    with b.stage("embed"):
+        visual = b.compare("NE", inputs["visual"], b.constant(0, (bucket,), "i32"), hint="visual")
+        visual = b.broadcast_in_dim(visual, (bucket, d), [0], hint="visual")
+        x = b.select(visual, inputs["visual_embeds"], g.embed(inputs["tokens"]), hint="inputs_embeds")
+    cos, sin = g.rope(inputs["positions"])
+    with b.stage("mask"):
+        mask = causal_mask(b, bucket)
+    zero = b.constant(0, (), "i32", hint="zero")
+
+    rest = (cfg.num_key_value_heads, context - bucket, cfg.head_dim)
+
+    def attend(n, q, k, v):
+        for state, value in zip(g.cache[n], (k, v)):  # a new sequence: the cache is rewritten whole
+            whole = b.concatenate([value, b.constant(0.0, rest, hint="empty")], 1, hint="cache") if rest[1] else value
+            b.store_state(whole, state)
+        return grouped_attention(b, q, k, v, mask)
+
+    for n in range(cfg.num_hidden_layers):
+        x = g.layer(n, x, cos, sin, attend)
+        if n < deepstack_layers:
+            with b.stage(f"deepstack.{n}"):
+                feature = b.reshape(b.slice(inputs["deepstack"], (n, 0, 0), (n + 1, bucket, d)), (bucket, d))
+                x = b.add(x, feature, hint="deepstack")  # zero off the visual rows: x + 0 = x
+    with b.stage("last"):
+        row = b.dynamic_slice(x, [inputs["last"], zero], (1, d), hint="last")
+    return g.function(prefill_name(bucket), g.logits(row)), b.globals
+
+
+def decode_function(cfg: TextConfig, context: int, precision: str = "f32") -> tuple[dict, list[str]]:
+    g = TextGraph(cfg, context, precision)
+    b = g.b
+    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in DECODE_INPUTS}
+    with b.stage("embed"):
+        x = g.embed(inputs["token"])
+    cos, sin = g.rope(inputs["positions"])
+    with b.stage("mask"):  # keys: the cache's slots before `slot`, then the new token's own
+        keys = b.iota((1, context + 1), 1, hint="key")
+        seen = b.compare("LT", keys, b.broadcast_in_dim(inputs["slot"], (1, context + 1), [], hint="slot"))
+        own = b.compare("EQ", keys, b.constant(context, (1, context + 1), "i32"), hint="own")
+        seen = b.select(own, own, seen, hint="seen")
+        mask = b.select(seen, b.constant(0.0, (1, context + 1)), b.constant(float("-inf"), (1, context + 1)),
+                        hint="mask")
+    zero = b.constant(0, (), "i32", hint="zero")
+
+    def attend(n, q, k, v):
+        # Attention reads the cache as loaded plus the new K/V beside it, never the updated
+        # cache: reading the stored value in the same call gave wrong results (IREE 3.13).
+        full = []
+        for state, value in zip(g.cache[n], (k, v)):
+            cache = b.load_state(state)
+            b.store_state(b.dynamic_update_slice(cache, value, [zero, inputs["slot"], zero], hint="cache"), state)
+            full.append(b.concatenate([cache, value], 1, hint="keys"))
+        return grouped_attention(b, q, full[0], full[1], mask)
+
+    for n in range(cfg.num_hidden_layers):
+        x = g.layer(n, x, cos, sin, attend)
+    return g.function(DECODE, g.logits(x)), b.globals
+
+
+def emit_text_module(cfg: TextConfig, buckets, context: int, deepstack_layers: int, precision: str = "f32",
+                     title: str = "") -> str:
+    """MLIR text of the language-model module: `prefill_<S>` for each bucket S and `decode`,
+    over shared weight globals and KV-cache globals (deterministic: same input, same bytes)."""
+    buckets, context = check_text_shapes(buckets, context)
+    functions, shared = [], None
+    for function, globals_ in [prefill_function(cfg, s, context, deepstack_layers, precision) for s in buckets] + \
+            [decode_function(cfg, context, precision)]:
+        assert shared is None or globals_ == shared, "every entry reads the same globals"
+        functions.append(function)
+        shared = globals_
+    header = (f"// Qwen3-VL language model{' (' + title + ')' if title else ''}, prompt buckets "
+              f"{', '.join(map(str, buckets))}, context {context}, {deepstack_layers} DeepStack layers"
+              f"{', bf16 matmuls' if precision == 'bf16' else ''}.\n"
+              f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
+              f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
+    return header + f"module @{MODULE_NAME} {{\n" + "".join(f"  {g}\n" for g in shared) + \
+        "\n".join(render_function(f) for f in functions) + f'}} loc("{MODULE_NAME}")\n'
+
+
+def render_function(f: dict) -> str:
+    args = ",\n".join(f'      {v}: {v.type} {{iree.abi.name = "{abi}"}} loc("{abi}")' for v, abi in f["arguments"])
+    results = ",\n".join(f'      {v.type} {{iree.abi.name = "{name}"}}' for name, v in f["results"])
+    body = "".join(f"    {line}\n" for line in f["body"])
+    values = ", ".join(str(v) for _, v in f["results"])
+    types = ", ".join(str(v.type) for _, v in f["results"])
+    return (f"  func.func @{f['name']}(\n{args}\n  ) -> (\n{results}\n  ) {{\n{body}"
+            f'    return {values} : {types} loc("return")\n  }} loc("{f["name"]}")\n')
+
+
+TEXT_FORMAT_VERSION = 1  # bump when the calling convention of the text module changes
+
+
+def text_artifact_fields(cfg: TextConfig, buckets, context: int, deepstack_layers: int, precision: str = "f32",
+                         target: str = "llvm-cpu", graph: str | None = None) -> dict:
+    """Everything that decides whether a compiled text module may be reused (hashed by
+    `identity.artifact_identity`, cached by the runtime's artifact cache). `graph`: the
+    module's MLIR text when the caller has it already."""
+    import hashlib
+
+    from .identity import canonical_json, installed_compiler_version, target_fields
+
+    buckets, context = check_text_shapes(buckets, context)
+    schema = [[w.name, list(w.shape), w.dtype, w.host_transform] for w in text_weights(cfg, precision)]
+    graph = graph or emit_text_module(cfg, buckets, context, deepstack_layers, precision)
+    return {
+        "kind": "qwen3vl-text",
+        "format_version": TEXT_FORMAT_VERSION,
+        "emitter_version": __version__,
+        "text_config": cfg.to_dict(),
+        "buckets": list(buckets),
+        "context": context,
+        "deepstack_layers": deepstack_layers,
+        "precision": precision,
+        "weight_schema": {"count": len(schema), "sha256": hashlib.sha256(
+            canonical_json({"weights": schema}).encode("ascii")).hexdigest()},
+        "graph_sha256": hashlib.sha256(graph.encode("utf-8")).hexdigest(),
+        "target": target_fields(target),
+        "compiler": installed_compiler_version(),
+    }

@@ -1,0 +1,197 @@
+"""The text (language-model) config the decoder graph depends on, read from a Hugging Face
+Qwen3-VL `config.json` (`text_config` plus the top-level special-token ids), and the
+presets of the released dense models (plus `tiny` for tests).
+
+Both spellings of the rotary settings are read: `rope_parameters {rope_theta,
+mrope_section, ...}` (transformers 5) and the older `rope_theta` + `rope_scaling`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .config import ConfigError
+
+DENSE_MODEL_TYPE = "qwen3_vl"
+MOE_MODEL_TYPES = ("qwen3_vl_moe",)
+DEFAULT_ROPE_THETA = 500000.0  # transformers' Qwen3VLTextConfig.default_theta, when the config names none
+DEFAULT_MROPE_SECTION = (24, 20, 20)  # transformers' fallback when rope_parameters has none
+TEXT_PREFIX = "model.language_model."  # Hugging Face names of the decoder's tensors
+LM_HEAD = "lm_head.weight"
+TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 5000000.0
+    mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 262144
+
+    def __post_init__(self):
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+        self.validate()
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def validate(self, source: str = "text_config") -> None:
+        def bad(name, value, expected):
+            raise ConfigError(f"{source}: field '{name}' = {value!r}: expected {expected}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                bad(name, value, "a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad("num_key_value_heads", self.num_key_value_heads,
+                f"a divisor of num_attention_heads ({self.num_attention_heads})")
+        if self.head_dim % 2:
+            bad("head_dim", self.head_dim, "an even number")
+        section = self.mrope_section
+        if len(section) != 3 or any(not isinstance(s, int) or s < 0 for s in section) or \
+                sum(section) != self.head_dim // 2:
+            bad("rope_parameters.mrope_section", list(section), f"three non-negative sizes summing to head_dim/2 "
+                f"({self.head_dim // 2})")
+        if not self.rms_norm_eps > 0:
+            bad("rms_norm_eps", self.rms_norm_eps, "a positive number")
+        if not self.rope_theta > 0:
+            bad("rope_parameters.rope_theta", self.rope_theta, "a positive number")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mrope_section"] = list(self.mrope_section)
+        return d
+
+    def to_hf_text_config(self) -> dict:
+        """The `text_config` block of a Hugging Face `config.json` (transformers 5 spelling)."""
+        d = self.to_dict()
+        rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                "mrope_section": d.pop("mrope_section"), "mrope_interleaved": True}
+        d.pop("tie_word_embeddings")
+        return {"model_type": "qwen3_vl_text", **d, "hidden_act": "silu", "attention_bias": False,
+                "rope_parameters": rope}
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The special-token ids the prompt needs, from config.json's top level."""
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _rope(text: dict, source: str) -> tuple[float, tuple]:
+    """(rope_theta, mrope_section) from either spelling."""
+    rope = text.get("rope_parameters")
+    if rope is None:
+        rope = text.get("rope_scaling")
+    if rope is not None and not isinstance(rope, dict):
+        raise ConfigError(f"{source}: field 'text_config.rope_parameters' = {rope!r}: expected an object")
+    rope = rope or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"{source}: field 'text_config.rope_parameters.rope_type' = {rope_type!r}: expected "
+                          "'default' (scaled rotary embeddings are not supported)")
+    theta = rope.get("rope_theta", text.get("rope_theta", DEFAULT_ROPE_THETA))
+    section = rope.get("mrope_section", DEFAULT_MROPE_SECTION)
+    if not isinstance(section, (list, tuple)):
+        raise ConfigError(f"{source}: field 'text_config.rope_parameters.mrope_section' = {section!r}: "
+                          "expected a list of three sizes")
+    return float(theta), tuple(section)
+
+
+def text_config_from_hf(config: dict, source: str = "config.json") -> tuple[TextConfig, TokenIds]:
+    """The text config and special-token ids of a parsed Qwen3-VL `config.json`; MoE
+    text models are refused by model type."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: expected a JSON object")
+    model_type = config.get("model_type")
+    if model_type in MOE_MODEL_TYPES:
+        raise ConfigError(f"{source}: model_type {model_type!r} has a mixture-of-experts language model, which "
+                          f"is not supported yet; expected {DENSE_MODEL_TYPE!r}")
+    if model_type != DENSE_MODEL_TYPE:
+        raise ConfigError(f"{source}: field 'model_type' = {model_type!r}: expected {DENSE_MODEL_TYPE!r}")
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: field 'text_config' is missing: expected an object")
+    kwargs = {}
+    for name in REQUIRED_FIELDS:
+        if name not in text:
+            raise ConfigError(f"{source}: field 'text_config.{name}' is missing")
+        kwargs[name] = text[name]
+    kwargs["num_key_value_heads"] = text.get("num_key_value_heads") or text["num_attention_heads"]
+    heads = text["num_attention_heads"]
+    kwargs["head_dim"] = text.get("head_dim") or (text["hidden_size"] // heads if isinstance(heads, int) and heads
+                                                  else heads)
+    for name in ("rms_norm_eps", "max_position_embeddings"):
+        if name in text:
+            kwargs[name] = text[name]
+    if text.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: field 'text_config.hidden_act' = {text['hidden_act']!r}: expected 'silu'")
+    if text.get("attention_bias", False):
+        raise ConfigError(f"{source}: field 'text_config.attention_bias' = true: expected false")
+    kwargs["rope_theta"], kwargs["mrope_section"] = _rope(text, source)
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    kwargs["tie_word_embeddings"] = bool(tied)
+    ids = {}
+    for name in TOKEN_ID_FIELDS:
+        value = config.get(name, getattr(TokenIds, name))
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{source}: field '{name}' = {value!r}: expected a token id")
+        ids[name] = value
+    try:
+        return TextConfig(**kwargs), TokenIds(**ids)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("text_config: field '", f"{source}: field 'text_config.")) from None
+    except TypeError as e:
+        raise ConfigError(f"{source}: text_config: {e}") from None
+
+
+def load_text_config(model_dir: str | Path) -> tuple[TextConfig, TokenIds]:
+    """The text config and special-token ids of a checkpoint folder (its `config.json`)."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"--model {model_dir}: not a readable folder")
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return text_config_from_hf(config, source=str(path))
+
+
+def _released(hidden, layers, heads, intermediate, tied):
+    return TextConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=128,
+                      rope_theta=5000000.0, mrope_section=(24, 20, 20), tie_word_embeddings=tied)
+
+
+TEXT_PRESETS: dict[str, TextConfig] = {
+    "qwen3-vl-2b": _released(2048, 28, 16, 6144, True),
+    "qwen3-vl-4b": _released(2560, 36, 32, 9728, True),
+    "qwen3-vl-8b": _released(4096, 36, 32, 12288, False),
+    "qwen3-vl-32b": _released(5120, 64, 64, 25600, False),
+    # Small enough to compile and run in a unit test; hidden = the tiny vision preset's out_hidden.
+    "tiny": TextConfig(vocab_size=384, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000000.0,
+                       mrope_section=(4, 2, 2)),
+}

@@ -1,0 +1,266 @@
+"""Image(s) and prompt in, answer out: the Qwen3-VL language model on IREE.
+
+- `TextSession`: the language model of a checkpoint folder, compiled once into one module
+  (`prefill_<S>` per prompt bucket and `decode`, see emitter/text.py) from the artifact
+  cache; weights served from a parameter provider (packed once, at load); the KV cache
+  lives in the module's globals, on the device, between calls. Only the logits row of
+  each call comes back to the host.
+- `Generator`: the whole model: tokenizer and chat template (runtime/tokenizer.py), the
+  vision session for the images, M-RoPE positions (runtime/prefill.py), greedy decoding.
+
+    from runtime.generate import Generator
+    gen = Generator("path/to/checkpoint")
+    result = gen.generate("Describe the image.", images=["a.jpg"], max_new_tokens=64)
+    result.text, result.tokens, result.logits  # logits [new tokens, vocab] f32
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import iree.runtime as rt
+
+from emitter.identity import artifact_identity
+from emitter.targets import DEFAULT_TARGET, runtime_driver
+from emitter.text import (DECODE, MODULE_NAME, PARAMETER_SCOPE, check_text_shapes, emit_text_module, prefill_inputs,
+                          prefill_name, text_artifact_fields)
+from emitter.text_config import load_text_config
+
+from .cache import ArtifactCache, load_verified
+from .compiler import compile_mlir
+from .iree_module import parameters_module
+from .text_checkpoint import load_text_weights, text_weights_in_order
+
+DEFAULT_PROMPT_BUCKETS = (128, 512, 2048)
+DEFAULT_CONTEXT = 4096
+
+
+class GenerateError(ValueError):
+    """A request the model cannot serve (prompt too long, bad token id); one line."""
+
+
+class TextSession:
+    """The language model of `model_dir` on an IREE device; `prefill` then `decode` calls
+    share one KV cache (a new `prefill` starts a new sequence)."""
+
+    def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
+                 deepstack_layers: int = 0, target: str | None = None, cache_dir=None, precision: str = "f32",
+                 progress=None, config: rt.Config | None = None):
+        self.cfg, self.token_ids = load_text_config(model_dir)
+        self.buckets, self.context = check_text_shapes(list(buckets), context)
+        self.deepstack_layers, self.precision = deepstack_layers, precision
+        self.target = target or DEFAULT_TARGET
+        self.seconds: dict[str, float] = {}
+        start = time.perf_counter()
+        self._weights = text_weights_in_order(load_text_weights(model_dir, self.cfg), self.cfg, precision)
+        self.seconds["load"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self.vmfb_path = self._build(ArtifactCache(cache_dir), progress or (lambda message: None))
+        self.seconds["build"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self.config = config or rt.Config(runtime_driver(self.target))
+        self.context_ = rt.SystemContext(config=self.config)
+        self.context_.add_vm_module(parameters_module(self.config, self._weights, PARAMETER_SCOPE))
+        self._vmfb = load_verified(self.vmfb_path)  # the module maps this buffer: keep it alive
+        self.context_.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, self._vmfb))
+        self.module = self.context_.modules[MODULE_NAME]
+        self.seconds["upload"] = time.perf_counter() - start
+        self.length = 0  # tokens in the KV cache
+
+    def _build(self, cache: ArtifactCache, report):
+        graph = emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision)
+        fields = text_artifact_fields(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision,
+                                      self.target, graph)
+
+        def emit() -> bytes:
+            report(f"text model: compiling {artifact_identity(fields)[:12]} (prompt buckets "
+                   f"{', '.join(map(str, self.buckets))}, context {self.context}) ...")
+            t0 = time.monotonic()
+            data = compile_mlir(graph, self.target)
+            report(f"text model: compiled in {time.monotonic() - t0:.1f} s")
+            return data
+
+        path, _ = cache.get_or_build(fields, emit, progress=report)
+        return path
+
+    def bucket_for(self, n: int) -> int:
+        for bucket in self.buckets:
+            if n <= bucket:
+                return bucket
+        raise GenerateError(f"prompt of {n} tokens: longer than the largest prefill bucket ({self.buckets[-1]}); "
+                            "give a shorter prompt or smaller images")
+
+    def _logits(self, result) -> np.ndarray:
+        return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(-1)
+
+    def prefill(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
+                deepstack_features=None) -> np.ndarray:
+        """Run the prompt (ids [n], M-RoPE ids [3, n]; image embeds [M, D] and DeepStack
+        features [K, M, D] at `visual_positions` [M]); the logits [vocab] of its last token."""
+        ids = np.asarray(input_ids, np.int64).reshape(-1)
+        n, d = ids.size, self.cfg.hidden_size
+        self._check_ids(ids)
+        s = self.bucket_for(n)
+        tokens = np.zeros(s, np.int32)
+        tokens[:n] = ids
+        visual = np.zeros(s, np.int32)
+        embeds = np.zeros((s, d), np.float32)
+        deepstack = np.zeros((self.deepstack_layers, s, d), np.float32)
+        if visual_positions is not None and len(visual_positions):
+            rows = np.asarray(visual_positions, np.int64)
+            visual[rows] = 1
+            embeds[rows] = image_embeds
+            if deepstack_features is not None:
+                deepstack[:, rows] = np.asarray(deepstack_features)[:self.deepstack_layers]
+        positions = np.zeros((3, s), np.int32)
+        positions[:, :n] = position_ids
+        args = {"tokens": tokens, "visual": visual, "visual_embeds": embeds, "deepstack": deepstack,
+                "positions": positions, "last": np.array(n - 1, np.int32)}
+        names = [name for name, _, _ in prefill_inputs(self.cfg, s, self.deepstack_layers)]
+        logits = self._logits(self.module[prefill_name(s)](*[args[name] for name in names]))
+        self.length = n
+        return logits
+
+    def decode(self, token: int, rope_position: int) -> np.ndarray:
+        """Feed one token (text position `self.length`, M-RoPE position `rope_position` on
+        all three rows); the logits [vocab] of the next."""
+        if self.length >= self.context:
+            raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
+        self._check_ids(np.array([token]))
+        positions = np.full((3, 1), rope_position, np.int32)
+        logits = self._logits(self.module[DECODE](np.array([token], np.int32), positions,
+                                                  np.array(self.length, np.int32)))
+        self.length += 1
+        return logits
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+        if bad.size:
+            raise GenerateError(f"token id {int(bad[0])}: outside the vocabulary [0, {self.cfg.vocab_size})")
+
+
+@dataclass
+class Generation:
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    logits: np.ndarray  # [new tokens, vocab] f32: the logits each new token was chosen from
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
+                "seconds": {k: round(v, 4) for k, v in self.seconds.items()}}
+
+
+def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_tokens: int, eos_ids=(),
+           visual_positions=None, image_embeds=None, deepstack_features=None, on_token=None):
+    """Prefill, then greedy decoding until an EOS id or `max_new_tokens`: (tokens, logits
+    [steps, vocab], seconds). `on_token(id)` hears each new token as it is chosen."""
+    ids = np.asarray(input_ids).reshape(-1)
+    if ids.size + max_new_tokens - 1 > text.context:
+        raise GenerateError(f"prompt of {ids.size} tokens + {max_new_tokens} new tokens: more than the context of "
+                            f"{text.context} tokens")
+    start = time.perf_counter()
+    logits = text.prefill(ids, position_ids, visual_positions, image_embeds, deepstack_features)
+    seconds = {"prefill": time.perf_counter() - start}
+    start = time.perf_counter()
+    tokens, rows = [], []
+    while len(tokens) < max_new_tokens:
+        rows.append(logits)
+        token = int(np.argmax(logits))
+        tokens.append(token)
+        if on_token:
+            on_token(token)
+        if token in eos_ids or len(tokens) == max_new_tokens:
+            break
+        logits = text.decode(token, text.length + rope_delta)
+    seconds["decode"] = time.perf_counter() - start
+    vocab = text.cfg.vocab_size
+    return tokens, np.stack(rows) if rows else np.zeros((0, vocab), np.float32), seconds
+
+
+class Generator:
+    """The whole Qwen3-VL of a checkpoint folder on IREE: images and a prompt in, greedy
+    tokens and text out. The vision session is opened on the first request with images."""
+
+    def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
+                 target: str | None = None, cache_dir=None, precision: str = "f32", threads: int | None = None,
+                 progress=None):
+        from emitter.config import load_model_config
+
+        from .session import set_thread_count
+        from .tokenizer import ChatTokenizer
+
+        if threads is not None:
+            set_thread_count(threads)
+        self.model_dir = Path(model_dir)
+        self.vision_cfg = load_model_config(model_dir)
+        self.tokenizer = ChatTokenizer(model_dir)
+        self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
+        self.text = TextSession(model_dir, buckets, context, len(self.vision_cfg.deepstack_visual_indexes),
+                                **self.options)
+        self._vision = None
+
+    @property
+    def vision(self):
+        if self._vision is None:
+            from .session import VisionSession
+            self._vision = VisionSession(self.model_dir, **self.options)
+        return self._vision
+
+    def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None) -> Generation:
+        """Greedy answer to one user message (the images in order, then `prompt`);
+        `on_text(piece)` hears the answer's text as it grows."""
+        from .prefill import mrope_position_ids
+        from .tokenizer import expand_pads, user_message
+
+        if max_new_tokens < 1:
+            raise GenerateError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
+        ids = self.tokenizer.encode(self.tokenizer.render(user_message(prompt, len(images))))
+        seconds = {"vision": 0.0}
+        visual = embeds = deepstack = grids = None
+        image_id = self.text.token_ids.image_token_id
+        if images:
+            start = time.perf_counter()
+            out = self.vision.encode(list(images))
+            seconds["vision"] = time.perf_counter() - start
+            grids = out.grid_thw
+            ids = expand_pads(ids, image_id, out.merged_counts(self.vision_cfg.merge_unit))
+            visual = np.flatnonzero(ids == image_id)
+            embeds, deepstack = out.image_embeds, out.deepstack_features
+        if ids.size > self.text.buckets[-1]:
+            raise GenerateError(f"prompt of {ids.size} tokens: longer than the largest prefill bucket "
+                                f"({self.text.buckets[-1]}); give a shorter prompt or smaller images")
+        positions, delta = mrope_position_ids(ids, grids, self.vision_cfg.spatial_merge_size,
+                                              image_token_id=image_id, video_token_id=self.text.token_ids.video_token_id)
+        streamer = _TextStream(self.tokenizer, on_text) if on_text else None
+        tokens, logits, timing = greedy(self.text, ids, positions, delta, max_new_tokens, self.tokenizer.eos_ids,
+                                        visual, embeds, deepstack, streamer)
+        if streamer:
+            streamer.flush()
+        seconds.update(timing)
+        return Generation(int(ids.size), tokens, self.tokenizer.decode(tokens), logits, seconds)
+
+
+class _TextStream:
+    """Calls `emit(piece)` with the new text each token adds, holding back a trailing
+    partial UTF-8 character until it completes."""
+
+    def __init__(self, tokenizer, emit):
+        self.tokenizer, self.emit, self.tokens, self.sent = tokenizer, emit, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if not text.endswith("\ufffd") and len(text) > len(self.sent):
+            self.emit(text[len(self.sent):])
+            self.sent = text
+
+    def flush(self) -> None:
+        text = self.tokenizer.decode(self.tokens)
+        if len(text) > len(self.sent):
+            self.emit(text[len(self.sent):])
+        self.sent = text

@@ -1,0 +1,114 @@
+"""A random-weight Qwen3-VL checkpoint that can answer: the vision checkpoint of
+`synthetic.write_checkpoint` plus a whole language model, a byte-level BPE tokenizer
+trained on the spot (with Qwen's special tokens), a chat template and a generation
+config. Written without torch; transformers loads it as it loads a released one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from emitter.atomic import write_atomic
+from emitter.config import VisionConfig
+from emitter.text import text_weights
+from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+
+from .synthetic import _to_bytes, write_checkpoint, write_safetensors
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>")
+# Qwen3-VL's template, cut to what one user turn with images and text needs.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string %}{{ message.content }}{%- else %}{%- for content in message.content %}"
+    "{%- if content.type == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'text' %}{{ content.text }}{%- endif %}{%- endfor %}{%- endif %}<|im_end|>\n"
+    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = ("the a image cat dog bird red green blue left right small large describe what is shown here "
+         "picture photo sky tree house road two three one and of in on with near far").split()
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE (the `tokenizers` library) trained on random sentences of WORDS:
+    the special tokens first (ids 0..6), then the 256 bytes, then merges up to vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(seed)
+    corpus = [" ".join(rng.choice(WORDS, 12)) + "." for _ in range(400)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+def random_text_weights(cfg: TextConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """f32 weights by Hugging Face name: embeddings N(0, 1), projections N(0, 1/fan_in)
+    (o_proj and down_proj at half gain), RMSNorm weights 1 + 0.1 N(0, 1), so that the
+    logits spread over several units and greedy choices are well separated."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for spec in text_weights(cfg):
+        z = rng.standard_normal(spec.shape, dtype=np.float32)
+        if spec.name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * z
+        elif spec.name.endswith("embed_tokens.weight"):
+            w = z
+        else:
+            gain = 0.5 if spec.name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            w = z * np.float32(gain / np.sqrt(spec.shape[1]))
+        out[spec.name] = np.ascontiguousarray(w, np.float32)
+    return out
+
+
+def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfig, seed: int = 0,
+                                processor_policy_dict: dict | None = None) -> dict[str, np.ndarray]:
+    """Write the folder; returns the text weights (f32, by Hugging Face name). The
+    text hidden size must be the vision tower's out_hidden_size."""
+    if text.hidden_size != vision.out_hidden_size:
+        raise ValueError(f"text hidden_size {text.hidden_size} != vision out_hidden_size {vision.out_hidden_size}")
+    model_dir = Path(model_dir)
+    write_checkpoint(model_dir, vision, seed=seed, processor_policy_dict=processor_policy_dict)
+    tokenizer = train_tokenizer(text.vocab_size, seed)
+    if tokenizer.get_vocab_size() > text.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {text.vocab_size}")
+    ids = {name: tokenizer.token_to_id(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+
+    from safetensors.numpy import load_file
+    weights = random_text_weights(text, seed + 7)
+    tensors = {name: (_tag(a), a.shape, a.tobytes()) for name, a in load_file(str(model_dir / "model.safetensors")).items()
+               if not name.startswith(TEXT_PREFIX) and name != LM_HEAD}
+    for name, w in weights.items():
+        tag, data = _to_bytes(w, "f32")
+        tensors[name] = (tag, w.shape, data)
+    write_safetensors(model_dir / "model.safetensors", tensors, {"format": "pt"})
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(ids, tie_word_embeddings=text.tie_word_embeddings, text_config=text.to_hf_text_config())
+    config["text_config"]["eos_token_id"] = eos[0]
+    _write_json(model_dir / "config.json", config)
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 262144, "add_prefix_space": False})
+    write_atomic(model_dir / "chat_template.jinja", CHAT_TEMPLATE.encode())
+    _write_json(model_dir / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos[1],
+                                                       "do_sample": False})
+    return weights
+
+
+def _tag(a: np.ndarray) -> str:
+    return {"float32": "F32", "float16": "F16", "uint32": "U32"}[str(a.dtype)]
+
+
+def _write_json(path: Path, value: dict) -> None:
+    write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())

@@ -1,0 +1,96 @@
+"""Read the language model's weights of a checkpoint folder as exact f32 numpy arrays,
+keyed by their Hugging Face names (`model.language_model.*`, `lm_head.weight`).
+
+Hugging Face layout (one `model.safetensors`, shards listed by
+`model.safetensors.index.json`, or several `*.safetensors`), f32, bf16 or f16 (widened
+exactly). MLX names (`language_model.model.*`, `language_model.lm_head.weight`) are
+read too when unquantized; quantized text weights are refused by name. Only the text
+tensors' byte ranges are read. Every problem is a `CheckpointError` naming the tensor
+and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from emitter.text import text_weights
+from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+
+from .checkpoint import INDEX_NAME, CheckpointError, TensorEntry, read_float_tensor, read_safetensors_header
+
+# (prefix of the decoder's tensors, name of lm_head) per layout, in order of preference.
+LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_head.weight"))
+
+
+def _is_text(name: str) -> bool:
+    return any(name.startswith(prefix) or name == head for prefix, head in LAYOUTS)
+
+
+def scan_text_tensors(model_dir: Path) -> tuple[dict[str, TensorEntry], str]:
+    """Every text tensor of the folder (names to byte ranges), and where they were found."""
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a readable folder")
+    index_path = model_dir / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            shards = sorted({str(f) for name, f in weight_map.items() if _is_text(name)})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index_path}: not a readable JSON index with a 'weight_map' ({e})") from None
+        files, where = [model_dir / s for s in shards if "/" not in s and s not in ("..", ".")], str(index_path)
+    else:
+        files = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+        where = f"{model_dir}/*.safetensors"
+    found: dict[str, TensorEntry] = {}
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard missing (referenced by {where})")
+        for name, entry in read_safetensors_header(path).items():
+            if _is_text(name):
+                if name in found:
+                    raise CheckpointError(f"{name}: present in two shards ({found[name].file.name} and "
+                                          f"{path.name}) (in {model_dir})")
+                found[name] = entry
+    if not found:
+        raise CheckpointError(f"{model_dir}: no language-model weights (no tensor named {TEXT_PREFIX}* in {where})")
+    return found, where
+
+
+def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
+    """The decoder's weights as f32 arrays, keyed by Hugging Face name in `text_weights`
+    order (lm_head absent when tied)."""
+    model_dir = Path(model_dir)
+    found, where = scan_text_tensors(model_dir)
+    prefix, head = next(((p, h) for p, h in LAYOUTS if p + "embed_tokens.weight" in found), LAYOUTS[0])
+    out = {}
+    for spec in text_weights(cfg):
+        key = head if spec.name == LM_HEAD else prefix + spec.name[len(TEXT_PREFIX):]
+        entry = found.get(key)
+        if entry is None:
+            hint = "; config.json says the embeddings are untied (tie_word_embeddings false)" if key == head else ""
+            raise CheckpointError(f"{key}: missing{hint} (in {where})")
+        if entry.dtype == "U32" or key[: -len("weight")] + "scales" in found:
+            raise CheckpointError(f"{key}: quantized language-model weights are not supported yet (in {entry.file})")
+        w = read_float_tensor(entry)
+        if w.shape != spec.shape:
+            raise CheckpointError(f"{key}: unexpected shape {list(w.shape)} (expected {list(spec.shape)}) "
+                                  f"(in {entry.file})")
+        if not np.isfinite(w).all():
+            raise CheckpointError(f"{key}: non-finite values (in {entry.file})")
+        out[spec.name] = w
+    stem = prefix + "layers."
+    layers = {n[len(stem):].split(".", 1)[0] for n in found if n.startswith(stem)}
+    if len(layers) != cfg.num_hidden_layers:
+        raise CheckpointError(f"text_config.num_hidden_layers = {cfg.num_hidden_layers} does not match the "
+                              f"checkpoint, which holds {len(layers)} decoder layers (in {where})")
+    return out
+
+
+def text_weights_in_order(weights: dict[str, np.ndarray], cfg: TextConfig, precision: str = "f32") -> list:
+    """(name, array) in graph order, each in the dtype the graph takes (bf16: round to nearest even)."""
+    import ml_dtypes
+    return [(s.name, weights[s.name] if s.dtype == "f32" else weights[s.name].astype(ml_dtypes.bfloat16))
+            for s in text_weights(cfg, precision)]

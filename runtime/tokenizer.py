@@ -1,0 +1,153 @@
+"""A checkpoint's tokenizer and chat template, without transformers.
+
+- `tokenizer.json` through the `tokenizers` library.
+- The chat template from `chat_template.jinja`, else `chat_template` in
+  `tokenizer_config.json` (a string, or a list of {name, template}: the one named
+  "default"), rendered with jinja2 the way transformers' `apply_chat_template` does (a
+  sandboxed environment with trim_blocks, lstrip_blocks and loop controls; `tojson`,
+  `raise_exception`, `strftime_now`; the special tokens of tokenizer_config.json as
+  variables).
+- EOS ids from `generation_config.json` (`eos_token_id`: an int or a list), else
+  config.json's.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class TokenizerError(ValueError):
+    """A checkpoint folder whose tokenizer or template cannot be used; one line naming the file."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return value
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {content: ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_template(model_dir: Path, tokenizer_config: dict) -> str:
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template:
+        raise TokenizerError(f"{model_dir}: no chat template (expected chat_template.jinja, or 'chat_template' in "
+                             "tokenizer_config.json)")
+    return template
+
+
+def compile_template(text: str):
+    """The template compiled as transformers compiles chat templates."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(text)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise TokenizerError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
+
+
+class ChatTokenizer:
+    """tokenizer.json, the chat template and the EOS ids of a checkpoint folder."""
+
+    def __init__(self, model_dir):
+        from tokenizers import Tokenizer
+
+        self.model_dir = Path(model_dir)
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{path}: missing; expected the checkpoint's tokenizer.json")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the library raises its own exception types
+            raise TokenizerError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from None
+        config_path = self.model_dir / "tokenizer_config.json"
+        self.config = _read_json(config_path) if config_path.is_file() else {}
+        self.template = compile_template(load_chat_template(self.model_dir, self.config))
+        self.eos_ids = self._eos_ids()
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        for name in ("generation_config.json", "config.json"):
+            path = self.model_dir / name
+            if not path.is_file():
+                continue
+            config = _read_json(path)
+            value = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+            if value is None:
+                continue
+            ids = value if isinstance(value, list) else [value]
+            if not ids or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+                raise TokenizerError(f"{path}: field 'eos_token_id' = {value!r}: expected a token id or a list of them")
+            return tuple(ids)
+        return ()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        import jinja2
+
+        variables = {k: _token_text(self.config.get(k)) for k in SPECIAL_TOKEN_VARIABLES}
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **{k: v for k, v in variables.items() if v is not None})
+        except jinja2.exceptions.TemplateError as e:
+            raise TokenizerError(f"chat template: {e}") from None
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of rendered text; no special tokens added (the template wrote them)."""
+        return np.array(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def user_message(prompt: str, image_count: int) -> list[dict]:
+    """One user turn: the images in order, then the text (as the processor's chat input)."""
+    return [{"role": "user", "content": [{"type": "image"} for _ in range(image_count)] +
+             [{"type": "text", "text": prompt}]}]
+
+
+def expand_pads(ids: np.ndarray, image_token_id: int, counts: list[int]) -> np.ndarray:
+    """Each image's single pad token repeated to its merged-patch count, images in order."""
+    ids = np.asarray(ids, np.int64)
+    pads = np.flatnonzero(ids == image_token_id)
+    if len(pads) != len(counts):
+        raise TokenizerError(f"the rendered prompt holds {len(pads)} image pad token(s) (id {image_token_id}) but "
+                             f"{len(counts)} image(s) were given; does the chat template write one per image?")
+    pieces, prev = [], 0
+    for i, count in zip(pads.tolist(), counts):
+        pieces += [ids[prev:i], np.full(count, image_token_id, np.int64)]
+        prev = i + 1
+    pieces.append(ids[prev:])
+    return np.concatenate(pieces)
