@@ -277,6 +277,11 @@ class Builder:
         return self._op(hint or "dupdate", f"stablehlo.dynamic_update_slice {x}, {update}, {operands} : "
                                            f"({types}) -> {x.type}", x.type)
 
+    def optimization_barrier(self, x: Value, hint=None) -> Value:
+        """x unchanged, but the compiler fuses nothing across it: x is written out as it is,
+        and what reads the result starts a new dispatch."""
+        return self._op(hint or "barrier", f"stablehlo.optimization_barrier {x} : {x.type}", x.type)
+
     def concatenate(self, values: list[Value], dim: int, hint=None) -> Value:
         if not values or not 0 <= dim < values[0].rank:
             raise BuildError(f"concatenate: dim {dim} of {[str(v.type) for v in values]}")

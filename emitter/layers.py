@@ -17,6 +17,30 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_TANH_CUBIC = 0.044715
 
 
+class Stages(dict):
+    """The named stage values of one graph, recorded as the graph is built.
+
+    A stage named in `kept` (the stages the diagnostics variant returns) is written out
+    behind an optimization_barrier, and the graph goes on from the barrier's result. So
+    no dispatch has to write a stage and a value computed from it at once, and each
+    returned stage leaves its dispatch in one layout. (IREE 3.13's llvm-cpu codegen with
+    data tiling fails on some matmul dispatches that write both the product and its
+    successor, e.g. a merger's fc1 and GELU(fc1): "large vector sizes" on the unpack.)
+    With nothing kept, the graph is exactly the plain one."""
+
+    def __init__(self, b: Builder, kept=()):
+        super().__init__()
+        self.b, self.kept = b, frozenset(kept)
+
+    def __call__(self, name: str, value: Value) -> Value:
+        """Record `value` as stage `name`; returns the value the graph goes on with."""
+        if name in self.kept:
+            with self.b.stage(name):
+                value = self.b.optimization_barrier(value, hint="kept")
+        self[name] = value
+        return value
+
+
 def matmul(b: Builder, x: Value, y: Value, contract, batch=([], []), operand_dtype: str = "f32",
            hint: str = "matmul") -> Value:
     """dot_general with operands in `operand_dtype` (converted if needed) and an f32 result."""
@@ -136,22 +160,22 @@ def mlp(b: Builder, x: Value, w: dict) -> Value:
     return linear(b, gelu_tanh(b, up), w["mlp.linear_fc2.weight"], w["mlp.linear_fc2.bias"], "fc2")
 
 
-def merger(b: Builder, x: Value, w: dict, merge_unit: int, postshuffle_norm: bool, stages: dict, name: str) -> Value:
+def merger(b: Builder, x: Value, w: dict, merge_unit: int, postshuffle_norm: bool, stages: Stages,
+           name: str) -> Value:
     """Patch merger: group `merge_unit` patches into one row, LayerNorm (before or after
     grouping), then fc2(gelu_erf(fc1(.)))."""
     n, hidden = x.shape
     grouped_shape = (n // merge_unit, hidden * merge_unit)
     if postshuffle_norm:
-        normed = layer_norm(b, b.reshape(x, grouped_shape, hint="grouped"), w["norm.weight"], w["norm.bias"])
+        normed = stages(f"{name}.norm", layer_norm(b, b.reshape(x, grouped_shape, hint="grouped"),
+                                                   w["norm.weight"], w["norm.bias"]))
         grouped = normed
     else:
-        normed = layer_norm(b, x, w["norm.weight"], w["norm.bias"])
+        normed = stages(f"{name}.norm", layer_norm(b, x, w["norm.weight"], w["norm.bias"]))
         grouped = b.reshape(normed, grouped_shape, hint="grouped")
-    fc1 = linear(b, grouped, w["linear_fc1.weight"], w["linear_fc1.bias"], "fc1")
-    act = gelu_erf(b, fc1)
-    out = linear(b, act, w["linear_fc2.weight"], w["linear_fc2.bias"], "fc2")
-    stages.update({f"{name}.norm": normed, f"{name}.fc1": fc1, f"{name}.act": act})
-    return out
+    fc1 = stages(f"{name}.fc1", linear(b, grouped, w["linear_fc1.weight"], w["linear_fc1.bias"], "fc1"))
+    act = stages(f"{name}.act", gelu_erf(b, fc1))
+    return linear(b, act, w["linear_fc2.weight"], w["linear_fc2.bias"], "fc2")
 
 
 # -- the language model's layers ---------------------------------------------------------

@@ -25,7 +25,7 @@ import numpy as np
 from . import __version__
 from .builder import Builder, Value
 from .config import HF_PREFIX, VisionConfig, graph_weights
-from .layers import attention, layer_norm, linear, merger, mlp, rotary_tables, segment_mask
+from .layers import Stages, attention, layer_norm, linear, merger, mlp, rotary_tables, segment_mask
 
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
@@ -95,21 +95,18 @@ def input_specs(cfg: VisionConfig, bucket: int) -> list[tuple[str, tuple[int, ..
     ]
 
 
-def block(b: Builder, x: Value, w: dict, cos, sin, mask, cfg: VisionConfig, stages: dict, name: str) -> Value:
+def block(b: Builder, x: Value, w: dict, cos, sin, mask, cfg: VisionConfig, stages: Stages, name: str) -> Value:
     with b.stage(f"{name}.norm1"):
-        normed1 = layer_norm(b, x, w["norm1.weight"], w["norm1.bias"])
+        normed1 = stages(f"{name}.norm1", layer_norm(b, x, w["norm1.weight"], w["norm1.bias"]))
     with b.stage(f"{name}.attn"):
-        attn = attention(b, normed1, w, cos, sin, mask, cfg.num_heads)
-        x = b.add(x, attn, hint="residual")
-    attn_residual = x
+        attn = stages(f"{name}.attn", attention(b, normed1, w, cos, sin, mask, cfg.num_heads))
+        x = stages(f"{name}.attn_residual", b.add(x, attn, hint="residual"))
     with b.stage(f"{name}.norm2"):
-        normed2 = layer_norm(b, x, w["norm2.weight"], w["norm2.bias"])
+        normed2 = stages(f"{name}.norm2", layer_norm(b, x, w["norm2.weight"], w["norm2.bias"]))
     with b.stage(f"{name}.mlp"):
-        out = mlp(b, normed2, w)
+        out = stages(f"{name}.mlp", mlp(b, normed2, w))
         x = b.add(x, out, hint="residual")
-    stages.update({f"{name}.norm1": normed1, f"{name}.attn": attn, f"{name}.attn_residual": attn_residual,
-                   f"{name}.norm2": normed2, f"{name}.mlp": out, name: x})
-    return x
+    return stages(name, x)
 
 
 def bind_weight(b: Builder, w, binding: str) -> Value:
@@ -128,8 +125,9 @@ def check_binding(binding: str) -> str:
 
 
 def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: str = "f32",
-                       binding: str = "arguments") -> tuple[list[Value], dict[str, Value]]:
-    """Emit the tower into `b`; returns (outputs, every named stage)."""
+                       binding: str = "arguments", kept=()) -> tuple[list[Value], dict[str, Value]]:
+    """Emit the tower into `b`; returns (outputs, every named stage). The stages in `kept`
+    (those a diagnostics variant returns) are written out as they are (`layers.Stages`)."""
     inputs = {name: b.argument(name, shape, dtype) for name, shape, dtype in input_specs(cfg, bucket)}
     weights = {w.name[len(HF_PREFIX):]: bind_weight(b, w, check_binding(binding))
                for w in graph_weights(cfg, precision)}
@@ -137,18 +135,19 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: st
     def group(prefix):
         return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
-    stages: dict[str, Value] = {}
+    stages = Stages(b, kept)
     with b.stage("patch_embed"):
-        stages["patch_embed"] = linear(b, inputs["patches"], weights["patch_embed.proj.weight"],
-                                       weights["patch_embed.proj.bias"], "proj")
+        patch_embed = stages("patch_embed", linear(b, inputs["patches"], weights["patch_embed.proj.weight"],
+                                                   weights["patch_embed.proj.bias"], "proj"))
     with b.stage("pos_embed"):
         flat_index = b.reshape(inputs["pos_index"], (4 * bucket,), hint="flat_index")
         corners = b.reshape(b.gather_rows(weights["pos_embed.weight"], flat_index, hint="corners"),
                             (4, bucket, cfg.hidden_size), hint="corners")
         weight = b.broadcast_in_dim(inputs["pos_weight"], corners.shape, [0, 1], hint="corner_weight")
-        stages["pos_embed"] = b.reduce(b.multiply(corners, weight, hint="weighted"), [0], "add", hint="blend")
+        pos_embed = stages("pos_embed", b.reduce(b.multiply(corners, weight, hint="weighted"), [0], "add",
+                                                 hint="blend"))
     with b.stage("embed"):
-        x = stages["embed"] = b.add(stages["patch_embed"], stages["pos_embed"], hint="sum")
+        x = stages("embed", b.add(patch_embed, pos_embed, hint="sum"))
     with b.stage("rotary"):
         cos, sin = rotary_tables(b, inputs["rope_pos"], rope_inv_freq(cfg), cfg.head_dim)
     with b.stage("mask"):
@@ -160,11 +159,10 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: st
         if i in cfg.deepstack_visual_indexes:
             name = f"deepstack_merger_list.{cfg.deepstack_visual_indexes.index(i)}"
             with b.stage(name):
-                stages[name] = merger(b, x, group(name + "."), cfg.merge_unit, True, stages, name)
-            deepstack.append(stages[name])
+                deepstack.append(stages(name, merger(b, x, group(name + "."), cfg.merge_unit, True, stages, name)))
     with b.stage("merger"):
-        stages["merger"] = merger(b, x, group("merger."), cfg.merge_unit, False, stages, "merger")
-    return [stages["merger"], *deepstack], stages
+        main = stages("merger", merger(b, x, group("merger."), cfg.merge_unit, False, stages, "merger"))
+    return [main, *deepstack], stages
 
 
 def _template() -> jinja2.Template:
@@ -189,8 +187,9 @@ def vision_function(cfg: VisionConfig, bucket: int, name: str, diagnostics: bool
                     precision: str = "f32", weights: str = "arguments") -> tuple[dict, list[str]]:
     """One bucket's function (name, arguments, results, body) and the weight globals it reads."""
     b = Builder()
-    outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights)
-    values = outputs + ([stages[s] for s in stage_names(cfg, inspect_blocks)] if diagnostics else [])
+    kept = stage_names(cfg, inspect_blocks) if diagnostics else []
+    outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights, kept)
+    values = outputs + [stages[s] for s in kept]
     results = list(zip(result_names(cfg, diagnostics, inspect_blocks), values))
     return {"name": name, "arguments": b.arguments, "results": results, "body": b.lines}, b.globals
 
