@@ -201,7 +201,8 @@ def check_new_folder(model_dir: Path) -> None:
     """A checkpoint is written as a whole folder: refuse one that exists with files in it
     (a stale index or shard beside the new files would be read in their place)."""
     if model_dir.is_symlink() or (model_dir.exists() and not model_dir.is_dir()):
-        raise ValueError(f"{model_dir}: exists and is not a folder; expected a new or empty folder")
+        raise ValueError(f"{model_dir}: exists and is not a plain folder (a file or a symlink); expected a new "
+                         f"or empty folder")
     if model_dir.is_dir():
         held = sorted(os.listdir(model_dir))
         if held:

@@ -271,7 +271,7 @@ def test_random_checkpoint_refuses_a_folder_with_files(tmp_path):
     one_line_error(random_checkpoint(old, "--preset", "tiny"), str(old), "not empty", "new or empty folder")
     assert snapshot(old) == before
     (tmp_path / "file").write_text("x")
-    one_line_error(random_checkpoint(tmp_path / "file"), "not a folder")
+    one_line_error(random_checkpoint(tmp_path / "file"), "not a plain folder")
     (tmp_path / "empty").mkdir()
     result = random_checkpoint(tmp_path / "empty", "--layout", "mlx", "--bits", "4")
     assert result.returncode == 0, result.stderr
