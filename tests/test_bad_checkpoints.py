@@ -290,3 +290,20 @@ def test_random_checkpoint_failed_write_leaves_nothing(tmp_path):
     msg = one_line_error(random_checkpoint(target, preexec_fn=limit_file_size), str(target), "cannot write")
     assert ".tmp" not in msg  # named by the folder asked for, not the temp one
     assert os.listdir(tmp_path) == []
+
+
+def test_random_checkpoint_on_a_full_disk_leaves_nothing(tmp_path):
+    """A real full file system: a tmpfs smaller than the checkpoint (the tiny position table
+    alone is 590 kB)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    root = tmp_path / "small"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        msg = one_line_error(random_checkpoint(root / "m"), str(root / "m"), "cannot write")
+        assert ".tmp" not in msg
+        assert os.listdir(root) == []
+    finally:
+        subprocess.run(["umount", str(root)])
