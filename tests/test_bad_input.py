@@ -242,6 +242,26 @@ def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
 
 
+def test_run_removes_the_temp_of_a_writer_killed_before_its_rename(tmp_path, tiny, cache_dir):
+    """A real writer (write_atomic in another process) killed with SIGKILL while its temp
+    exists; the next `qwen3vl run -o` of the same target removes what it left."""
+    model, image = tiny
+    target = tmp_path / "f.safetensors"
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; from emitter.atomic import write_atomic; "
+                               "write_atomic(sys.argv[1], bytes(256 << 20))", str(target)])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(f"{temp_prefix(target)}{writer.pid}.*")):
+        assert writer.poll() is None and time.monotonic() < deadline, "the writer never made its temp"
+        time.sleep(0.001)
+    writer.kill()
+    writer.wait()
+    assert list(tmp_path.glob(f"{temp_prefix(target)}*")) and not target.exists()
+    result = run(model, image, "-o", str(target), cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+    assert set(load_file(target)) == {"image_embeds", "deepstack_features", "grid_thw"}
+
+
 def test_write_error_names_the_target_not_the_temp(tmp_path):
     folder = tmp_path / "out"
     folder.mkdir()
