@@ -110,6 +110,7 @@ def test_bucket_larger_than_memory_is_refused_before_compiling(tmp_path, tiny):
     assert not list(empty_cache.rglob("*.vmfb"))  # nothing compiled
 
 
+@pytest.mark.slow  # compiles bucket 4096
 def test_bucket_that_exhausts_the_allocator_is_a_one_line_error(tiny, cache_dir):
     """Past the estimate (256 MiB of scores fits in 768 MiB of address space, a run at
     this bucket needs more than 1 GiB), IREE's allocator gives up at run time: that too
