@@ -69,8 +69,9 @@ def machine_memory() -> int:
 
 
 def attention_bytes(cfg: VisionConfig, bucket: int) -> int:
-    """A lower bound on one call's memory: the f32 attention scores of all heads over the
-    bucket. Measured on the tiny preset, a call's peak is about 2.5 times this."""
+    """A lower bound on one call's memory: one f32 buffer of attention scores, all heads over
+    the bucket. A call holds 2 to 3 of them at its peak (measured: tiny preset, +2.0 GB of
+    peak RSS from bucket 4096 to 8192; the 2B preset in docs/performance.md)."""
     return 4 * cfg.num_heads * bucket * bucket
 
 
