@@ -2,7 +2,8 @@
 
 The temp file sits beside the target as `.<name>.tmp.<pid>.<random>`: a writer killed
 between writing and renaming (kill -9) leaves one behind, and the next write of the
-same target removes it once its process is gone."""
+same target removes it once its process is gone (a pid of this machine: a folder shared
+between machines may hold another machine's live writer's temp, which it would remove)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def check_writable(path: str | os.PathLike, flag: str = "-o") -> Path:
     parent = target.absolute().parent  # a symlink is replaced, not written through
     if target.is_dir():
         raise ValueError(f"{flag} {path}: is a folder; expected a file name")
+    if target.exists() and not target.is_file():  # /dev/null, a FIFO: the rename would replace it
+        raise ValueError(f"{flag} {path}: not a regular file; expected a file name")
     if not parent.exists():
         raise ValueError(f"{flag} {path}: folder {parent} does not exist")
     if not parent.is_dir():

@@ -84,12 +84,13 @@ def test_output_that_is_an_input_is_refused(tmp_path, tiny, cache_dir, target):
     assert {p.name: p.read_bytes() for p in [image, *model.iterdir()]} == before
 
 
-@pytest.mark.parametrize("case", ["folder", "missing folder", "parent is a file"])
+@pytest.mark.parametrize("case", ["folder", "missing folder", "parent is a file", "fifo"])
 def test_output_location_is_checked_before_any_work(tmp_path, tiny, cache_dir, case):
     model, image = tiny
     (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
     output = {"folder": tmp_path, "missing folder": tmp_path / "no" / "f.safetensors",
-              "parent is a file": tmp_path / "file" / "f.safetensors"}[case]
+              "parent is a file": tmp_path / "file" / "f.safetensors", "fifo": tmp_path / "fifo"}[case]
     empty_cache = tmp_path / "cache"
     line = one_line_error(run(model, image, "-o", str(output), cache_dir=str(empty_cache)), f"-o {output}")
     assert ".tmp" not in line
