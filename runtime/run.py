@@ -116,11 +116,11 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
     session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
                             progress=progress, precision=precision, weights=weights, dump_inputs=dump_inputs)
     t0 = time.perf_counter()
-    pack([image_grid(name, session.policy) for name in names], session.buckets, names)  # headers only: fits?
+    calls = pack([image_grid(name, session.policy) for name in names], session.buckets, names)  # headers only
+    check_bucket_memory(session.cfg, {call.bucket for call in calls}, session.plan.target)  # before decoding
     pixel_values, grid_thw = process_images(names, session.policy, names=names)
     t1 = time.perf_counter()
     needed = list(dict.fromkeys(call.bucket for call in pack(grid_thw, session.buckets, names)))
-    check_bucket_memory(session.cfg, needed, session.plan.target)
     try:
         if len(needed) <= session.max_loaded:  # else loading them now would evict some before the run
             for bucket in needed:
