@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter.atomic import write_atomic
+from emitter.atomic import alive, temp_prefix, write_atomic
 from emitter.config import ROPE_THETA, VisionConfig, weight_schema
 
 from .prefill import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
@@ -211,6 +211,15 @@ def check_new_folder(model_dir: Path) -> None:
                              f"expected a new or empty folder")
 
 
+def remove_stale_folders(model_dir: Path) -> None:
+    """Remove temp folders of `model_dir` left by writers that no longer run (kill -9)."""
+    prefix = temp_prefix(model_dir)
+    for path in model_dir.parent.glob(prefix + "*"):
+        pid = path.name[len(prefix):].split(".", 1)[0]
+        if path.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, layout: str = "hf",
                      dtype: str = "f32", bits: int | None = None, group_size: int = 64, shards: int = 1,
                      processor_policy_dict: dict | None = None, model_type: str = "qwen3_vl",
@@ -226,7 +235,8 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     path) or False (left unquantized).
 
     `model_dir` must be new or empty. The files are written into a temp folder beside it,
-    which is renamed into place once complete: on any error nothing is left behind."""
+    which is renamed into place once complete: on any error nothing is left behind (and a
+    temp folder of a killed writer is removed by the next write)."""
     if layout not in ("hf", "mlx"):
         raise ValueError(f"layout {layout!r}: expected 'hf' or 'mlx'")
     if dtype not in _ST_DTYPE:
@@ -238,7 +248,8 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     model_dir = Path(model_dir)
     check_new_folder(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+    remove_stale_folders(model_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{temp_prefix(model_dir)}{os.getpid()}.", dir=model_dir.parent))
     try:
         source = _write_files(tmp, cfg, seed, layout, dtype, bits, group_size, shards, processor_policy_dict,
                               model_type, quant_overrides)

@@ -280,6 +280,16 @@ def test_random_checkpoint_refuses_a_folder_with_files(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["empty", "file", "m"]  # no temp folder left
 
 
+def test_random_checkpoint_removes_a_killed_writers_temp_folder(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".m.tmp.{int(done.stdout)}.abc"  # its writer has exited
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    result = random_checkpoint(tmp_path / "m")
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m"]
+
+
 def test_random_checkpoint_failed_write_leaves_nothing(tmp_path):
     """A write that fails part way (here a file-size limit: the kernel refuses the write
     past 100 kB, as a full disk would) leaves neither the folder nor any temp behind."""
