@@ -7,19 +7,17 @@ Two layouts are understood:
   several `*.safetensors` without an index (their headers are scanned).
 * MLX (mlx-vlm conversions): tensors named `vision_tower.*` with the same suffixes,
   the patch-embed conv stored channels-last [h, T, P, P, C], and linears (or the
-  position table) optionally affine-quantized: `weight` uint32 [out, in*bits/32]
-  holding a little-endian bit stream of `bits`-bit codes (least-significant bits
-  first), `scales` and `biases` [out, in/group_size]; `w = q*scale + bias` in f32.
-  `bits` and `group_size` come from config.json's `quantization` block (global, or a
-  per-module entry as mlx-lm / mlx-vlm write them); the stored shapes must agree.
+  position table) optionally affine-quantized (`mlx_quant`), with the bits and group
+  size that config.json's `quantization` block gives each module (global, or a
+  per-module entry as mlx-lm / mlx-vlm write them): the stored shapes must agree.
 
 Only the vision tensors are read, and every one the checkpoint holds must be one the
 config uses (a `depth` smaller than the checkpoint's is an error, not a silent cut).
 Index entries must name files inside the folder. With an index, only the shards
 holding vision tensors are opened; within a shard only the vision tensors' byte
-ranges are read, so a large checkpoint's text weights are never loaded. bf16 and f16 are widened to
-f32 exactly. Every problem is a `CheckpointError` whose one-line message names the
-tensor and the file.
+ranges are read, so a large checkpoint's text weights are never loaded. bf16 and f16
+are widened to f32 exactly. Every problem is a `CheckpointError` whose one-line
+message names the tensor and the file.
 """
 
 from __future__ import annotations
@@ -33,12 +31,13 @@ import numpy as np
 
 from emitter.config import CONV_WEIGHT, HF_PREFIX, VisionConfig, graph_weights, weight_schema
 
+from .mlx_quant import QUANT_BITS, QuantConfig, dequantize_mlx, quantization_config
+
 MLX_PREFIX = "vision_tower."
 VISION_PREFIXES = (HF_PREFIX, "visual.", MLX_PREFIX)  # in order of preference
 INDEX_NAME = "model.safetensors.index.json"
 CONV_NAME = CONV_WEIGHT[len(HF_PREFIX):]  # the suffix every layout shares
 FLOAT_DTYPES = ("F32", "F16", "BF16")
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
              "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _MAX_HEADER = 100 * 1024 * 1024
@@ -150,85 +149,7 @@ def read_uint32_tensor(entry: TensorEntry) -> np.ndarray:
     return np.frombuffer(_read_raw(entry), dtype="<u4").astype(np.uint32).reshape(entry.shape)
 
 
-# --------------------------------------------------------------------------- MLX affine
-
-def unpack_mlx(packed: np.ndarray, bits: int) -> np.ndarray:
-    """uint32 [rows, words] -> uint32 codes [rows, words*32/bits].
-
-    Each row is a little-endian bit stream (code i occupies bits [i*bits, (i+1)*bits),
-    least-significant first across the little-endian words): MLX's packing for every
-    width, 2/4/8 within one word and 3/5/6 across byte triples/quintuples."""
-    packed = np.ascontiguousarray(packed, dtype="<u4")
-    rows, words = packed.shape
-    if 32 % bits == 0:
-        shifts = np.arange(0, 32, bits, dtype=np.uint32)
-        codes = (packed[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
-        return codes.reshape(rows, words * (32 // bits))
-    n = words * 32 // bits
-    stream = np.unpackbits(packed.view(np.uint8).reshape(rows, words * 4), axis=1, bitorder="little")
-    stream = stream[:, : n * bits].reshape(rows, n, bits).astype(np.uint32)
-    return (stream << np.arange(bits, dtype=np.uint32)).sum(axis=2, dtype=np.uint32)
-
-
-def pack_mlx(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of `unpack_mlx`: codes [rows, n] (each < 2**bits) -> uint32 [rows, n*bits/32]."""
-    codes = np.asarray(codes, dtype=np.uint32)
-    rows, n = codes.shape
-    if (n * bits) % 32:
-        raise ValueError(f"{n} codes of {bits} bits do not fill whole 32-bit words")
-    stream = ((codes[:, :, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
-    packed = np.packbits(stream.reshape(rows, n * bits), axis=1, bitorder="little")
-    return packed.view("<u4").astype(np.uint32).reshape(rows, n * bits // 32)
-
-
-def dequantize_mlx(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray,
-                   bits: int, group_size: int) -> np.ndarray:
-    """MLX affine dequantization in f32: w[r, c] = q[r, c]*scales[r, c//g] + biases[r, c//g]."""
-    q = unpack_mlx(packed, bits).astype(np.float32)
-    s = np.repeat(np.asarray(scales, dtype=np.float32), group_size, axis=1)
-    b = np.repeat(np.asarray(biases, dtype=np.float32), group_size, axis=1)
-    return q * s + b
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """config.json's `quantization` block as mlx-lm / mlx-vlm write it: global `bits`,
-    `group_size` and `mode`, plus per-module entries keyed by module path (a dict of
-    overrides, or false for a module left unquantized)."""
-    block: dict
-    source: str  # where it was read, for messages: "<dir>/config.json 'quantization'"
-
-    def module(self, paths: tuple[str, ...]) -> tuple[dict | None, str]:
-        """The settings that apply to a module known by `paths` (its stored and Hugging Face
-        spellings) and the config entry they come from; None for a module marked false."""
-        for path in paths:
-            override = self.block.get(path)
-            if isinstance(override, dict):
-                return {**self.block, **override}, f"{self.source}[{path!r}]"
-            if override is False:
-                return None, f"{self.source}[{path!r}]"
-        return self.block, self.source
-
-    def names_module(self, paths: tuple[str, ...]) -> bool:
-        return any(isinstance(self.block.get(path), dict) for path in paths)
-
-
-def quantization_config(model_dir: Path) -> QuantConfig | None:
-    """The MLX quantization block of the folder's config.json (`quantization`, else an
-    MLX-style `quantization_config`), or None when it has none."""
-    path = model_dir / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    for key in ("quantization", "quantization_config"):
-        q = config.get(key)
-        if isinstance(q, dict) and "quant_method" not in q and ("bits" in q or "group_size" in q or "mode" in q):
-            return QuantConfig(q, f"{path} '{key}'")
-    return None
-
+# --------------------------------------------------------------------------- MLX settings
 
 def _module_paths(module: str) -> tuple[str, ...]:
     """A module's stored path and its other spellings, as config entries may key it."""

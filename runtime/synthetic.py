@@ -20,7 +20,8 @@ from emitter.atomic import alive, temp_prefix, write_atomic
 from emitter.config import ROPE_THETA, VisionConfig, weight_schema
 
 from .prefill import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
-from .checkpoint import CONV_NAME, HF_PREFIX, INDEX_NAME, MLX_PREFIX, dequantize_mlx, pack_mlx
+from .checkpoint import CONV_NAME, HF_PREFIX, INDEX_NAME, MLX_PREFIX
+from .mlx_quant import dequantize_mlx, pack_mlx
 
 __all__ = ["write_checkpoint", "quantize_mlx", "dequantize_mlx", "round_to_dtype",
            "write_safetensors", "random_vision_weights", "DEFAULT_PROCESSOR"]

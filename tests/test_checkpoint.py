@@ -13,8 +13,8 @@ import pytest
 
 from emitter.config import PRESETS, load_model_config, weight_schema
 from runtime import checkpoint as ck
-from runtime.checkpoint import (CheckpointError, dequantize_mlx, load_vision_weights, pack_mlx,
-                                read_safetensors_header, unpack_mlx)
+from runtime.checkpoint import CheckpointError, load_vision_weights, read_safetensors_header
+from runtime.mlx_quant import dequantize_mlx, pack_mlx, unpack_mlx
 from runtime.synthetic import (DEFAULT_PROCESSOR, quantize_mlx, round_to_dtype, write_checkpoint,
                                write_safetensors)
 
