@@ -1,15 +1,23 @@
 """The oracle's report: its versioned JSON schema (checked by `check_report`), the
-table `qwen3vl oracle` prints, and the atomic write."""
+table `qwen3vl oracle` prints, and the atomic write (its location checked first).
+
+Schema version 2: `controls` is the list of negative controls run on the compiled path
+(`runtime.oracle_controls`), each {kind, ran_on, branch, detected, first_failing_stage,
+...}; the same-input summary moved to `same_input`; `precision` added."""
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from pathlib import Path
 
 from emitter.atomic import write_atomic
 
+from .oracle_controls import CONTROL_KINDS
+
 REPORT_SCHEMA = "qwen3vl-oracle-report"
-REPORT_SCHEMA_VERSION = 1
-CONTROL_NAMES = ("deepstack_last_dropped", "deepstack_0_zeroed")
+REPORT_SCHEMA_VERSION = 2
 
 
 def check_report(report: dict) -> None:
@@ -41,6 +49,7 @@ def check_report(report: dict) -> None:
     tol = need(report, "tolerances", dict)
     for key in ("atol", "rtol", "max_rel_l2"):
         need(tol, key, (int, float), "tolerances")
+    need(report, "precision", str)
     need(report, "inspect_blocks", list)
     for i, c in enumerate(need(report, "comparisons", list)):
         where = f"comparisons[{i}]"
@@ -54,13 +63,17 @@ def check_report(report: dict) -> None:
         if c.get("verdict") not in ("pass", "local", "inherited"):
             raise ValueError(f"{where}.verdict: expected pass, local or inherited")
         need(c, "same_input", (dict, type(None)), where)
-    controls = need(report, "controls", dict)
-    need(controls, "same_input", dict, "controls")
-    negative = need(controls, "negative", list, "controls")
-    if sorted(c.get("name") for c in negative) != sorted(CONTROL_NAMES):
-        raise ValueError(f"controls.negative: expected {list(CONTROL_NAMES)}")
-    for c in negative:
-        need(c, "detected", (bool, type(None)), "controls.negative")
+    need(report, "same_input", dict)
+    controls = need(report, "controls", list)
+    if sorted(c.get("kind", "") for c in controls if isinstance(c, dict)) != sorted(CONTROL_KINDS):
+        raise ValueError(f"report.controls: expected one of each kind {list(CONTROL_KINDS)}")
+    for i, c in enumerate(controls):
+        where = f"controls[{i}]"
+        if c.get("ran_on") not in ("compiled", None):
+            raise ValueError(f"{where}.ran_on: expected 'compiled' (or null when not applicable)")
+        need(c, "detected", (bool, type(None)), where)
+        need(c, "first_failing_stage", (str, type(None)), where)
+    need(report, "controls_pass", bool)
     first = need(report, "first_failure", (dict, type(None)))
     if first is not None:
         need(first, "stage", str, "first_failure")
@@ -99,10 +112,10 @@ def format_table(report: dict) -> str:
         lines.append(f"{c['stage']:<{width}}  {c['elements']:>9}  {_fmt(c['max_abs']):>9}  {_fmt(c['max_rel']):>9}  "
                      f"{_fmt(c['rel_l2']):>9}  {c['violations']:>6}  {c['nonfinite']:>6}  {_fmt(same):>10}  {result}")
     lines.append("")
-    for c in report["controls"]["negative"]:
+    for c in report["controls"]:
         state = {True: "detected", False: "NOT DETECTED", None: "skipped"}[c["detected"]]
-        failing = ", ".join(c["failing_stages"]) or "none"
-        lines.append(f"control    {c['name']}: {c['perturbation']} -> {state} (failing: {failing})")
+        where = f" (first failing: {c['first_failing_stage']})" if c["first_failing_stage"] else ""
+        lines.append(f"control    {c['kind']}: {c['description']} -> {state}{where}")
     first = report["first_failure"]
     if first is None:
         lines.append("first failure  none")
@@ -113,6 +126,33 @@ def format_table(report: dict) -> str:
     lines.append(f"result     {'PASS' if report['pass'] else 'FAIL'} "
                  f"({sum(c['pass'] for c in report['comparisons'])}/{len(report['comparisons'])} stages)")
     return "\n".join(lines)
+
+
+def check_report_path(path) -> None:
+    """Before any work, ValueError unless `path` can take the report: not a folder, not an
+    existing non-regular file (a device is never replaced), in an existing folder where a
+    probe file can be created, written and synced now (so a read-only or full filesystem
+    fails here, not after the run)."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--report {path}: is a folder; expected a file name")
+    if target.exists() and not target.is_file():
+        raise ValueError(f"--report {path}: not a regular file; expected a file name to write the report to")
+    parent = target.absolute().parent
+    if not parent.is_dir():
+        raise ValueError(f"--report {path}: folder {parent} does not exist")
+    probe = None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.probe.", dir=parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"{")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ValueError(f"--report {path}: cannot write in {parent}: {e.strerror or e}") from None
+    finally:
+        if probe:
+            Path(probe).unlink(missing_ok=True)
 
 
 def write_report(path, report: dict) -> None:

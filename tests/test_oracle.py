@@ -1,9 +1,14 @@
 """`qwen3vl oracle` on a random tiny checkpoint: the diagnostics graph against the numpy
-reference stage by stage, same-input verdicts, negative controls, the report, bad input."""
+reference stage by stage, same-input verdicts, the negative controls on the compiled path,
+precision-aware tolerances, the report, bad input (the report's location: a folder, a
+device, a read-only and a full filesystem; a failed compile)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,8 +17,8 @@ from PIL import Image
 
 from emitter.config import PRESETS
 from emitter.vision import default_inspect_blocks
-from runtime.oracle import (CONTROL_NAMES, REPORT_SCHEMA_VERSION, check_report, compare, format_table,
-                            oracle_command, oracle_stage_names, run_oracle)
+from runtime.oracle import (CONTROL_KINDS, DEFAULT_TOLERANCES, REPORT_SCHEMA_VERSION, check_report, compare,
+                            format_table, oracle_command, oracle_stage_names, run_oracle)
 from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 TINY = PRESETS["tiny"]
@@ -109,10 +114,21 @@ def test_oracle_passes_with_table_in_graph_order_and_a_valid_report(setup, tmp_p
                  "deepstack_merger_list.1"):
         assert by_stage[name]["same_input"] is not None and by_stage[name]["same_input"]["pass"], name
     assert by_stage["patch_embed"]["same_input"] is None
-    negative = {c["name"]: c for c in report["controls"]["negative"]}
-    assert set(negative) == set(CONTROL_NAMES) and all(c["detected"] for c in negative.values())
-    assert negative["deepstack_last_dropped"]["failing_stages"] == ["deepstack_merger_list.1"]
-    assert negative["deepstack_0_zeroed"]["failing_stages"] == ["deepstack_merger_list.0"]
+    assert report["precision"] == "f32" and report["tolerances"]["defaults"] == DEFAULT_TOLERANCES["f32"]
+    controls = {c["kind"]: c for c in report["controls"]}
+    assert set(controls) == set(CONTROL_KINDS) and report["controls_pass"] is True
+    assert all(c["ran_on"] == "compiled" and c["detected"] is True for c in controls.values())
+    # Zeroed: the compiled graph ran again; the branch's own diagnostics stages fail, and
+    # nothing else does (a perturbed output could not fail its norm/fc1/act stages).
+    zeroed = controls["zeroed_branch"]
+    assert zeroed["artifact"] == report["artifact"] and len(report["artifact"]) == 64, "the same compiled graph"
+    assert zeroed["first_failing_stage"] == "deepstack_merger_list.0.norm"
+    assert zeroed["failing_stages"] == [f"deepstack_merger_list.0{s}" for s in (".norm", ".fc1", ".act", "")]
+    dropped = controls["dropped_branch"]
+    assert dropped["first_failing_stage"] == "deepstack_merger_list.1"
+    assert dropped["refused_by"] == "runtime.prefill.build_prefill_payload"
+    assert dropped["error"].startswith("deepstack_features[1]: missing")
+    assert "control    zeroed_branch:" in result.stdout and "NOT DETECTED" not in result.stdout
     assert all(c["rel_l2"] < 1e-5 for c in report["comparisons"])
 
 
@@ -130,7 +146,7 @@ def test_stage_filter_inspects_the_blocks_it_names(setup):
     assert [c["stage"] for c in report["comparisons"]] == ["embed", "blocks.1.attn", "merger"]
     assert 1 in report["inspect_blocks"] and report["pass"]
     assert report["comparisons"][1]["same_input"]["input"] == "blocks.0"
-    assert all(c["detected"] for c in report["controls"]["negative"]), "controls run whatever the filter"
+    assert all(c["detected"] for c in report["controls"]), "controls run whatever the filter"
 
 
 # --------------------------------------------------------------------------- failing runs
@@ -145,21 +161,21 @@ def test_a_failing_stage_is_named_exits_1_and_the_report_is_still_written(setup,
     assert report["pass"] is False and report["first_failure"]["stage"] == first["stage"]
     assert f"first failure  {first['stage']}:" in result.stdout
     assert "result     FAIL" in result.stdout
-    assert all(c["detected"] for c in report["controls"]["negative"])
+    assert all(c["detected"] for c in report["controls"])
 
 
 def test_reference_drift_upstream_is_told_apart_from_local_error(setup, monkeypatch):
     """A different position table in the reference: pos_embed is wrong (local); the blocks
     are right on the graph's own input, so their failures are inherited."""
-    import runtime.checkpoint as checkpoint
-    load = checkpoint.load_vision_weights
+    import runtime.reference as reference
 
-    def skewed(model_dir, cfg):
-        weights = dict(load(model_dir, cfg))
-        weights["model.visual.pos_embed.weight"] = weights["model.visual.pos_embed.weight"] * 1.01
-        return weights
+    class Skewed(reference.Reference):
+        def __init__(self, cfg, weights, dtype):
+            weights = dict(weights)
+            weights["model.visual.pos_embed.weight"] = weights["model.visual.pos_embed.weight"] * 1.01
+            super().__init__(cfg, weights, dtype)
 
-    monkeypatch.setattr(checkpoint, "load_vision_weights", skewed)
+    monkeypatch.setattr(reference, "Reference", Skewed)
     report = oracle(setup)
     check_report(report)
     by_stage = {c["stage"]: c for c in report["comparisons"]}
@@ -168,7 +184,7 @@ def test_reference_drift_upstream_is_told_apart_from_local_error(setup, monkeypa
     for name in ("embed", "blocks.0.norm1", "blocks.0.attn", "blocks.0.mlp", "blocks.0", "blocks.1", "merger"):
         assert by_stage[name]["verdict"] == "inherited", name
     assert by_stage["blocks.1"]["same_input"] is not None, "a failing block is recomputed even if not inspected"
-    assert "pos_embed" in report["controls"]["same_input"]["local_failures"]
+    assert "pos_embed" in report["same_input"]["local_failures"]
     assert "right on its own input" not in format_table(report).split("first failure")[1]
 
 
@@ -189,9 +205,10 @@ def test_an_undetected_control_fails_the_run(setup, tmp_path):
     result = invoke(setup, "--report", str(path), "--atol", "1e9", "--rtol", "1e9", "--max-rel-l2", "1e9")
     assert result.exit_code == 1, result.output
     report = json.loads(path.read_text())
-    negative = {c["name"]: c for c in report["controls"]["negative"]}
-    assert negative["deepstack_0_zeroed"]["detected"] is False, "zeroes are within these tolerances"
-    assert negative["deepstack_last_dropped"]["detected"] is True, "a missing output always fails"
+    controls = {c["kind"]: c for c in report["controls"]}
+    assert controls["zeroed_branch"]["detected"] is False, "zeroes are within these tolerances"
+    assert controls["zeroed_branch"]["first_failing_stage"] is None
+    assert controls["dropped_branch"]["detected"] is True, "the payload refuses a missing branch at any tolerance"
     assert report["first_failure"] is None and report["pass"] is False
     assert "NOT DETECTED" in result.stdout
 
@@ -229,3 +246,115 @@ def test_missing_model_folder_and_image_are_one_line_errors(setup, tmp_path):
         assert result.exit_code == 2, (argv, result.output)
         lines = result.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+
+
+# --------------------------------------------------------------------------- precision
+
+def test_tolerances_follow_the_precision_and_options_override_them():
+    from runtime.oracle_compare import tolerances
+    assert tolerances("f32") == DEFAULT_TOLERANCES["f32"]
+    assert tolerances("bf16") == DEFAULT_TOLERANCES["bf16"]
+    assert all(DEFAULT_TOLERANCES["bf16"][k] > DEFAULT_TOLERANCES["f32"][k] for k in DEFAULT_TOLERANCES["f32"])
+    mixed = tolerances("bf16", atol=0.5)
+    assert mixed["atol"] == 0.5 and mixed["rtol"] == DEFAULT_TOLERANCES["bf16"]["rtol"]
+    with pytest.raises(ValueError, match="--precision f16"):
+        tolerances("f16")
+
+
+def test_an_honest_bf16_graph_passes_its_own_defaults_and_fails_the_f32_ones(setup):
+    report = oracle(setup, precision="bf16")
+    check_report(report)
+    assert report["precision"] == "bf16" and report["pass"], format_table(report)
+    assert report["tolerances"]["max_rel_l2"] == DEFAULT_TOLERANCES["bf16"]["max_rel_l2"]
+    assert all(c["detected"] for c in report["controls"])
+    strict = oracle(setup, precision="bf16", **DEFAULT_TOLERANCES["f32"])
+    assert not strict["pass"], "bf16 rounding is far outside the f32 bounds"
+
+
+# --------------------------------------------------------------------------- the report's location
+
+@pytest.mark.parametrize("where, needle", [
+    ("folder", "is a folder; expected a file name"),
+    ("/dev/full", "not a regular file"),
+])
+def test_report_to_a_folder_or_a_device_is_refused_before_the_work(setup, tmp_path, where, needle):
+    path = str(tmp_path) if where == "folder" else where
+    result = invoke(setup, "--report", path)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --report {path}: ") and needle in lines[0]
+    assert result.stdout == "", "refused before the work"
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full"), "the device is never replaced"
+
+
+def _namespace_available() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def oracle_on_a_small_filesystem(setup, folder, mount: str, fill: int = 0):
+    """Run `qwen3vl oracle --report <folder>/r.json` in a private mount namespace where
+    `folder` is a fresh tmpfs mounted with `mount` options, after `fill` bytes are written
+    to it; afterwards, list what the folder holds."""
+    report = folder / "r.json"
+    argv = [sys.executable, "-c", "from runtime.cli import main; main()", "oracle", "--model", setup["model"],
+            *setup["images"], "--cache-dir", setup["cache"], "--bucket", BUCKET, "--report", str(report)]
+    script = (f"mount -t tmpfs -o {mount} none {folder} || exit 99; "
+              + (f"head -c {fill} /dev/zero > {folder}/fill; " if fill else "")
+              + '"$@"; rc=$?; echo "LISTING:$(ls -A ' + str(folder) + ' | tr "\\n" " ")" >&2; exit $rc')
+    folder.mkdir()
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *argv], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode != 99, f"could not mount a tmpfs: {done.stderr}"
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("LISTING:")]
+    listing = next(line for line in done.stderr.splitlines() if line.startswith("LISTING:"))[len("LISTING:"):]
+    return done, errors, listing.split()
+
+
+needs_namespace = pytest.mark.skipif(not _namespace_available(),
+                                     reason="needs unprivileged user and mount namespaces (unshare -rm)")
+
+
+@needs_namespace
+def test_report_on_a_read_only_filesystem_is_refused_before_the_work(setup, tmp_path):
+    done, errors, listing = oracle_on_a_small_filesystem(setup, tmp_path / "ro", "ro,size=64k")
+    assert done.returncode == 2, done.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: --report ") and "Read-only file system" in errors[0]
+    assert done.stdout == "" and listing == []
+
+
+@needs_namespace
+def test_report_on_a_full_filesystem_is_refused_before_the_work(setup, tmp_path):
+    done, errors, listing = oracle_on_a_small_filesystem(setup, tmp_path / "full", "size=8k", fill=8192)
+    assert done.returncode == 2, done.stderr
+    assert len(errors) == 1 and "No space left on device" in errors[0], errors
+    assert done.stdout == "" and listing == ["fill"]
+
+
+@needs_namespace
+def test_a_report_that_does_not_fit_is_one_line_and_leaves_nothing(setup, tmp_path):
+    """The probe fits, the report does not: the run's table is printed, then one line."""
+    done, errors, listing = oracle_on_a_small_filesystem(setup, tmp_path / "small", "size=4k")
+    assert done.returncode == 2, done.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: --report ") and "No space left" in errors[0], errors
+    assert "result     PASS" in done.stdout
+    assert listing == [], "no report and no temp file is left behind"
+
+
+# --------------------------------------------------------------------------- a failed compile
+
+def test_a_compile_failure_is_one_line(setup, tmp_path, monkeypatch):
+    """The emitter writes an op iree-compile does not know: a real compile failure."""
+    import emitter.layers as layers
+    monkeypatch.setattr(layers, "gelu_erf", lambda b, x: b._unary("stablehlo.no_such_op", x, "bogus"))
+    argv = ["--model", setup["model"], *setup["images"], "--cache-dir", str(tmp_path / "cache"),
+            "--bucket", BUCKET, "--report", str(tmp_path / "r.json")]
+    result = CliRunner().invoke(oracle_command, argv, catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: iree-compile failed for target llvm-cpu")
+    assert "no_such_op" in errors[0], errors
+    assert result.stderr.splitlines()[-1] == errors[0] and "Traceback" not in result.output
+    assert not (tmp_path / "r.json").exists() and result.stdout == ""
