@@ -142,7 +142,10 @@ def export(model, output, buckets, precision, target, name, diagnostics, cache_d
 @click.option("--dtype", type=click.Choice(["f32", "bf16", "f16"]), default="f32", show_default=True)
 @click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="MLX affine quantization.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def random_checkpoint(folder, preset_name, layout, dtype, bits, seed):
+@click.option("--with-text", is_flag=True,
+              help="Also a whole random language model, a byte-level BPE tokenizer and a chat template "
+                   "(for `qwen3vl generate`; HF layout, f32).")
+def random_checkpoint(folder, preset_name, layout, dtype, bits, seed, with_text):
     """Write a deterministic random-weight checkpoint folder (for demos and tests).
 
     DIR must be new or empty; the folder is written whole or not at all."""
@@ -151,6 +154,10 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, seed):
 
     try:
         cfg = preset(preset_name)
+        if with_text:
+            from .synthetic_text import write_text_preset_checkpoint
+            click.echo(write_text_preset_checkpoint(folder, preset_name, layout, dtype, bits, seed))
+            return
         write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None)
         click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
     except (ValueError, OSError) as e:
@@ -158,8 +165,10 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, seed):
 
 
 from .oracle import oracle_command  # noqa: E402
+from .generate_cli import generate_command  # noqa: E402
 
 main.add_command(oracle_command)
+main.add_command(generate_command)
 
 
 @main.command(context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True))

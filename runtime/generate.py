@@ -44,7 +44,8 @@ class GenerateError(ValueError):
 
 class TextSession:
     """The language model of `model_dir` on an IREE device; `prefill` then `decode` calls
-    share one KV cache (a new `prefill` starts a new sequence)."""
+    share one KV cache (a new `prefill` starts a new sequence). The module is compiled
+    (or found in the cache) and loaded on the first call."""
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
                  deepstack_layers: int = 0, target: str | None = None, cache_dir=None, precision: str = "f32",
@@ -57,18 +58,26 @@ class TextSession:
         start = time.perf_counter()
         self._weights = text_weights_in_order(load_text_weights(model_dir, self.cfg), self.cfg, precision)
         self.seconds["load"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self.vmfb_path = self._build(ArtifactCache(cache_dir), progress or (lambda message: None))
-        self.seconds["build"] = time.perf_counter() - start
-        start = time.perf_counter()
+        self.cache, self.progress = ArtifactCache(cache_dir), progress or (lambda message: None)
         self.config = config or rt.Config(runtime_driver(self.target))
-        self.context_ = rt.SystemContext(config=self.config)
-        self.context_.add_vm_module(parameters_module(self.config, self._weights, PARAMETER_SCOPE))
-        self._vmfb = load_verified(self.vmfb_path)  # the module maps this buffer: keep it alive
-        self.context_.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, self._vmfb))
-        self.module = self.context_.modules[MODULE_NAME]
-        self.seconds["upload"] = time.perf_counter() - start
+        self._module = None
         self.length = 0  # tokens in the KV cache
+
+    @property
+    def module(self):
+        """The compiled module (built through the cache and loaded on first use)."""
+        if self._module is None:
+            start = time.perf_counter()
+            self.vmfb_path = self._build(self.cache, self.progress)
+            self.seconds["build"] = time.perf_counter() - start
+            start = time.perf_counter()
+            self._context = rt.SystemContext(config=self.config)
+            self._context.add_vm_module(parameters_module(self.config, self._weights, PARAMETER_SCOPE))
+            self._vmfb = load_verified(self.vmfb_path)  # the module maps this buffer: keep it alive
+            self._context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, self._vmfb))
+            self._module = self._context.modules[MODULE_NAME]
+            self.seconds["upload"] = time.perf_counter() - start
+        return self._module
 
     def _build(self, cache: ArtifactCache, report):
         graph = emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision)
@@ -85,6 +94,13 @@ class TextSession:
 
         path, _ = cache.get_or_build(fields, emit, progress=report)
         return path
+
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A prompt and answer this session can hold; GenerateError (before any compile) if not."""
+        self.bucket_for(prompt_tokens)
+        if prompt_tokens + max_new_tokens - 1 > self.context:
+            raise GenerateError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens: more than the "
+                                f"context of {self.context} tokens (--context)")
 
     def bucket_for(self, n: int) -> int:
         for bucket in self.buckets:
@@ -148,7 +164,7 @@ class Generation:
     tokens: list[int]
     text: str
     logits: np.ndarray  # [new tokens, vocab] f32: the logits each new token was chosen from
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # vision, prefill, decode; build: compile or load
 
     def to_json(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
@@ -160,9 +176,7 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
     """Prefill, then greedy decoding until an EOS id or `max_new_tokens`: (tokens, logits
     [steps, vocab], seconds). `on_token(id)` hears each new token as it is chosen."""
     ids = np.asarray(input_ids).reshape(-1)
-    if ids.size + max_new_tokens - 1 > text.context:
-        raise GenerateError(f"prompt of {ids.size} tokens + {max_new_tokens} new tokens: more than the context of "
-                            f"{text.context} tokens")
+    text.check_request(ids.size, max_new_tokens)
     start = time.perf_counter()
     logits = text.prefill(ids, position_ids, visual_positions, image_embeds, deepstack_features)
     seconds = {"prefill": time.perf_counter() - start}
@@ -214,26 +228,31 @@ class Generator:
     def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None) -> Generation:
         """Greedy answer to one user message (the images in order, then `prompt`);
         `on_text(piece)` hears the answer's text as it grows."""
+        from .packing import patch_count
         from .prefill import mrope_position_ids
+        from .processor import process_images
         from .tokenizer import expand_pads, user_message
 
         if max_new_tokens < 1:
             raise GenerateError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
         ids = self.tokenizer.encode(self.tokenizer.render(user_message(prompt, len(images))))
-        seconds = {"vision": 0.0}
+        seconds = {"vision": 0.0, "build": 0.0}
         visual = embeds = deepstack = grids = None
         image_id = self.text.token_ids.image_token_id
         if images:
             start = time.perf_counter()
-            out = self.vision.encode(list(images))
+            pixels, grids = process_images(list(images), self.vision.policy)
             seconds["vision"] = time.perf_counter() - start
-            grids = out.grid_thw
-            ids = expand_pads(ids, image_id, out.merged_counts(self.vision_cfg.merge_unit))
+            ids = expand_pads(ids, image_id, [patch_count(g) // self.vision_cfg.merge_unit for g in grids])
+            self.text.check_request(ids.size, max_new_tokens)  # before any compile
+            seconds["build"] += _timed(lambda: self.vision.artifact)
+            start = time.perf_counter()
+            out = self.vision.encode_pixels(pixels, grids)
+            seconds["vision"] += time.perf_counter() - start
             visual = np.flatnonzero(ids == image_id)
             embeds, deepstack = out.image_embeds, out.deepstack_features
-        if ids.size > self.text.buckets[-1]:
-            raise GenerateError(f"prompt of {ids.size} tokens: longer than the largest prefill bucket "
-                                f"({self.text.buckets[-1]}); give a shorter prompt or smaller images")
+        self.text.check_request(ids.size, max_new_tokens)
+        seconds["build"] += _timed(lambda: self.text.module)
         positions, delta = mrope_position_ids(ids, grids, self.vision_cfg.spatial_merge_size,
                                               image_token_id=image_id, video_token_id=self.text.token_ids.video_token_id)
         streamer = _TextStream(self.tokenizer, on_text) if on_text else None
@@ -243,6 +262,12 @@ class Generator:
             streamer.flush()
         seconds.update(timing)
         return Generation(int(ids.size), tokens, self.tokenizer.decode(tokens), logits, seconds)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 class _TextStream:

@@ -7,6 +7,9 @@ config. Written without torch; transformers loads it as it loads a released one.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ from emitter.config import VisionConfig
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
-from .synthetic import _to_bytes, write_checkpoint, write_safetensors
+from .synthetic import _to_bytes, check_new_folder, write_checkpoint, write_safetensors
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
@@ -69,12 +72,28 @@ def random_text_weights(cfg: TextConfig, seed: int = 0) -> dict[str, np.ndarray]
 
 def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfig, seed: int = 0,
                                 processor_policy_dict: dict | None = None) -> dict[str, np.ndarray]:
-    """Write the folder; returns the text weights (f32, by Hugging Face name). The
-    text hidden size must be the vision tower's out_hidden_size."""
+    """Write the folder (new or empty; whole or not at all: built in a temp folder beside
+    it, then renamed); returns the text weights (f32, by Hugging Face name). The text
+    hidden size must be the vision tower's out_hidden_size."""
     if text.hidden_size != vision.out_hidden_size:
         raise ValueError(f"text hidden_size {text.hidden_size} != vision out_hidden_size {vision.out_hidden_size}")
     model_dir = Path(model_dir)
-    write_checkpoint(model_dir, vision, seed=seed, processor_policy_dict=processor_policy_dict)
+    check_new_folder(model_dir)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+    try:
+        write_checkpoint(tmp, vision, seed=seed, processor_policy_dict=processor_policy_dict)
+        weights = _add_language_model(tmp, text, seed)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, model_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return weights
+
+
+def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> dict[str, np.ndarray]:
+    """Tokenizer, template, generation config and the whole text model into a vision checkpoint."""
     tokenizer = train_tokenizer(text.vocab_size, seed)
     if tokenizer.get_vocab_size() > text.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {text.vocab_size}")
@@ -112,3 +131,18 @@ def _tag(a: np.ndarray) -> str:
 
 def _write_json(path: Path, value: dict) -> None:
     write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
+
+
+def write_text_preset_checkpoint(folder, preset_name: str, layout: str = "hf", dtype: str = "f32", bits=None,
+                                 seed: int = 0) -> str:
+    """`qwen3vl random-checkpoint --with-text`: the vision and text presets of one name; a line saying what."""
+    from emitter.config import ConfigError, preset
+    from emitter.text_config import TEXT_PRESETS
+
+    if layout != "hf" or dtype != "f32" or bits:
+        raise ValueError("--with-text: writes the Hugging Face layout in f32 only (no --layout mlx, --dtype, --bits)")
+    if preset_name not in TEXT_PRESETS:
+        raise ConfigError(f"--preset {preset_name!r}: no language-model preset; expected one of "
+                          f"{', '.join(TEXT_PRESETS)}")
+    write_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name], seed=seed)
+    return f"wrote {folder} ({preset_name}, hf, f32, with a language model, tokenizer and chat template)"

@@ -1,0 +1,81 @@
+"""`qwen3vl generate`: images and a prompt in, the greedy answer streamed to stdout."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import click
+
+from emitter.cli import fail
+
+from .generate import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def _npy_bytes(array) -> bytes:
+    import numpy as np
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(array, np.float32))
+    return buffer.getvalue()
+
+
+@click.command("generate", context_settings=CONTEXT)
+@click.option("--model", required=True, metavar="DIR",
+              help="Checkpoint folder (config.json, *.safetensors, tokenizer.json, a chat template).")
+@click.option("--image", "images", multiple=True, metavar="PATH", help="An image, in prompt order (repeatable).")
+@click.option("--prompt", required=True, metavar="TEXT", help="The user message's text (after the images).")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, metavar="N",
+              help="Stop after N new tokens (or at an EOS id of generation_config.json).")
+@click.option("--json", "json_path", metavar="FILE",
+              help="Write {prompt_tokens, tokens, text, seconds: {vision, prefill, decode}} here.")
+@click.option("--save-logits", metavar="FILE.npy", help="Write the [new tokens, vocab] f32 logits of each step.")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help="bf16: matmul weights and operands in bf16 with f32 accumulation; f32 is exact.")
+@click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
+              help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}).")
+@click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
+              help="Tokens the KV cache holds (prompt and answer).")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
+def generate_command(model, images, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision, buckets,
+                     context, target, threads):
+    """Answer one user message (the images in order, then the prompt) greedily, with
+    the checkpoint's tokenizer and chat template; the text streams to stdout."""
+    from emitter.atomic import check_writable, write_atomic
+
+    from .generate import Generator
+
+    def say(message: str) -> None:
+        click.echo(message, err=True)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
+        if json_path:
+            check_writable(json_path, "--json")
+        if save_logits:
+            check_writable(save_logits, "--save-logits")
+        for path in images:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise ValueError(f"--image {path}: cannot read ({e.strerror or e}); expected an image file") from None
+        generator = Generator(model, buckets or DEFAULT_PROMPT_BUCKETS, context, target=target, cache_dir=cache_dir,
+                              precision=precision, threads=threads, progress=say)
+        result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream)
+        stream("\n")
+        if save_logits:
+            write_atomic(save_logits, _npy_bytes(result.logits))
+        if json_path:
+            write_atomic(json_path, json.dumps(result.to_json(), indent=1) + "\n")
+    except (ValueError, OSError) as e:
+        fail(str(e))

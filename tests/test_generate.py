@@ -1,0 +1,180 @@
+"""`qwen3vl generate` and its inputs: the text config (both rope spellings, tying, MoE
+refused), the tokenizer and template files, and one-line errors for bad input, each
+before any compile and with nothing left on disk."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from emitter.config import ConfigError, PRESETS
+from emitter.text_config import TEXT_PRESETS, text_config_from_hf
+from runtime.synthetic import DEFAULT_PROCESSOR
+from runtime.synthetic_text import write_generation_checkpoint
+from runtime.tokenizer import ChatTokenizer, TokenizerError, expand_pads, user_message
+
+QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
+SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
+
+
+def qwen3vl(*args):
+    return subprocess.run([QWEN3VL, *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gen") / "model"
+    write_generation_checkpoint(folder, PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
+                                processor_policy_dict=SMALL_POLICY)
+    return folder
+
+
+def copy_model(model, tmp_path, edit=None) -> Path:
+    folder = tmp_path / "m"
+    shutil.copytree(model, folder)
+    if edit:
+        edit(folder)
+    return folder
+
+
+def hf_config(model) -> dict:
+    return json.loads((Path(model) / "config.json").read_text())
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_both_rope_spellings_and_tying(model):
+    new = hf_config(model)
+    old = json.loads(json.dumps(new))
+    rope = old["text_config"].pop("rope_parameters")
+    old["text_config"]["rope_theta"] = rope.pop("rope_theta")
+    old["text_config"]["rope_scaling"] = rope
+    old["text_config"]["tie_word_embeddings"] = True
+    del old["tie_word_embeddings"]
+    cfg_new, ids = text_config_from_hf(new)
+    cfg_old, _ = text_config_from_hf(old)
+    assert cfg_new == TEXT_PRESETS["tiny"] and ids.image_token_id == new["image_token_id"] != 151655
+    assert cfg_old.rope_theta == cfg_new.rope_theta and cfg_old.mrope_section == cfg_new.mrope_section
+    assert cfg_old.tie_word_embeddings and not cfg_new.tie_word_embeddings
+
+
+def test_moe_refused_by_model_type(model):
+    config = dict(hf_config(model), model_type="qwen3_vl_moe")
+    with pytest.raises(ConfigError, match="qwen3_vl_moe.*mixture-of-experts"):
+        text_config_from_hf(config)
+
+
+def test_bad_mrope_section_named(model):
+    config = hf_config(model)
+    config["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 3]
+    with pytest.raises(ConfigError, match=r"text_config\.rope_parameters\.mrope_section.*head_dim/2 \(8\)"):
+        text_config_from_hf(config)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_template_matches_transformers(model):
+    transformers = pytest.importorskip("transformers")
+    ours = ChatTokenizer(model)
+    theirs = transformers.AutoTokenizer.from_pretrained(model)
+    messages = user_message("Two images: which is larger?", 2)
+    text = ours.render(messages)
+    assert text == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              chat_template=(model / "chat_template.jinja").read_text())
+    assert ours.encode(text).tolist() == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ours.eos_ids == tuple(json.loads((model / "generation_config.json").read_text())["eos_token_id"])
+
+
+def test_template_from_tokenizer_config_and_int_eos(model, tmp_path):
+    def edit(folder):
+        template = (folder / "chat_template.jinja").read_text()
+        (folder / "chat_template.jinja").unlink()
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+
+    tok = ChatTokenizer(copy_model(model, tmp_path, edit))
+    assert tok.eos_ids == (2,) and "<|im_start|>assistant" in tok.render(user_message("hi", 0))
+
+
+def test_pad_expansion_counts_checked():
+    assert expand_pads(np.array([1, 3, 5, 4, 3, 5, 4]), 5, [2, 3]).tolist() == [1, 3, 5, 5, 4, 3, 5, 5, 5, 4]
+    with pytest.raises(TokenizerError, match="1 image pad token.*2 image"):
+        expand_pads(np.array([3, 5, 4]), 5, [2, 3])
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_generate_cli_json_and_logits(model, tmp_path):
+    images = [str(tmp_path / "a.png")]
+    from PIL import Image
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(images[0])
+    out = qwen3vl("generate", "--model", model, "--image", images[0], "--prompt", "What is shown here?",
+                  "--max-new-tokens", 5, "--json", tmp_path / "r.json", "--save-logits", tmp_path / "l.npy",
+                  "--prompt-bucket", 32, "--context", 48, "--cache-dir", tmp_path / "cache")
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    logits = np.load(tmp_path / "l.npy")
+    assert set(result) == {"prompt_tokens", "tokens", "text", "seconds"}
+    assert set(result["seconds"]) >= {"vision", "prefill", "decode"}
+    assert logits.shape == (len(result["tokens"]), TEXT_PRESETS["tiny"].vocab_size) and logits.dtype == np.float32
+    assert result["tokens"] == logits.argmax(1).tolist() and 1 <= len(result["tokens"]) <= 5
+    assert out.stdout == result["text"] + "\n"
+
+
+def nothing_compiled(cache: Path) -> bool:
+    return not cache.exists() or not list(cache.glob("*.vmfb"))
+
+
+@pytest.mark.parametrize("case", ["long-prompt", "small-context", "moe", "no-tokenizer", "no-template",
+                                  "json-is-folder", "missing-image", "zero-tokens", "untied-without-head"])
+def test_bad_input_one_line_before_compile(model, tmp_path, case):
+    args = ["--prompt", "What is shown here?", "--prompt-bucket", 32, "--context", 48]
+    edit, expect = None, None
+    if case == "long-prompt":
+        args += ["--prompt", "describe " * 40]
+        expect = "longer than the largest prefill bucket (32)"
+    elif case == "small-context":
+        args += ["--max-new-tokens", 40]
+        expect = "more than the context of 48 tokens"
+    elif case == "moe":
+        edit = lambda f: (f / "config.json").write_text(json.dumps(dict(hf_config(f), model_type="qwen3_vl_moe")))  # noqa: E731
+        expect = "'qwen3_vl_moe' has a mixture-of-experts language model"
+    elif case == "no-tokenizer":
+        edit = lambda f: (f / "tokenizer.json").unlink()  # noqa: E731
+        expect = "tokenizer.json: missing"
+    elif case == "no-template":
+        edit = lambda f: (f / "chat_template.jinja").unlink()  # noqa: E731
+        expect = "no chat template"
+    elif case == "json-is-folder":
+        args += ["--json", tmp_path]
+        expect = "--json"
+    elif case == "missing-image":
+        args += ["--image", tmp_path / "nope.png"]
+        expect = "--image"
+    elif case == "zero-tokens":
+        args += ["--max-new-tokens", 0]
+        expect = "--max-new-tokens 0: expected 1 or more"
+    elif case == "untied-without-head":
+        def edit(folder):
+            from safetensors.numpy import load_file, save_file
+            tensors = load_file(folder / "model.safetensors")
+            del tensors["lm_head.weight"]
+            save_file(tensors, folder / "model.safetensors")
+        expect = "lm_head.weight: missing; config.json says the embeddings are untied"
+    folder = copy_model(model, tmp_path, edit)
+    cache = tmp_path / "cache"
+    out = qwen3vl("generate", "--model", folder, *args, "--cache-dir", cache)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], out.stderr
+    assert nothing_compiled(cache) and out.stdout == ""
