@@ -1,6 +1,6 @@
 """The Qwen3-VL vision tower as one StableHLO function per bucket: `main` alone
 (`emit_vision_module`, emit-qwen3vl), or the artifact module (`emit_artifact_module`)
-exporting `encode_<B>` per bucket (and `encode_<B>_diagnostics`) over shared weight globals.
+exporting `encode_<B>` (or `encode_<B>_diagnostics`) per bucket over shared weight globals.
 
 Per-call inputs (all padded to the bucket B):
   patches     [B, patch_dim] f32   processed pixels, merge-window order
@@ -210,22 +210,22 @@ def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False
 
 def emit_artifact_module(cfg: VisionConfig, buckets, diagnostics: bool = False, inspect_blocks=None,
                          title: str = "", precision: str = "f32", weights: str = "parameters") -> str:
-    """MLIR text of the artifact module: one entry `encode_<B>` per bucket (and, with
-    `diagnostics`, `encode_<B>_diagnostics` beside it), every entry reading the same weight
-    globals (scope `model`, keys the checkpoint names), so each weight is loaded and packed
-    once for all buckets. With `weights` "arguments" each entry takes them as arguments."""
+    """MLIR text of the artifact module: one entry per bucket, `encode_<B>` (with
+    `diagnostics`, `encode_<B>_diagnostics`, whose results start with the same outputs),
+    every entry reading the same weight globals (scope `model`, keys the checkpoint names),
+    so each weight is loaded and packed once for all buckets. With `weights` "arguments"
+    each entry takes them as arguments instead."""
     buckets = [check_bucket(b, cfg) for b in buckets]
     if not buckets or len(set(buckets)) != len(buckets):
         raise BucketError(f"buckets {buckets}: expected one or more distinct buckets")
     check_inspect_blocks(cfg, inspect_blocks)
     functions, shared = [], None
     for bucket in buckets:
-        for diag in (False, True) if diagnostics else (False,):
-            function, globals_ = vision_function(cfg, bucket, entry_name(bucket, diag), diag, inspect_blocks,
-                                                 precision, weights)
-            assert shared is None or globals_ == shared, "every entry reads the same weight globals"
-            functions.append(function)
-            shared = globals_
+        function, globals_ = vision_function(cfg, bucket, entry_name(bucket, diagnostics), diagnostics,
+                                             inspect_blocks, precision, weights)
+        assert shared is None or globals_ == shared, "every entry reads the same weight globals"
+        functions.append(function)
+        shared = globals_
     return render_functions(functions, shared, title=title, buckets=buckets, diagnostics=diagnostics,
                             precision=precision, config=cfg.to_dict())
 

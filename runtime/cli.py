@@ -117,7 +117,8 @@ def run(model, images, output, buckets, target, cache_dir, threads, precision, w
               help="bf16: matmul weights and operands in bf16 with f32 accumulation; f32 is exact.")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--name", metavar="NAME", help="File stem of the vmfb and irpa (default: the model folder's name).")
-@click.option("--diagnostics", is_flag=True, help="Also export encode_<B>_diagnostics (named intermediate stages).")
+@click.option("--diagnostics", is_flag=True,
+              help="Entries encode_<B>_diagnostics: the outputs, then the named intermediate stages.")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
 def export(model, output, buckets, precision, target, name, diagnostics, cache_dir):
     """Write OUT/NAME.vmfb (one entry per bucket), OUT/NAME.irpa (the weights), OUT/abi.json and

@@ -53,8 +53,7 @@ def function_abi(plan: BuildPlan, bucket: int, diagnostics: bool = False) -> dic
 
 
 def abi_document(plan: BuildPlan, identity: str, name: str, archive: Path) -> dict:
-    functions = [function_abi(plan, b, diag) for b in plan.buckets
-                 for diag in ((False, True) if plan.diagnostics else (False,))]
+    functions = [function_abi(plan, b, plan.diagnostics) for b in plan.buckets]
     return {
         "abi_format": ABI_FORMAT,
         "module": {"file": f"{name}.vmfb", "name": MODULE_NAME, "target": plan.target,

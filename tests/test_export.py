@@ -252,3 +252,13 @@ def test_weights_are_packed_once_for_every_bucket():
 
     one, three = packed([16]), packed([16, 32, 64])
     assert len(one) == 1 and three == one
+
+
+def test_diagnostics_artifact_entries():
+    """With diagnostics each bucket's entry returns the outputs, then the stages."""
+    from emitter.vision import emit_artifact_module, result_names
+    text = emit_artifact_module(TINY, [16, 32], diagnostics=True)
+    assert "func.func @encode_16_diagnostics(" in text and "func.func @encode_32_diagnostics(" in text
+    assert "func.func @encode_16(" not in text
+    assert text.count('{iree.abi.name = "stage.merger.act"}') == 2
+    assert result_names(TINY, True)[:3] == result_names(TINY)
