@@ -259,8 +259,8 @@ def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2
     Pass rule (a = graph, e = reference): a stage passes when its shape
     matches, no element is non-finite, no element has |a-e| > atol + rtol*|e|,
     and ||a-e||/||e|| <= max-rel-l2. Exit 0 when every stage passes and both
-    controls are detected, 1 otherwise (the report is written either way), 2
-    for bad input, an unwritable report or a failed compile.
+    controls are detected, 1 otherwise (the report is written either way) or
+    when the graph does not compile, 2 for bad input or an unwritable report.
     """
     from .compiler import CompileError
 
@@ -277,8 +277,9 @@ def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2
                             progress=say, precision=precision)
     except (ValueError, OSError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except CompileError as e:
-        fail(_compile_failure(e))
+    except CompileError as e:  # the graph, not the input: status 1, as `qwen3vl build` says it
+        click.echo(f"error: {_compile_failure(e)}", err=True)
+        raise SystemExit(1)
     click.echo(format_table(report))
     if report_path:
         try:
