@@ -93,7 +93,7 @@ def _first_failure(comparisons: list[dict]) -> dict | None:
 
 def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None = None,
                max_rel_l2: float | None = None, inspect_blocks=None, stages=None, reference_dtype: str = "f64",
-               cache_dir=None, buckets=None, target=None, threads=None, progress=None, perturb=None,
+               cache_dir=None, buckets=None, target=None, threads=None, progress=None,
                precision: str = "f32") -> dict:
     """Run the diagnostics graph and the reference on the same payload, then the negative
     controls; return the report.
@@ -101,9 +101,7 @@ def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None 
     `atol`, `rtol`, `max_rel_l2`: None for the precision's default (`DEFAULT_TOLERANCES`);
     `inspect_blocks`: blocks whose inner stages to compare (default the first and last);
     `stages`: compare only these (oracle stage names; blocks they name are inspected);
-    `precision`: the graph's ("f32" or "bf16"; the reference stays f64 or f32);
-    `perturb(graph)`: a hook that edits the graph's results by ABI name before comparing
-    (tests; the controls run on the compiled graph regardless).
+    `precision`: the graph's ("f32" or "bf16"; the reference stays f64 or f32).
     Raises ValueError for bad input, runtime.compiler.CompileError when a compile fails."""
     from .build import make_plan
     from .checkpoint import load_vision_weights
@@ -140,9 +138,6 @@ def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None 
     device = device_info(session.plan.target, threads)
     artifact = session.artifact_identity
     del session  # frees its loaded modules before the control's session loads its own
-    compiled_outputs = dict(graph)
-    if perturb:
-        graph = perturb(dict(graph)) or graph
     seconds["graph"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -166,7 +161,7 @@ def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None 
         zeroed = VisionSession(model_dir, vision_weights=zeroed_weights(weights, 0), **session_args)
         _, zeroed_graph = zeroed.run_packed(pixel_values, grid_thw, names)
         controls = [{**zeroed_branch(cfg, zeroed_graph, expected, order, tol, 0), "artifact": zeroed.artifact_identity},
-                    {**dropped_branch(cfg, compiled_outputs, grid_thw), "artifact": artifact}]
+                    {**dropped_branch(cfg, graph, grid_thw), "artifact": artifact}]
         del zeroed
     else:
         controls = not_applicable()

@@ -103,6 +103,16 @@ def apply(monkeypatch, mutation):
         monkeypatch.setattr(module, name, function)
 
 
+def block_2_input_off():
+    original = vision.block
+
+    def block(b, x, w, *rest):  # rest ends with the block's name
+        if rest[-1] == "blocks.2":
+            x = b.add(x, b.scalar(1e-2, x))
+        return original(b, x, w, *rest)
+    return [(vision, "block", block)]
+
+
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_default_tolerances_flag_a_wrong_graph(setup, monkeypatch, name):
     mutation, first_stage = MUTATIONS[name]
@@ -115,6 +125,21 @@ def test_default_tolerances_flag_a_wrong_graph(setup, monkeypatch, name):
     first = report["first_failure"]
     assert not report["pass"] and first is not None, format_table(report)
     assert first["stage"] == first_stage and first["verdict"] == "local", format_table(report)
+
+
+def test_a_wrong_block_is_local_and_what_follows_it_inherited(setup, monkeypatch):
+    """Block 2 adds 1e-2 to its input: wrong on the graph's own input (local); every stage
+    after it that fails is right on its own input (inherited)."""
+    apply(monkeypatch, block_2_input_off)
+    report = oracle(setup)
+    by_stage = {c["stage"]: c for c in report["comparisons"]}
+    assert report["first_failure"]["stage"] == "blocks.2" and report["first_failure"]["verdict"] == "local"
+    assert by_stage["blocks.1"]["pass"] and by_stage["deepstack_merger_list.0"]["pass"]
+    assert by_stage["blocks.3.input"]["alias_of"] == "blocks.2" and not by_stage["blocks.3.input"]["pass"]
+    assert by_stage["blocks.3"]["verdict"] == "inherited", format_table(report)
+    later = [c for c in report["comparisons"][report["comparisons"].index(by_stage["blocks.2"]) + 1:]
+             if not c["pass"] and "alias_of" not in c]
+    assert later and all(c["verdict"] == "inherited" for c in later), format_table(report)
 
 
 def test_the_real_graph_passes_from_the_same_cache(setup):
