@@ -265,7 +265,7 @@ def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2
     try:
         tolerances(precision, atol, rtol, max_rel_l2)
         if report_path:
-            check_report_path(report_path)
+            check_report_path(report_path, model, images)
         report = run_oracle(model, images, atol=atol, rtol=rtol, max_rel_l2=max_rel_l2,
                             inspect_blocks=inspect_blocks or None, stages=stages, reference_dtype=reference_dtype,
                             cache_dir=cache_dir, buckets=buckets or None, target=target, threads=threads,

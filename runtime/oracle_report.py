@@ -128,12 +128,19 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def check_report_path(path) -> None:
+def check_report_path(path, model=None, images=()) -> None:
     """Before any work, ValueError unless `path` can take the report: not a folder, not an
-    existing non-regular file (a device is never replaced), in an existing folder where a
-    probe file can be created, written and synced now (so a read-only or full filesystem
-    fails here, not after the run)."""
+    existing non-regular file (a device is never replaced), not an input (an image, a
+    file of the checkpoint folder, or a new *.safetensors there), in an existing folder
+    where a probe file can be created, written and synced now (so a read-only or full
+    filesystem fails here, not after the run)."""
     target = Path(path)
+    resolved = target.resolve()
+    for image in images:
+        if Path(image).resolve() == resolved:
+            raise ValueError(f"--report {path}: is the input image {image}; choose another file")
+    if model and resolved.parent == Path(model).resolve() and (resolved.exists() or resolved.suffix == ".safetensors"):
+        raise ValueError(f"--report {path}: would write into the checkpoint folder {model}; choose another folder")
     if target.is_dir():
         raise ValueError(f"--report {path}: is a folder; expected a file name")
     if target.exists() and not target.is_file():

@@ -277,6 +277,18 @@ def test_report_to_a_folder_or_a_device_is_refused_before_the_work(setup, tmp_pa
     assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full"), "the device is never replaced"
 
 
+def test_report_over_an_input_is_refused_before_the_work(setup):
+    for path, needle in [(setup["images"][1], "is the input image"),
+                         (f"{setup['model']}/config.json", "would write into the checkpoint folder"),
+                         (f"{setup['model']}/report.safetensors", "would write into the checkpoint folder")]:
+        before = open(setup["images"][1], "rb").read()
+        result = invoke(setup, "--report", path)
+        assert result.exit_code == 2 and result.stdout == "", result.output
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --report {path}: ") and needle in lines[0]
+        assert open(setup["images"][1], "rb").read() == before
+
+
 def _namespace_available() -> bool:
     try:
         return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
