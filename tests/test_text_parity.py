@@ -138,3 +138,18 @@ def test_bf16_precision_stays_near(setup, tmp_path):
     ours = bf16.generate(PROMPT, images=images, max_new_tokens=1)
     error = rel_l2(ours.logits[0], logits[0])
     assert 1e-4 < error <= 3e-2, error
+
+
+def test_decode_equals_prefill_of_one_more_token(setup):
+    """Decode after a prefill of n tokens gives the logits a prefill of n+1 tokens gives,
+    starting with the very first decode call of a fresh session (two ways of writing the
+    KV cache broke exactly this on IREE 3.13: docs/text.md)."""
+    gen, model_dir, _ = setup
+    fresh = type(gen.text)(model_dir, buckets=(32, 64), context=96, deepstack_layers=2,
+                           cache_dir=gen.text.cache.root)
+    ids = np.arange(10, 50)
+    for n in (19, 1, 5, 33):
+        positions = np.broadcast_to(np.arange(n + 1), (3, n + 1))
+        expected = fresh.prefill(ids[:n + 1], positions)
+        fresh.prefill(ids[:n], positions[:, :n])
+        assert rel_l2(fresh.decode(int(ids[n]), n), expected) <= 1e-6, n
