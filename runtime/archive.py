@@ -148,12 +148,13 @@ def open_archive(path: str | os.PathLike, cfg: VisionConfig, precision: str = "f
     return index
 
 
-def entry_array(index: rt.ParameterIndex, name: str, shape, dtype: str) -> np.ndarray:
-    """A read-only numpy view of one archive entry (no copy: it reads the mapped file)."""
+def entry_arrays(index: rt.ParameterIndex, specs) -> list[np.ndarray]:
+    """Read-only numpy views of the archive's entries for `specs` (graph weights), in order:
+    no copy, they read the mapped file."""
     import ml_dtypes
-    entry = dict(index.items())[name]
-    np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
-    return np.asarray(entry.file_view).view(np_dtype).reshape(shape)
+    entries = dict(index.items())
+    dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
+    return [np.asarray(entries[w.name].file_view).view(dtypes[w.dtype]).reshape(w.shape) for w in specs]
 
 
 def parameters_module(config: rt.Config, index: rt.ParameterIndex) -> rt.VmModule:

@@ -20,7 +20,7 @@ from emitter.identity import DEFAULT_LADDER
 from emitter.config import graph_weights
 from emitter.vision import PARAMETER_SCOPE, entry_name, input_specs, result_names
 
-from .archive import cached_archive, entry_array, open_archive
+from .archive import cached_archive, entry_arrays, open_archive
 from .archive import parameters_module as archive_parameters
 from .build import DEFAULT_BINDING, build_artifact, make_plan
 from .cache import ArtifactCache, load_verified
@@ -90,26 +90,29 @@ class VisionSession:
             set_thread_count(threads)
         start = time.perf_counter()
         self.config = device_config(self.plan.target)
-        specs = graph_weights(self.cfg, precision)
-        if vision_weights is not None:
-            arrays = weights_in_order(vision_weights, self.cfg, precision)
-        else:
-            arrays = [entry_array(self.parameters, w.name, w.shape, w.dtype) for w in specs]
-        self._extra_modules, self.device_weights = [], []
-        if self.plan.weights == "parameters":  # the artifact's initializer packs them once, at load
-            self._weight_arrays = arrays  # an in-memory provider references these
-            self._extra_modules = [archive_parameters(self.config, self.parameters) if vision_weights is None
-                                   else parameters_module(self.config, [(w.name, a) for w, a in zip(specs, arrays)],
-                                                          PARAMETER_SCOPE)]
-        else:  # uploaded once, passed to every call of every bucket
-            self.device_weights = [rt.asdevicearray(self.config.device, a) for a in arrays]
-        del arrays
+        self._extra_modules, self.device_weights = self._bind_weights(vision_weights, precision)
         self.seconds["upload"] = time.perf_counter() - start
         self._artifact: LoadedModule | None = None
         self.max_loaded = len(self.buckets)  # one module holds them all
         self.dump_dir = Path(dump_inputs) if dump_inputs else None
         self._calls = 0
         self._lock = threading.Lock()
+
+    def _bind_weights(self, vision_weights, precision: str) -> tuple[list, list]:
+        """(modules the artifact needs added before it, weight arguments of every call).
+        Parameter-bound: an io_parameters module over the mapped archive (or over
+        `vision_weights`); argument-bound: device arrays uploaded once."""
+        specs = graph_weights(self.cfg, precision)
+        if vision_weights is None:
+            arrays = entry_arrays(self.parameters, specs)  # views of the mapped file
+        else:
+            arrays = weights_in_order(vision_weights, self.cfg, precision)
+        if self.plan.weights == "arguments":
+            return [], [rt.asdevicearray(self.config.device, a) for a in arrays]
+        if vision_weights is None:
+            return [archive_parameters(self.config, self.parameters)], []
+        self._weight_arrays = arrays  # the in-memory provider references these
+        return [parameters_module(self.config, [(w.name, a) for w, a in zip(specs, arrays)], PARAMETER_SCOPE)], []
 
     @property
     def buckets(self) -> tuple[int, ...]:
