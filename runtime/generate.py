@@ -165,6 +165,7 @@ class Generation:
     text: str
     logits: np.ndarray  # [new tokens, vocab] f32: the logits each new token was chosen from
     seconds: dict[str, float] = field(default_factory=dict)  # vision, prefill, decode; build: compile or load
+    input_ids: np.ndarray | None = None  # the prompt's token ids, image pads expanded
 
     def to_json(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
@@ -261,7 +262,7 @@ class Generator:
         if streamer:
             streamer.flush()
         seconds.update(timing)
-        return Generation(int(ids.size), tokens, self.tokenizer.decode(tokens), logits, seconds)
+        return Generation(int(ids.size), tokens, self.tokenizer.decode(tokens), logits, seconds, ids)
 
 
 def _timed(fn) -> float:

@@ -125,8 +125,12 @@ class ChatTokenizer:
             raise TokenizerError(f"chat template: {e}") from None
 
     def encode(self, text: str) -> np.ndarray:
-        """Token ids of rendered text; no special tokens added (the template wrote them)."""
-        return np.array(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
+        """Token ids of rendered text, as transformers' processor tokenizes a rendered chat:
+        the tokenizer's own special tokens (its post-processor) are added unless the text
+        already starts with the BOS token."""
+        bos = _token_text(self.config.get("bos_token"))
+        add = not (bos and text.startswith(bos))
+        return np.array(self.tokenizer.encode(text, add_special_tokens=add).ids, np.int64)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -51,37 +51,30 @@ def setup(tmp_path_factory):
 
 
 def reference(model_dir, prompt, images, steps):
-    """transformers: its tokenizer renders the folder's chat template, each image pad is
-    expanded to the merged-patch count as Qwen3VLProcessor does (its video processor needs
-    torchvision), its PIL image processor makes the pixels; then
-    Qwen3VLForConditionalGeneration.generate, greedy, with mm_token_type_ids (without them
-    transformers silently uses 1-D positions). Returns (prompt ids, new tokens, logits)."""
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+    """transformers end to end: Qwen3VLProcessor (the folder's tokenizer and template, the
+    PIL image processor) renders, expands and tokenizes the chat and returns
+    mm_token_type_ids (without them transformers silently uses 1-D positions); then
+    Qwen3VLForConditionalGeneration.generate, greedy. Returns (prompt ids, new tokens,
+    the logits of each step)."""
+    import torch_reference  # noqa: F401 - torchvision (the video processor's) loads beside torch+cpu
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = Qwen3VLProcessor(Qwen2VLImageProcessorPil(**SMALL_POLICY), AutoTokenizer.from_pretrained(model_dir),
+                                 Qwen3VLVideoProcessor(),
+                                 chat_template=(Path(model_dir) / "chat_template.jinja").read_text())
     content = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": prompt}]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True,
-                                         chat_template=(Path(model_dir) / "chat_template.jinja").read_text())
-    inputs = {}
-    if images:
-        pixels = Qwen2VLImageProcessorPil(**SMALL_POLICY)(images=[Image.open(p) for p in images],
-                                                          return_tensors="pt")
-        inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
-        pieces = text.split("<|image_pad|>")
-        assert len(pieces) == len(images) + 1
-        counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
-        text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_id).int())
+    inputs = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
+                                           add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    assert "mm_token_type_ids" in inputs
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
                                                             attn_implementation="eager").eval()
-    assert model.config.image_token_id == image_id
+    assert model.config.image_token_id == processor.image_token_id
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=steps, return_dict_in_generate=True,
                              output_logits=True)
+    ids = inputs["input_ids"]
     n = ids.shape[1]
     return ids[0].numpy(), out.sequences[0, n:].tolist(), np.stack([x[0].float().numpy() for x in out.logits])
 
@@ -92,7 +85,7 @@ def test_greedy_matches_transformers(setup, image_count):
     images = images[:image_count]
     ids, tokens, logits = reference(model_dir, PROMPT, images, STEPS)
     ours = gen.generate(PROMPT, images=images, max_new_tokens=STEPS)
-    assert ours.prompt_tokens == ids.size
+    assert ours.prompt_tokens == ids.size and ours.input_ids.tolist() == ids.tolist()
     assert len(tokens) == STEPS, "the reference stopped early: pick a seed that runs 16 steps"
     assert ours.tokens == tokens
     errors = [rel_l2(a, b) for a, b in zip(ours.logits, logits)]
