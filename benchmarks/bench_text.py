@@ -94,7 +94,8 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-    import torch_reference  # noqa: F401 - makes torchvision (imported by transformers) load beside torch+cpu
+    from torch_reference import import_torchvision
+    import_torchvision()  # transformers imports torchvision: loadable beside torch+cpu
     from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 
     from runtime.session import set_thread_count

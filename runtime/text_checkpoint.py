@@ -3,9 +3,10 @@ keyed by their Hugging Face names (`model.language_model.*`, `lm_head.weight`).
 
 Hugging Face layout (one `model.safetensors`, shards listed by
 `model.safetensors.index.json`, or several `*.safetensors`), f32, bf16 or f16 (widened
-exactly). MLX names (`language_model.model.*`, `language_model.lm_head.weight`) are
-read too when unquantized; quantized text weights are refused by name. Only the text
-tensors' byte ranges are read. Every problem is a `CheckpointError` naming the tensor
+exactly). MLX names (`language_model.model.*`, `language_model.lm_head.weight`, as
+mlx-vlm's sanitize writes them) too, affine-quantized or not (dequantized to f32 as the
+vision loader does: bits and group size from config.json's `quantization`). Only the
+text tensors' byte ranges are read. Every problem is a `CheckpointError` naming the tensor
 and the file.
 """
 
@@ -19,7 +20,9 @@ import numpy as np
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
-from .checkpoint import INDEX_NAME, CheckpointError, TensorEntry, read_float_tensor, read_safetensors_header
+from .checkpoint import (INDEX_NAME, CheckpointError, TensorEntry, read_float_tensor, read_safetensors_header,
+                         read_uint32_tensor)
+from .mlx_quant import QUANT_BITS, QuantConfig, dequantize_mlx, quantization_config
 
 # (prefix of the decoder's tensors, name of lm_head) per layout, in order of preference.
 LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_head.weight"))
@@ -59,12 +62,37 @@ def scan_text_tensors(model_dir: Path) -> tuple[dict[str, TensorEntry], str]:
     return found, where
 
 
+def read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
+                   qconfig: QuantConfig | None) -> np.ndarray:
+    """An MLX affine-quantized [out, in] weight dequantized to f32; bits and group size
+    from config.json's `quantization` (the module's own entry first), checked against the
+    stored shapes."""
+    module = key[: -len(".weight")]
+    settings, source = qconfig.module((module,)) if qconfig else (None, "config.json")
+    bits, group = (settings or {}).get("bits"), (settings or {}).get("group_size")
+    scales_e, biases_e = found.get(module + ".scales"), found.get(module + ".biases")
+    out, n_in = shape
+    if bits not in QUANT_BITS or not isinstance(group, int) or group <= 0 or n_in % group:
+        raise CheckpointError(f"{key}: quantized, but {source} gives no usable bits / group_size for it "
+                              f"(bits {bits!r}, group_size {group!r}) (in {entry.file})")
+    if scales_e is None or biases_e is None:
+        raise CheckpointError(f"{key}: quantized, but {module}.scales or .biases is missing (in {entry.file})")
+    groups = (out, n_in // group)
+    if entry.shape != (out, n_in * bits // 32) or scales_e.shape != groups or biases_e.shape != groups:
+        raise CheckpointError(f"{key}: stored shapes {list(entry.shape)}, {list(scales_e.shape)}, "
+                              f"{list(biases_e.shape)} do not pack a {list(shape)} weight at {bits} bits, group "
+                              f"{group} (in {entry.file})")
+    return dequantize_mlx(read_uint32_tensor(entry), read_float_tensor(scales_e), read_float_tensor(biases_e),
+                          bits, group)
+
+
 def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
     """The decoder's weights as f32 arrays, keyed by Hugging Face name in `text_weights`
     order (lm_head absent when tied)."""
     model_dir = Path(model_dir)
     found, where = scan_text_tensors(model_dir)
     prefix, head = next(((p, h) for p, h in LAYOUTS if p + "embed_tokens.weight" in found), LAYOUTS[0])
+    qconfig = quantization_config(model_dir)
     out = {}
     for spec in text_weights(cfg):
         key = head if spec.name == LM_HEAD else prefix + spec.name[len(TEXT_PREFIX):]
@@ -73,8 +101,9 @@ def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
             hint = "; config.json says the embeddings are untied (tie_word_embeddings false)" if key == head else ""
             raise CheckpointError(f"{key}: missing{hint} (in {where})")
         if entry.dtype == "U32" or key[: -len("weight")] + "scales" in found:
-            raise CheckpointError(f"{key}: quantized language-model weights are not supported yet (in {entry.file})")
-        w = read_float_tensor(entry)
+            w = read_quantized(key, entry, found, spec.shape, qconfig)
+        else:
+            w = read_float_tensor(entry)
         if w.shape != spec.shape:
             raise CheckpointError(f"{key}: unexpected shape {list(w.shape)} (expected {list(spec.shape)}) "
                                   f"(in {entry.file})")

@@ -78,6 +78,42 @@ def test_bad_mrope_section_named(model):
         text_config_from_hf(config)
 
 
+def test_mlx_layout_quantized_text_weights(model, tmp_path):
+    """mlx-vlm names (language_model.model.*, language_model.lm_head) with 4-bit affine
+    projections load as the dequantized HF weights."""
+    from safetensors.numpy import load_file
+    from runtime.checkpoint import dequantize_mlx
+    from runtime.synthetic import quantize_mlx, write_safetensors
+    from runtime.text_checkpoint import load_text_weights
+
+    cfg = TEXT_PRESETS["tiny"]
+    hf = load_text_weights(model, cfg)
+    folder = tmp_path / "mlx"
+    folder.mkdir()
+    tensors, expected = {}, {}
+    for name, w in hf.items():
+        stored = name.replace("model.language_model.", "language_model.model.").replace(
+            "lm_head.", "language_model.lm_head.")
+        if name.endswith("proj.weight"):
+            packed, scales, biases = quantize_mlx(w, 4, 16)
+            module = stored[:-len(".weight")]
+            tensors.update({stored: ("U32", packed.shape, packed.tobytes()),
+                            module + ".scales": ("F32", scales.shape, scales.tobytes()),
+                            module + ".biases": ("F32", biases.shape, biases.tobytes())})
+            expected[name] = dequantize_mlx(packed, scales, biases, 4, 16)
+        else:
+            tensors[stored] = ("F32", w.shape, w.tobytes())
+            expected[name] = w
+    write_safetensors(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps(dict(hf_config(model), quantization={"bits": 4, "group_size": 16})))
+    loaded = load_text_weights(folder, cfg)
+    assert list(loaded) == list(expected)
+    for name in expected:
+        np.testing.assert_array_equal(loaded[name], expected[name])
+    assert not np.array_equal(loaded[name := "model.language_model.layers.0.mlp.up_proj.weight"], hf[name])
+    assert load_file(model / "model.safetensors").keys() >= hf.keys()
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 

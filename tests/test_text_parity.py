@@ -56,7 +56,8 @@ def reference(model_dir, prompt, images, steps):
     mm_token_type_ids (without them transformers silently uses 1-D positions); then
     Qwen3VLForConditionalGeneration.generate, greedy. Returns (prompt ids, new tokens,
     the logits of each step)."""
-    import torch_reference  # noqa: F401 - torchvision (the video processor's) loads beside torch+cpu
+    from torch_reference import import_torchvision
+    import_torchvision()  # the video processor's torchvision, loadable beside torch+cpu
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
