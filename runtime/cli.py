@@ -56,7 +56,8 @@ def presets():
 @click.option("--explain", is_flag=True,
               help="Print the artifact's identity, cache state and hashed fields; compile nothing.")
 def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, precision, weights, explain):
-    """Compile the artifact module (one entry per asked bucket) into the cache (a hit compiles nothing)."""
+    """Compile the artifact module (one entry per asked bucket) into the cache, and with --model
+    write its weight archive there too (hits redo nothing)."""
     from .build import build_artifact, explain_plan, make_plan
     from .cache import ArtifactCache
     from .compiler import CompileError
@@ -73,6 +74,9 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
         r = build_artifact(plan, cache, progress=say)
         click.echo(f"buckets {','.join(map(str, r.buckets))}  {r.identity[:12]}  {'built' if r.built else 'hit':<5} "
                    f"{r.seconds:7.2f} s  {r.path}")
+        if model and plan.weights == "parameters":  # the weight archive the module reads
+            from .archive import cached_archive
+            click.echo(f"weights  {cached_archive(model, plan.cfg, plan.precision, cache, progress=say)}")
     except (ValueError, OSError) as e:
         fail(str(e))
     except CompileError as e:  # a bug, not bad input: say so in one block, status 1

@@ -269,3 +269,17 @@ def test_cli_rejection_is_reported_once(tmp_path):
     out = qwen3vl(*args)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("rejected") == 1 and str(vmfb) in out.stderr
+
+
+def test_cli_build_model_writes_the_weight_archive(tmp_path):
+    from runtime.synthetic import write_checkpoint
+    write_checkpoint(tmp_path / "m", TINY)
+    args = ("build", "--model", str(tmp_path / "m"), "--bucket", "16", "--cache-dir", str(tmp_path / "c"))
+    first = qwen3vl(*args)
+    assert first.returncode == 0, first.stderr
+    archive = first.stdout.splitlines()[-1].split()[-1]
+    assert first.stdout.splitlines()[-1].startswith("weights ") and archive.endswith(".irpa")
+    assert "weights: writing" in first.stderr
+    second = qwen3vl(*args)
+    assert second.returncode == 0 and second.stdout.splitlines()[-1].split()[-1] == archive
+    assert "writing" not in second.stderr and "compiling" not in second.stderr
