@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     p.add_argument("--new", type=int, default=16, help="new tokens (decode steps + 1)")
+    p.add_argument("--context", type=int, help="KV-cache tokens (default: the bucket + new)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", metavar="FILE")
@@ -109,7 +110,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_text_checkpoint(Path(tmp) / "m", cfg, weights)
         start = time.perf_counter()
-        session = TextSession(Path(tmp) / "m", buckets=(bucket,), context=bucket + args.new,
+        session = TextSession(Path(tmp) / "m", buckets=(bucket,), context=args.context or bucket + args.new,
                               cache_dir=Path(tmp) / "cache", precision=args.precision)
         session.module  # compile and load outside the clock
         build = time.perf_counter() - start
@@ -118,7 +119,8 @@ def main() -> None:
     prefix = "model.language_model."
     model.load_state_dict({k[len(prefix):]: torch.from_numpy(w) for k, w in weights.items()})
     model = model.to(dtype).eval()
-    head = model.embed_tokens.weight if cfg.tie_word_embeddings else torch.from_numpy(weights["lm_head.weight"]).to(dtype)
+    head = (model.embed_tokens.weight if cfg.tie_word_embeddings
+            else torch.from_numpy(weights["lm_head.weight"]).to(dtype))
     del weights
     gc.collect()
 
@@ -126,10 +128,12 @@ def main() -> None:
     for _ in range(args.repeats):  # alternating
         runs["ours"].append(ours_run(session, ids, args.new))
         runs["torch"].append(torch_run(model, head, ids, args.new))
-    weight_bytes = sum(int(np.prod(s.shape)) * (2 if s.dtype == "bf16" else 4) for s in text_weights(cfg, args.precision))
+    weight_bytes = sum(int(np.prod(s.shape)) * (2 if s.dtype == "bf16" else 4)
+                       for s in text_weights(cfg, args.precision))
     bandwidth = memory_bandwidth_gbs(args.threads)
     report = {"preset": args.preset, "layers": cfg.num_hidden_layers, "precision": args.precision,
-              "prompt_tokens": args.prompt, "bucket": bucket, "new_tokens": args.new, "threads": args.threads,
+              "prompt_tokens": args.prompt, "bucket": bucket, "context": session.context, "new_tokens": args.new,
+              "threads": args.threads,
               "weight_gb": weight_bytes / 1e9, "memory_bandwidth_gbs": bandwidth, "ours_build_s": build,
               "same_tokens": runs["ours"][-1][2] == runs["torch"][-1][2],
               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}

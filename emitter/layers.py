@@ -228,20 +228,42 @@ def mrope_tables(b: Builder, positions: Value, inv_freq, mrope_section) -> tuple
     return b.cosine(full, hint="cos"), b.sine(full, hint="sin")
 
 
-def grouped_attention(b: Builder, q: Value, keys: Value, values: Value, mask: Value) -> Value:
-    """Attention of queries q [S, H, D] over keys/values [KVH, T, D], H/KVH query heads
-    per KV head (query head h reads KV head h // (H/KVH)), additive mask [S, T];
-    returns [S, H*D]."""
+def grouped_attention(b: Builder, q: Value, keys: list[Value], values: list[Value], mask: Value) -> Value:
+    """Attention of queries q [S, H, D] over blocks of keys/values [KVH, T_i, D]: one
+    softmax over all T = sum T_i keys, computed block by block (shared max, summed
+    denominators) so that no block is copied and no dispatch holds a whole score row; H/KVH
+    query heads per KV head (query head h reads KV head h // (H/KVH)); additive mask
+    [S, T]. Returns [S, H*D]."""
     s, heads, d = q.shape
-    kv_heads, t, _ = keys.shape
+    kv_heads = keys[0].shape[0]
     groups = heads // kv_heads
     q = b.reshape(b.transpose(b.reshape(q, (s, kv_heads, groups, d)), [1, 2, 0, 3]), (kv_heads, groups * s, d),
                   hint="q_grouped")
-    scores = matmul(b, q, keys, ([2], [2]), ([0], [0]), hint="scores")
-    scores = b.multiply(scores, b.scalar(d ** -0.5, scores, "scale"), hint="scores")
-    scores = b.reshape(scores, (kv_heads, groups, s, t), hint="scores")
-    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [2, 3], hint="mask"), hint="masked")
-    probs = b.reshape(softmax(b, scores), (kv_heads, groups * s, t), hint="probs")
-    context = matmul(b, probs, values, ([2], [1]), ([0], [0]), hint="context")
+    scores, start = [], 0
+    for k in keys:
+        t = k.shape[1]
+        x = matmul(b, q, k, ([2], [2]), ([0], [0]), hint="scores")
+        x = b.reshape(b.multiply(x, b.scalar(d ** -0.5, x, "scale"), hint="scores"), (kv_heads, groups, s, t))
+        block_mask = mask if len(keys) == 1 else b.slice(mask, (0, start), (s, start + t), hint="mask")
+        scores.append(b.add(x, b.broadcast_in_dim(block_mask, x.shape, [2, 3], hint="mask"), hint="masked"))
+        start += t
+    if len(scores) == 1:
+        probs = b.reshape(softmax(b, scores[0]), (kv_heads, groups * s, start), hint="probs")
+        context = matmul(b, probs, values[0], ([2], [1]), ([0], [0]), hint="context")
+    else:
+        peaks = [b.reduce(x, [3], "maximum", hint="peak") for x in scores]
+        peak = peaks[0]
+        for p in peaks[1:]:
+            peak = b.maximum(peak, p, hint="peak")
+        context = total = None
+        for x, v in zip(scores, values):
+            e = b.exponential(b.subtract(x, b.broadcast_in_dim(peak, x.shape, [0, 1, 2]), hint="shifted"), hint="exp")
+            part = b.reduce(e, [3], "add", hint="denom")
+            term = matmul(b, b.reshape(e, (kv_heads, groups * s, x.shape[3])), v, ([2], [1]), ([0], [0]),
+                          hint="context")
+            total = part if total is None else b.add(total, part, hint="denom")
+            context = term if context is None else b.add(context, term, hint="context")
+        denom = b.broadcast_in_dim(b.reshape(total, (kv_heads, groups * s)), context.shape, [0, 1], hint="denom")
+        context = b.divide(context, denom, hint="context")
     context = b.transpose(b.reshape(context, (kv_heads, groups, s, d)), [2, 0, 1, 3], hint="context")
     return b.reshape(context, (s, heads * d), hint="context")

@@ -75,7 +75,8 @@ def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
             (q + "self_attn.v_proj.weight", (cfg.num_key_value_heads * hd, d)),
             (q + "self_attn.o_proj.weight", (d, cfg.num_attention_heads * hd)),
             (q + "self_attn.q_norm.weight", (hd,)), (q + "self_attn.k_norm.weight", (hd,)),
-            (q + "mlp.gate_proj.weight", (i, d)), (q + "mlp.up_proj.weight", (i, d)), (q + "mlp.down_proj.weight", (d, i)),
+            (q + "mlp.gate_proj.weight", (i, d)), (q + "mlp.up_proj.weight", (i, d)),
+            (q + "mlp.down_proj.weight", (d, i)),
         ]
     shapes.append((p + "norm.weight", (d,)))
     if not cfg.tie_word_embeddings:
@@ -200,7 +201,7 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
         for state, value in zip(g.cache[n], (k, v)):  # a new sequence: the cache is rewritten whole
             whole = b.concatenate([value, b.constant(0.0, rest, hint="empty")], 1, hint="cache") if rest[1] else value
             b.store_state(whole, state)
-        return grouped_attention(b, q, k, v, mask)
+        return grouped_attention(b, q, [k], [v], mask)
 
     for n in range(cfg.num_hidden_layers):
         x = g.layer(n, x, cos, sin, attend)
@@ -230,14 +231,14 @@ def decode_function(cfg: TextConfig, context: int, precision: str = "f32") -> tu
     zero = b.constant(0, (), "i32", hint="zero")
 
     def attend(n, q, k, v):
-        # Attention reads the cache as loaded plus the new K/V beside it, never the updated
-        # cache: reading the stored value in the same call gave wrong results (IREE 3.13).
-        full = []
+        # Attention reads the cache as loaded plus the new K/V as a second block, never the
+        # updated cache: reading the stored value in the same call gave wrong results (IREE 3.13).
+        loaded = []
         for state, value in zip(g.cache[n], (k, v)):
             cache = b.load_state(state)
             b.store_state(b.dynamic_update_slice(cache, value, [zero, inputs["slot"], zero], hint="cache"), state)
-            full.append(b.concatenate([cache, value], 1, hint="keys"))
-        return grouped_attention(b, q, full[0], full[1], mask)
+            loaded.append(cache)
+        return grouped_attention(b, q, [loaded[0], k], [loaded[1], v], mask)
 
     for n in range(cfg.num_hidden_layers):
         x = g.layer(n, x, cos, sin, attend)

@@ -254,8 +254,8 @@ class Generator:
             embeds, deepstack = out.image_embeds, out.deepstack_features
         self.text.check_request(ids.size, max_new_tokens)
         seconds["build"] += _timed(lambda: self.text.module)
-        positions, delta = mrope_position_ids(ids, grids, self.vision_cfg.spatial_merge_size,
-                                              image_token_id=image_id, video_token_id=self.text.token_ids.video_token_id)
+        positions, delta = mrope_position_ids(ids, grids, self.vision_cfg.spatial_merge_size, image_token_id=image_id,
+                                              video_token_id=self.text.token_ids.video_token_id)
         streamer = _TextStream(self.tokenizer, on_text) if on_text else None
         tokens, logits, timing = greedy(self.text, ids, positions, delta, max_new_tokens, self.tokenizer.eos_ids,
                                         visual, embeds, deepstack, streamer)

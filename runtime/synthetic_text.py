@@ -104,7 +104,8 @@ def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> dict[st
 
     from safetensors.numpy import load_file
     weights = random_text_weights(text, seed + 7)
-    tensors = {name: (_tag(a), a.shape, a.tobytes()) for name, a in load_file(str(model_dir / "model.safetensors")).items()
+    stored = load_file(str(model_dir / "model.safetensors"))
+    tensors = {name: (_tag(a), a.shape, a.tobytes()) for name, a in stored.items()
                if not name.startswith(TEXT_PREFIX) and name != LM_HEAD}
     for name, w in weights.items():
         tag, data = _to_bytes(w, "f32")

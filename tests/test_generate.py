@@ -167,6 +167,17 @@ def test_generate_cli_json_and_logits(model, tmp_path):
     assert out.stdout == result["text"] + "\n"
 
 
+def make_moe(folder):
+    (folder / "config.json").write_text(json.dumps(dict(hf_config(folder), model_type="qwen3_vl_moe")))
+
+
+def drop_lm_head(folder):
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, folder / "model.safetensors")
+
+
 def nothing_compiled(cache: Path) -> bool:
     return not cache.exists() or not list(cache.glob("*.vmfb"))
 
@@ -183,7 +194,7 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
         args += ["--max-new-tokens", 40]
         expect = "more than the context of 48 tokens"
     elif case == "moe":
-        edit = lambda f: (f / "config.json").write_text(json.dumps(dict(hf_config(f), model_type="qwen3_vl_moe")))  # noqa: E731
+        edit = make_moe
         expect = "'qwen3_vl_moe' has a mixture-of-experts language model"
     elif case == "no-tokenizer":
         edit = lambda f: (f / "tokenizer.json").unlink()  # noqa: E731
@@ -201,11 +212,7 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
         args += ["--max-new-tokens", 0]
         expect = "--max-new-tokens 0: expected 1 or more"
     elif case == "untied-without-head":
-        def edit(folder):
-            from safetensors.numpy import load_file, save_file
-            tensors = load_file(folder / "model.safetensors")
-            del tensors["lm_head.weight"]
-            save_file(tensors, folder / "model.safetensors")
+        edit = drop_lm_head
         expect = "lm_head.weight: missing; config.json says the embeddings are untied"
     folder = copy_model(model, tmp_path, edit)
     cache = tmp_path / "cache"
@@ -214,3 +221,17 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], out.stderr
     assert nothing_compiled(cache) and out.stdout == ""
+
+
+@pytest.mark.parametrize("preset,context,buckets", [
+    ("tiny", 4096, (128, 2048)), ("tiny", 5000, (100,)),
+    pytest.param("qwen3-vl-2b", 8192, (128, 8192), marks=pytest.mark.slow)])
+def test_text_module_compiles_at_long_contexts(preset, context, buckets):
+    """Codegen limits are shape dependent: decode over a 4096-slot cache once failed with
+    "exceeded stack allocation limit" (a whole score row in one dispatch)."""
+    import dataclasses
+    from emitter.text import emit_text_module
+    from runtime.compiler import compile_mlir
+
+    cfg = dataclasses.replace(TEXT_PRESETS[preset], num_hidden_layers=1)
+    assert compile_mlir(emit_text_module(cfg, buckets, context, 3))

@@ -33,7 +33,8 @@ TOL = 1e-5
 
 def write_text_checkpoint(folder, cfg, weights) -> None:
     folder.mkdir()
-    write_safetensors(folder / "model.safetensors", {name: ("F32", w.shape, w.tobytes()) for name, w in weights.items()})
+    tensors = {name: ("F32", w.shape, w.tobytes()) for name, w in weights.items()}
+    write_safetensors(folder / "model.safetensors", tensors)
     config = {"model_type": "qwen3_vl", "tie_word_embeddings": cfg.tie_word_embeddings, "image_token_id": IMAGE_ID,
               "text_config": cfg.to_hf_text_config()}
     (folder / "config.json").write_text(json.dumps(config))
