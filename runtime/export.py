@@ -146,6 +146,6 @@ def export(model, out, buckets=(), precision: str = "f32", target: str | None = 
     sizes = {p: (out / p).stat().st_size for p in (f"{name}.vmfb", f"{name}.irpa")}
     return "\n".join([f"wrote {out}/",
                       *(f"  {p:<40} {s / 2**20:9.1f} MiB" for p, s in sizes.items()),
-                      f"  {'abi.json':<40} {len(abi['functions'])} functions: "
+                      f"  {'abi.json':<40} {len(abi['functions'])} function{'s' * (len(abi['functions']) > 1)}: "
                       + ", ".join(f['name'] for f in abi["functions"]),
                       f"  {'README.txt':<40} iree-run-module command lines"])
