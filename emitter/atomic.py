@@ -47,8 +47,10 @@ def remove_stale_temps(path: Path) -> None:
 
 
 def check_writable(path: str | os.PathLike, flag: str = "-o") -> Path:
-    """Fail before any work if `path` cannot be written: its folder must exist and be
-    writable, and it must not be a folder itself. Returns the resolved path."""
+    """Fail before any work if `path` cannot be written: its folder must exist, it must
+    not be a folder or an existing non-regular file (a device is never replaced), and a
+    probe file must be creatable, writable and syncable there now (so a read-only or
+    full filesystem fails here, not after the work). Returns the resolved path."""
     target = Path(path).expanduser()
     parent = target.absolute().parent  # a symlink is replaced, not written through
     if target.is_dir():
@@ -59,8 +61,18 @@ def check_writable(path: str | os.PathLike, flag: str = "-o") -> Path:
         raise ValueError(f"{flag} {path}: folder {parent} does not exist")
     if not parent.is_dir():
         raise ValueError(f"{flag} {path}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: folder {parent} is not writable")
+    probe = None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f"{temp_prefix(target)}{os.getpid()}.", dir=parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write in folder {parent}: {e.strerror or e}") from None
+    finally:
+        if probe:
+            Path(probe).unlink(missing_ok=True)
     return target.resolve()
 
 

@@ -8,9 +8,6 @@ Schema version 2: `controls` is the list of negative controls run on the compile
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from pathlib import Path
 
 from emitter.atomic import write_atomic
 
@@ -129,37 +126,10 @@ def format_table(report: dict) -> str:
 
 
 def check_report_path(path, model=None, images=()) -> None:
-    """Before any work, ValueError unless `path` can take the report: not a folder, not an
-    existing non-regular file (a device is never replaced), not an input (an image, a
-    file of the checkpoint folder, or a new *.safetensors there), in an existing folder
-    where a probe file can be created, written and synced now (so a read-only or full
-    filesystem fails here, not after the run)."""
-    target = Path(path)
-    resolved = target.resolve()
-    for image in images:
-        if Path(image).resolve() == resolved:
-            raise ValueError(f"--report {path}: is the input image {image}; choose another file")
-    if model and resolved.parent == Path(model).resolve() and (resolved.exists() or resolved.suffix == ".safetensors"):
-        raise ValueError(f"--report {path}: would write into the checkpoint folder {model}; choose another folder")
-    if target.is_dir():
-        raise ValueError(f"--report {path}: is a folder; expected a file name")
-    if target.exists() and not target.is_file():
-        raise ValueError(f"--report {path}: not a regular file; expected a file name to write the report to")
-    parent = target.absolute().parent
-    if not parent.is_dir():
-        raise ValueError(f"--report {path}: folder {parent} does not exist")
-    probe = None
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.probe.", dir=parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"{")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise ValueError(f"--report {path}: cannot write in {parent}: {e.strerror or e}") from None
-    finally:
-        if probe:
-            Path(probe).unlink(missing_ok=True)
+    """Before any work, ValueError unless `path` can take the report (see
+    `runtime.run.check_output_path`: writable now, not an input)."""
+    from .run import check_output_path
+    check_output_path(path, model, images, "--report")
 
 
 def write_report(path, report: dict) -> None:

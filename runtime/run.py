@@ -30,16 +30,16 @@ def save_features(path, out: VisionOutput) -> None:
     write_atomic(path, save(tensors, metadata={"format": "qwen3vl-iree features v1"}))
 
 
-def check_output_path(path, model, images) -> None:
-    """Fail before any work if `-o` cannot be written or would overwrite an input: an
-    image, or a file of the checkpoint folder (a new *.safetensors there would be read
-    as part of the checkpoint)."""
-    target = check_writable(path, "-o")
+def check_output_path(path, model, images, flag: str = "-o") -> None:
+    """Fail before any work if `path` cannot be written (`check_writable`) or would
+    overwrite an input: an image, or a file of the checkpoint folder (a new *.safetensors
+    there would be read as part of the checkpoint)."""
+    target = check_writable(path, flag)
     for image in images:
         if Path(image).resolve() == target:
-            raise ValueError(f"-o {path}: is the input image {image}; choose another file")
-    if target.parent == Path(model).resolve() and (target.exists() or target.suffix == ".safetensors"):
-        raise ValueError(f"-o {path}: would write into the checkpoint folder {model} "
+            raise ValueError(f"{flag} {path}: is the input image {image}; choose another file")
+    if model and target.parent == Path(model).resolve() and (target.exists() or target.suffix == ".safetensors"):
+        raise ValueError(f"{flag} {path}: would write into the checkpoint folder {model} "
                          f"({'replacing its file' if target.exists() else 'as a weight file'}); choose another folder")
 
 
