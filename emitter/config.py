@@ -74,6 +74,13 @@ class VisionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 bad(name, value, "a positive integer")
+        if self.depth > MAX_DEPTH:  # checked before anything loops over the blocks
+            bad("depth", self.depth, f"at most {MAX_DEPTH} blocks (released towers have 24-27)")
+        size = sum(math.prod(shape) for _, shape in weight_schema(self)) * 4
+        if size > MAX_WEIGHT_BYTES:
+            raise ConfigError(f"{source}: depth {self.depth}, hidden_size {self.hidden_size}, intermediate_size "
+                              f"{self.intermediate_size} need {size >> 30} GiB of f32 vision weights: expected at "
+                              f"most {MAX_WEIGHT_BYTES >> 30} GiB")
         if self.hidden_size % self.num_heads:
             bad("hidden_size", self.hidden_size, f"a multiple of num_heads ({self.num_heads})")
         if self.head_dim % 4:
@@ -107,6 +114,11 @@ class VisionConfig:
         d.pop("rope_theta")
         d["initializer_range"] = 0.02
         return d
+
+
+# Sanity bounds, so that a corrupt config fails at once instead of growing without bound.
+MAX_DEPTH = 1024
+MAX_WEIGHT_BYTES = 1 << 40
 
 
 def _is_positive_number(value) -> bool:
@@ -192,33 +204,6 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
     return from_hf_config(config, source=str(path))
 
 
-def _released(depth, hidden, intermediate, out_hidden, deepstack):
-    return VisionConfig(depth=depth, hidden_size=hidden, intermediate_size=intermediate,
-                        out_hidden_size=out_hidden, num_heads=16, deepstack_visual_indexes=deepstack)
-
-
-PRESETS: dict[str, VisionConfig] = {
-    "qwen3-vl-2b": _released(24, 1024, 4096, 2048, (5, 11, 17)),
-    "qwen3-vl-4b": _released(24, 1024, 4096, 2560, (5, 11, 17)),
-    "qwen3-vl-8b": _released(27, 1152, 4304, 4096, (8, 16, 24)),
-    "qwen3-vl-32b": _released(27, 1152, 4304, 5120, (8, 16, 24)),
-    "qwen3-vl-30b-a3b": _released(27, 1152, 4304, 2048, (8, 16, 24)),
-    "qwen3-vl-235b-a22b": _released(27, 1152, 4304, 4096, (8, 16, 24)),
-    # Small enough to compile and run in a unit test; same structure as the real ones.
-    "tiny": VisionConfig(depth=4, hidden_size=64, intermediate_size=128, out_hidden_size=48,
-                         num_heads=4, deepstack_visual_indexes=(1, 2)),
-}
-DEFAULT_PRESET = "qwen3-vl-2b"
-PRESET_MODEL_TYPES = {"qwen3-vl-30b-a3b": "qwen3_vl_moe", "qwen3-vl-235b-a22b": "qwen3_vl_moe"}
-
-
-def preset(name: str) -> VisionConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"--preset {name!r}: unknown preset; expected one of {', '.join(PRESETS)}") from None
-
-
 PRECISIONS = ("f32", "bf16")  # bf16: matmul operands in bf16, accumulation, norms and softmax in f32
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
@@ -287,3 +272,30 @@ def weight_schema(cfg: VisionConfig) -> list[tuple[str, tuple[int, ...]]]:
     for k in range(len(cfg.deepstack_visual_indexes)):
         names += merger(f"{p}deepstack_merger_list.{k}.", h4)
     return names
+
+
+def _released(depth, hidden, intermediate, out_hidden, deepstack):
+    return VisionConfig(depth=depth, hidden_size=hidden, intermediate_size=intermediate,
+                        out_hidden_size=out_hidden, num_heads=16, deepstack_visual_indexes=deepstack)
+
+
+PRESETS: dict[str, VisionConfig] = {
+    "qwen3-vl-2b": _released(24, 1024, 4096, 2048, (5, 11, 17)),
+    "qwen3-vl-4b": _released(24, 1024, 4096, 2560, (5, 11, 17)),
+    "qwen3-vl-8b": _released(27, 1152, 4304, 4096, (8, 16, 24)),
+    "qwen3-vl-32b": _released(27, 1152, 4304, 5120, (8, 16, 24)),
+    "qwen3-vl-30b-a3b": _released(27, 1152, 4304, 2048, (8, 16, 24)),
+    "qwen3-vl-235b-a22b": _released(27, 1152, 4304, 4096, (8, 16, 24)),
+    # Small enough to compile and run in a unit test; same structure as the real ones.
+    "tiny": VisionConfig(depth=4, hidden_size=64, intermediate_size=128, out_hidden_size=48,
+                         num_heads=4, deepstack_visual_indexes=(1, 2)),
+}
+DEFAULT_PRESET = "qwen3-vl-2b"
+PRESET_MODEL_TYPES = {"qwen3-vl-30b-a3b": "qwen3_vl_moe", "qwen3-vl-235b-a22b": "qwen3_vl_moe"}
+
+
+def preset(name: str) -> VisionConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"--preset {name!r}: unknown preset; expected one of {', '.join(PRESETS)}") from None

@@ -88,6 +88,11 @@ BAD_INPUTS = {
     "deepstack unordered": (lambda p: bad_config(p, lambda v: v.update(deepstack_visual_indexes=[2, 1])),
                             "deepstack_visual_indexes"),
     "merge size 3": (lambda p: bad_config(p, lambda v: v.update(spatial_merge_size=3)), "spatial_merge_size"),
+    "depth 1e9 (no checkpoint to compare)": (lambda p: bad_config(p, lambda v: v.update(depth=1_000_000_000)),
+                                             "depth' = 1000000000: expected at most 1024"),
+    "weights beyond 1 TiB": (lambda p: bad_config(p, lambda v: v.update(depth=1000, hidden_size=16384,
+                                                                         num_heads=128, intermediate_size=65536)),
+                             "GiB of f32 vision weights"),
     "inspect block out of range": (lambda p: ["--bucket", "16", "--preset", "tiny", "--diagnostics",
                                               "--inspect-block", "9"], "--inspect-block 9"),
 }
