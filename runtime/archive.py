@@ -34,6 +34,7 @@ ARCHIVE_FORMAT = 1
 METADATA_PREFIX = "TENSORv0:"
 DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16"}  # graph dtype -> IREE's metadata name
 ITEMSIZE = {"f32": 4, "bf16": 2}
+MADV_DONTNEED = 4  # Linux and macOS
 _CODE = (Path(checkpoint.__file__), Path(__file__))  # the host transforms
 
 
@@ -155,6 +156,26 @@ def entry_arrays(index: rt.ParameterIndex, specs) -> list[np.ndarray]:
     entries = dict(index.items())
     dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
     return [np.asarray(entries[w.name].file_view).view(dtypes[w.dtype]).reshape(w.shape) for w in specs]
+
+
+def release_mapped_pages(index: rt.ParameterIndex) -> bool:
+    """Let the kernel drop the archive's pages from this process's resident memory, once the
+    module's initializer has packed the weights: `madvise(MADV_DONTNEED)` over the mapping.
+    The mapping is read-only and file-backed, so any page read later (the norms, biases and
+    position table the graph reads unpacked) faults back in from the file. False where the
+    call is not available."""
+    import ctypes
+    views = [np.asarray(entry.file_view) for _, entry in index.items()]
+    if not views:
+        return False
+    low = min(v.__array_interface__["data"][0] for v in views)
+    high = max(v.__array_interface__["data"][0] + v.nbytes for v in views)
+    start = low // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(high - start), MADV_DONTNEED) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def parameters_module(config: rt.Config, index: rt.ParameterIndex) -> rt.VmModule:

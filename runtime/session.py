@@ -20,7 +20,7 @@ from emitter.identity import DEFAULT_LADDER
 from emitter.config import graph_weights
 from emitter.vision import PARAMETER_SCOPE, entry_name, input_specs, result_names
 
-from .archive import cached_archive, entry_arrays, open_archive
+from .archive import cached_archive, entry_arrays, open_archive, release_mapped_pages
 from .archive import parameters_module as archive_parameters
 from .build import DEFAULT_BINDING, build_artifact, make_plan
 from .cache import ArtifactCache, load_verified
@@ -125,6 +125,8 @@ class VisionSession:
             self.artifact_identity = result.identity
             self._artifact = LoadedModule(load_verified(result.path), config=self.config,
                                           modules=self._extra_modules, function=None)
+            if self.archive_path and self.plan.weights == "parameters":  # packed now: the mapped copy may go
+                release_mapped_pages(self.parameters)
         return self._artifact
 
     def function_name(self, bucket: int) -> str:
