@@ -158,6 +158,15 @@ class TextSession:
             raise GenerateError(f"token id {int(bad[0])}: outside the vocabulary [0, {self.cfg.vocab_size})")
 
 
+def penalized(logits: np.ndarray, prompt: np.ndarray, tokens: list[int], penalty: float) -> np.ndarray:
+    if penalty == 1.0:
+        return logits
+    seen = np.unique(np.concatenate([prompt.astype(np.int64), np.array(tokens, np.int64)]))
+    out = logits.copy()
+    out[seen] = np.where(out[seen] < 0, out[seen] * np.float32(penalty), out[seen] / np.float32(penalty))
+    return out
+
+
 @dataclass
 class Generation:
     prompt_tokens: int
@@ -173,9 +182,13 @@ class Generation:
 
 
 def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_tokens: int, eos_ids=(),
-           visual_positions=None, image_embeds=None, deepstack_features=None, on_token=None):
+           visual_positions=None, image_embeds=None, deepstack_features=None, on_token=None,
+           repetition_penalty: float = 1.0):
     """Prefill, then greedy decoding until an EOS id or `max_new_tokens`: (tokens, logits
-    [steps, vocab], seconds). `on_token(id)` hears each new token as it is chosen."""
+    [steps, vocab], seconds); the logits are the model's, the choice is made after the
+    repetition penalty (as transformers' RepetitionPenaltyLogitsProcessor: every id seen so
+    far, prompt included, has its logit divided by the penalty if positive, else multiplied).
+    `on_token(id)` hears each new token as it is chosen."""
     ids = np.asarray(input_ids).reshape(-1)
     text.check_request(ids.size, max_new_tokens)
     start = time.perf_counter()
@@ -185,7 +198,7 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
     tokens, rows = [], []
     while len(tokens) < max_new_tokens:
         rows.append(logits)
-        token = int(np.argmax(logits))
+        token = int(np.argmax(penalized(logits, ids, tokens, repetition_penalty)))
         tokens.append(token)
         if on_token:
             on_token(token)
@@ -258,7 +271,7 @@ class Generator:
                                               video_token_id=self.text.token_ids.video_token_id)
         streamer = _TextStream(self.tokenizer, on_text) if on_text else None
         tokens, logits, timing = greedy(self.text, ids, positions, delta, max_new_tokens, self.tokenizer.eos_ids,
-                                        visual, embeds, deepstack, streamer)
+                                        visual, embeds, deepstack, streamer, self.tokenizer.repetition_penalty)
         if streamer:
             streamer.flush()
         seconds.update(timing)

@@ -8,7 +8,9 @@
   `raise_exception`, `strftime_now`; the special tokens of tokenizer_config.json as
   variables).
 - EOS ids from `generation_config.json` (`eos_token_id`: an int or a list), else
-  config.json's.
+  config.json's; its `repetition_penalty` (1.0 when absent).
+- Decoding as transformers decodes: `tokenizers`, then its space clean-up when
+  tokenizer_config.json asks for it (not for BPE models unless forced).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from pathlib import Path
 import numpy as np
 
 SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+# transformers' clean_up_tokenization, in its order
+CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+            (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 class TokenizerError(ValueError):
@@ -98,6 +103,7 @@ class ChatTokenizer:
         self.config = _read_json(config_path) if config_path.is_file() else {}
         self.template = compile_template(load_chat_template(self.model_dir, self.config))
         self.eos_ids = self._eos_ids()
+        self.repetition_penalty = self._repetition_penalty()
 
     def _eos_ids(self) -> tuple[int, ...]:
         for name in ("generation_config.json", "config.json"):
@@ -113,6 +119,17 @@ class ChatTokenizer:
                 raise TokenizerError(f"{path}: field 'eos_token_id' = {value!r}: expected a token id or a list of them")
             return tuple(ids)
         return ()
+
+    def _repetition_penalty(self) -> float:
+        """generation_config.json's repetition_penalty (transformers applies it in greedy
+        decoding too), 1.0 when absent."""
+        path = self.model_dir / "generation_config.json"
+        value = _read_json(path).get("repetition_penalty", 1.0) if path.is_file() else 1.0
+        if value is None:
+            return 1.0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise TokenizerError(f"{path}: field 'repetition_penalty' = {value!r}: expected a positive number")
+        return float(value)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         import jinja2
@@ -133,7 +150,15 @@ class ChatTokenizer:
         return np.array(self.tokenizer.encode(text, add_special_tokens=add).ids, np.int64)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """As transformers decodes: tokenizers' decode, then its space clean-up when
+        tokenizer_config.json asks for it (which transformers skips for BPE models unless
+        forced)."""
+        text = self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        forced = self.config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+        if self.config.get("clean_up_tokenization_spaces") and (type(self.tokenizer.model).__name__ != "BPE" or forced):
+            for before, after in CLEAN_UP:
+                text = text.replace(before, after)
+        return text
 
 
 def user_message(prompt: str, image_count: int) -> list[dict]:

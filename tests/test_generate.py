@@ -235,3 +235,23 @@ def test_text_module_compiles_at_long_contexts(preset, context, buckets):
 
     cfg = dataclasses.replace(TEXT_PRESETS[preset], num_hidden_layers=1)
     assert compile_mlir(emit_text_module(cfg, buckets, context, 3))
+
+
+def test_decode_space_clean_up_as_transformers(model, tmp_path):
+    """tokenizer_config.json's clean_up_tokenization_spaces: transformers skips it for BPE
+    unless forced; ours does the same."""
+    transformers = pytest.importorskip("transformers")
+
+    def edit(folder):
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.update(clean_up_tokenization_spaces=True,
+                      clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=forced)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+    for forced in (False, True):
+        folder = copy_model(model, tmp_path / str(forced), edit)
+        ours = ChatTokenizer(folder)
+        ids = ours.encode("what is here ? a cat , two birds .")
+        theirs = transformers.AutoTokenizer.from_pretrained(folder).decode(ids.tolist(), skip_special_tokens=True)
+        assert ours.decode(ids) == theirs
+        assert (" ?" in theirs) != forced

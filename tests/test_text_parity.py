@@ -147,3 +147,21 @@ def test_decode_equals_prefill_of_one_more_token(setup):
         expected = fresh.prefill(ids[:n + 1], positions)
         fresh.prefill(ids[:n], positions[:, :n])
         assert rel_l2(fresh.decode(int(ids[n]), n), expected) <= 1e-6, n
+
+
+def test_repetition_penalty_of_generation_config(setup, tmp_path):
+    """generation_config.json's repetition_penalty changes transformers' greedy choice; ours
+    follows it (and the tokens differ from the unpenalized ones, so the check can fail)."""
+    import json
+    import shutil
+
+    gen, model_dir, _ = setup
+    folder = tmp_path / "penalized"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(dict(config, repetition_penalty=1.8)))
+    _, tokens, logits = reference(folder, PROMPT, [], STEPS)
+    ours = Generator(folder, buckets=(32, 64), context=96, cache_dir=gen.text.cache.root).generate(
+        PROMPT, max_new_tokens=STEPS)
+    assert ours.tokens == tokens and max(rel_l2(a, b) for a, b in zip(ours.logits, logits)) <= TOL
+    assert tokens != gen.generate(PROMPT, max_new_tokens=STEPS).tokens
