@@ -218,6 +218,7 @@ class Generator:
                  target: str | None = None, cache_dir=None, precision: str = "f32", threads: int | None = None,
                  progress=None):
         from emitter.config import load_model_config
+        from emitter.policy import load_policy
 
         from .session import set_thread_count
         from .tokenizer import ChatTokenizer
@@ -231,12 +232,27 @@ class Generator:
         self.text = TextSession(model_dir, buckets, context, len(self.vision_cfg.deepstack_visual_indexes),
                                 **self.options)
         self._vision = None
+        self.policy = load_policy(model_dir, self.vision_cfg)
 
     @property
     def vision(self):
+        """The vision session (the default bucket ladder, or the one `vision_for` chose)."""
         if self._vision is None:
-            from .session import VisionSession
-            self._vision = VisionSession(self.model_dir, **self.options)
+            self._vision = self.vision_for(0)
+        return self._vision
+
+    def vision_for(self, patches: int):
+        """A vision session with a bucket that holds an image of `patches` patches: the
+        default ladder, plus the next power of two when an image is larger than its top."""
+        from emitter.identity import DEFAULT_LADDER
+
+        from .session import VisionSession
+
+        buckets = tuple(DEFAULT_LADDER)
+        if patches > buckets[-1]:
+            buckets += (1 << (patches - 1).bit_length(),)
+        if self._vision is None or self._vision.buckets[-1] < patches:
+            self._vision = VisionSession(self.model_dir, buckets=buckets, **self.options)
         return self._vision
 
     def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None) -> Generation:
@@ -255,13 +271,14 @@ class Generator:
         image_id = self.text.token_ids.image_token_id
         if images:
             start = time.perf_counter()
-            pixels, grids = process_images(list(images), self.vision.policy)
+            pixels, grids = process_images(list(images), self.policy)
             seconds["vision"] = time.perf_counter() - start
             ids = expand_pads(ids, image_id, [patch_count(g) // self.vision_cfg.merge_unit for g in grids])
             self.text.check_request(ids.size, max_new_tokens)  # before any compile
-            seconds["build"] += _timed(self.vision.artifact)  # compiled or loaded outside the clock
+            vision = self.vision_for(max(patch_count(g) for g in grids))
+            seconds["build"] += _timed(vision.artifact)  # compiled or loaded outside the clock
             start = time.perf_counter()
-            out = self.vision.encode_pixels(pixels, grids)
+            out = vision.encode_pixels(pixels, grids)
             seconds["vision"] += time.perf_counter() - start
             visual = np.flatnonzero(ids == image_id)
             embeds, deepstack = out.image_embeds, out.deepstack_features

@@ -255,3 +255,24 @@ def test_decode_space_clean_up_as_transformers(model, tmp_path):
         theirs = transformers.AutoTokenizer.from_pretrained(folder).decode(ids.tolist(), skip_special_tokens=True)
         assert ours.decode(ids) == theirs
         assert (" ?" in theirs) != forced
+
+
+@pytest.mark.slow
+def test_image_larger_than_the_default_ladder(model, tmp_path):
+    """An image of more patches than the default vision ladder's top (512) gets a bucket
+    of its own (the next power of two) instead of a packing error."""
+    from PIL import Image
+
+    def edit(folder):
+        policy = dict(SMALL_POLICY, size={"shortest_edge": 4096, "longest_edge": 1 << 20})
+        (folder / "preprocessor_config.json").write_text(json.dumps(policy))
+
+    folder = copy_model(model, tmp_path, edit)
+    image = tmp_path / "big.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (512, 608, 3), dtype=np.uint8)).save(image)
+    out = qwen3vl("generate", "--model", folder, "--image", image, "--prompt", "What is shown here?",
+                  "--max-new-tokens", 2, "--json", tmp_path / "r.json", "--prompt-bucket", 512, "--context", 520,
+                  "--cache-dir", tmp_path / "cache")
+    assert out.returncode == 0, out.stderr
+    merged = (512 // 16) * (608 // 16) // 4  # 1216 patches > 512: bucket 2048
+    assert json.loads((tmp_path / "r.json").read_text())["prompt_tokens"] > merged
