@@ -4,6 +4,7 @@ presets of the released dense models (plus `tiny` for tests).
 
 Both spellings of the rotary settings are read: `rope_parameters {rope_theta,
 mrope_section, ...}` (transformers 5) and the older `rope_theta` + `rope_scaling`.
+`tie_word_embeddings` is read from the top level only, as transformers 5.24 reads it.
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def text_config_from_hf(config: dict, source: str = "config.json") -> tuple[Text
     if text.get("attention_bias", False):
         raise ConfigError(f"{source}: field 'text_config.attention_bias' = true: expected false")
     kwargs["rope_theta"], kwargs["mrope_section"] = _rope(text, source)
-    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    kwargs["tie_word_embeddings"] = bool(tied)
+    # transformers 5.24 ties lm_head to the embeddings by the top-level flag only (default
+    # false), whatever text_config says.
+    kwargs["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
     ids = {}
     for name in TOKEN_ID_FIELDS:
         value = config.get(name, getattr(TokenIds, name))
