@@ -30,12 +30,19 @@ parity: test-deps
 	$(BIN)/pytest -q -m parity
 
 # The main job with nothing on disk: a deterministic random-weight tiny checkpoint,
-# then the vision tower on a shipped image (compiled into demo/cache on first use).
-demo: install demo/tiny-random/config.json
+# then the vision tower on a shipped image (compiled into demo/cache on first use),
+# then a whole answer from a tiny random model with a language model.
+demo: install demo/tiny-random/config.json demo/tiny-answer/config.json
 	$(BIN)/qwen3vl run --model demo/tiny-random assets/demo.png -o demo/features.safetensors --cache-dir demo/cache
+	$(BIN)/qwen3vl generate --model demo/tiny-answer --image assets/demo.png --prompt "Describe the image." \
+		--max-new-tokens 16 --json demo/answer.json --cache-dir demo/cache
 
 demo/tiny-random/config.json: | $(BIN)/emit-qwen3vl
 	$(BIN)/qwen3vl random-checkpoint demo/tiny-random --preset tiny
+
+# The same with a language model, a tokenizer it trains and a chat template: image and prompt in, answer out.
+demo/tiny-answer/config.json: | $(BIN)/emit-qwen3vl
+	$(BIN)/qwen3vl random-checkpoint demo/tiny-answer --preset tiny --with-text
 
 golden: install
 	$(BIN)/python tests/test_golden.py
