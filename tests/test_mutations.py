@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
-from PIL import Image
 
 import emitter.layers as layers
 import emitter.vision as vision
 from emitter.config import PRESETS
+from helpers import write_images
 from emitter.identity import artifact_identity
 from runtime.build import make_plan
 from runtime.oracle import DEFAULT_TOLERANCES, check_report, format_table, run_oracle
@@ -83,12 +82,7 @@ def setup(tmp_path_factory):
     write_checkpoint(model, TINY, seed=2,
                      processor_policy_dict=dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096,
                                                                          "longest_edge": 32768}))
-    rng = np.random.default_rng(0)
-    images = []
-    for i, (h, w) in enumerate([(64, 96), (100, 60)]):
-        path = root / f"image{i}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-        images.append(str(path))
+    images = write_images(root, [(96, 64), (60, 100)], stem="image")
     real = make_plan(str(model), None, (BUCKET,), None, True, None)
     return {"model": str(model), "images": images, "cache": str(root / "cache"),
             "identity": artifact_identity(real.fields())}

@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from PIL import Image
 
 from emitter.config import PRESETS
+from helpers import write_images
 from emitter.vision import default_inspect_blocks
 from runtime.oracle import (CONTROL_KINDS, DEFAULT_TOLERANCES, REPORT_SCHEMA_VERSION, check_report, compare,
                             format_table, oracle_command, oracle_stage_names, run_oracle)
@@ -32,12 +32,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("oracle")
     model = root / "model"
     write_checkpoint(model, TINY, seed=2, processor_policy_dict=SMALL_POLICY)
-    rng = np.random.default_rng(0)
-    images = []
-    for i, (h, w) in enumerate([(64, 96), (100, 60)]):
-        path = root / f"image{i}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-        images.append(str(path))
+    images = write_images(root, [(96, 64), (60, 100)], stem="image")
     return {"model": str(model), "images": images, "cache": str(root / "cache"), "root": root}
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 from safetensors.numpy import load_file
 
 from conftest import rel_l2
+from helpers import write_images
 from emitter.config import PRESETS
 from runtime.checkpoint import load_vision_weights
 from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
@@ -23,16 +23,6 @@ QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
 TINY = PRESETS["tiny"]
 SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
 SIZES = [(96, 64), (200, 90), (64, 64), (130, 170), (40, 250)]  # (w, h); more than one 128 bucket
-
-
-def write_images(folder: Path, sizes=SIZES, seed=0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i, (w, h) in enumerate(sizes):
-        path = folder / f"img{i}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-        paths.append(str(path))
-    return paths
 
 
 def qwen3vl(*args):
@@ -53,7 +43,7 @@ def run_model(model, images, out, cache_dir):
 
 def test_run_writes_features_and_summary(tmp_path, cache_dir):
     write_checkpoint(tmp_path / "m", TINY, seed=1, processor_policy_dict=SMALL_POLICY)
-    images = write_images(tmp_path)
+    images = write_images(tmp_path, SIZES)
     features, summary = run_model(tmp_path / "m", images, tmp_path / "f.safetensors", cache_dir)
     merged = [int(np.prod(g)) // 4 for g in features["grid_thw"]]
     assert features["grid_thw"].dtype == np.int64 and features["grid_thw"].shape == (len(images), 3)
@@ -81,7 +71,7 @@ def test_run_matches_transformers(tmp_path, cache_dir, layout):
 
     model = tmp_path / "model"
     write_checkpoint(model, TINY, seed=4, processor_policy_dict=SMALL_POLICY, **LAYOUTS[layout])
-    images = write_images(tmp_path, seed=sum(map(ord, layout)))
+    images = write_images(tmp_path, SIZES, seed=sum(map(ord, layout)))
     features, _ = run_model(model, images, tmp_path / "f.safetensors", cache_dir)
 
     # transformers: its own processor on the same files, its tower on the dequantized weights

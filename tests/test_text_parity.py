@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from conftest import rel_l2
+from helpers import write_images
 from emitter.config import PRESETS
 from emitter.text_config import TEXT_PRESETS
 from runtime.generate import Generator, greedy
@@ -30,16 +30,6 @@ STEPS = 16
 TOL = 1e-5
 
 
-def write_images(folder: Path, sizes=((96, 64), (64, 130)), seed=0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i, (w, h) in enumerate(sizes):
-        path = folder / f"img{i}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-        paths.append(str(path))
-    return paths
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("text")
@@ -47,7 +37,7 @@ def setup(tmp_path_factory):
     write_generation_checkpoint(model_dir, PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
                                 processor_policy_dict=SMALL_POLICY)
     gen = Generator(model_dir, buckets=(32, 64), context=96, cache_dir=root / "cache")
-    return gen, model_dir, write_images(root)
+    return gen, model_dir, write_images(root, ((96, 64), (64, 130)))
 
 
 def reference(model_dir, prompt, images, steps):
