@@ -79,8 +79,8 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
             click.echo(f"weights  {cached_archive(model, plan.cfg, plan.precision, cache, progress=say)}")
     except (ValueError, OSError) as e:
         fail(str(e))
-    except CompileError as e:  # a bug, not bad input: say so in one block, status 1
-        click.echo(f"error: {e}", err=True)
+    except CompileError as e:  # the graph, not the input: one line, status 1
+        click.echo(f"error: {e.one_line()}", err=True)
         raise SystemExit(1)
 
 
@@ -103,6 +103,7 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
               help="Write each call's inputs as DIR/<NN>/<name>.npy with DIR/<NN>/call.json (see `qwen3vl export`).")
 def run(model, images, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
     """Encode images: merged image embeddings and the DeepStack features, in image order."""
+    from .compiler import CompileError
     from .run import run_images
 
     try:
@@ -110,6 +111,9 @@ def run(model, images, output, buckets, target, cache_dir, threads, precision, w
                               precision=precision, weights=weights, dump_inputs=dump_inputs))
     except (ValueError, OSError) as e:
         fail(str(e))
+    except CompileError as e:  # the graph, not the input: one line, status 1
+        click.echo(f"error: {e.one_line()}", err=True)
+        raise SystemExit(1)
 
 
 @main.command(context_settings=CONTEXT)
@@ -135,8 +139,8 @@ def export(model, output, buckets, precision, target, name, diagnostics, cache_d
                                  progress=say))
     except (ValueError, OSError) as e:
         fail(str(e))
-    except CompileError as e:
-        click.echo(f"error: {e}", err=True)
+    except CompileError as e:  # the graph, not the input: one line, status 1
+        click.echo(f"error: {e.one_line()}", err=True)
         raise SystemExit(1)
 
 

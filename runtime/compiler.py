@@ -25,7 +25,14 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 
 
 class CompileError(RuntimeError):
-    pass
+    """iree-compile failed: the first line says where, the rest is the compiler's output."""
+
+    def one_line(self) -> str:
+        """The first line and the compiler's first error line (what a command prints)."""
+        lines = str(self).splitlines()
+        reason = next((line.strip() for line in lines[1:] if "error:" in line),
+                      lines[1].strip() if len(lines) > 1 else "")
+        return f"{lines[0].rstrip(':')}: {reason}" if reason else lines[0]
 
 
 def die_with_parent() -> None:

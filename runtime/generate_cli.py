@@ -10,6 +10,7 @@ import click
 
 from emitter.cli import fail
 
+from .compiler import CompileError
 from .generate import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -79,3 +80,6 @@ def generate_command(model, images, prompt, max_new_tokens, json_path, save_logi
             write_atomic(json_path, json.dumps(result.to_json(), indent=1) + "\n")
     except (ValueError, OSError) as e:
         fail(str(e))
+    except CompileError as e:  # the graph, not the input: one line, status 1
+        click.echo(f"error: {e.one_line()}", err=True)
+        raise SystemExit(1)

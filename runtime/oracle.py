@@ -205,13 +205,6 @@ def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None 
 
 # --------------------------------------------------------------------------- command
 
-def _compile_failure(e) -> str:
-    """One line for a failed compile: the compiler's first error line, if any."""
-    lines = str(e).splitlines()
-    reason = next((line.strip() for line in lines[1:] if "error:" in line), lines[1].strip() if len(lines) > 1 else "")
-    return f"{lines[0].rstrip(':')}: {reason}" if reason else lines[0]
-
-
 def _defaults(key: str) -> str:
     return "default " + ", ".join(f"{p} {t[key]:g}" for p, t in DEFAULT_TOLERANCES.items())
 
@@ -273,7 +266,7 @@ def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2
     except (ValueError, OSError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except CompileError as e:  # the graph, not the input: status 1, as `qwen3vl build` says it
-        click.echo(f"error: {_compile_failure(e)}", err=True)
+        click.echo(f"error: {e.one_line()}", err=True)
         raise SystemExit(1)
     click.echo(format_table(report))
     if report_path:

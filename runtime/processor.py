@@ -36,7 +36,6 @@ import os
 import stat
 import warnings
 from functools import lru_cache
-from pathlib import Path
 from typing import Sequence, Union
 
 import numpy as np

@@ -116,7 +116,7 @@ def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> dict[st
     config.update(ids, tie_word_embeddings=text.tie_word_embeddings, text_config=text.to_hf_text_config())
     config["text_config"]["eos_token_id"] = eos[0]
     _write_json(model_dir / "config.json", config)
-    tokenizer.save(str(model_dir / "tokenizer.json"))
+    write_atomic(model_dir / "tokenizer.json", tokenizer.to_str())
     _write_json(model_dir / "tokenizer_config.json", {
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "model_max_length": 262144, "add_prefix_space": False})

@@ -123,3 +123,22 @@ def test_output_into_missing_folder_is_refused(tmp_path, cache_dir):
     result = qwen3vl("run", "--model", str(tmp_path / "m"), *images, "-o", str(tmp_path / "no" / "f.safetensors"),
                      "--cache-dir", cache_dir)
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_a_compile_failure_is_one_line(tmp_path, monkeypatch):
+    """The emitter writes an op iree-compile does not know: a real compile failure, said in
+    one line (the compiler's first error), status 1, no output file."""
+    from click.testing import CliRunner
+    import emitter.layers as layers
+    from runtime.cli import main
+    monkeypatch.setattr(layers, "gelu_erf", lambda b, x: b._unary("stablehlo.no_such_op", x, "bogus"))
+    write_checkpoint(tmp_path / "m", TINY, seed=1, processor_policy_dict=SMALL_POLICY)
+    images = write_images(tmp_path, SIZES[:1])
+    out = tmp_path / "f.safetensors"
+    result = CliRunner().invoke(main, ["run", "--model", str(tmp_path / "m"), *images, "-o", str(out), "--bucket",
+                                       "64", "--cache-dir", str(tmp_path / "cache")], catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: iree-compile failed for target llvm-cpu"), errors
+    assert "no_such_op" in errors[0] and result.stderr.splitlines()[-1] == errors[0]
+    assert "Traceback" not in result.output and not out.exists()
