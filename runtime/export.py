@@ -137,11 +137,20 @@ def export(model, out, buckets=(), precision: str = "f32", target: str | None = 
     open_archive(archive, plan.cfg, plan.precision)  # holds exactly the graph's weights
     result = build_artifact(plan, cache, progress)
     abi = abi_document(plan, result.identity, name, archive)
+    created = not out.exists()
     out.mkdir(exist_ok=True)
-    place_file(archive, out / f"{name}.irpa")
-    place_file(result.path, out / f"{name}.vmfb")
-    write_atomic(out / "abi.json", json.dumps(abi, indent=1) + "\n")
-    write_atomic(out / "README.txt", readme_text(abi))
+    files = [out / f"{name}.irpa", out / f"{name}.vmfb", out / "abi.json", out / "README.txt"]
+    try:  # all four or none: a failed write removes what this export placed
+        place_file(archive, files[0])
+        place_file(result.path, files[1])
+        write_atomic(files[2], json.dumps(abi, indent=1) + "\n")
+        write_atomic(files[3], readme_text(abi))
+    except BaseException:
+        for path in files:
+            path.unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     assert json.loads(canonical_json(abi)) == abi  # plain JSON only
     sizes = {p: (out / p).stat().st_size for p in (f"{name}.vmfb", f"{name}.irpa")}
     return "\n".join([f"wrote {out}/",

@@ -261,3 +261,17 @@ def test_diagnostics_artifact_entries():
     assert "func.func @encode_16(" not in text
     assert text.count('{iree.abi.name = "stage.merger.act"}') == 2
     assert result_names(TINY, True)[:3] == result_names(TINY)
+
+
+def test_failed_export_leaves_nothing_behind(exported, tmp_path):
+    """abi.json cannot be written (a folder stands in its place): one line, and neither the
+    vmfb nor the archive is left in OUT without it."""
+    out = tmp_path / "out"
+    (out / "abi.json").mkdir(parents=True)
+    args = [a for b in BUCKETS for a in ("--bucket", b)]
+    result = qwen3vl("export", "--model", str(exported / "tiny-model"), "-o", str(out), *args,
+                     "--cache-dir", str(exported / "cache"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "abi.json" in lines[-1], result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["abi.json"]  # only what was there before
