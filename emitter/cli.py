@@ -11,10 +11,10 @@ from .atomic import check_writable, write_atomic
 from .config import DEFAULT_PRESET, VisionConfig, load_model_config, preset
 
 
-def fail(message: str) -> None:
-    """One line on stderr, exit status 2, no traceback."""
+def fail(message: str, status: int = 2) -> None:
+    """One line on stderr, exit `status` (2: bad input; 1: a failed compile), no traceback."""
     click.echo(f"error: {message}", err=True)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def parse_bucket(text: str) -> int:

@@ -80,8 +80,7 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
     except (ValueError, OSError) as e:
         fail(str(e))
     except CompileError as e:  # the graph, not the input: one line, status 1
-        click.echo(f"error: {e.one_line()}", err=True)
-        raise SystemExit(1)
+        fail(e.one_line(), 1)
 
 
 @main.command(context_settings=CONTEXT)
@@ -112,8 +111,7 @@ def run(model, images, output, buckets, target, cache_dir, threads, precision, w
     except (ValueError, OSError) as e:
         fail(str(e))
     except CompileError as e:  # the graph, not the input: one line, status 1
-        click.echo(f"error: {e.one_line()}", err=True)
-        raise SystemExit(1)
+        fail(e.one_line(), 1)
 
 
 @main.command(context_settings=CONTEXT)
@@ -140,8 +138,7 @@ def export(model, output, buckets, precision, target, name, diagnostics, cache_d
     except (ValueError, OSError) as e:
         fail(str(e))
     except CompileError as e:  # the graph, not the input: one line, status 1
-        click.echo(f"error: {e.one_line()}", err=True)
-        raise SystemExit(1)
+        fail(e.one_line(), 1)
 
 
 @main.command("random-checkpoint", context_settings=CONTEXT)

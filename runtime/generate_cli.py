@@ -81,5 +81,4 @@ def generate_command(model, images, prompt, max_new_tokens, json_path, save_logi
     except (ValueError, OSError) as e:
         fail(str(e))
     except CompileError as e:  # the graph, not the input: one line, status 1
-        click.echo(f"error: {e.one_line()}", err=True)
-        raise SystemExit(1)
+        fail(e.one_line(), 1)

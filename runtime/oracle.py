@@ -266,8 +266,7 @@ def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2
     except (ValueError, OSError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except CompileError as e:  # the graph, not the input: status 1, as `qwen3vl build` says it
-        click.echo(f"error: {e.one_line()}", err=True)
-        raise SystemExit(1)
+        fail(e.one_line(), 1)
     click.echo(format_table(report))
     if report_path:
         try:
