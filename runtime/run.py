@@ -14,6 +14,9 @@ from emitter.atomic import check_writable, write_atomic
 from emitter.config import VisionConfig
 from emitter.targets import runtime_driver
 
+from emitter.identity import DEFAULT_LADDER
+
+from .build import make_plan
 from .packing import pack
 from .processor import check_image_file, image_grid, process_images
 from .session import VisionOutput, VisionSession
@@ -113,11 +116,12 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
         check_output_path(output, model, names)
     if dump_inputs and Path(dump_inputs).exists() and not Path(dump_inputs).is_dir():
         raise ValueError(f"--dump-inputs {dump_inputs}: is a file; expected a folder (created if missing)")
+    plan = make_plan(str(model), None, buckets or DEFAULT_LADDER, target, precision=precision, weights=weights)
+    calls = pack([image_grid(name, plan.policy) for name in names], plan.buckets, names)  # headers only
+    check_bucket_memory(plan.cfg, {call.bucket for call in calls}, plan.target)  # before any file is written
     session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
                             progress=progress, precision=precision, weights=weights, dump_inputs=dump_inputs)
     t0 = time.perf_counter()
-    calls = pack([image_grid(name, session.policy) for name in names], session.buckets, names)  # headers only
-    check_bucket_memory(session.cfg, {call.bucket for call in calls}, session.plan.target)  # before decoding
     pixel_values, grid_thw = process_images(names, session.policy, names=names)
     t1 = time.perf_counter()
     needed = list(dict.fromkeys(call.bucket for call in pack(grid_thw, session.buckets, names)))
