@@ -167,25 +167,33 @@ def from_hf_config(config: dict, source: str = "config.json") -> VisionConfig:
 
 
 def _rope_theta(vision: dict, source: str) -> float:
-    """The vision rotary base: `rope_parameters.rope_theta` (transformers 5), else a legacy
-    top-level `rope_theta`, else the default. The rope type, if given, must be what
-    transformers' vision rotary embedding accepts: 'axial' ('default' is read as axial)."""
-    rope = vision.get("rope_parameters")
+    """The vision rotary base. The rope type, if given, must be what transformers' vision
+    rotary embedding accepts: 'axial' ('default' is read as axial)."""
+    return read_rope(vision, "vision_config", source, ("axial", "default"),
+                     "'axial' (the vision tower's 2-D rotary embedding)", ROPE_THETA)[1]
+
+
+def read_rope(section: dict, where: str, source: str, types: tuple, expected: str,
+              default_theta: float) -> tuple[dict, float]:
+    """(rotary settings, rope_theta) of a config section, in either spelling:
+    `rope_parameters` (transformers 5) or the older `rope_scaling` beside a top-level
+    `rope_theta`. A rope type outside `types` is refused, saying `expected`."""
+    rope = section.get("rope_parameters")
     if rope is None:
-        rope = {}
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{source}: field 'vision_config.rope_parameters' = {rope!r}: expected an object")
-    rope_type = rope.get("rope_type", "axial")
-    if rope_type not in ("axial", "default"):
-        raise ConfigError(f"{source}: field 'vision_config.rope_parameters.rope_type' = {rope_type!r}: "
-                          f"expected 'axial' (the vision tower's 2-D rotary embedding)")
+        rope = section.get("rope_scaling")
+    if rope is not None and not isinstance(rope, dict):
+        raise ConfigError(f"{source}: field '{where}.rope_parameters' = {rope!r}: expected an object")
+    rope = rope or {}
+    rope_type = rope.get("rope_type", rope.get("type", types[0]))
+    if rope_type not in types:
+        raise ConfigError(f"{source}: field '{where}.rope_parameters.rope_type' = {rope_type!r}: expected {expected}")
     field, theta = "rope_parameters.rope_theta", rope.get("rope_theta")
     if theta is None:
-        field, theta = "rope_theta", vision.get("rope_theta", ROPE_THETA)
+        field, theta = "rope_theta", section.get("rope_theta", default_theta)
     if not _is_positive_number(theta):
-        raise ConfigError(f"{source}: field 'vision_config.{field}' = {theta!r}: expected a finite positive "
+        raise ConfigError(f"{source}: field '{where}.{field}' = {theta!r}: expected a finite positive "
                           f"number (the rotary base)")
-    return float(theta)
+    return rope, float(theta)
 
 
 def load_model_config(model_dir: str | Path) -> VisionConfig:

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from .config import ConfigError, read_rope
 
 DENSE_MODEL_TYPE = "qwen3_vl"
 MOE_MODEL_TYPES = ("qwen3_vl_moe",)
@@ -101,22 +101,13 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 
 def _rope(text: dict, source: str) -> tuple[float, tuple]:
     """(rope_theta, mrope_section) from either spelling."""
-    rope = text.get("rope_parameters")
-    if rope is None:
-        rope = text.get("rope_scaling")
-    if rope is not None and not isinstance(rope, dict):
-        raise ConfigError(f"{source}: field 'text_config.rope_parameters' = {rope!r}: expected an object")
-    rope = rope or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"{source}: field 'text_config.rope_parameters.rope_type' = {rope_type!r}: expected "
-                          "'default' (scaled rotary embeddings are not supported)")
-    theta = rope.get("rope_theta", text.get("rope_theta", DEFAULT_ROPE_THETA))
+    rope, theta = read_rope(text, "text_config", source, ("default", "mrope"),
+                            "'default' (scaled rotary embeddings are not supported)", DEFAULT_ROPE_THETA)
     section = rope.get("mrope_section", DEFAULT_MROPE_SECTION)
     if not isinstance(section, (list, tuple)):
         raise ConfigError(f"{source}: field 'text_config.rope_parameters.mrope_section' = {section!r}: "
                           "expected a list of three sizes")
-    return float(theta), tuple(section)
+    return theta, tuple(section)
 
 
 def text_config_from_hf(config: dict, source: str = "config.json") -> tuple[TextConfig, TokenIds]:
