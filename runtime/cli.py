@@ -172,9 +172,11 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, seed, with_text)
 
 from .oracle import oracle_command  # noqa: E402
 from .generate_cli import generate_command  # noqa: E402
+from .embed_cli import embed_command  # noqa: E402
 
 main.add_command(oracle_command)
 main.add_command(generate_command)
+main.add_command(embed_command)
 
 
 @main.command(context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True))

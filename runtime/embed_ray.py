@@ -1,0 +1,111 @@
+"""The Ray Data engine of `qwen3vl embed`: a Dataset over the image paths, `map_batches`
+with a pool of actors, each holding one vision session opened from the cache the
+driver filled (`embed.prepare`), so nothing is compiled per actor.
+
+Results come back to the driver in input order (`preserve_order`), one row per image:
+its grid, its features as raw f32 bytes ([1 + K, tokens, out_hidden]) or its error.
+A killed actor is restarted by Ray and its batch retried (Ray Data's defaults for actor
+pools: unlimited restarts and task retries); the driver writes every shard, so a
+retried batch cannot write anything twice.
+
+Imported only when `--ray-local` or `--ray` is given: Ray is an optional dependency.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterator
+
+import numpy as np
+
+from .embed import Embedded, SessionSpec, encode_batch
+
+INSTALL_HINT = "pip install 'qwen3vl-iree[ray]' (or: pip install 'ray[data]==2.60.0')"
+LOCAL_OBJECT_STORE = 512 * 2**20  # --ray-local: rows pass through it on their way to the driver
+
+
+def check_ray(ray_local: int | None, address: str | None) -> None:
+    """Fail before any work when the Ray options are wrong or Ray is not installed."""
+    if ray_local is not None and address is not None:
+        raise ValueError(f"--ray-local {ray_local} and --ray {address}: give one (a new local cluster, "
+                         f"or the address of a running one)")
+    if ray_local is not None and ray_local < 1:
+        raise ValueError(f"--ray-local {ray_local}: expected 1 or more workers")
+    flag = f"--ray-local {ray_local}" if ray_local is not None else f"--ray {address}"
+    try:
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"{flag}: needs Ray Data, which is not installed ({e}); {INSTALL_HINT}") from None
+
+
+class Encoder:
+    """One Ray actor: one session, opened once; a batch of paths -> one row per image."""
+
+    def __init__(self, spec: SessionSpec):
+        self.session = spec.open()
+
+    def __call__(self, batch: dict) -> dict:
+        results = encode_batch(self.session, [str(p) for p in batch["image"]])
+        return {
+            "image": np.array([r.image for r in results], dtype=object),
+            "grid": np.array([r.grid or (0, 0, 0) for r in results], np.int64).reshape(-1, 3),
+            "features": np.array([b"" if r.features is None else np.ascontiguousarray(r.features).tobytes()
+                                  for r in results], dtype=object),
+            "error": np.array([r.error or "" for r in results], dtype=object),
+        }
+
+
+def start(ray_local: int | None, address: str | None, say) -> int:
+    """Start a local cluster of `ray_local` CPUs, or join `address`; the number of actors."""
+    import ray
+
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    if ray_local is not None:
+        say(f"ray: starting a local cluster with {ray_local} workers")
+        ray.init(num_cpus=ray_local, object_store_memory=LOCAL_OBJECT_STORE, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=True)
+        return ray_local
+    say(f"ray: joining {address}")
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def ray_engine(spec: SessionSpec, images: list[str], batch: int, ray_local: int | None, address: str | None,
+               say) -> Iterator[Embedded]:
+    """Embedded results in input order, computed by an actor pool (one actor per worker
+    CPU; each session gets `spec.threads` IREE threads, default 1)."""
+    import ray
+    import ray.data
+
+    from .build import make_plan
+
+    cfg = make_plan(spec.model, None, spec.buckets, spec.target, precision=spec.precision).cfg
+    threads = spec.threads or 1
+    actors = max(1, start(ray_local, address, say) // threads)
+    try:
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False
+        context.execution_options.preserve_order = True
+        pool = ray.data.ActorPoolStrategy(size=actors) if ray_local is not None else \
+            ray.data.ActorPoolStrategy(min_size=1, max_size=actors)
+        dataset = ray.data.from_items([{"image": image} for image in images]).map_batches(
+            Encoder, batch_size=batch, compute=pool, num_cpus=threads, batch_format="numpy",
+            fn_constructor_kwargs={"spec": SessionSpec(**dict(spec.__dict__, threads=threads))})
+        for row in dataset.iter_rows():
+            yield _embedded(row, cfg)
+    finally:
+        ray.shutdown()
+
+
+def _embedded(row: dict, cfg) -> Embedded:
+    """A result row back into an Embedded."""
+    image, error = str(row["image"]), str(row["error"])
+    if error:
+        return Embedded(image, error=error)
+    grid = tuple(int(v) for v in row["grid"])
+    tokens = int(np.prod(grid)) // cfg.merge_unit
+    features = np.frombuffer(row["features"], np.float32).reshape(1 + len(cfg.deepstack_visual_indexes), tokens,
+                                                                  cfg.out_hidden_size)
+    return Embedded(image, grid, features)
