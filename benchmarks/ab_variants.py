@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vision import processed_images, vision_flops  # noqa: E402
+from runtime.bench import processed_images, vision_flops  # noqa: E402
 from emitter import layers, vision  # noqa: E402
 from emitter.config import PRESETS, weight_schema  # noqa: E402
 from runtime.compiler import compile_mlir  # noqa: E402
@@ -184,7 +184,7 @@ def main(argv=None):
             call(name, module)
             if i:
                 times[name].append(time.perf_counter() - start)
-    flops = vision_flops(cfg, grids, args.bucket)
+    flops = vision_flops(cfg, grids)
     base = statistics.median(times[args.variants[0]])
     first = outputs[args.variants[0]]
     for name in args.variants:

@@ -179,23 +179,13 @@ main.add_command(generate_command)
 main.add_command(embed_command)
 
 
-@main.command(context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True))
+@main.command(context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True,
+                                   help_option_names=[]))
 @click.pass_context
 def bench(ctx):
-    """Time the compiled tower against transformers' f32 tower (same weights, same images,
-    alternating in one process). Options: --preset NAME | --model DIR, --bucket N,
-    --images WxH,WxH, --repeats, --warmup, --threads, --precision, --weights, --json FILE,
-    --no-torch; `qwen3vl bench -- --help` lists them all.
+    """Time the compiled tower against transformers' (f32 against f32, bf16 against bf16) and
+    the machine's matmul roof, in one process. `qwen3vl bench --help` lists the options.
 
-    The benchmark lives in the source checkout (benchmarks/bench_vision.py), beside the
-    parity harness it borrows transformers' tower from, so that the package itself never
-    imports torch."""
-    import runpy
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vision.py"
-    if not script.is_file():
-        fail(f"qwen3vl bench: {script} not found; the benchmark runs from a source checkout")
-    sys.argv = [str(script), *ctx.args]
-    runpy.run_path(str(script), run_name="__main__")
+    torch and transformers are optional: without them it times our side against the roof."""
+    from .bench import main as bench_main
+    bench_main(ctx.args)
