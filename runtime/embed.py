@@ -28,7 +28,7 @@ from safetensors.numpy import save
 from emitter.atomic import check_writable, write_atomic
 from emitter.identity import DEFAULT_LADDER
 
-from .packing import pack, patch_count
+from .packing import pack
 from .processor import image_grid, process_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -357,15 +357,19 @@ def embed(model, inputs, out_dir, batch: int = 16, fmt: str = "native", precisio
         say(f"skipping {skipped} images already in {index.path}"
             + (f" ({failed_before} of them failed; --retry-failed tries those again)" if failed_before else ""))
     writer = ShardWriter(index, batch)
-    start = time.perf_counter()
-    if pending:
-        if use_ray:
-            from .embed_ray import ray_engine
-            results = ray_engine(spec, pending, batch, ray_local, ray_address, say)
-        else:
-            results = local_engine(spec.open(), pending, batch)
-        _drain(results, writer, len(pending), progress_bar)
-    writer.flush()
+    engine = None
+    try:
+        if pending and use_ray:
+            from .embed_ray import RayEngine
+            engine = RayEngine(spec, ray_local, ray_address, say)
+        start = time.perf_counter()
+        if pending:
+            results = engine.results(pending, batch) if engine else local_engine(spec.open(), pending, batch)
+            _drain(results, writer, len(pending), progress_bar)
+        writer.flush()
+    finally:
+        if engine:
+            engine.close()
     failed = sum(1 for e in index.failed() if e["image"] in set(images))
     return Summary(writer.encoded, writer.rows, time.perf_counter() - start, skipped, failed, index.path)
 

@@ -33,6 +33,7 @@ def check_ray(ray_local: int | None, address: str | None) -> None:
     if ray_local is not None and ray_local < 1:
         raise ValueError(f"--ray-local {ray_local}: expected 1 or more workers")
     flag = f"--ray-local {ray_local}" if ray_local is not None else f"--ray {address}"
+    quiet()
     try:
         import ray.data  # noqa: F401
     except ImportError as e:
@@ -56,46 +57,52 @@ class Encoder:
         }
 
 
-def start(ray_local: int | None, address: str | None, say) -> int:
-    """Start a local cluster of `ray_local` CPUs, or join `address`; the number of actors."""
-    import ray
-
-    logging.getLogger("ray").setLevel(logging.WARNING)
-    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
-    if ray_local is not None:
-        say(f"ray: starting a local cluster with {ray_local} workers")
-        ray.init(num_cpus=ray_local, object_store_memory=LOCAL_OBJECT_STORE, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=True)
-        return ray_local
-    say(f"ray: joining {address}")
-    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+def quiet() -> None:
+    """Ray's own logging down to errors in this process (the bar and summary say what
+    happens); the environment wins where it sets these."""
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "ERROR")  # read when ray.data is first imported
 
 
-def ray_engine(spec: SessionSpec, images: list[str], batch: int, ray_local: int | None, address: str | None,
-               say) -> Iterator[Embedded]:
-    """Embedded results in input order, computed by an actor pool (one actor per worker
-    CPU; each session gets `spec.threads` IREE threads, default 1)."""
-    import ray
-    import ray.data
+class RayEngine:
+    """A Ray cluster joined (or started) for one embed job; `results(images, batch)`
+    yields Embedded results in input order, computed by an actor pool (one actor per
+    worker CPU; each session gets `spec.threads` IREE threads, default 1)."""
 
-    from .build import make_plan
+    def __init__(self, spec: SessionSpec, ray_local: int | None, address: str | None, say):
+        import ray
 
-    cfg = make_plan(spec.model, None, spec.buckets, spec.target, precision=spec.precision).cfg
-    threads = spec.threads or 1
-    actors = max(1, start(ray_local, address, say) // threads)
-    try:
+        self.spec = SessionSpec(**dict(spec.__dict__, threads=spec.threads or 1))
+        if ray_local is not None:
+            say(f"ray: starting a local cluster with {ray_local} workers")
+            ray.init(num_cpus=ray_local, object_store_memory=LOCAL_OBJECT_STORE, include_dashboard=False,
+                     logging_level=logging.ERROR)
+            cpus = ray_local
+        else:
+            say(f"ray: joining {address}")
+            ray.init(address=address, logging_level=logging.ERROR)
+            cpus = int(ray.cluster_resources().get("CPU", 1))
+        self.actors = max(1, cpus // self.spec.threads)
+        self.fixed = ray_local is not None  # a local cluster is all ours: every actor at once
+
+    def results(self, images: list[str], batch: int) -> Iterator[Embedded]:
+        import ray.data
+
+        from .build import make_plan
+
+        cfg = make_plan(self.spec.model, None, self.spec.buckets, self.spec.target, precision=self.spec.precision).cfg
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False
         context.execution_options.preserve_order = True
-        pool = ray.data.ActorPoolStrategy(size=actors) if ray_local is not None else \
-            ray.data.ActorPoolStrategy(min_size=1, max_size=actors)
+        pool = (ray.data.ActorPoolStrategy(size=self.actors) if self.fixed
+                else ray.data.ActorPoolStrategy(min_size=1, max_size=self.actors))
         dataset = ray.data.from_items([{"image": image} for image in images]).map_batches(
-            Encoder, batch_size=batch, compute=pool, num_cpus=threads, batch_format="numpy",
-            fn_constructor_kwargs={"spec": SessionSpec(**dict(spec.__dict__, threads=threads))})
+            Encoder, batch_size=batch, compute=pool, num_cpus=self.spec.threads, batch_format="numpy",
+            fn_constructor_kwargs={"spec": self.spec})
         for row in dataset.iter_rows():
             yield _embedded(row, cfg)
-    finally:
+
+    def close(self) -> None:
+        import ray
         ray.shutdown()
 
 
