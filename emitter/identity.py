@@ -110,11 +110,12 @@ def bucket_set(buckets, cfg: VisionConfig | None = None) -> list[int]:
 
 def artifact_fields(cfg: VisionConfig, buckets, policy, target: str | None = DEFAULT_TARGET,
                     diagnostics: bool = False, inspect_blocks=None, compiler_version=None,
-                    extra_flags=(), precision: str = "f32", weights: str = "arguments") -> dict:
+                    extra_flags=(), precision: str = "f32", weights: str = "arguments",
+                    video_policy=None) -> dict:
     """Canonical JSON-able dict of everything that decides whether a compiled vmfb may
     be reused. The vmfb is the artifact module (`emit_artifact_module`) for the bucket
     set `buckets` (one bucket or several). `policy` is a `ProcessorPolicy` (or its
-    `to_dict()`); `compiler_version` overrides the installed compiler's version (tests);
+    `to_dict()`), `video_policy` a `VideoPolicy` (or its dict; None: the released one); `compiler_version` overrides the installed compiler's version (tests);
     `extra_flags` are appended to the target's iree-compile flags (and so must be passed
     to the compiler too)."""
     buckets = bucket_set(buckets, cfg)
@@ -135,6 +136,7 @@ def artifact_fields(cfg: VisionConfig, buckets, policy, target: str | None = DEF
         "precision": check_precision(precision),
         "weight_binding": check_binding(weights),
         "processor_policy": policy if isinstance(policy, dict) else policy.to_dict(),
+        "video_policy": _video_policy_dict(video_policy),
         "weight_schema": weight_schema_fields(cfg, precision),
         # The emitted graph itself (title comment left out): guards against an emitter
         # change that nobody recorded in its version.
@@ -146,17 +148,27 @@ def artifact_fields(cfg: VisionConfig, buckets, policy, target: str | None = DEF
     }
 
 
+def _video_policy_dict(video_policy) -> dict:
+    from .video_policy import DEFAULT_VIDEO_POLICY
+    if isinstance(video_policy, dict):
+        return video_policy
+    return (video_policy or DEFAULT_VIDEO_POLICY).to_dict()
+
+
 def explain_identity(cfg: VisionConfig, bucket, diagnostics: bool = False, inspect_blocks=None,
                      model_dir: str | Path | None = None, target: str | None = None, policy=None,
                      precision: str = "f32", weights: str = "arguments") -> str:
     """Human text: the identity of the artifact for `bucket` (one or several) and the
-    fields it hashes (pretty JSON). The policy comes from `model_dir`'s preprocessor
-    config when given, else the released default."""
+    fields it hashes (pretty JSON). The policies come from `model_dir`'s preprocessor
+    configs when given, else the released defaults."""
     from .policy import DEFAULT_POLICY, load_policy
+    from .video_policy import load_video_policy
     if policy is None:
         policy = load_policy(model_dir, cfg) if model_dir else DEFAULT_POLICY
+    video_policy = load_video_policy(model_dir, cfg) if model_dir else None
     fields = artifact_fields(cfg, bucket, policy, target=target, diagnostics=diagnostics,
-                             inspect_blocks=inspect_blocks, precision=precision, weights=weights)
+                             inspect_blocks=inspect_blocks, precision=precision, weights=weights,
+                             video_policy=video_policy)
     return format_explanation(fields)
 
 

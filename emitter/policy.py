@@ -1,5 +1,6 @@
-"""The image-processor policy: every setting that decides the pixel values fed to the
-vision tower, parsed from a checkpoint's `preprocessor_config.json`.
+"""The processor policies: every setting that decides the pixel values fed to the
+vision tower, parsed from a checkpoint's `preprocessor_config.json` (images,
+`ProcessorPolicy`) and `video_preprocessor_config.json` (videos, `VideoPolicy`).
 
 Pure Python (no numpy, no PIL): the emitter hashes `ProcessorPolicy.to_dict()` into
 an artifact's identity, and the runtime's `runtime.processor` applies it.
@@ -22,7 +23,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
-PROCESSOR_CONFIG = "processor_config.json"  # combined layout: {"image_processor": {...}}
+PROCESSOR_CONFIG = "processor_config.json"  # combined layout: {"image_processor": {...}, "video_processor": ...}
+VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
 
 # PIL resampling filters by their integer code (PIL.Image.Resampling).
 RESAMPLE_NAMES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}

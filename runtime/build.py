@@ -12,6 +12,7 @@ from emitter.cli import parse_bucket, resolve_config
 from emitter.config import VisionConfig, check_precision
 from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, format_explanation
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
+from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy, load_video_policy
 from emitter.targets import DEFAULT_TARGET, target_flags
 from emitter.vision import check_binding, check_bucket, emit_artifact_module
 
@@ -34,12 +35,13 @@ class BuildPlan:
     inspect_blocks: tuple[int, ...] | None = None
     precision: str = "f32"
     weights: str = "arguments"
+    video_policy: VideoPolicy = DEFAULT_VIDEO_POLICY
 
     def fields(self) -> dict:
         """The identity fields of the artifact module for the whole bucket set."""
         return artifact_fields(self.cfg, self.buckets, self.policy, target=self.target,
                                diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks,
-                               precision=self.precision, weights=self.weights)
+                               precision=self.precision, weights=self.weights, video_policy=self.video_policy)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
         from .checkpoint import check_checkpoint
         check_checkpoint(model, cfg)
     policy = load_policy(model, cfg) if model else DEFAULT_POLICY
+    video_policy = load_video_policy(model, cfg) if model else DEFAULT_VIDEO_POLICY
     target = target or DEFAULT_TARGET
     target_flags(target)
     parsed = []
@@ -80,7 +83,7 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
         if bad:
             raise ValueError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
     return BuildPlan(cfg, title, policy, tuple(parsed), target, bool(diagnostics), inspect,
-                     check_precision(precision), check_binding(weights or DEFAULT_BINDING))
+                     check_precision(precision), check_binding(weights or DEFAULT_BINDING), video_policy)
 
 
 def emit_and_compile(plan: BuildPlan) -> bytes:

@@ -78,6 +78,7 @@ class VisionSession:
         self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks,
                               precision, weights)
         self.cfg, self.policy = self.plan.cfg, self.plan.policy
+        self.video_policy = self.plan.video_policy
         self.cache = ArtifactCache(cache_dir)
         self.progress = progress
         self.seconds = {}
@@ -177,6 +178,12 @@ class VisionSession:
         out = self.encode_pixels(pixel_values, grid_thw, names)
         out.seconds = {"process": processed - start, "run": time.perf_counter() - processed}
         return out
+
+    def encode_videos(self, videos, names=None) -> VisionOutput:
+        """Video files -> VisionOutput (`runtime.video.encode_videos`): each video's rows
+        in order, grid_thw its (T, h, w) grids, `out.videos` the decoded frames' times."""
+        from .video import encode_videos
+        return encode_videos(self, videos, names)
 
     def prefill(self, input_ids, images, names=None, expand_pads: bool = True):
         """Encode `images` and package them for a language-model prefill (`PrefillPayload`):

@@ -1,7 +1,8 @@
 """Deterministic random-weight Qwen3-VL checkpoint folders, written without torch.
 
 `write_checkpoint` lays out what a real checkpoint folder holds (`config.json`,
-`preprocessor_config.json`, `*.safetensors`, an index when sharded) in the Hugging Face
+`preprocessor_config.json`, `video_preprocessor_config.json`, `*.safetensors`, an index
+when sharded) in the Hugging Face
 layout or the MLX (mlx-vlm) layout, in f32, bf16 or f16, optionally MLX
 affine-quantized, plus a few text-model tensors that a vision loader must ignore.
 """
@@ -18,6 +19,8 @@ import numpy as np
 
 from emitter.atomic import alive, temp_prefix, write_atomic
 from emitter.config import ROPE_THETA, VisionConfig, weight_schema
+from emitter.policy import VIDEO_PREPROCESSOR_CONFIG
+from emitter.video_policy import DEFAULT_VIDEO_POLICY
 
 from .prefill import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 from .checkpoint import CONV_NAME, HF_PREFIX, INDEX_NAME, MLX_PREFIX
@@ -224,7 +227,8 @@ def remove_stale_folders(model_dir: Path) -> None:
 def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, layout: str = "hf",
                      dtype: str = "f32", bits: int | None = None, group_size: int = 64, shards: int = 1,
                      processor_policy_dict: dict | None = None, model_type: str = "qwen3_vl",
-                     quant_overrides: dict[str, dict | bool] | None = None) -> dict[str, np.ndarray]:
+                     quant_overrides: dict[str, dict | bool] | None = None,
+                     video_policy_dict: dict | None = None) -> dict[str, np.ndarray]:
     """Write a random-weight checkpoint folder; returns the f32 source weights (keyed by
     Hugging Face name, Hugging Face shapes, before any rounding or quantization).
 
@@ -233,7 +237,8 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     size the group size divides (the linears and the position table), scales and biases in
     `dtype`. `quant_overrides` maps a module suffix (e.g. "blocks.0.attn.qkv") to
     {"bits", "group_size"} (recorded in config.json's `quantization` under the module's
-    path) or False (left unquantized).
+    path) or False (left unquantized). `video_policy_dict`: the video_preprocessor_config.json
+    (default: the released Qwen3-VL one).
 
     `model_dir` must be new or empty. The files are written into a temp folder beside it,
     which is renamed into place once complete: on any error nothing is left behind (and a
@@ -254,6 +259,8 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     try:
         source = _write_files(tmp, cfg, seed, layout, dtype, bits, group_size, shards, processor_policy_dict,
                               model_type, quant_overrides)
+        video = DEFAULT_VIDEO_POLICY.to_config() if video_policy_dict is None else video_policy_dict
+        write_atomic(tmp / VIDEO_PREPROCESSOR_CONFIG, json.dumps(video, indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700
         os.replace(tmp, model_dir)  # onto a missing or empty folder
     except BaseException as e:

@@ -13,6 +13,7 @@ from emitter import identity as ident
 from emitter.config import PRESETS
 from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, explain_identity
 from emitter.policy import DEFAULT_POLICY
+from emitter.video_policy import DEFAULT_VIDEO_POLICY
 
 TINY = PRESETS["tiny"]
 
@@ -181,6 +182,7 @@ def test_explain_identity(tmp_path, base):
     # A model folder's preprocessor config is the policy.
     policy = dataclasses.replace(DEFAULT_POLICY, max_pixels=1024 * 1024)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(policy.to_preprocessor_config()))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(DEFAULT_VIDEO_POLICY.to_config()))
     text = explain_identity(TINY, 16, model_dir=tmp_path)
     assert text.startswith(f"identity {ident_of(policy=policy)}\n")
 

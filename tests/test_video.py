@@ -1,0 +1,210 @@
+"""Videos: PyAV decoding, frame sampling and pixels against transformers'
+Qwen3VLVideoProcessor on the same decoded frames; the tower on video grids against
+transformers' tower; `qwen3vl run --video`; the prompt with timestamps and M-RoPE ids
+against Qwen3VLProcessor and get_rope_index; one-line errors for bad videos."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from emitter.config import PRESETS
+from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy
+from runtime.video import VideoError, load_video, process_video, video_grid
+
+av = pytest.importorskip("av")
+
+TINY = PRESETS["tiny"]
+SMALL_VIDEO = VideoPolicy(min_pixels=4096, max_pixels=4 * 64 * 64 * 8)  # tiny tests: small frames
+
+
+def gradient_frames(n: int, width: int, height: int, seed: int = 0) -> np.ndarray:
+    """n smooth RGB frames (moving gradients plus a little noise): uint8 [n, h, w, 3]."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    frames = []
+    for i in range(n):
+        base = np.stack([x * 3 + i * 11, y * 2 + i * 7, (x + y) + i * 5], -1) % 256
+        frames.append(np.clip(base + rng.integers(-8, 9, base.shape), 0, 255).astype(np.uint8))
+    return np.stack(frames)
+
+
+def write_video(path, frames: np.ndarray, rate: int = 10, codec: str = "mpeg4", fmt: str | None = None) -> str:
+    """Encode uint8 [n, h, w, 3] frames with PyAV; the path."""
+    container = av.open(str(path), "w", format=fmt)
+    stream = container.add_stream(codec, rate=rate)
+    stream.height, stream.width = frames.shape[1:3]
+    stream.pix_fmt = "yuv420p"
+    if codec == "mpeg4":
+        stream.options = {"qscale": "2"}
+    for frame in frames:
+        for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+            container.mux(packet)
+    for packet in stream.encode():
+        container.mux(packet)
+    container.close()
+    return str(path)
+
+
+def decode_all(path) -> tuple[np.ndarray, float]:
+    """Every frame of a file, as transformers' PyAV reader decodes them, and its fps."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        return np.stack(frames), float(stream.average_rate)
+
+
+def hf_video_processor(policy: VideoPolicy):
+    from transformers import Qwen3VLVideoProcessor
+    return Qwen3VLVideoProcessor(**policy.to_config())
+
+
+def hf_process(policy: VideoPolicy, path):
+    """transformers' video processor on every decoded frame of `path` with its metadata
+    (it samples the frames itself)."""
+    import torch  # noqa: F401
+    from transformers.video_utils import VideoMetadata
+    frames, fps = decode_all(path)
+    meta = VideoMetadata(total_num_frames=len(frames), fps=fps, width=frames.shape[2], height=frames.shape[1])
+    out = hf_video_processor(policy)(videos=[frames], video_metadata=[meta], return_metadata=True,
+                                     return_tensors="pt")
+    return out["pixel_values_videos"].numpy(), out["video_grid_thw"].numpy(), out["video_metadata"][0]
+
+
+# (frames, width, height, rate, policy): on the 32-pixel grid, so neither side resizes
+ON_GRID = [
+    (10, 64, 64, 10, SMALL_VIDEO),     # 2 fps of a 1 s clip -> min_frames 4
+    (9, 96, 64, 4, SMALL_VIDEO),       # odd sample count -> the last group padded
+    (40, 64, 96, 8, SMALL_VIDEO),      # 5 s -> 10 frames
+    (5, 64, 64, 25, SMALL_VIDEO),      # fewer frames than min_frames wanted
+    (30, 32, 64, 10, VideoPolicy(min_pixels=4096, max_pixels=1 << 20, fps=None, min_frames=2, max_frames=7)),
+]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("n,width,height,rate,policy", ON_GRID)
+def test_pixels_equal_transformers_on_grid(tmp_path, n, width, height, rate, policy):
+    path = write_video(tmp_path / "v.mp4", gradient_frames(n, width, height, seed=n), rate=rate)
+    expected, expected_grid, meta = hf_process(policy, path)
+    pixels, grid, video = process_video(path, policy)
+    assert video.indices == [int(i) for i in meta.frames_indices]
+    np.testing.assert_array_equal(np.array([grid]), expected_grid)
+    assert video_grid(path, policy) == grid
+    np.testing.assert_array_equal(pixels, expected)
+
+
+RESIZED = [(8, 100, 70), (8, 150, 100), (6, 40, 30), (12, 200, 120), (24, 64, 64)]  # up, mixed, down, x2.5
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("n,width,height", RESIZED)
+def test_resized_pixels_within_two_levels_of_transformers(tmp_path, n, width, height):
+    """Off the grid transformers resizes with torchvision's uint8 bicubic, this with PIL's
+    (same filter, same pass order, other fixed-point weights): the grid is equal, and a
+    value differs by at most two uint8 levels, in under 1% of values (measured: one level
+    in 0.01% to 0.4% of values; two in 0.2% when 64 px grow to 160)."""
+    path = write_video(tmp_path / "v.mp4", gradient_frames(n, width, height, seed=n), rate=4)
+    policy = SMALL_VIDEO if width != 64 else VideoPolicy(min_pixels=160 * 160 * 8, max_pixels=1 << 22)
+    expected, expected_grid, _ = hf_process(policy, path)
+    pixels, grid, _ = process_video(path, policy)
+    np.testing.assert_array_equal(np.array([grid]), expected_grid)
+    assert (grid[1] * 16, grid[2] * 16) != (height, width), "resized"
+    levels = np.abs(pixels - expected) * 127.5  # mean and std 0.5: one level is 2/255
+    assert levels.max() <= 2.0 + 1e-4
+    assert (levels > 0.5).mean() < 0.01
+
+
+POLICIES = [
+    {},
+    {"fps": 1, "min_frames": 2, "max_frames": 6},
+    {"fps": None, "num_frames": 6},
+    {"size": {"shortest_edge": 8192, "longest_edge": 65536}, "cap_pixels_per_frame": True, "max_video_tokens": 8},
+    {"do_normalize": False},
+    {"do_rescale": False, "image_mean": [100, 120, 140], "image_std": [50, 60, 70]},
+]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("config", POLICIES)
+def test_policy_read_as_transformers_reads_it(tmp_path, config):
+    """The same dict through VideoPolicy and Qwen3VLVideoProcessor: same settings, same
+    frames and the same pixels on a clip whose resized frames stay on its grid."""
+    from transformers import Qwen3VLVideoProcessor
+    policy = VideoPolicy.from_config(config)
+    hf = Qwen3VLVideoProcessor(**config)
+    for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames", "fps", "num_frames",
+                 "do_resize", "do_rescale", "do_normalize", "rescale_factor", "max_video_tokens"):
+        assert getattr(policy, name) == getattr(hf, name), name
+    assert (policy.min_pixels, policy.max_pixels) == (hf.size["shortest_edge"], hf.size["longest_edge"])
+    assert list(policy.image_mean) == list(hf.image_mean) and list(policy.image_std) == list(hf.image_std)
+    path = write_video(tmp_path / "v.mp4", gradient_frames(24, 64, 64, seed=3), rate=6)
+    expected, expected_grid, meta = hf_process(policy, path)
+    pixels, grid, video = process_video(path, policy)
+    assert video.indices == [int(i) for i in meta.frames_indices]
+    np.testing.assert_array_equal(np.array([grid]), expected_grid)
+    if tuple(grid[1:]) in ((4, 4), (8, 8), (12, 12)):  # 64 px or twice that: equal bit for bit
+        np.testing.assert_array_equal(pixels, expected)
+    else:  # two levels at most (see the resize test)
+        assert np.abs(pixels - expected).max() <= 2.0001 / 127.5
+
+
+def test_video_policy_enters_the_artifact_identity():
+    from emitter.config import PRESETS
+    from emitter.identity import artifact_fields, artifact_identity
+    from emitter.policy import DEFAULT_POLICY
+    base = artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY)
+    assert base["video_policy"] == DEFAULT_VIDEO_POLICY.to_dict()
+    other = artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY, video_policy=VideoPolicy.from_config({"fps": 1}))
+    assert artifact_identity(other) != artifact_identity(base)
+
+
+def test_timestamps_are_the_processors(tmp_path):
+    """Group times as Qwen3VLProcessor._calculate_timestamps gives them (odd count padded)."""
+    path = write_video(tmp_path / "v.mp4", gradient_frames(9, 64, 64), rate=4)
+    video = load_video(path, SMALL_VIDEO)
+    assert video.indices == [0, 3, 5, 8]  # int(9 / 4 * 2) = 4 frames
+    assert video.timestamps(2) == [(0 / 4 + 3 / 4) / 2, (5 / 4 + 8 / 4) / 2]
+    odd = load_video(path, VideoPolicy(fps=None, num_frames=3, min_pixels=4096, max_pixels=1 << 20))
+    assert odd.indices == [0, 4, 8] and odd.timestamps(2) == [(0 + 1) / 2, (2 + 2) / 2]
+
+
+# --------------------------------------------------------------------------- the tower
+
+TINY_POLICY = {"size": {"shortest_edge": 4096, "longest_edge": 32768}}  # images (runtime.synthetic's defaults)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random tiny checkpoint with SMALL_VIDEO as its video policy, its source weights,
+    and a session over buckets 64 and 128."""
+    from runtime.session import VisionSession
+    from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+    folder = tmp_path_factory.mktemp("tiny-video")
+    weights = write_checkpoint(folder / "m", TINY, seed=5, processor_policy_dict=dict(DEFAULT_PROCESSOR, **TINY_POLICY),
+                               video_policy_dict=SMALL_VIDEO.to_config())
+    session = VisionSession(folder / "m", buckets=(64, 128), cache_dir=folder / "cache")
+    return folder / "m", weights, session
+
+
+@pytest.mark.parity
+def test_video_embeddings_match_transformers_tower(tmp_path, tiny_model):
+    """Two videos (8 and 12 sampled frames, 64x96 and 96x64) through the session against
+    transformers' processor + Qwen3VLVisionModel on the same decoded frames: the pixels
+    are equal (on the grid) and every output within relL2 1e-5. The videos' frame groups
+    span several calls of the 128 bucket."""
+    from conftest import rel_l2
+    from torch_reference import run_vision_tower
+    _, weights, session = tiny_model
+    paths = [write_video(tmp_path / "a.mp4", gradient_frames(20, 96, 64, seed=1), rate=5),
+             write_video(tmp_path / "b.mkv", gradient_frames(60, 64, 96, seed=2), rate=10, fmt="matroska")]
+    pixels, grids = zip(*[hf_process(SMALL_VIDEO, p)[:2] for p in paths])
+    expected = run_vision_tower(TINY, weights, np.concatenate(pixels), np.concatenate(grids))
+    out = session.encode_videos(paths)
+    np.testing.assert_array_equal(out.grid_thw, np.concatenate(grids))
+    assert [tuple(g) for g in out.grid_thw] == [(4, 4, 6), (6, 6, 4)]
+    assert len(out.calls) >= 2
+    assert rel_l2(out.image_embeds, expected["merger"]) <= 1e-5
+    for k in range(len(TINY.deepstack_visual_indexes)):
+        assert rel_l2(out.deepstack_features[k], expected[f"deepstack_merger_list.{k}"]) <= 1e-5
