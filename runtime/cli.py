@@ -85,9 +85,13 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 
 @main.command(context_settings=CONTEXT)
 @click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
-@click.argument("images", nargs=-1, required=True, metavar="IMAGE...")
+@click.argument("images", nargs=-1, metavar="IMAGE...")
+@click.option("--video", "videos", multiple=True, metavar="FILE",
+              help="A video file (any container and codec PyAV decodes; repeatable), sampled and processed as "
+                   "video_preprocessor_config.json says.")
 @click.option("-o", "--output", metavar="FILE",
-              help="Write image_embeds, deepstack_features and grid_thw here (safetensors).")
+              help="Write image_embeds, deepstack_features and grid_thw here (safetensors); with --video also "
+                   "video_embeds, video_deepstack_features and video_grid_thw.")
 @click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
               help="Buckets to pack into (repeatable; default 64 128 256 512).")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
@@ -100,14 +104,15 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
                    "faster) or function arguments (packed on every call).")
 @click.option("--dump-inputs", metavar="DIR",
               help="Write each call's inputs as DIR/<NN>/<name>.npy with DIR/<NN>/call.json (see `qwen3vl export`).")
-def run(model, images, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
-    """Encode images: merged image embeddings and the DeepStack features, in image order."""
+def run(model, images, videos, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
+    """Encode images and videos: merged embeddings and the DeepStack features, images in
+    order, then videos in order."""
     from .compiler import CompileError
     from .run import run_images
 
     try:
         click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say,
-                              precision=precision, weights=weights, dump_inputs=dump_inputs))
+                              precision=precision, weights=weights, dump_inputs=dump_inputs, videos=videos))
     except (ValueError, OSError) as e:
         fail(str(e))
     except CompileError as e:  # the graph, not the input: one line, status 1

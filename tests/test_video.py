@@ -208,3 +208,43 @@ def test_video_embeddings_match_transformers_tower(tmp_path, tiny_model):
     assert rel_l2(out.image_embeds, expected["merger"]) <= 1e-5
     for k in range(len(TINY.deepstack_visual_indexes)):
         assert rel_l2(out.deepstack_features[k], expected[f"deepstack_merger_list.{k}"]) <= 1e-5
+
+
+# --------------------------------------------------------------------------- qwen3vl run --video
+
+QWEN3VL = str(Path(__import__("sys").executable).parent / "qwen3vl")
+
+
+def qwen3vl(*args):
+    import subprocess
+    return subprocess.run([QWEN3VL, *args], capture_output=True, text=True)
+
+
+@pytest.mark.parity
+def test_run_writes_video_features_in_input_order(tmp_path, tiny_model):
+    """`qwen3vl run IMAGE --video A --video B -o F`: the image's features as before, the
+    videos' under video_* keys, videos in the order given, each equal to transformers'."""
+    from safetensors.numpy import load_file
+    from conftest import rel_l2
+    from helpers import write_images
+    from torch_reference import run_vision_tower
+    model, weights, session = tiny_model
+    image = write_images(tmp_path, [(96, 64)])[0]
+    a = write_video(tmp_path / "a.mp4", gradient_frames(20, 64, 64, seed=3), rate=5)
+    b = write_video(tmp_path / "b.avi", gradient_frames(9, 96, 64, seed=4), rate=4, fmt="avi")
+    result = qwen3vl("run", "--model", str(model), image, "--video", b, "--video", a, "-o", str(tmp_path / "f.st"),
+                     "--bucket", "64", "--bucket", "128", "--cache-dir", str(model.parent / "cache"))
+    assert result.returncode == 0, result.stderr
+    assert f"video    {b}: 4 of 9 frames (4 fps), grid (2, 4, 6) -> 12 tokens" in result.stdout
+    out = load_file(tmp_path / "f.st")
+    assert out["video_grid_thw"].tolist() == [[2, 4, 6], [4, 4, 4]] and out["video_grid_thw"].dtype == np.int64
+    assert out["grid_thw"].tolist() == [[1, 4, 6]]
+    assert out["video_embeds"].shape == (12 + 16, TINY.out_hidden_size)
+    assert out["video_deepstack_features"].shape == (2, 28, TINY.out_hidden_size)
+    assert out["image_embeds"].shape == (6, TINY.out_hidden_size)
+    np.testing.assert_allclose(out["image_embeds"], session.encode([image]).image_embeds, rtol=0, atol=1e-5)
+    pixels, grids = zip(*[hf_process(SMALL_VIDEO, p)[:2] for p in (b, a)])
+    expected = run_vision_tower(TINY, weights, np.concatenate(pixels), np.concatenate(grids))
+    assert rel_l2(out["video_embeds"], expected["merger"]) <= 1e-5
+    for k in range(2):
+        assert rel_l2(out["video_deepstack_features"][k], expected[f"deepstack_merger_list.{k}"]) <= 1e-5
