@@ -296,6 +296,34 @@ class Builder:
         types = ", ".join(str(v.type) for v in values)
         return self._op(hint or "concat", f"stablehlo.concatenate {operands}, dim = {dim} : ({types}) -> {t}", t)
 
+    # -- control flow ------------------------------------------------------------
+    def while_loop(self, init: list[Value], cond, body, hint: str = "loop") -> list[Value]:
+        """stablehlo.while over the carried values `init`: `cond(*carried)` returns a scalar
+        i1, `body(*carried)` the next carried values (same types). The regions may read any
+        value built before the loop. Returns the final carried values."""
+        name = self._fresh(f"{self._stage}.{hint}" if self._stage else hint)
+        args = [Value(self._fresh(f"{name}.arg{i}"), v.type) for i, v in enumerate(init)]
+        types = ", ".join(str(v.type) for v in init)
+
+        def region(fn) -> tuple[list[str], list[Value]]:
+            outer, self.lines = self.lines, []
+            try:
+                out = fn(*args)
+            finally:
+                lines, self.lines = self.lines, outer
+            return lines, list(out) if isinstance(out, (list, tuple)) else [out]
+
+        cond_lines, (pred,) = region(cond)
+        body_lines, nexts = region(body)
+        if pred.type != TensorType((), "i1") or [v.type for v in nexts] != [v.type for v in init]:
+            raise BuildError(f"while_loop: cond gave {pred.type}, body {[str(v.type) for v in nexts]} for {types}")
+        carried = ", ".join(f"{a} = {v}" for a, v in zip(args, init))
+        self.lines.append(f"%{name}:{len(init)} = stablehlo.while({carried}) : {types}")
+        self.lines += [" cond {", *("  " + line for line in cond_lines), f"  stablehlo.return {pred} : {pred.type}",
+                       " } do {", *("  " + line for line in body_lines),
+                       f"  stablehlo.return {', '.join(map(str, nexts))} : {types}", f' }} loc("{self._stage}")']
+        return [Value(f"{name}#{i}", v.type) for i, v in enumerate(init)]
+
     # -- contractions and reductions --------------------------------------------
     def dot_general(self, a: Value, b: Value, contract: tuple[list, list], batch: tuple[list, list] = ([], []),
                     hint=None, result_dtype: str | None = None) -> Value:

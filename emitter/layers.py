@@ -131,9 +131,130 @@ def segment_mask(b: Builder, segment_ids: Value) -> Value:
     return b.select(same, zero, b.constant(float("-inf"), (n, n), hint="neg_inf"), hint="mask")
 
 
-def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, mask: Value, num_heads: int) -> Value:
+# Attention forms. "dense": one [H, B, B] score tensor and the [B, B] segment mask, fastest
+# for small buckets. "blockwise": query chunks of ATTENTION_CHUNK rows in a loop, each
+# attending with an online softmax over only the key chunks that hold its segments, so
+# memory per step is [H, C, C] and the cross-image blocks are never computed
+# (docs/performance.md, "Large inputs", has the measurements behind the threshold).
+ATTENTION_FORMS = ("dense", "blockwise")
+ATTENTION_CHUNK = 512
+BLOCKWISE_FROM = 2048  # patches: buckets of at least this many use the blockwise form
+NO_SEGMENT = -1  # segment id of the rows padded up to a whole chunk (host ids are >= 0)
+SOFTMAX_FLOOR = -3.0e38  # running max before any key: finite, so exp(floor - floor) is 1, never NaN
+
+
+def attention_form(bucket: int) -> str:
+    return "blockwise" if bucket >= BLOCKWISE_FROM else "dense"
+
+
+def attention_inputs(b: Builder, segment_ids: Value, form: str) -> Value:
+    """What every block's attention reads beside q/k/v: the [B, B] mask (dense) or the
+    segment ids themselves (blockwise)."""
+    return segment_mask(b, segment_ids) if form == "dense" else segment_ids
+
+
+def dense_attention(b: Builder, q: Value, k: Value, v: Value, mask: Value, operand_dtype: str) -> Value:
+    """softmax(q k^T / sqrt(d) + mask) v on [heads, B, head_dim], with one [heads, B, B] score tensor."""
+    head_dim = q.shape[2]
+    scores = matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+    scores = b.multiply(scores, b.scalar(head_dim ** -0.5, scores, "scale"), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+    return matmul(b, softmax(b, scores), v, ([2], [1]), ([0], [0]), operand_dtype, hint="context")
+
+
+def _i32(b: Builder, value: int, hint: str = "const") -> Value:
+    return b.constant(value, (), "i32", hint=hint)
+
+
+def _pad_rows(b: Builder, x: Value, axis: int, rows: int, fill, hint: str) -> Value:
+    """x with `rows` rows of `fill` appended along `axis`."""
+    if rows == 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = rows
+    return b.concatenate([x, b.constant(fill, shape, x.dtype, hint=hint + "_pad")], axis, hint=hint)
+
+
+def key_chunk_range(b: Builder, seg_q: Value, segments: Value, chunk: int) -> tuple[Value, Value]:
+    """[first, last) key chunks holding every key that shares a segment with the queries
+    `seg_q` [C]: the span from the first to the last matching key (exact for any ids; for
+    the host's contiguous segments it is just those segments)."""
+    (c,), (n,) = seg_q.shape, segments.shape
+    same = b.compare("EQ", b.broadcast_in_dim(seg_q, (c, n), [0], hint="seg_q"),
+                     b.broadcast_in_dim(segments, (c, n), [1], hint="seg_k"), hint="same_segment")
+    index = b.iota((c, n), 1, hint="key_index")
+    neg_first = b.select(same, b.negate(index, hint="neg_index"), b.constant(-n, (c, n), "i32"), hint="first")
+    after_last = b.select(same, b.add(index, b.constant(1, (c, n), "i32")), b.constant(0, (c, n), "i32"),
+                          hint="last")
+    first = b.negate(b.reduce(neg_first, [0, 1], "maximum", hint="first"), hint="first")
+    end = b.reduce(after_last, [0, 1], "maximum", hint="end")
+    size = _i32(b, chunk, "chunk")
+    return (b.divide(first, size, hint="first_chunk"),
+            b.divide(b.add(end, _i32(b, chunk - 1)), size, hint="end_chunk"))
+
+
+def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, segment_ids: Value, operand_dtype: str,
+                        chunk: int = ATTENTION_CHUNK) -> Value:
+    """The same attention as `dense_attention` with the segment mask, query chunk by query
+    chunk: each chunk of `chunk` queries runs an online softmax (running max, rescaled sums)
+    over the key chunks in its segments' range, each masked by segment. Memory per step is
+    [heads, chunk, chunk]; work is the diagonal blocks only. Rows are padded to a whole
+    chunk with segment NO_SEGMENT, which no real row shares."""
+    heads, n, d = q.shape
+    padded = -(-n // chunk) * chunk
+    q, k, v = (_pad_rows(b, x, 1, padded - n, 0.0, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    segments = _pad_rows(b, segment_ids, 0, padded - n, NO_SEGMENT, "segments")
+    zero = _i32(b, 0, "zero")
+
+    def chunk_of(x, start, hint):
+        """Rows [start, start + chunk) of x [heads, rows, d], copied out: IREE 3.13's llvm-cpu
+        fails ("large vector sizes") when the slice fuses into the matmul's packing."""
+        return b.optimization_barrier(b.dynamic_slice(x, [zero, start, zero], (heads, chunk, d), hint=hint), hint=hint)
+
+    def query_chunk(i, out):
+        start = b.multiply(i, _i32(b, chunk, "chunk"), hint="q_start")
+        q_c = chunk_of(q, start, "q_chunk")
+        seg_q = b.dynamic_slice(segments, [start], (chunk,), hint="seg_q")
+        first, end = key_chunk_range(b, seg_q, segments, chunk)
+        init = [first, b.constant(SOFTMAX_FLOOR, (heads, chunk), hint="peak"),
+                b.constant(0.0, (heads, chunk), hint="denom"), b.constant(0.0, (heads, chunk, d), hint="acc")]
+        _, _, denom, acc = b.while_loop(init, lambda j, *_: b.compare("LT", j, end, hint="more_keys"),
+                                        lambda j, peak, denom, acc: key_chunk(q_c, seg_q, j, peak, denom, acc),
+                                        hint="keys")
+        context = b.divide(acc, b.broadcast_in_dim(denom, acc.shape, [0, 1]), hint="context")
+        return [b.add(i, _i32(b, 1, "one")), b.dynamic_update_slice(out, context, [zero, start, zero], hint="out")]
+
+    def key_chunk(q_c, seg_q, j, peak, denom, acc):
+        start = b.multiply(j, _i32(b, chunk, "chunk"), hint="k_start")
+        k_c, v_c = chunk_of(k, start, "k_chunk"), chunk_of(v, start, "v_chunk")
+        seg_k = b.dynamic_slice(segments, [start], (chunk,), hint="seg_k")
+        same = b.compare("EQ", b.broadcast_in_dim(seg_q, (chunk, chunk), [0]),
+                         b.broadcast_in_dim(seg_k, (chunk, chunk), [1]), hint="same_segment")
+        mask = b.select(same, b.constant(0.0, (chunk, chunk)), b.constant(float("-inf"), (chunk, chunk)),
+                        hint="mask")
+        scores = matmul(b, q_c, k_c, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+        scores = b.multiply(scores, b.scalar(d ** -0.5, scores, "scale"), hint="scores")
+        scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+        new_peak = b.maximum(peak, b.reduce(scores, [2], "maximum", hint="chunk_peak"), hint="peak")
+        e = b.exponential(b.subtract(scores, b.broadcast_in_dim(new_peak, scores.shape, [0, 1]), hint="shifted"),
+                          hint="exp")
+        rescale = b.exponential(b.subtract(peak, new_peak, hint="peak_change"), hint="rescale")
+        denom = b.add(b.multiply(denom, rescale), b.reduce(e, [2], "add", hint="chunk_denom"), hint="denom")
+        term = matmul(b, e, v_c, ([2], [1]), ([0], [0]), operand_dtype, hint="chunk_context")
+        acc = b.add(b.multiply(acc, b.broadcast_in_dim(rescale, acc.shape, [0, 1]), hint="acc"), term, hint="acc")
+        return [b.add(j, _i32(b, 1, "one")), new_peak, denom, acc]
+
+    out = b.constant(0.0, (heads, padded, d), hint="context")
+    _, out = b.while_loop([zero, out], lambda i, _: b.compare("LT", i, _i32(b, padded // chunk), hint="more_queries"),
+                          query_chunk, hint="queries")
+    return out if padded == n else b.slice(out, (0, 0, 0), (heads, n, d), hint="context")
+
+
+def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, segments: Value, num_heads: int) -> Value:
     """Packed multi-head self-attention with fused [Q|K|V] projection and 2-D RoPE; the
-    score and context matmuls take their operands in the attention weights' dtype."""
+    score and context matmuls take their operands in the attention weights' dtype.
+    `segments` is what `attention_inputs` gave: the [B, B] mask (dense form) or the
+    segment ids [B] (blockwise form)."""
     n, hidden = x.shape
     head_dim = hidden // num_heads
     operand_dtype = w["attn.qkv.weight"].dtype
@@ -147,10 +268,10 @@ def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, mask: Value
         return b.transpose(part, [1, 0, 2], hint=name)  # [heads, B, head_dim]
 
     q, k, v = head_major(0, "q", True), head_major(1, "k", True), head_major(2, "v", False)
-    scores = matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
-    scores = b.multiply(scores, b.scalar(head_dim ** -0.5, scores, "scale"), hint="scores")
-    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
-    context = matmul(b, softmax(b, scores), v, ([2], [1]), ([0], [0]), operand_dtype, hint="context")
+    if segments.rank == 2:
+        context = dense_attention(b, q, k, v, segments, operand_dtype)
+    else:
+        context = blockwise_attention(b, q, k, v, segments, operand_dtype)
     context = b.reshape(b.transpose(context, [1, 0, 2]), (n, hidden), hint="context")
     return linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
 
@@ -182,8 +303,14 @@ def merger(b: Builder, x: Value, w: dict, merge_unit: int, postshuffle_norm: boo
 
 
 def project(b: Builder, x: Value, weight: Value, hint: str = "proj") -> Value:
-    """x @ weight.T for a bias-free [out, in] weight, operands in the weight's dtype."""
-    return matmul(b, x, weight, ([x.rank - 1], [1]), operand_dtype=weight.dtype, hint=hint)
+    """x @ weight.T for a bias-free [out, in] weight, operands in the weight's dtype. One
+    row [1, in] is computed as weight @ x.T: IREE's data tiling then packs the weight in
+    the layout the many-row form packs it in, so a module with both (prefill and decode)
+    holds one packed copy; as x @ weight.T it packed a second, transposed one."""
+    if x.shape[0] != 1 or x.rank != 2:
+        return matmul(b, x, weight, ([x.rank - 1], [1]), operand_dtype=weight.dtype, hint=hint)
+    column = matmul(b, weight, x, ([1], [1]), operand_dtype=weight.dtype, hint=hint)
+    return b.reshape(column, (1, weight.shape[0]), hint=hint)
 
 
 def rms_norm(b: Builder, x: Value, weight: Value, eps: float) -> Value:

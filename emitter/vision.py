@@ -25,7 +25,8 @@ import numpy as np
 from . import __version__
 from .builder import Builder, Value
 from .config import HF_PREFIX, VisionConfig, graph_weights
-from .layers import Stages, attention, layer_norm, linear, merger, mlp, rotary_tables, segment_mask
+from .layers import (ATTENTION_FORMS, Stages, attention, attention_form, attention_inputs, layer_norm, linear, merger,
+                     mlp, rotary_tables)
 
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
@@ -95,11 +96,11 @@ def input_specs(cfg: VisionConfig, bucket: int) -> list[tuple[str, tuple[int, ..
     ]
 
 
-def block(b: Builder, x: Value, w: dict, cos, sin, mask, cfg: VisionConfig, stages: Stages, name: str) -> Value:
+def block(b: Builder, x: Value, w: dict, cos, sin, segments, cfg: VisionConfig, stages: Stages, name: str) -> Value:
     with b.stage(f"{name}.norm1"):
         normed1 = stages(f"{name}.norm1", layer_norm(b, x, w["norm1.weight"], w["norm1.bias"]))
     with b.stage(f"{name}.attn"):
-        attn = stages(f"{name}.attn", attention(b, normed1, w, cos, sin, mask, cfg.num_heads))
+        attn = stages(f"{name}.attn", attention(b, normed1, w, cos, sin, segments, cfg.num_heads))
         x = stages(f"{name}.attn_residual", b.add(x, attn, hint="residual"))
     with b.stage(f"{name}.norm2"):
         normed2 = stages(f"{name}.norm2", layer_norm(b, x, w["norm2.weight"], w["norm2.bias"]))
@@ -124,10 +125,22 @@ def check_binding(binding: str) -> str:
     return binding
 
 
+def check_attention(form: str | None, bucket: int) -> str:
+    """The attention form for `bucket`: `form` if given, else the bucket's default
+    (`layers.attention_form`: dense below BLOCKWISE_FROM patches, blockwise from there)."""
+    if form is None:
+        return attention_form(bucket)
+    if form not in ATTENTION_FORMS:
+        raise BucketError(f"attention form {form!r}: expected one of {', '.join(ATTENTION_FORMS)}")
+    return form
+
+
 def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: str = "f32",
-                       binding: str = "arguments", kept=()) -> tuple[list[Value], dict[str, Value]]:
+                       binding: str = "arguments", kept=(), attention: str | None = None
+                       ) -> tuple[list[Value], dict[str, Value]]:
     """Emit the tower into `b`; returns (outputs, every named stage). The stages in `kept`
-    (those a diagnostics variant returns) are written out as they are (`layers.Stages`)."""
+    (those a diagnostics variant returns) are written out as they are (`layers.Stages`).
+    `attention` names the attention form (`check_attention`; default: by bucket)."""
     inputs = {name: b.argument(name, shape, dtype) for name, shape, dtype in input_specs(cfg, bucket)}
     weights = {w.name[len(HF_PREFIX):]: bind_weight(b, w, check_binding(binding))
                for w in graph_weights(cfg, precision)}
@@ -151,11 +164,11 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: st
     with b.stage("rotary"):
         cos, sin = rotary_tables(b, inputs["rope_pos"], rope_inv_freq(cfg), cfg.head_dim)
     with b.stage("mask"):
-        mask = segment_mask(b, inputs["segment_ids"])
+        segments = attention_inputs(b, inputs["segment_ids"], check_attention(attention, bucket))
 
     deepstack = []
     for i in range(cfg.depth):
-        x = block(b, x, group(f"blocks.{i}."), cos, sin, mask, cfg, stages, f"blocks.{i}")
+        x = block(b, x, group(f"blocks.{i}."), cos, sin, segments, cfg, stages, f"blocks.{i}")
         if i in cfg.deepstack_visual_indexes:
             name = f"deepstack_merger_list.{cfg.deepstack_visual_indexes.index(i)}"
             with b.stage(name):
@@ -184,26 +197,30 @@ def check_inspect_blocks(cfg: VisionConfig, inspect_blocks) -> None:
 
 
 def vision_function(cfg: VisionConfig, bucket: int, name: str, diagnostics: bool = False, inspect_blocks=None,
-                    precision: str = "f32", weights: str = "arguments") -> tuple[dict, list[str]]:
+                    precision: str = "f32", weights: str = "arguments", attention: str | None = None
+                    ) -> tuple[dict, list[str]]:
     """One bucket's function (name, arguments, results, body) and the weight globals it reads."""
     b = Builder()
     kept = stage_names(cfg, inspect_blocks) if diagnostics else []
-    outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights, kept)
+    outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights, kept, attention)
     values = outputs + [stages[s] for s in kept]
     results = list(zip(result_names(cfg, diagnostics, inspect_blocks), values))
     return {"name": name, "arguments": b.arguments, "results": results, "body": b.lines}, b.globals
 
 
 def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
-                       title: str = "", precision: str = "f32", weights: str = "arguments") -> str:
+                       title: str = "", precision: str = "f32", weights: str = "arguments",
+                       attention: str | None = None) -> str:
     """MLIR text of the vision tower for one bucket, function `main` (deterministic: same
     input, same bytes). `precision` "bf16" takes the matmul weights in bf16 and runs every
     matmul on bf16 operands with f32 accumulation; everything else stays f32. `weights`
     "parameters" reads the weights from a parameter archive (scope `model`, keys the
-    checkpoint names) instead of taking them as arguments."""
+    checkpoint names) instead of taking them as arguments. `attention` overrides the
+    bucket's attention form ("dense" or "blockwise"; for A/B measurements)."""
     check_bucket(bucket, cfg)
     check_inspect_blocks(cfg, inspect_blocks)
-    function, globals_ = vision_function(cfg, bucket, "main", diagnostics, inspect_blocks, precision, weights)
+    function, globals_ = vision_function(cfg, bucket, "main", diagnostics, inspect_blocks, precision, weights,
+                                         attention)
     return render_functions([function], globals_, title=title, buckets=[bucket], diagnostics=diagnostics,
                             precision=precision, config=cfg.to_dict())
 

@@ -1,0 +1,117 @@
+"""Large buckets: the blockwise attention form (query chunks, online softmax over only the
+key chunks of their segments) against transformers, its padding to whole chunks, the key
+ranges it visits, and the artifact identity that records the form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import compiled, rel_l2, run_graph
+from emitter.builder import Builder
+from emitter.config import PRESETS
+from emitter.layers import BLOCKWISE_FROM, attention_form, key_chunk_range
+from emitter.vision import emit_vision_module, render_functions
+from runtime.compiler import compile_mlir
+from runtime.iree_module import LoadedModule
+
+TOLERANCE = 1e-5
+TINY = PRESETS["tiny"]
+
+
+def transformers_outputs(cfg, grid_thw, seed):
+    """transformers' merger and DeepStack outputs on random pixels for `grid_thw`."""
+    from torch_reference import random_vision_state_dict, run_vision_tower
+    rng = np.random.default_rng(seed)
+    pixels = rng.uniform(-1, 1, (int(np.prod(grid_thw, axis=1).sum()), cfg.patch_dim)).astype(np.float32)
+    weights = random_vision_state_dict(cfg, seed=seed)
+    stages = run_vision_tower(cfg, weights, pixels, grid_thw)
+    expected = {"image_embeds": stages["merger"]}
+    for k in range(len(cfg.deepstack_visual_indexes)):
+        expected[f"deepstack_features.{k}"] = stages[f"deepstack_merger_list.{k}"]
+    return weights, pixels, expected
+
+
+def assert_close(ours: dict, expected: dict) -> dict:
+    errors = {name: rel_l2(ours[name], expected[name]) for name in expected}
+    assert max(errors.values()) <= TOLERANCE, errors
+    return errors
+
+
+def test_large_buckets_take_the_blockwise_form():
+    assert attention_form(BLOCKWISE_FROM - 4) == "dense" and attention_form(BLOCKWISE_FROM) == "blockwise"
+    assert "stablehlo.while" not in emit_vision_module(TINY, BLOCKWISE_FROM - 4)
+    assert "stablehlo.while" in emit_vision_module(TINY, BLOCKWISE_FROM)
+
+
+@pytest.mark.parity
+def test_bucket_4096_with_several_images_matches_transformers():
+    """Five images and a two-frame video, 3728 patches, in one blockwise call at bucket 4096
+    (segments crossing chunk boundaries, padding its own segments)."""
+    pytest.importorskip("transformers")
+    grid_thw = np.array([[1, 32, 64], [1, 24, 40], [1, 16, 32], [2, 8, 8], [1, 4, 8], [1, 12, 4]], np.int64)
+    weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=12)
+    assert len(pixels) == 3728 and attention_form(4096) == "blockwise"
+    ours = run_graph(compiled("tiny", 4096), TINY, weights, pixels, grid_thw, 4096)
+    errors = assert_close(ours, expected)
+    print(f"bucket 4096, {len(grid_thw)} inputs: relative L2 {max(errors.values()):.1e}")
+
+
+@pytest.mark.parity
+def test_blockwise_form_pads_to_whole_chunks():
+    """A bucket that is not a whole number of chunks (1000 = 512 + 488 rows, padded to
+    1024 inside the graph), forced into the blockwise form: same outputs as transformers."""
+    pytest.importorskip("transformers")
+    grid_thw = np.array([[1, 20, 24], [1, 16, 20], [1, 4, 4]], np.int64)
+    weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=4)
+    module = LoadedModule(compile_mlir(emit_vision_module(TINY, 1000, attention="blockwise")))
+    assert_close(run_graph(module, TINY, weights, pixels, grid_thw, 1000), expected)
+
+
+def key_range_module(rows: int, chunk: int) -> LoadedModule:
+    """[first, end) key chunks for every query chunk of `segments` [rows], as the graph computes them."""
+    b = Builder()
+    segments = b.argument("segments", (rows,), "i32")
+    firsts, ends = [], []
+    for i in range(rows // chunk):
+        first, end = key_chunk_range(b, b.slice(segments, (i * chunk,), ((i + 1) * chunk,)), segments, chunk)
+        firsts.append(b.reshape(first, (1,)))
+        ends.append(b.reshape(end, (1,)))
+    results = [("first", b.concatenate(firsts, 0)), ("end", b.concatenate(ends, 0))]
+    return LoadedModule(compile_mlir(render_functions([{"name": "main", "arguments": b.arguments,
+                                                         "results": results, "body": b.lines}], b.globals)))
+
+
+def test_each_query_chunk_visits_only_the_key_chunks_of_its_segments():
+    """The cross-image blocks are skipped: for packed segments the key range of a query
+    chunk is exactly the chunks its segments touch (numpy count), and for any ids it spans
+    every key that shares a segment with it."""
+    chunk, rows = 8, 64
+    module = key_range_module(rows, chunk)
+    rng = np.random.default_rng(0)
+    packed = np.repeat(np.arange(5), [3, 20, 9, 17, 5]).astype(np.int32)
+    layouts = [np.concatenate([packed, np.arange(5, 5 + rows - len(packed), dtype=np.int32)]),  # + padding ids
+               rng.integers(0, 6, rows).astype(np.int32)]  # scattered: one wide span each
+    for segments in layouts:
+        first, end = module(segments)
+        for i in range(rows // chunk):
+            keys = np.flatnonzero(np.isin(segments, segments[i * chunk:(i + 1) * chunk]))
+            assert (first[i], end[i]) == (keys[0] // chunk, keys[-1] // chunk + 1), (i, segments)
+    first, end = module(layouts[0])
+    visited = int((end - first).sum())
+    assert visited < (rows // chunk) ** 2 // 2, "a packed call must skip most of the cross-segment blocks"
+
+
+def test_attention_form_is_part_of_the_artifact_identity(monkeypatch):
+    """The cache cannot hand a dense-form vmfb to a blockwise request: the graph hash differs."""
+    import emitter.layers as layers
+    from emitter.identity import artifact_fields, artifact_identity
+    from emitter.policy import DEFAULT_POLICY
+
+    def identity():
+        return artifact_identity(artifact_fields(TINY, [64, BLOCKWISE_FROM], DEFAULT_POLICY, compiler_version={}))
+
+    blockwise = identity()
+    monkeypatch.setattr(layers, "BLOCKWISE_FROM", 10 ** 9)
+    assert attention_form(BLOCKWISE_FROM) == "dense"
+    assert identity() != blockwise
