@@ -248,3 +248,82 @@ def test_run_writes_video_features_in_input_order(tmp_path, tiny_model):
     assert rel_l2(out["video_embeds"], expected["merger"]) <= 1e-5
     for k in range(2):
         assert rel_l2(out["video_deepstack_features"][k], expected[f"deepstack_merger_list.{k}"]) <= 1e-5
+
+
+# --------------------------------------------------------------------------- bad videos
+
+
+def zero_frame_video(tmp_path) -> str:
+    """An AVI with a video stream and no frames."""
+    path = tmp_path / "empty.avi"
+    container = av.open(str(path), "w", format="avi")
+    stream = container.add_stream("mpeg4", rate=10)
+    stream.width = stream.height = 64
+    container.start_encoding()
+    container.close()
+    return str(path)
+
+
+def truncated_video(tmp_path) -> str:
+    """A Matroska file cut before its first cluster."""
+    data = Path(write_video(tmp_path / "full.mkv", gradient_frames(4, 64, 64), fmt="matroska")).read_bytes()
+    return _write(tmp_path / "cut.mkv", data[:data.index(b"\x1f\x43\xb6\x75")])  # the Cluster element id
+
+
+def unknown_codec_video(tmp_path) -> str:
+    """An AVI whose codec tag names no decoder (FMP4 rewritten as QQZ9)."""
+    data = Path(write_video(tmp_path / "ok.avi", gradient_frames(4, 64, 64), fmt="avi")).read_bytes()
+    assert data.count(b"FMP4") == 2
+    path = tmp_path / "unknown.avi"
+    path.write_bytes(data.replace(b"FMP4", b"QQZ9"))
+    return str(path)
+
+
+BAD_VIDEOS = {  # name -> (make(tmp_path), message)
+    "missing": (lambda d: str(d / "nope.mp4"), r"nope\.mp4: no such video file"),
+    "directory": (lambda d: str(d), r": is a directory, not a video file"),
+    "not a video": (lambda d: _write(d / "junk.mp4", b"not a video at all" * 20),
+                    r"junk\.mp4: not a video container PyAV/FFmpeg can read \(.*Invalid data"),
+    "image": (lambda d: __import__("helpers").write_images(d, [(64, 64)])[0],
+              r"img0\.png: .*(no video stream|frame\(s\) sampled)"),
+    "zero frames": (zero_frame_video, r"empty\.avi: video has no frames"),
+    "truncated": (truncated_video, r"cut\.mkv: not a video container PyAV/FFmpeg can read \(.*End of file"),
+    "unknown codec": (unknown_codec_video, r"unknown\.avi: video codec not supported by this PyAV/FFmpeg build"),
+    "one frame": (lambda d: write_video(d / "one.mp4", gradient_frames(1, 64, 64)),
+                  r"one\.mp4: 1 frame\(s\) sampled of 1; the processor needs at least temporal_patch_size = 2"),
+    "too long": (lambda d: write_video(d / "long.mp4", gradient_frames(80, 64, 64), rate=4),
+                 r"long\.mp4: too long for the video policy: 40 sampled frames need at least 40960 pixels, "
+                 r"more than size.longest_edge = 32768"),
+}
+BOUNDED = VideoPolicy(min_pixels=1024, max_pixels=32768)  # at most 32 frames of 32x32
+
+
+def _write(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", list(BAD_VIDEOS))
+def test_bad_video_is_one_line_naming_the_file(tmp_path, case):
+    make, message = BAD_VIDEOS[case]
+    path = make(tmp_path)
+    with pytest.raises(VideoError, match=message) as info:
+        process_video(path, BOUNDED)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["not a video", "zero frames", "unknown codec", "too long"])
+def test_run_refuses_a_bad_video_before_writing_anything(tmp_path, case):
+    """One line on stderr, exit 2, no output file and no cache entry."""
+    from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+    write_checkpoint(tmp_path / "m", TINY, seed=1, processor_policy_dict=dict(DEFAULT_PROCESSOR, **TINY_POLICY),
+                     video_policy_dict=BOUNDED.to_config())
+    make, message = BAD_VIDEOS[case]
+    path = make(tmp_path)
+    result = qwen3vl("run", "--model", str(tmp_path / "m"), "--video", path, "-o", str(tmp_path / "f.st"),
+                     "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert __import__("re").search(message, lines[0])
+    assert not (tmp_path / "f.st").exists() and not (tmp_path / "cache").exists()
