@@ -10,6 +10,7 @@ emitter keeps one implementation; a variant that wins moves into emitter/layers.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -20,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runtime.bench import processed_images, vision_flops  # noqa: E402
+from runtime.bench import alternate, processed_images, ratio_figures, vision_flops  # noqa: E402
 from emitter import layers, vision  # noqa: E402
 from emitter.config import PRESETS, weight_schema  # noqa: E402
 from runtime.compiler import compile_mlir  # noqa: E402
@@ -107,11 +108,12 @@ def gelu_tanh_via_exp(b, x):
     return b.subtract(x, b.divide(x, denom), hint="gelu")
 
 
-VARIANTS = {
+VARIANTS = {  # name -> (graph patch or None, extra flags[, weight binding]); binding default: parameters
     "baseline": (None, []),
-    "parameters": (None, [], "parameters"),
+    "arguments": (None, [], "arguments"),
     "no_data_tiling": (None, ["--iree-opt-data-tiling=false"]),
     "ukernels": (None, ["--iree-llvmcpu-enable-ukernels=all"]),
+    "mmt4d": (None, ["--iree-llvmcpu-enable-ukernels=mmt4d"]),
     "O3": (None, ["--iree-opt-level=O3"]),
     "no_transpose_attention": ((vision, "attention", attention_no_transpose), []),
     "lean_softmax": ((vision, "attention", attention_lean_softmax), []),
@@ -130,15 +132,15 @@ def variant(name):
 
 def binding(name) -> str:
     spec = VARIANTS.get(name, ())
-    return spec[2] if len(spec) > 2 else "arguments"
+    return spec[2] if len(spec) > 2 else "parameters"
 
 
-def emit(cfg, bucket, name):
+def emit(cfg, bucket, name, precision):
     patch, _ = variant(name)
     if patch is None:
-        return vision.emit_vision_module(cfg, bucket, weights=binding(name))
+        return vision.emit_vision_module(cfg, bucket, precision=precision, weights=binding(name))
     with patched(*patch):
-        return vision.emit_vision_module(cfg, bucket, weights=binding(name))
+        return vision.emit_vision_module(cfg, bucket, precision=precision, weights=binding(name))
 
 
 def main(argv=None):
@@ -147,13 +149,16 @@ def main(argv=None):
     p.add_argument("--preset", default="qwen3-vl-2b")
     p.add_argument("--bucket", type=int, default=512)
     p.add_argument("--images", default="256x256,256x256")
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
 
     import iree.runtime as rt
+    from runtime.checkpoint import weights_in_order
     from runtime.iree_module import LoadedModule, parameters_module
     from runtime.session import set_thread_count
+    from emitter.config import graph_weights
 
     cfg = PRESETS[args.preset]
     pixels, grid_thw = processed_images([tuple(int(v) for v in s.split("x")) for s in args.images.split(",")])
@@ -161,37 +166,33 @@ def main(argv=None):
     weights = random_vision_weights(cfg, seed=0)
     set_thread_count(args.threads)
     config = rt.Config("local-task")
-    host_weights = [(n, np.ascontiguousarray(weights[n].reshape(s))) for n, s in weight_schema(cfg)]
-    device_weights = [rt.asdevicearray(config.device, a) for _, a in host_weights]
-    params = parameters_module(config, host_weights)
-    del weights
-    inputs = host_inputs(pixels, grids, cfg, args.bucket)
-    modules, outputs = {}, {}
-
-    def call(name, module):
-        return module(*inputs, *(device_weights if binding(name) == "arguments" else []))
-
+    ordered = weights_in_order({n: weights[n].reshape(s) for n, s in weight_schema(cfg)}, cfg, args.precision)
+    params = parameters_module(config, [(w.name, a) for w, a in zip(graph_weights(cfg, args.precision), ordered)])
+    device_weights = [rt.asdevicearray(config.device, a) for a in ordered] \
+        if any(binding(name) == "arguments" for name in args.variants) else []
+    inputs = [rt.asdevicearray(config.device, x) for x in host_inputs(pixels, grids, cfg, args.bucket)]
+    programs, outputs = {}, {}
     for name in args.variants:
         start = time.perf_counter()
-        modules[name] = LoadedModule(compile_mlir(emit(cfg, args.bucket, name), extra_flags=variant(name)[1]),
-                                     config=config, modules=[params] if binding(name) == "parameters" else [])
-        print(f"{name}: compiled in {time.perf_counter() - start:.1f} s", flush=True)
-        outputs[name] = call(name, modules[name])[0]
-    times = {name: [] for name in args.variants}
-    for i in range(args.repeats + 1):
-        for name, module in modules.items():
-            start = time.perf_counter()
-            call(name, module)
-            if i:
-                times[name].append(time.perf_counter() - start)
+        arguments = binding(name) == "arguments"
+        module = LoadedModule(compile_mlir(emit(cfg, args.bucket, name, args.precision), extra_flags=variant(name)[1]),
+                              config=config, modules=[] if arguments else [params])
+        print(f"{name}: compiled and loaded in {time.perf_counter() - start:.1f} s", flush=True)
+        programs[name] = lambda m=module, a=arguments: m(*inputs, *(device_weights if a else []))[0]
+        outputs[name] = programs[name]()
+    load = os.getloadavg()[0]
+    times = alternate(programs, 1, args.repeats)
     flops = vision_flops(cfg, grids)
-    base = statistics.median(times[args.variants[0]])
-    first = outputs[args.variants[0]]
+    base, first = args.variants[0], outputs[args.variants[0]]
+    print(f"{args.preset}, bucket {args.bucket}, {args.precision}, {args.threads} threads, random order per round, "
+          f"1 warm-up + {args.repeats} rounds, load average {load:.2f} -> {os.getloadavg()[0]:.2f}")
     for name in args.variants:
+        r = ratio_figures(times, base, name)
         m = statistics.median(times[name])
         diff = float(np.linalg.norm(outputs[name] - first) / np.linalg.norm(first))
-        print(f"{name:<24} {m:7.3f} s  {flops / m / 1e9:5.0f} GFLOP/s  x{base / m:5.2f} vs {args.variants[0]}"
-              f"  spread {(max(times[name]) - min(times[name])) / m:.0%}  rel diff {diff:.1e}")
+        print(f"{name:<40} {m:7.3f} s (min {min(times[name]):.3f}, max {max(times[name]):.3f})  "
+              f"{flops / m / 1e9:5.0f} GFLOP/s  x{r['ratio']:5.2f} vs {base} (rounds {r['min']:.2f}-{r['max']:.2f})"
+              f"  rel diff {diff:.1e}")
 
 
 if __name__ == "__main__":
