@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from emitter.text import text_weights  # noqa: E402
 from emitter.text_config import TEXT_PRESETS  # noqa: E402
 from runtime.generate import TextSession  # noqa: E402
-from runtime.synthetic_text import random_text_weights  # noqa: E402
-from test_text_2b import write_text_checkpoint  # noqa: E402
+from runtime.synthetic_text import random_text_weights, write_text_model  # noqa: E402
 
 
 def memory_bandwidth_gbs(threads: int) -> float:
@@ -108,7 +107,7 @@ def main() -> None:
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt)
     bucket = 1 << max(args.prompt - 1, 1).bit_length()
     with tempfile.TemporaryDirectory() as tmp:
-        write_text_checkpoint(Path(tmp) / "m", cfg, weights)
+        write_text_model(Path(tmp) / "m", cfg, seed=1)
         start = time.perf_counter()
         session = TextSession(Path(tmp) / "m", buckets=(bucket,), context=args.context or bucket + args.new,
                               cache_dir=Path(tmp) / "cache", precision=args.precision)

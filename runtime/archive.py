@@ -42,7 +42,7 @@ class ArchiveError(ValueError):
     """An archive that does not hold the graph's weights; the message names the tensor."""
 
 
-def _sha256_range(path: Path, begin: int, end: int) -> str:
+def sha256_range(path: Path, begin: int, end: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         if end > begin:
@@ -51,7 +51,7 @@ def _sha256_range(path: Path, begin: int, end: int) -> str:
     return digest.hexdigest()
 
 
-def _stored_quantization(model_dir: Path) -> dict:
+def stored_quantization(model_dir: Path) -> dict:
     """config.json's quantization blocks as written (how MLX tensors are dequantized)."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
@@ -65,14 +65,14 @@ def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict
     sha256 of its bytes), the quantization settings, the precision, the weight schema,
     and the source of the code that transforms them. Reads the vision tensors once."""
     found, _ = checkpoint.scan_vision_tensors(model_dir)
-    tensors = [[name, e.dtype, list(e.shape), _sha256_range(e.file, e.begin, e.end)]
+    tensors = [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
                for name, e in sorted(found.items())]
     return {
         "archive_format": ARCHIVE_FORMAT,
         "precision": precision,
         "vision_config": cfg.to_dict(),
         "weight_schema": weight_schema_fields(cfg, precision),
-        "quantization": _stored_quantization(Path(model_dir)),
+        "quantization": stored_quantization(Path(model_dir)),
         "tensors": tensors,
         "code_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in _CODE)).hexdigest(),
     }
@@ -90,11 +90,17 @@ def tensor_metadata(shape, dtype: str) -> str:
 
 
 def write_archive(path: str | os.PathLike, named_arrays, cfg: VisionConfig, precision: str = "f32") -> None:
-    """Write the .irpa whole or not at all (temp file beside it, fsync, rename). The arrays
-    are referenced, not copied, while IREE writes them."""
+    """Write the vision graph's .irpa whole or not at all (see `write_entries`)."""
+    write_entries(path, named_arrays, graph_weights(cfg, precision))
+
+
+def write_entries(path: str | os.PathLike, named_arrays, specs) -> None:
+    """Write `(name, array)` pairs, one per weight spec in order, as an .irpa whole or not
+    at all (temp file beside it, fsync, rename). The arrays are referenced, not copied,
+    while IREE writes them."""
     path = Path(path)
     index = rt.ParameterIndex()
-    for spec, (name, array) in zip(graph_weights(cfg, precision), named_arrays):
+    for spec, (name, array) in zip(specs, named_arrays):
         assert spec.name == name, (spec.name, name)
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         index.add_buffer(name, flat, metadata=tensor_metadata(spec.shape, spec.dtype))
@@ -123,8 +129,13 @@ def _entry_shape_dtype(entry) -> tuple[list | None, str | None]:
 
 
 def open_archive(path: str | os.PathLike, cfg: VisionConfig, precision: str = "f32") -> rt.ParameterIndex:
+    """The vision graph's archive, memory-mapped and checked (see `open_entries`)."""
+    return open_entries(path, graph_weights(cfg, precision))
+
+
+def open_entries(path: str | os.PathLike, specs) -> rt.ParameterIndex:
     """The archive memory-mapped (not read) as an IREE parameter index, after checking that
-    it holds exactly the graph's weights: every name, shape, dtype and byte length.
+    it holds exactly the weights `specs` name: every name, shape, dtype and byte length.
     ArchiveError naming the first tensor that does not match."""
     index = rt.ParameterIndex()
     try:
@@ -132,7 +143,7 @@ def open_archive(path: str | os.PathLike, cfg: VisionConfig, precision: str = "f
     except Exception as e:  # IREE raises ValueError/RuntimeError for a file it cannot parse
         raise ArchiveError(f"{path}: not a readable IREE parameter archive ({str(e).splitlines()[0]})") from None
     entries = dict(index.items())
-    for spec in graph_weights(cfg, precision):
+    for spec in specs:
         entry = entries.pop(spec.name, None)
         want = f"{DTYPE_NAMES[spec.dtype]} {list(spec.shape)}"
         if entry is None:
@@ -145,7 +156,7 @@ def open_archive(path: str | os.PathLike, cfg: VisionConfig, precision: str = "f
             raise ArchiveError(f"{spec.name}: holds {entry.length} bytes in {path}; expected {nbytes} ({want})")
     if entries:
         raise ArchiveError(f"{sorted(entries)[0]}: in {path} but not a weight of this config; "
-                           f"expected only the graph's {len(graph_weights(cfg, precision))} weights")
+                           f"expected only the graph's {len(specs)} weights")
     return index
 
 
@@ -178,9 +189,10 @@ def release_mapped_pages(index: rt.ParameterIndex) -> bool:
         return False
 
 
-def parameters_module(config: rt.Config, index: rt.ParameterIndex) -> rt.VmModule:
-    """The `io_parameters` module serving the archive's entries under scope `model`."""
-    return rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=PARAMETER_SCOPE))
+def parameters_module(config: rt.Config, index: rt.ParameterIndex, scope: str = PARAMETER_SCOPE) -> rt.VmModule:
+    """The `io_parameters` module serving the archive's entries under `scope` (the vision
+    graph's by default)."""
+    return rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=scope))
 
 
 def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress=None) -> Path:

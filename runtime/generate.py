@@ -2,9 +2,10 @@
 
 - `TextSession`: the language model of a checkpoint folder, compiled once into one module
   (`prefill_<S>` per prompt bucket and `decode`, see emitter/text.py) from the artifact
-  cache; weights served from a parameter provider (packed once, at load); the KV cache
-  lives in the module's globals, on the device, between calls. Only the logits row of
-  each call comes back to the host.
+  cache; weights read from a memory-mapped archive in the cache (packed by IREE at load,
+  then the mapped pages let go: no host copy stays); the KV cache lives in the module's
+  globals, on the device, between calls. Only the logits row of each call comes back to
+  the host.
 - `Generator`: the whole model: tokenizer and chat template (runtime/tokenizer.py), the
   vision session for the images, M-RoPE positions (runtime/prefill.py), greedy decoding.
 
@@ -29,10 +30,10 @@ from emitter.text import (DECODE, MODULE_NAME, PARAMETER_SCOPE, check_text_shape
                           prefill_name, text_artifact_fields)
 from emitter.text_config import load_text_config
 
+from .archive import parameters_module, release_mapped_pages
 from .cache import ArtifactCache, load_verified
 from .compiler import compile_mlir
-from .iree_module import parameters_module
-from .text_checkpoint import load_text_weights, text_weights_in_order
+from .text_checkpoint import cached_text_archive, open_text_archive, text_entries
 
 DEFAULT_PROMPT_BUCKETS = (128, 512, 2048)
 DEFAULT_CONTEXT = 4096
@@ -54,10 +55,8 @@ class TextSession:
         self.buckets, self.context = check_text_shapes(list(buckets), context)
         self.deepstack_layers, self.precision = deepstack_layers, precision
         self.target = target or DEFAULT_TARGET
-        self.seconds: dict[str, float] = {}
-        start = time.perf_counter()
-        self._weights = text_weights_in_order(load_text_weights(model_dir, self.cfg), self.cfg, precision)
-        self.seconds["load"] = time.perf_counter() - start
+        text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
+        self.model_dir, self.seconds = Path(model_dir), {}
         self.cache, self.progress = ArtifactCache(cache_dir), progress or (lambda message: None)
         self.config = config or rt.Config(runtime_driver(self.target))
         self._module = None
@@ -65,19 +64,34 @@ class TextSession:
 
     @property
     def module(self):
-        """The compiled module (built through the cache and loaded on first use)."""
+        """The compiled module (built through the cache and loaded on first use), over the
+        weight archive (written into the cache on first use of this checkpoint content)."""
         if self._module is None:
-            start = time.perf_counter()
-            self.vmfb_path = self._build(self.cache, self.progress)
-            self.seconds["build"] = time.perf_counter() - start
-            start = time.perf_counter()
-            self._context = rt.SystemContext(config=self.config)
-            self._context.add_vm_module(parameters_module(self.config, self._weights, PARAMETER_SCOPE))
-            self._vmfb = load_verified(self.vmfb_path)  # the module maps this buffer: keep it alive
-            self._context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, self._vmfb))
-            self._module = self._context.modules[MODULE_NAME]
-            self.seconds["upload"] = time.perf_counter() - start
+            self.parameters = self._timed("load", self._open_weights)
+            self.vmfb_path = self._timed("build", lambda: self._build(self.cache, self.progress))
+            self._module = self._timed("upload", self._load)
         return self._module
+
+    def _timed(self, name: str, fn):
+        start = time.perf_counter()
+        result = fn()
+        self.seconds[name] = time.perf_counter() - start
+        return result
+
+    def _open_weights(self) -> rt.ParameterIndex:
+        """The weight archive from the cache (written on a miss), memory-mapped and checked."""
+        self.archive_path = cached_text_archive(self.model_dir, self.cfg, self.precision, self.cache, self.progress)
+        return open_text_archive(self.archive_path, self.cfg, self.precision)
+
+    def _load(self):
+        """Load the module over the archive; IREE packs the weights now, after which the
+        archive's mapped pages are let go (pages read later fault back from the file)."""
+        self._context = rt.SystemContext(config=self.config)
+        self._context.add_vm_module(parameters_module(self.config, self.parameters, PARAMETER_SCOPE))
+        self._vmfb = load_verified(self.vmfb_path)  # the module maps this buffer: keep it alive
+        self._context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, self._vmfb))
+        release_mapped_pages(self.parameters)
+        return self._context.modules[MODULE_NAME]
 
     def _build(self, cache: ArtifactCache, report):
         graph = emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision)

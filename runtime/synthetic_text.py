@@ -23,11 +23,12 @@ from .synthetic import _to_bytes, check_new_folder, write_checkpoint, write_safe
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
-# Qwen3-VL's template, cut to what one user turn with images and text needs.
+# Qwen3-VL's template, cut to what one user turn with images, videos and text needs.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
     "{%- if message.content is string %}{{ message.content }}{%- else %}{%- for content in message.content %}"
     "{%- if content.type == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{%- elif content.type == 'text' %}{{ content.text }}{%- endif %}{%- endfor %}{%- endif %}<|im_end|>\n"
     "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -52,11 +53,16 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
 
 
 def random_text_weights(cfg: TextConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """f32 weights by Hugging Face name: embeddings N(0, 1), projections N(0, 1/fan_in)
-    (o_proj and down_proj at half gain), RMSNorm weights 1 + 0.1 N(0, 1), so that the
-    logits spread over several units and greedy choices are well separated."""
+    """f32 weights by Hugging Face name (see `random_text_tensors`)."""
+    return dict(random_text_tensors(cfg, seed))
+
+
+def random_text_tensors(cfg: TextConfig, seed: int = 0):
+    """(Hugging Face name, f32 weight) in `text_weights` order, drawn one at a time:
+    embeddings N(0, 1), projections N(0, 1/fan_in) (o_proj and down_proj at half gain),
+    RMSNorm weights 1 + 0.1 N(0, 1), so that the logits spread over several units and
+    greedy choices are well separated."""
     rng = np.random.default_rng(seed)
-    out = {}
     for spec in text_weights(cfg):
         z = rng.standard_normal(spec.shape, dtype=np.float32)
         if spec.name.endswith("norm.weight"):
@@ -66,8 +72,38 @@ def random_text_weights(cfg: TextConfig, seed: int = 0) -> dict[str, np.ndarray]
         else:
             gain = 0.5 if spec.name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
             w = z * np.float32(gain / np.sqrt(spec.shape[1]))
-        out[spec.name] = np.ascontiguousarray(w, np.float32)
-    return out
+        yield spec.name, np.ascontiguousarray(w, np.float32)
+
+
+def write_text_model(folder, cfg: TextConfig, seed: int = 0, config: dict | None = None,
+                     shard_bytes: int = 1 << 30) -> None:
+    """A language-model-only checkpoint of random f32 weights (`random_text_tensors`) in a
+    new folder: shards of about `shard_bytes` with `model.safetensors.index.json`, and a
+    config.json (`config` on top of the text config and tying). Drawn and written a shard
+    at a time, so memory stays near one shard even at a full preset's size."""
+    from .checkpoint import INDEX_NAME
+
+    folder = Path(folder)
+    folder.mkdir()
+    weight_map, shard, size = {}, {}, 0
+
+    def flush():
+        name = f"model-{len(set(weight_map.values())):05d}.safetensors"
+        write_safetensors(folder / name, {k: ("F32", w.shape, memoryview(w).cast("B")) for k, w in shard.items()})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, w in random_text_tensors(cfg, seed):
+        shard[name] = w
+        size += w.nbytes
+        if size >= shard_bytes:
+            flush()
+            size = 0
+    if shard:
+        flush()
+    _write_json(folder / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
+    _write_json(folder / "config.json", {"model_type": "qwen3_vl", "tie_word_embeddings": cfg.tie_word_embeddings,
+                                         "text_config": cfg.to_hf_text_config(), **(config or {})})
 
 
 def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfig, seed: int = 0,

@@ -8,18 +8,27 @@ mlx-vlm's sanitize writes them) too, affine-quantized or not (dequantized to f32
 vision loader does: bits and group size from config.json's `quantization`). Only the
 text tensors' byte ranges are read. Every problem is a `CheckpointError` naming the tensor
 and the file.
+
+The session does not hold these arrays: `cached_text_archive` writes them once, in the
+dtypes the graph takes, as a weight archive (.irpa) in the artifact cache, keyed by the
+checkpoint's content like the vision archive (runtime/archive.py); the session maps it,
+IREE packs the weights from it at load, and then the mapped pages are let go.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 
+from emitter.identity import canonical_json
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
+from . import checkpoint, mlx_quant
+from .archive import open_entries, sha256_range, stored_quantization, write_entries
 from .checkpoint import (INDEX_NAME, CheckpointError, TensorEntry, read_float_tensor, read_safetensors_header,
                          read_uint32_tensor)
 from .mlx_quant import QUANT_BITS, QuantConfig, dequantize_mlx, quantization_config
@@ -86,20 +95,36 @@ def read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry], 
                           bits, group)
 
 
-def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
-    """The decoder's weights as f32 arrays, keyed by Hugging Face name in `text_weights`
-    order (lm_head absent when tied)."""
+def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, TensorEntry]], dict[str, TensorEntry]]:
+    """Where each of the decoder's weights is stored, from the safetensors headers alone:
+    {Hugging Face name: (stored name, entry)} in `text_weights` order, and every text tensor
+    found. CheckpointError for a missing weight or a layer count that disagrees with the config."""
     model_dir = Path(model_dir)
     found, where = scan_text_tensors(model_dir)
     prefix, head = next(((p, h) for p, h in LAYOUTS if p + "embed_tokens.weight" in found), LAYOUTS[0])
-    qconfig = quantization_config(model_dir)
     out = {}
     for spec in text_weights(cfg):
         key = head if spec.name == LM_HEAD else prefix + spec.name[len(TEXT_PREFIX):]
-        entry = found.get(key)
-        if entry is None:
+        if key not in found:
             hint = "; config.json says the embeddings are untied (tie_word_embeddings false)" if key == head else ""
             raise CheckpointError(f"{key}: missing{hint} (in {where})")
+        out[spec.name] = (key, found[key])
+    stem = prefix + "layers."
+    layers = {n[len(stem):].split(".", 1)[0] for n in found if n.startswith(stem)}
+    if len(layers) != cfg.num_hidden_layers:
+        raise CheckpointError(f"text_config.num_hidden_layers = {cfg.num_hidden_layers} does not match the "
+                              f"checkpoint, which holds {len(layers)} decoder layers (in {where})")
+    return out, found
+
+
+def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
+    """The decoder's weights as f32 arrays, keyed by Hugging Face name in `text_weights`
+    order (lm_head absent when tied)."""
+    entries, found = text_entries(model_dir, cfg)
+    qconfig = quantization_config(Path(model_dir))
+    out = {}
+    for spec in text_weights(cfg):
+        key, entry = entries[spec.name]
         if entry.dtype == "U32" or key[: -len("weight")] + "scales" in found:
             w = read_quantized(key, entry, found, spec.shape, qconfig)
         else:
@@ -110,16 +135,59 @@ def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
         if not np.isfinite(w).all():
             raise CheckpointError(f"{key}: non-finite values (in {entry.file})")
         out[spec.name] = w
-    stem = prefix + "layers."
-    layers = {n[len(stem):].split(".", 1)[0] for n in found if n.startswith(stem)}
-    if len(layers) != cfg.num_hidden_layers:
-        raise CheckpointError(f"text_config.num_hidden_layers = {cfg.num_hidden_layers} does not match the "
-                              f"checkpoint, which holds {len(layers)} decoder layers (in {where})")
     return out
 
 
 def text_weights_in_order(weights: dict[str, np.ndarray], cfg: TextConfig, precision: str = "f32") -> list:
-    """(name, array) in graph order, each in the dtype the graph takes (bf16: round to nearest even)."""
+    """(name, array) in graph order, each in the dtype the graph takes (bf16: round to nearest
+    even). Takes the arrays out of `weights` as it goes, so an f32 array is freed once its
+    bf16 copy is made."""
     import ml_dtypes
-    return [(s.name, weights[s.name] if s.dtype == "f32" else weights[s.name].astype(ml_dtypes.bfloat16))
+    return [(s.name, weights.pop(s.name) if s.dtype == "f32" else weights.pop(s.name).astype(ml_dtypes.bfloat16))
             for s in text_weights(cfg, precision)]
+
+
+# Bump when what a text archive holds changes in a way no other field records.
+TEXT_ARCHIVE_FORMAT = 1
+_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(__file__))  # the host transforms
+
+
+def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> dict:
+    """What decides a text archive's bytes: every stored text tensor (name, dtype, shape,
+    sha256 of its bytes), the quantization settings, the config, the precision, the weight
+    schema and the source of the code that transforms them. Reads the text tensors once."""
+    found, _ = scan_text_tensors(Path(model_dir))
+    schema = [[s.name, list(s.shape), s.dtype] for s in text_weights(cfg, precision)]
+    return {
+        "kind": "qwen3vl-text-weights",
+        "archive_format": TEXT_ARCHIVE_FORMAT,
+        "precision": precision,
+        "text_config": cfg.to_dict(),
+        "weight_schema": hashlib.sha256(canonical_json({"weights": schema}).encode("ascii")).hexdigest(),
+        "quantization": stored_quantization(Path(model_dir)),
+        "tensors": [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
+                    for name, e in sorted(found.items())],
+        "code_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in _CODE)).hexdigest(),
+    }
+
+
+def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progress=None) -> Path:
+    """The text archive for this checkpoint content and precision from the cache (size and
+    sha256 checked against the manifest), written on a miss: the checkpoint is read, checked
+    and converted only then."""
+    report = progress or (lambda message: None)
+
+    def write(path: Path) -> None:
+        arrays = text_weights_in_order(load_text_weights(model_dir, cfg), cfg, precision)  # checked first
+        size = sum(a.nbytes for _, a in arrays) / 1e9
+        report(f"text weights: writing {path.name} ({precision}, {size:.2f} GB) ...")
+        write_entries(path, arrays, text_weights(cfg, precision))
+
+    path, _ = cache.get_or_write(text_archive_fields(model_dir, cfg, precision), "irpa", write, progress)
+    return path
+
+
+def open_text_archive(path, cfg: TextConfig, precision: str = "f32"):
+    """The text archive memory-mapped as an IREE parameter index, checked to hold exactly
+    the graph's weights (ArchiveError naming the first that does not)."""
+    return open_entries(path, text_weights(cfg, precision))
