@@ -231,8 +231,8 @@ class PrefillPayload:
     deepstack[k] = (k, features): added to the hidden states at `visual_positions` right
     after decoder layer k, for k = 0..K-1 (transformers' Qwen3VLTextModel)."""
     input_ids: np.ndarray          # [S] int64, image pads expanded
-    visual_positions: np.ndarray   # [M] int64, indices of the <|image_pad|> tokens, ascending
-    image_embeds: np.ndarray       # [M, D]: main merger output, images in prompt order
+    visual_positions: np.ndarray   # [M] int64, indices of the <|image_pad|> (and <|video_pad|>) tokens, ascending
+    image_embeds: np.ndarray       # [M, D]: main merger output of each visual position, in prompt order
     deepstack: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (decoder layer, [M, D])
     position_ids: np.ndarray = None  # [3, S] int64 (t, h, w)
     rope_delta: int = 0
@@ -279,32 +279,66 @@ def _as_deepstack(deepstack_features, num_layers: int, embeds: np.ndarray) -> li
     return out
 
 
-def build_prefill_payload(input_ids, image_embeds, deepstack_features, grid_thw, num_deepstack_layers: int,
-                          merge_size: int = 2) -> PrefillPayload:
-    """Check and bundle an expanded prompt with the vision outputs of its images.
-
-    input_ids [S] (pads already expanded, see `expand_image_pads`), image_embeds [M, D]
-    (images concatenated in prompt order), deepstack_features [K, M, D] or a list of K
-    [M, D] (None when K = 0), grid_thw [n, 3], num_deepstack_layers = K from the
-    config (len(deepstack_visual_indexes)). Raises PrefillError on any inconsistency."""
-    ids = _as_ids(input_ids)
-    grids = _as_grids(grid_thw, merge_size)
-    if (ids == VIDEO_PAD).any():
-        raise PrefillError(f"input_ids: <|video_pad|> at {int(np.flatnonzero(ids == VIDEO_PAD)[0])}: the prefill "
-                           "payload carries images only")
-    embeds = _as_features(image_embeds, "image_embeds")
-    visual_positions = np.flatnonzero(ids == IMAGE_PAD).astype(np.int64)
-    if visual_positions.size != embeds.shape[0]:
-        raise PrefillError(f"input_ids has {visual_positions.size} <|image_pad|> tokens but image_embeds has "
-                           f"{embeds.shape[0]} rows")
+def _checked_rows(ids, pad: int, token: str, embeds, grids, merge_size: int, what: str, key: str):
+    """The pad positions of one modality, checked against its rows and grids."""
+    positions = np.flatnonzero(ids == pad).astype(np.int64)
+    if positions.size != embeds.shape[0]:
+        raise PrefillError(f"input_ids has {positions.size} {token} tokens but {key} has {embeds.shape[0]} rows")
     expected = sum(merged_count(g, merge_size) for g in grids)
     if expected != embeds.shape[0]:
-        raise PrefillError(f"grid_thw gives {expected} merged tokens for {len(grids)} image(s) but image_embeds "
-                           f"has {embeds.shape[0]} rows")
+        raise PrefillError(f"{'video_' if what == 'video' else ''}grid_thw gives {expected} merged tokens for "
+                           f"{len(grids)} {what}(s) but {key} has {embeds.shape[0]} rows")
+    return positions
+
+
+def build_prefill_payload(input_ids, image_embeds, deepstack_features, grid_thw, num_deepstack_layers: int,
+                          merge_size: int = 2, *, video_embeds=None, video_deepstack_features=None,
+                          video_grid_thw=None) -> PrefillPayload:
+    """Check and bundle an expanded prompt with the vision outputs of its images and videos.
+
+    input_ids [S] (pads already expanded, see `expand_image_pads`; a video's as
+    Qwen3VLProcessor writes them, `runtime.tokenizer.video_placeholder`), image_embeds
+    [M, D] (images concatenated in prompt order), deepstack_features [K, M, D] or a list
+    of K [M, D] (None when K = 0), grid_thw [n, 3], num_deepstack_layers = K from the
+    config (len(deepstack_visual_indexes)); for videos the same three as video_embeds,
+    video_deepstack_features and video_grid_thw [v, 3] (T, h, w).
+
+    With videos the payload's rows are the visual positions' (image and video pads) in
+    prompt order: image rows at the image pads, video rows at the video pads, as
+    transformers' two masked scatters and its joint DeepStack rows place them. Raises
+    PrefillError on any inconsistency."""
+    ids = _as_ids(input_ids)
+    grids = _as_grids(grid_thw, merge_size)
+    embeds = _as_features(image_embeds, "image_embeds")
+    image_positions = _checked_rows(ids, IMAGE_PAD, "<|image_pad|>", embeds, grids, merge_size, "image",
+                                    "image_embeds")
     feats = _as_deepstack(deepstack_features, num_deepstack_layers, embeds)
-    position_ids, rope_delta = mrope_position_ids(ids, grids, merge_size)  # checks each image's pad run
-    return PrefillPayload(input_ids=ids, visual_positions=visual_positions, image_embeds=embeds,
-                          deepstack=list(enumerate(feats)), position_ids=position_ids, rope_delta=rope_delta)
+    if video_embeds is None:
+        if (ids == VIDEO_PAD).any():
+            raise PrefillError(f"input_ids: <|video_pad|> at {int(np.flatnonzero(ids == VIDEO_PAD)[0])} but no "
+                               "video_embeds were given")
+        position_ids, rope_delta = mrope_position_ids(ids, grids, merge_size)  # checks each image's pad run
+        return PrefillPayload(input_ids=ids, visual_positions=image_positions, image_embeds=embeds,
+                              deepstack=list(enumerate(feats)), position_ids=position_ids, rope_delta=rope_delta)
+    video_grids = _as_grids(video_grid_thw, merge_size, "video")
+    video = _as_features(video_embeds, "video_embeds")
+    if video.shape[1:] != embeds.shape[1:]:
+        raise PrefillError(f"video_embeds: width {video.shape[1]} differs from image_embeds' {embeds.shape[1]}")
+    video_positions = _checked_rows(ids, VIDEO_PAD, "<|video_pad|>", video, video_grids, merge_size, "video",
+                                    "video_embeds")
+    video_feats = _as_deepstack(video_deepstack_features, num_deepstack_layers, video)
+    visual_positions = np.sort(np.concatenate([image_positions, video_positions]))
+    is_video = np.isin(visual_positions, video_positions)
+
+    def joint(image_rows, video_rows):
+        out = np.empty((visual_positions.size, embeds.shape[1]), np.result_type(image_rows, video_rows))
+        out[~is_video], out[is_video] = image_rows, video_rows
+        return out
+
+    position_ids, rope_delta = mrope_position_ids(ids, grids, merge_size, video_grid_thw=video_grids)
+    return PrefillPayload(input_ids=ids, visual_positions=visual_positions, image_embeds=joint(embeds, video),
+                          deepstack=[(k, joint(a, b)) for k, (a, b) in enumerate(zip(feats, video_feats))],
+                          position_ids=position_ids, rope_delta=rope_delta)
 
 
 def _check_hidden(x, payload: PrefillPayload, name: str) -> np.ndarray:

@@ -185,18 +185,25 @@ class VisionSession:
         from .video import encode_videos
         return encode_videos(self, videos, names)
 
-    def prefill(self, input_ids, images, names=None, expand_pads: bool = True):
-        """Encode `images` and package them for a language-model prefill (`PrefillPayload`):
-        visual positions, embeddings, DeepStack features per decoder layer, M-RoPE ids.
-        With `expand_pads`, a prompt holding one image pad per image is expanded first."""
+    def prefill(self, input_ids, images, names=None, expand_pads: bool = True, videos=()):
+        """Encode `images` (and `videos`) and package them for a language-model prefill
+        (`PrefillPayload`): visual positions, embeddings, DeepStack features per decoder
+        layer, M-RoPE ids. With `expand_pads`, a prompt holding one image pad per image is
+        expanded first; video pads must come expanded as the processor writes them, with
+        their timestamps (`ChatTokenizer.prompt_ids`)."""
         from .prefill import IMAGE_PAD, build_prefill_payload, expand_image_pads
 
         out = self.encode(images, names=names)
         ids = np.asarray(input_ids).reshape(-1)
         if expand_pads and np.count_nonzero(ids == IMAGE_PAD) == len(out.grid_thw):
             ids = expand_image_pads(ids, out.grid_thw, self.cfg.spatial_merge_size)
+        video = {}
+        if len(videos):
+            v = self.encode_videos(videos)
+            video = dict(video_embeds=v.image_embeds, video_deepstack_features=v.deepstack_features,
+                         video_grid_thw=v.grid_thw)
         return build_prefill_payload(ids, out.image_embeds, out.deepstack_features, out.grid_thw,
-                                     len(self.cfg.deepstack_visual_indexes), self.cfg.spatial_merge_size)
+                                     len(self.cfg.deepstack_visual_indexes), self.cfg.spatial_merge_size, **video)
 
     def run_packed(self, pixel_values: np.ndarray, grid_thw, names=None) -> tuple[list[Call], dict[str, np.ndarray]]:
         """Images already processed, packed in order, one graph call per pack: every result

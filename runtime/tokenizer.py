@@ -149,6 +149,15 @@ class ChatTokenizer:
         add = not (bos and text.startswith(bos))
         return np.array(self.tokenizer.encode(text, add_special_tokens=add).ids, np.int64)
 
+    def prompt_ids(self, prompt: str, image_token_id: int, image_tokens=(), videos=()) -> np.ndarray:
+        """Token ids of one user turn as Qwen3VLProcessor makes them: the images (each
+        `image_tokens[i]` pads), then the videos, then `prompt`, rendered with the chat
+        template. `videos`: per video, (timestamps of its temporal groups, merged tokens
+        per group); each video becomes its timestamped groups (`video_placeholder`)."""
+        text = self.render(user_message(prompt, len(image_tokens), len(videos)))
+        text = expand_video_text(text, [video_placeholder(times, tokens) for times, tokens in videos])
+        return expand_pads(self.encode(text), image_token_id, list(image_tokens))
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """As transformers decodes: tokenizers' decode, then its space clean-up when
         tokenizer_config.json asks for it (which transformers skips for BPE models unless
@@ -161,10 +170,37 @@ class ChatTokenizer:
         return text
 
 
-def user_message(prompt: str, image_count: int) -> list[dict]:
-    """One user turn: the images in order, then the text (as the processor's chat input)."""
+def user_message(prompt: str, image_count: int, video_count: int = 0) -> list[dict]:
+    """One user turn: the images in order, then the videos, then the text (as the
+    processor's chat input)."""
     return [{"role": "user", "content": [{"type": "image"} for _ in range(image_count)] +
-             [{"type": "text", "text": prompt}]}]
+             [{"type": "video"} for _ in range(video_count)] + [{"type": "text", "text": prompt}]}]
+
+
+# The strings Qwen3VLProcessor writes for a video (its defaults, used when the tokenizer
+# names none: Qwen's tokenizers do not).
+VIDEO_TOKEN, VISION_START_TOKEN, VISION_END_TOKEN = "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
+
+
+def video_placeholder(timestamps, group_tokens: int) -> str:
+    """What Qwen3VLProcessor writes in place of a video's pad token
+    (`replace_video_token`): per temporal group, its time as `<{t:.1f} seconds>`, then
+    `<|vision_start|>`, the group's merged-token count of `<|video_pad|>`, `<|vision_end|>`."""
+    return "".join(f"<{t:.1f} seconds>{VISION_START_TOKEN}{VIDEO_TOKEN * group_tokens}{VISION_END_TOKEN}"
+                   for t in timestamps)
+
+
+def expand_video_text(text: str, placeholders: list[str]) -> str:
+    """Each `<|video_pad|>` of the rendered chat replaced by its video's placeholder, videos
+    in order (the processor's text replacement, before tokenizing)."""
+    pieces = text.split(VIDEO_TOKEN)
+    if len(pieces) - 1 != len(placeholders):
+        raise TokenizerError(f"the rendered prompt holds {len(pieces) - 1} video pad token(s) but "
+                             f"{len(placeholders)} video(s) were given; does the chat template write one per video?")
+    out = [pieces[0]]
+    for placeholder, piece in zip(placeholders, pieces[1:]):
+        out += [placeholder, piece]
+    return "".join(out)
 
 
 def expand_pads(ids: np.ndarray, image_token_id: int, counts: list[int]) -> np.ndarray:

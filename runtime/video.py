@@ -280,6 +280,13 @@ def process_videos(videos: Sequence, policy: VideoPolicy = DEFAULT_VIDEO_POLICY,
     return np.concatenate(pixels), np.array(grids, np.int64).reshape(-1, 3), decoded
 
 
+def prompt_groups(video: Video, grid, policy: VideoPolicy) -> tuple[list[float], int]:
+    """What the prompt writes for a video (`ChatTokenizer.prompt_ids`): its groups'
+    timestamps and the merged tokens of one group."""
+    _, h, w = (int(v) for v in grid)
+    return video.timestamps(policy.temporal_patch_size), h * w // policy.merge_size**2
+
+
 def frame_grids(grid_thw) -> list[tuple[int, int, int]]:
     """A video grid (T, h, w) as T grids (1, h, w), one per temporal group, in order.
     The tower treats each group alone (attention, positions and merging are per group),

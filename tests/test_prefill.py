@@ -238,7 +238,7 @@ def _bad_payload_cases():
          "grid_thw gives 22 merged tokens for 2 image\\(s\\) but image_embeds has 23"),
         (dict(input_ids=swapped, grid_thw=two, image_embeds=embeds[:12], deepstack_features=ds[:, :12]),
          r"image 0 \(grid_thw \(1, 4, 8\)\) needs 8 .* has 4"),
-        (dict(input_ids=np.concatenate([ids, [VIDEO_PAD]])), "video_pad.*images only"),
+        (dict(input_ids=np.concatenate([ids, [VIDEO_PAD]])), "video_pad.*no video_embeds were given"),
         (dict(image_embeds=nan), r"image_embeds: non-finite values \(first in row 5\)"),
         (dict(image_embeds=embeds.astype(np.int32)), "floating-point"),
         (dict(image_embeds=embeds[None]), r"image_embeds: expected shape \[M, D\]"),

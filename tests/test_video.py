@@ -5,6 +5,7 @@ against Qwen3VLProcessor and get_rope_index; one-line errors for bad videos."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -327,3 +328,106 @@ def test_run_refuses_a_bad_video_before_writing_anything(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert __import__("re").search(message, lines[0])
     assert not (tmp_path / "f.st").exists() and not (tmp_path / "cache").exists()
+
+
+# --------------------------------------------------------------------------- prompt and prefill
+
+
+@pytest.fixture(scope="module")
+def answer_model(tmp_path_factory):
+    """A random tiny checkpoint with a language model, tokenizer and template."""
+    from emitter.text_config import TEXT_PRESETS
+    from runtime.synthetic import DEFAULT_PROCESSOR
+    from runtime.synthetic_text import write_generation_checkpoint
+    folder = tmp_path_factory.mktemp("answer") / "m"
+    write_generation_checkpoint(folder, TINY, TEXT_PRESETS["tiny"], seed=3,
+                                processor_policy_dict=dict(DEFAULT_PROCESSOR, **TINY_POLICY))
+    return folder
+
+
+@pytest.mark.parity
+def test_prompt_and_positions_match_transformers(tmp_path, answer_model, tiny_model):
+    """One user turn with an image and two videos (9 and 20 frames: an odd sample count
+    pads the last group): our input_ids (timestamps, per-group vision_start/end and pads)
+    equal Qwen3VLProcessor's, and our M-RoPE ids and rope delta equal get_rope_index's."""
+    from PIL import Image
+    from helpers import write_images
+    from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+    from transformers.video_utils import VideoMetadata
+    from emitter.policy import load_policy
+    from emitter.video_policy import load_video_policy
+    from runtime.prefill import mrope_position_ids
+    from runtime.processor import process_images
+    from runtime.tokenizer import ChatTokenizer
+    from runtime.video import process_videos, prompt_groups
+
+    policy, video_policy = load_policy(answer_model), load_video_policy(answer_model)
+    assert video_policy == DEFAULT_VIDEO_POLICY
+    image = write_images(tmp_path, [(96, 64)])[0]
+    paths = [write_video(tmp_path / "a.mp4", gradient_frames(9, 64, 96, seed=5), rate=4),
+             write_video(tmp_path / "b.mp4", gradient_frames(20, 64, 64, seed=6), rate=4)]
+    prompt = "what is shown here"
+
+    # transformers: the processor renders, expands and tokenizes; get_rope_index places
+    tokenizer = AutoTokenizer.from_pretrained(answer_model)
+    processor = Qwen3VLProcessor(Qwen2VLImageProcessorPil(**policy.to_preprocessor_config()), tokenizer,
+                                 hf_video_processor(video_policy),
+                                 chat_template=(answer_model / "chat_template.jinja").read_text())
+    content = [{"type": "image"}] + [{"type": "video"}] * 2 + [{"type": "text", "text": prompt}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    videos, metas = [], []
+    for path in paths:
+        frames, fps = decode_all(path)
+        videos.append(frames)
+        metas.append(VideoMetadata(total_num_frames=len(frames), fps=fps))
+    inputs = processor(text=[text], images=[Image.open(image).convert("RGB")], videos=videos, video_metadata=metas,
+                       return_tensors="pt")
+    expected_ids = inputs["input_ids"][0].numpy()
+    model = Qwen3VLModel(Qwen3VLConfig.from_pretrained(answer_model)).eval()
+    expected_pos, expected_delta = model.get_rope_index(
+        inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
+        video_grid_thw=inputs["video_grid_thw"])
+    # video a samples frames 0, 3, 5, 8 of 9 at 4 fps: groups at (0 + 0.75) / 2 and (1.25 + 2) / 2 seconds
+    assert "<|vision_start|><0.4 seconds><|vision_start|>" in tokenizer.decode(expected_ids)
+    assert "<|vision_end|><1.6 seconds><|vision_start|>" in tokenizer.decode(expected_ids)
+    # ours
+    _, grids = process_images([image], policy)
+    _, video_grids, decoded = process_videos(paths, video_policy)
+    np.testing.assert_array_equal(video_grids, inputs["video_grid_thw"].numpy())
+    config = json.loads((answer_model / "config.json").read_text())
+    image_id, video_id = config["image_token_id"], config["video_token_id"]
+    ids = ChatTokenizer(answer_model).prompt_ids(
+        prompt, image_id, [int(np.prod(g)) // 4 for g in grids],
+        [prompt_groups(v, g, video_policy) for v, g in zip(decoded, video_grids)])
+    assert ids.tolist() == expected_ids.tolist()
+    position_ids, delta = mrope_position_ids(ids, grids, video_grid_thw=video_grids, image_token_id=image_id,
+                                             video_token_id=video_id)
+    np.testing.assert_array_equal(position_ids, expected_pos[:, 0].numpy())
+    assert delta == int(expected_delta[0, 0])
+
+
+def test_payload_places_image_and_video_rows_at_their_pads(tmp_path, tiny_model):
+    """session.prefill with an image and a video between text: every visual row (main and
+    DeepStack) is the image's or the video's own, at its pads in prompt order, as
+    transformers' masked scatters and joint DeepStack rows place them."""
+    from helpers import write_images
+    from runtime.prefill import IMAGE_PAD, VIDEO_PAD, VISION_END as VE, VISION_START as VS
+    _, _, session = tiny_model
+    image = write_images(tmp_path, [(64, 64)])[0]
+    video = write_video(tmp_path / "a.mp4", gradient_frames(8, 64, 96, seed=7), rate=4)  # 4 frames: 2 groups
+    group = [VS] + [VIDEO_PAD] * 6 + [VE]
+    ids = [1, 2] + [VS, 30, 31] + group + [32, 33] + group + [VE] + [3, VS, IMAGE_PAD, VE, 4]
+    payload = session.prefill(ids, [image], videos=[video])
+    image_out, video_out = session.encode([image]), session.encode_videos([video])
+    ids = payload.input_ids
+    at_video = ids[payload.visual_positions] == VIDEO_PAD
+    assert at_video.tolist() == [True] * 12 + [False] * 4
+    np.testing.assert_array_equal(payload.image_embeds[at_video], video_out.image_embeds)
+    np.testing.assert_array_equal(payload.image_embeds[~at_video], image_out.image_embeds)
+    for k, features in payload.deepstack:
+        np.testing.assert_array_equal(features[at_video], video_out.deepstack_features[k])
+        np.testing.assert_array_equal(features[~at_video], image_out.deepstack_features[k])
+    assert payload.position_ids.shape == (3, len(ids))
