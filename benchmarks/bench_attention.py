@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from emitter.builder import Builder, Value
-from emitter.layers import (ATTENTION_CHUNK, blockwise_attention, dense_attention, key_chunk_range, segment_mask,
+from emitter.layers import (ATTENTION_CHUNK, blockwise_attention, dense_attention, key_ranges, segment_mask,
                             _i32, _pad_rows)
 from emitter.vision import render_functions
 
@@ -81,7 +81,7 @@ def emit(form: str, heads: int, n: int, d: int, chunk: int) -> str:
     elif form == "qchunk":
         out = qchunk_attention(b, q, k, v, segments, chunk)
     elif form == "blockwise":
-        out = blockwise_attention(b, q, k, v, segments, "f32", chunk)
+        out = blockwise_attention(b, q, k, v, key_ranges(b, segments, chunk), "f32")
     else:
         out = fused_attention(b, q, k, v, segments)
     function = {"name": "main", "arguments": b.arguments, "results": [("context", out)], "body": b.lines}

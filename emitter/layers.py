@@ -7,6 +7,7 @@ their checkpoint suffix in a `dict[str, Value]`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -147,10 +148,10 @@ def attention_form(bucket: int) -> str:
     return "blockwise" if bucket >= BLOCKWISE_FROM else "dense"
 
 
-def attention_inputs(b: Builder, segment_ids: Value, form: str) -> Value:
-    """What every block's attention reads beside q/k/v: the [B, B] mask (dense) or the
-    segment ids themselves (blockwise)."""
-    return segment_mask(b, segment_ids) if form == "dense" else segment_ids
+def attention_inputs(b: Builder, segment_ids: Value, form: str):
+    """What every block's attention reads beside q/k/v, built once per call: the [B, B]
+    mask (dense) or the `KeyRanges` (blockwise)."""
+    return segment_mask(b, segment_ids) if form == "dense" else key_ranges(b, segment_ids)
 
 
 def dense_attention(b: Builder, q: Value, k: Value, v: Value, mask: Value, operand_dtype: str) -> Value:
@@ -193,17 +194,49 @@ def key_chunk_range(b: Builder, seg_q: Value, segments: Value, chunk: int) -> tu
             b.divide(b.add(end, _i32(b, chunk - 1)), size, hint="end_chunk"))
 
 
-def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, segment_ids: Value, operand_dtype: str,
-                        chunk: int = ATTENTION_CHUNK) -> Value:
+@dataclass(frozen=True)
+class KeyRanges:
+    """The blockwise form's view of the segments, the same for every block: the segment ids
+    padded to whole chunks with NO_SEGMENT [P], and for each query chunk the [first, end)
+    key chunks it attends to [P / chunk]."""
+    segments: Value
+    first: Value
+    end: Value
+    chunk: int
+
+
+def key_ranges(b: Builder, segment_ids: Value, chunk: int = ATTENTION_CHUNK) -> KeyRanges:
+    """`key_chunk_range` of every query chunk, in a loop (one [chunk, P] comparison at a time)."""
+    (n,) = segment_ids.shape
+    padded = -(-n // chunk) * chunk
+    segments = _pad_rows(b, segment_ids, 0, padded - n, NO_SEGMENT, "segments")
+    count = padded // chunk
+
+    def body(i, first, end):
+        seg_q = b.dynamic_slice(segments, [b.multiply(i, _i32(b, chunk, "chunk"), hint="q_start")], (chunk,),
+                                hint="seg_q")
+        lo, hi = key_chunk_range(b, seg_q, segments, chunk)
+        first = b.dynamic_update_slice(first, b.reshape(lo, (1,)), [i], hint="first_chunks")
+        end = b.dynamic_update_slice(end, b.reshape(hi, (1,)), [i], hint="end_chunks")
+        return [b.add(i, _i32(b, 1, "one")), first, end]
+
+    zeros = b.constant(0, (count,), "i32", hint="chunks")
+    _, first, end = b.while_loop([_i32(b, 0, "zero"), zeros, zeros],
+                                 lambda i, *_: b.compare("LT", i, _i32(b, count, "count"), hint="more_queries"),
+                                 body, hint="ranges")
+    return KeyRanges(segments, first, end, chunk)
+
+
+def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRanges, operand_dtype: str) -> Value:
     """The same attention as `dense_attention` with the segment mask, query chunk by query
     chunk: each chunk of `chunk` queries runs an online softmax (running max, rescaled sums)
     over the key chunks in its segments' range, each masked by segment. Memory per step is
     [heads, chunk, chunk]; work is the diagonal blocks only. Rows are padded to a whole
     chunk with segment NO_SEGMENT, which no real row shares."""
     heads, n, d = q.shape
-    padded = -(-n // chunk) * chunk
+    segments, chunk = ranges.segments, ranges.chunk
+    (padded,) = segments.shape
     q, k, v = (_pad_rows(b, x, 1, padded - n, 0.0, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    segments = _pad_rows(b, segment_ids, 0, padded - n, NO_SEGMENT, "segments")
     zero = _i32(b, 0, "zero")
 
     def chunk_of(x, start, hint):
@@ -215,7 +248,8 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, segment_ids: V
         start = b.multiply(i, _i32(b, chunk, "chunk"), hint="q_start")
         q_c = chunk_of(q, start, "q_chunk")
         seg_q = b.dynamic_slice(segments, [start], (chunk,), hint="seg_q")
-        first, end = key_chunk_range(b, seg_q, segments, chunk)
+        first = b.reshape(b.dynamic_slice(ranges.first, [i], (1,)), (), hint="first_chunk")
+        end = b.reshape(b.dynamic_slice(ranges.end, [i], (1,)), (), hint="end_chunk")
         init = [first, b.constant(SOFTMAX_FLOOR, (heads, chunk), hint="peak"),
                 b.constant(0.0, (heads, chunk), hint="denom"), b.constant(0.0, (heads, chunk, d), hint="acc")]
         _, _, denom, acc = b.while_loop(init, lambda j, *_: b.compare("LT", j, end, hint="more_keys"),
@@ -254,7 +288,7 @@ def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, segments: V
     """Packed multi-head self-attention with fused [Q|K|V] projection and 2-D RoPE; the
     score and context matmuls take their operands in the attention weights' dtype.
     `segments` is what `attention_inputs` gave: the [B, B] mask (dense form) or the
-    segment ids [B] (blockwise form)."""
+    `KeyRanges` (blockwise form)."""
     n, hidden = x.shape
     head_dim = hidden // num_heads
     operand_dtype = w["attn.qkv.weight"].dtype
@@ -268,10 +302,10 @@ def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, segments: V
         return b.transpose(part, [1, 0, 2], hint=name)  # [heads, B, head_dim]
 
     q, k, v = head_major(0, "q", True), head_major(1, "k", True), head_major(2, "v", False)
-    if segments.rank == 2:
-        context = dense_attention(b, q, k, v, segments, operand_dtype)
-    else:
+    if isinstance(segments, KeyRanges):
         context = blockwise_attention(b, q, k, v, segments, operand_dtype)
+    else:
+        context = dense_attention(b, q, k, v, segments, operand_dtype)
     context = b.reshape(b.transpose(context, [1, 0, 2]), (n, hidden), hint="context")
     return linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
 

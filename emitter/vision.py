@@ -135,6 +135,16 @@ def check_attention(form: str | None, bucket: int) -> str:
     return form
 
 
+def largest_buffer_bytes(cfg: VisionConfig, bucket: int) -> int:
+    """A lower bound on one call's memory: its largest f32 buffer. In the dense attention
+    form that is the [heads, B, B] scores (a call holds 2 to 3 of them at its peak); the
+    blockwise form's scores are [heads, chunk, chunk] per step, so there it is the widest
+    [B, width] activation (patches, qkv or the MLP's hidden layer)."""
+    if attention_form(bucket) == "dense":
+        return 4 * cfg.num_heads * bucket * bucket
+    return 4 * bucket * max(cfg.patch_dim, 3 * cfg.hidden_size, cfg.intermediate_size)
+
+
 def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: str = "f32",
                        binding: str = "arguments", kept=(), attention: str | None = None
                        ) -> tuple[list[Value], dict[str, Value]]:

@@ -13,6 +13,7 @@ from safetensors.numpy import save
 from emitter.atomic import check_writable, write_atomic
 from emitter.config import VisionConfig
 from emitter.targets import runtime_driver
+from emitter.vision import largest_buffer_bytes
 
 from emitter.identity import DEFAULT_LADDER
 
@@ -87,23 +88,17 @@ def machine_memory() -> int:
     return min(limits)
 
 
-def attention_bytes(cfg: VisionConfig, bucket: int) -> int:
-    """A lower bound on one call's memory: one f32 buffer of attention scores, all heads over
-    the bucket. A call holds 2 to 3 of them at its peak (measured: tiny preset, +2.0 GB of
-    peak RSS from bucket 4096 to 8192; the 2B preset in docs/performance.md)."""
-    return 4 * cfg.num_heads * bucket * bucket
-
-
 def check_bucket_memory(cfg: VisionConfig, buckets, target: str) -> None:
-    """Refuse, before compiling, a bucket whose attention alone exceeds the host's memory
-    (CPU targets; a device's own memory is only known when it allocates)."""
+    """Refuse, before compiling, a bucket whose largest buffer alone exceeds the host's memory
+    (`emitter.vision.largest_buffer_bytes`; CPU targets: a device's own memory is only
+    known when it allocates)."""
     if runtime_driver(target) not in ("local-task", "local-sync"):
         return
     memory = machine_memory()
     for bucket in sorted(buckets, reverse=True):
-        need = attention_bytes(cfg, bucket)
+        need = largest_buffer_bytes(cfg, bucket)
         if need > memory:
-            raise ValueError(f"--bucket {bucket}: does not fit in memory: its attention scores alone take "
+            raise ValueError(f"--bucket {bucket}: does not fit in memory: one of its buffers alone takes "
                              f"{need / 2**30:.1f} GiB, this machine has {memory / 2**30:.1f} GiB; use a smaller bucket")
 
 

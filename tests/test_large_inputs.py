@@ -10,7 +10,7 @@ import pytest
 from conftest import compiled, rel_l2, run_graph
 from emitter.builder import Builder
 from emitter.config import PRESETS
-from emitter.layers import BLOCKWISE_FROM, attention_form, key_chunk_range
+from emitter.layers import BLOCKWISE_FROM, attention_form, key_ranges
 from emitter.vision import emit_vision_module, render_functions
 from runtime.compiler import compile_mlir
 from runtime.iree_module import LoadedModule
@@ -69,15 +69,10 @@ def test_blockwise_form_pads_to_whole_chunks():
 
 
 def key_range_module(rows: int, chunk: int) -> LoadedModule:
-    """[first, end) key chunks for every query chunk of `segments` [rows], as the graph computes them."""
+    """Each query chunk's [first, end) key chunks for segment ids [rows], as the graph computes them."""
     b = Builder()
-    segments = b.argument("segments", (rows,), "i32")
-    firsts, ends = [], []
-    for i in range(rows // chunk):
-        first, end = key_chunk_range(b, b.slice(segments, (i * chunk,), ((i + 1) * chunk,)), segments, chunk)
-        firsts.append(b.reshape(first, (1,)))
-        ends.append(b.reshape(end, (1,)))
-    results = [("first", b.concatenate(firsts, 0)), ("end", b.concatenate(ends, 0))]
+    ranges = key_ranges(b, b.argument("segments", (rows,), "i32"), chunk)
+    results = [("first", ranges.first), ("end", ranges.end)]
     return LoadedModule(compile_mlir(render_functions([{"name": "main", "arguments": b.arguments,
                                                          "results": results, "body": b.lines}], b.globals)))
 
