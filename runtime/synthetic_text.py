@@ -19,7 +19,7 @@ from emitter.config import VisionConfig
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
-from .synthetic import _to_bytes, check_new_folder, write_checkpoint, write_safetensors
+from .synthetic import check_new_folder, write_checkpoint, write_safetensors
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
@@ -107,10 +107,9 @@ def write_text_model(folder, cfg: TextConfig, seed: int = 0, config: dict | None
 
 
 def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfig, seed: int = 0,
-                                processor_policy_dict: dict | None = None) -> dict[str, np.ndarray]:
+                                processor_policy_dict: dict | None = None) -> None:
     """Write the folder (new or empty; whole or not at all: built in a temp folder beside
-    it, then renamed); returns the text weights (f32, by Hugging Face name). The text
-    hidden size must be the vision tower's out_hidden_size."""
+    it, then renamed). The text hidden size must be the vision tower's out_hidden_size."""
     if text.hidden_size != vision.out_hidden_size:
         raise ValueError(f"text hidden_size {text.hidden_size} != vision out_hidden_size {vision.out_hidden_size}")
     model_dir = Path(model_dir)
@@ -119,16 +118,15 @@ def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfi
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
     try:
         write_checkpoint(tmp, vision, seed=seed, processor_policy_dict=processor_policy_dict)
-        weights = _add_language_model(tmp, text, seed)
+        _add_language_model(tmp, text, seed)
         os.chmod(tmp, 0o755)
         os.replace(tmp, model_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return weights
 
 
-def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> dict[str, np.ndarray]:
+def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> None:
     """Tokenizer, template, generation config and the whole text model into a vision checkpoint."""
     tokenizer = train_tokenizer(text.vocab_size, seed)
     if tokenizer.get_vocab_size() > text.vocab_size:
@@ -139,14 +137,9 @@ def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> dict[st
     eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
 
     from safetensors.numpy import load_file
-    weights = random_text_weights(text, seed + 7)
-    stored = load_file(str(model_dir / "model.safetensors"))
-    tensors = {name: (_tag(a), a.shape, a.tobytes()) for name, a in stored.items()
-               if not name.startswith(TEXT_PREFIX) and name != LM_HEAD}
-    for name, w in weights.items():
-        tag, data = _to_bytes(w, "f32")
-        tensors[name] = (tag, w.shape, data)
-    write_safetensors(model_dir / "model.safetensors", tensors, {"format": "pt"})
+    stored = {name: a for name, a in load_file(str(model_dir / "model.safetensors")).items()
+              if not name.startswith(TEXT_PREFIX) and name != LM_HEAD}
+    _write_with_text(model_dir / "model.safetensors", stored, text, seed + 7)
 
     config = json.loads((model_dir / "config.json").read_text())
     config.update(ids, tie_word_embeddings=text.tie_word_embeddings, text_config=text.to_hf_text_config())
@@ -159,7 +152,29 @@ def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> dict[st
     write_atomic(model_dir / "chat_template.jinja", CHAT_TEMPLATE.encode())
     _write_json(model_dir / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos[1],
                                                        "do_sample": False})
-    return weights
+
+
+def _write_with_text(path: Path, stored: dict[str, np.ndarray], text: TextConfig, seed: int) -> None:
+    """One safetensors file: the `stored` tensors, then the random text weights, drawn and
+    written one at a time (a whole 2B preset never sits in memory). Inside the temp folder
+    that is renamed whole; written beside `path` and renamed over it, since `stored` may
+    have been read from it."""
+    entries = [(name, _tag(a), a.shape, a.nbytes) for name, a in stored.items()]
+    entries += [(s.name, "F32", s.shape, int(np.prod(s.shape)) * 4) for s in text_weights(text)]
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, tag, shape, nbytes in entries:
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    new = path.with_name(path.name + ".new")
+    with open(new, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for a in stored.values():
+            f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+        for _, w in random_text_tensors(text, seed):
+            f.write(memoryview(w.astype("<f4", copy=False)).cast("B"))
+    os.replace(new, path)
 
 
 def _tag(a: np.ndarray) -> str:

@@ -58,19 +58,19 @@ def ours_main(folder: str, inputs: str, out: str) -> None:
     np.savez(out, logits=np.stack(logits), peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
 
 
-def transformers_model(folder: Path, cfg):
+def transformers_model(folder: Path, cfg, attn_implementation: str = "eager"):
     """Qwen3VLTextModel holding the checkpoint's tensors themselves (built on the meta
     device, the tensors assigned, the rotary table made for real): one copy of the weights."""
     import torch
     from safetensors.torch import load_file
     from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 
-    config = Qwen3VLTextConfig(**cfg.to_hf_text_config(), attn_implementation="eager")
+    config = Qwen3VLTextConfig(**cfg.to_hf_text_config(), attn_implementation=attn_implementation)
     with torch.device("meta"):
         hf = Qwen3VLTextModel(config)
     prefix, state = "model.language_model.", {}
     for shard in sorted(folder.glob("*.safetensors")):
-        state.update({k[len(prefix):]: v for k, v in load_file(shard).items()})
+        state.update({k[len(prefix):]: v for k, v in load_file(shard).items() if k.startswith(prefix)})
     hf.load_state_dict(state, strict=True, assign=True)
     hf.rotary_emb = type(hf.rotary_emb)(config=config)
     return hf.eval()
