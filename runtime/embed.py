@@ -71,6 +71,10 @@ def _list_lines(path: Path) -> list[str]:
 
 # --------------------------------------------------------------------------- encoding
 
+class EngineError(RuntimeError):
+    """The engine itself failed (not one image): one line; what was written is kept."""
+
+
 @dataclass(frozen=True)
 class SessionSpec:
     """What opens a session, picklable (Ray actors open their own from it)."""
@@ -352,8 +356,9 @@ def embed(model, inputs, out_dir, batch: int = 16, fmt: str = "native", precisio
     skipped = len(images) - len(pending)
     if index.recovered:
         say(f"index: took back {index.recovered} images from shards written after its last save")
+    wanted = set(images)
     if skipped:
-        failed_before = sum(1 for e in index.failed() if e["image"] in set(images))
+        failed_before = sum(1 for e in index.failed() if e["image"] in wanted)
         say(f"skipping {skipped} images already in {index.path}"
             + (f" ({failed_before} of them failed; --retry-failed tries those again)" if failed_before else ""))
     writer = ShardWriter(index, batch)
@@ -370,7 +375,7 @@ def embed(model, inputs, out_dir, batch: int = 16, fmt: str = "native", precisio
     finally:
         if engine:
             engine.close()
-    failed = sum(1 for e in index.failed() if e["image"] in set(images))
+    failed = sum(1 for e in index.failed() if e["image"] in wanted)
     return Summary(writer.encoded, writer.rows, time.perf_counter() - start, skipped, failed, index.path)
 
 

@@ -47,7 +47,7 @@ def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, pr
     A rerun skips the images already in the index. An image that cannot be read or fits
     no bucket is recorded as failed and the job goes on; the exit status is 1 when any
     image of INPUT... failed."""
-    from .embed import embed
+    from .embed import EngineError, embed
 
     def say(message: str) -> None:
         click.echo(message, err=True)
@@ -59,6 +59,8 @@ def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, pr
         fail(str(e))
     except CompileError as e:  # the graph, not the input: one line, status 1
         fail(e.one_line(), 1)
+    except EngineError as e:  # Ray failed; the shards and index written so far are kept
+        fail(str(e), 1)
     click.echo(summary.line())
     if summary.failed:
         say(f"error: {summary.failed} images failed (reasons in {summary.index})")

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Iterator
 
 import numpy as np
 
-from .embed import Embedded, SessionSpec, encode_batch
+from .embed import Embedded, EngineError, SessionSpec, encode_batch
 
 INSTALL_HINT = "pip install 'qwen3vl-iree[ray]' (or: pip install 'ray[data]==2.60.0')"
 LOCAL_OBJECT_STORE = 512 * 2**20  # --ray-local: rows pass through it on their way to the driver
@@ -33,11 +34,26 @@ def check_ray(ray_local: int | None, address: str | None) -> None:
     if ray_local is not None and ray_local < 1:
         raise ValueError(f"--ray-local {ray_local}: expected 1 or more workers")
     flag = f"--ray-local {ray_local}" if ray_local is not None else f"--ray {address}"
+    if address is not None:
+        check_reachable(address)
     quiet()
     try:
         import ray.data  # noqa: F401
     except ImportError as e:
         raise ValueError(f"{flag}: needs Ray Data, which is not installed ({e}); {INSTALL_HINT}") from None
+
+
+def check_reachable(address: str) -> None:
+    """A HOST:PORT address must answer a TCP connect within 5 s (Ray itself retries for
+    minutes); `auto` and `ray://` addresses are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e}); expected the "
+                         f"HOST:PORT that `ray start --head` printed") from None
 
 
 class Encoder:
@@ -85,6 +101,7 @@ class RayEngine:
         self.fixed = ray_local is not None  # a local cluster is all ours: every actor at once
 
     def results(self, images: list[str], batch: int) -> Iterator[Embedded]:
+        import ray
         import ray.data
 
         from .build import make_plan
@@ -98,12 +115,21 @@ class RayEngine:
         dataset = ray.data.from_items([{"image": image} for image in images]).map_batches(
             Encoder, batch_size=batch, compute=pool, num_cpus=self.spec.threads, batch_format="numpy",
             fn_constructor_kwargs={"spec": self.spec})
-        for row in dataset.iter_rows():
-            yield _embedded(row, cfg)
+        try:
+            for row in dataset.iter_rows():
+                yield _embedded(row, cfg)
+        except ray.exceptions.RayError as e:  # an actor that cannot start, a lost node...
+            raise EngineError(f"ray: {last_line(e)}") from None
 
     def close(self) -> None:
         import ray
         ray.shutdown()
+
+
+def last_line(e: BaseException) -> str:
+    """The reason Ray gives last (its messages carry the remote traceback first)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def _embedded(row: dict, cfg) -> Embedded:

@@ -166,6 +166,7 @@ def test_bad_arguments_are_one_line(setup, tmp_path):
         ("--batch", "0"): "--batch 0",
         ("--ray-local", "0"): "--ray-local 0",
         ("--ray-local", "2", "--ray", "127.0.0.1:1"): "give one",
+        ("--ray", "127.0.0.1:1"): "no Ray cluster answers there",  # at once, not after Ray's minutes of retries
     }
     for args, words in cases.items():
         result = embed(setup, tmp_path / "out", *args)
