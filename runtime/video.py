@@ -12,12 +12,10 @@ Step by step, against transformers 5.24:
    rounded. Frames are decoded in order (`to_ndarray(format="rgb24")`, as
    transformers' PyAV reader) and only the sampled ones kept.
 3. Resize (`VideoPolicy.resized_size`: the video `smart_resize`, bounds over all
-   frames). transformers resizes with torchvision's antialiased bicubic on uint8; this
-   uses PIL's bicubic (as `runtime.processor` does for images), one axis at a time in
-   torch's order (width, then height). Frames already of the resized size are untouched
-   by both, so the pixels are equal bit for bit; otherwise the two differ by one level
-   in a few values in a thousand (the fixed-point precision of the filter weights;
-   README "Videos" has the figures).
+   frames) with torch's uint8 antialiased bicubic (or bilinear) kernel, the one
+   torchvision runs for transformers on a CPU with AVX2, reproduced exactly in numpy
+   (below). (Without AVX2, torchvision resizes in float32 instead: a level off here and
+   there.)
 4. Rescale and normalize: transformers' fused form, `(float32(x) - mean*255) /
    (std*255)` in float32, a function of the uint8 value and channel, so applied as a
    3x256 lookup table computed with the same float32 operations.
@@ -36,8 +34,6 @@ from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
-from PIL import Image
-
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy
 
 from .processor import ImageError, check_image_file
@@ -221,19 +217,83 @@ def _resized_frames(video: Video, policy: VideoPolicy) -> np.ndarray:
         raise VideoError(f"{video.name}: {width}x{height} frames: {_one_line(e)}") from None
     if (new_h, new_w) == (height, width):
         return frames
-    return np.stack([_resize(f, new_w, new_h, policy.resample) for f in frames])
+    if policy.resample not in AA_FILTERS:
+        raise VideoError(f"{video.name}: resample {policy.resample} of the video policy: this resizes videos with "
+                         f"bicubic (3) or bilinear (2) only, as torchvision does them; expected one of those")
+    if new_w != width:
+        frames = _resample_axis(frames, 2, new_w, policy.resample)
+    if new_h != height:
+        frames = _resample_axis(frames, 1, new_h, policy.resample)
+    return frames
 
 
-def _resize(frame: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
-    """PIL's resampling in torch's pass order: the width first, then the height (PIL's
-    own resize may take the height first, which shifts values by many levels where the
-    two passes round differently)."""
-    image = Image.fromarray(frame)
-    if image.width != width:
-        image = image.resize((width, image.height), resample=resample)
-    if image.height != height:
-        image = image.resize((width, height), resample=resample)
-    return np.asarray(image)
+# --------------------------------------------------------------------------- torch's uint8 resize
+# torchvision resizes a uint8 video on the CPU with torch's antialiased separable
+# kernel (aten/src/ATen/native/cpu/UpSampleKernel.cpp, the AVX2 uint8 path): per axis,
+# PIL's filter support and centering, weights normalized in float64, then rounded to
+# int16 at the largest precision the axis's largest weight allows; each output value is
+# the integer dot product plus half a unit, shifted down and clamped to 0..255; the width
+# first, then the height, through a uint8 intermediate. Reproduced here exactly (the
+# integer sums are exact in float64).
+
+
+def _cubic(x: float, a: float = -0.5) -> float:
+    """HelperInterpCubic::aa_filter (a = -0.5, PIL's), its operation order."""
+    x = abs(x)
+    if x < 1.0:
+        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+    if x < 2.0:
+        return ((a * x - 5.0 * a) * x + 8.0 * a) * x - 4.0 * a
+    return 0.0
+
+
+def _linear(x: float) -> float:
+    x = abs(x)
+    return 1.0 - x if x < 1.0 else 0.0
+
+
+AA_FILTERS = {3: (_cubic, 4), 2: (_linear, 2)}  # PIL resample code -> (filter, interp_size)
+
+
+@lru_cache(maxsize=64)
+def _axis_weights(size_in: int, size_out: int, resample: int) -> tuple[np.ndarray, int]:
+    """[size_out, size_in] int16 weights (as float64) and their precision in bits."""
+    fn, interp_size = AA_FILTERS[resample]
+    scale = size_in / size_out
+    support = interp_size * 0.5 * scale if scale >= 1.0 else interp_size * 0.5
+    max_taps = int(np.ceil(support)) * 2 + 1
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    rows, wt_max = [], 0.0
+    for i in range(size_out):
+        center = scale * (i + 0.5)
+        xmin = max(int(center - support + 0.5), 0)
+        xsize = min(max(min(int(center + support + 0.5), size_in) - xmin, 0), max_taps)
+        w = [fn((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
+        total = 0.0
+        for v in w:
+            total += v
+        if total != 0.0:
+            w = [v / total for v in w]
+            wt_max = max([wt_max] + w)
+        rows.append((xmin, w))
+    precision = 0
+    while precision < 22 and int(0.5 + wt_max * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    matrix = np.zeros((size_out, size_in))
+    for i, (xmin, w) in enumerate(rows):
+        for j, v in enumerate(w):
+            v *= 1 << precision
+            matrix[i, xmin + j] = int(v - 0.5) if v < 0 else int(v + 0.5)  # C's truncating cast
+    matrix.flags.writeable = False
+    return matrix, precision
+
+
+def _resample_axis(frames: np.ndarray, axis: int, size: int, resample: int) -> np.ndarray:
+    """One pass of torch's uint8 antialiased resize along `axis` of uint8 frames."""
+    matrix, precision = _axis_weights(frames.shape[axis], size, resample)
+    x = np.moveaxis(frames, axis, -1).astype(np.float64)
+    acc = (x @ matrix.T).astype(np.int64) + (1 << (precision - 1))
+    return np.moveaxis(np.clip(acc >> precision, 0, 255).astype(np.uint8), -1, axis)
 
 
 def _patchify(frames: np.ndarray, policy: VideoPolicy) -> np.ndarray:

@@ -96,25 +96,23 @@ def test_pixels_equal_transformers_on_grid(tmp_path, n, width, height, rate, pol
     np.testing.assert_array_equal(pixels, expected)
 
 
-RESIZED = [(8, 100, 70), (8, 150, 100), (6, 40, 30), (12, 200, 120), (24, 64, 64)]  # up, mixed, down, x2.5
+RESIZED = [(8, 100, 70), (8, 150, 100), (6, 40, 30), (12, 200, 120), (24, 64, 64), (6, 333, 500)]
 
 
 @pytest.mark.parity
 @pytest.mark.parametrize("n,width,height", RESIZED)
-def test_resized_pixels_within_two_levels_of_transformers(tmp_path, n, width, height):
-    """Off the grid transformers resizes with torchvision's uint8 bicubic, this with PIL's
-    (same filter, same pass order, other fixed-point weights): the grid is equal, and a
-    value differs by at most two uint8 levels, in under 1% of values (measured: one level
-    in 0.01% to 0.4% of values; two in 0.2% when 64 px grow to 160)."""
+def test_resized_pixels_equal_transformers(tmp_path, n, width, height):
+    """Off the grid too: transformers resizes with torchvision's uint8 antialiased bicubic
+    (torch's int16 fixed-point kernel on this CPU), reproduced bit for bit. (PIL's bicubic,
+    the image processor's, was off by one level in 0.01% to 0.4% of values here, and by
+    up to 8 in its own pass order.)"""
     path = write_video(tmp_path / "v.mp4", gradient_frames(n, width, height, seed=n), rate=4)
     policy = SMALL_VIDEO if width != 64 else VideoPolicy(min_pixels=160 * 160 * 8, max_pixels=1 << 22)
     expected, expected_grid, _ = hf_process(policy, path)
     pixels, grid, _ = process_video(path, policy)
     np.testing.assert_array_equal(np.array([grid]), expected_grid)
     assert (grid[1] * 16, grid[2] * 16) != (height, width), "resized"
-    levels = np.abs(pixels - expected) * 127.5  # mean and std 0.5: one level is 2/255
-    assert levels.max() <= 2.0 + 1e-4
-    assert (levels > 0.5).mean() < 0.01
+    np.testing.assert_array_equal(pixels, expected)
 
 
 POLICIES = [
@@ -124,6 +122,7 @@ POLICIES = [
     {"size": {"shortest_edge": 8192, "longest_edge": 65536}, "cap_pixels_per_frame": True, "max_video_tokens": 8},
     {"do_normalize": False},
     {"do_rescale": False, "image_mean": [100, 120, 140], "image_std": [50, 60, 70]},
+    {"resample": 2, "fps": None, "num_frames": 6},  # bilinear, resized
 ]
 
 
@@ -131,7 +130,7 @@ POLICIES = [
 @pytest.mark.parametrize("config", POLICIES)
 def test_policy_read_as_transformers_reads_it(tmp_path, config):
     """The same dict through VideoPolicy and Qwen3VLVideoProcessor: same settings, same
-    frames and the same pixels on a clip whose resized frames stay on its grid."""
+    frames and the same pixels."""
     from transformers import Qwen3VLVideoProcessor
     policy = VideoPolicy.from_config(config)
     hf = Qwen3VLVideoProcessor(**config)
@@ -145,10 +144,7 @@ def test_policy_read_as_transformers_reads_it(tmp_path, config):
     pixels, grid, video = process_video(path, policy)
     assert video.indices == [int(i) for i in meta.frames_indices]
     np.testing.assert_array_equal(np.array([grid]), expected_grid)
-    if tuple(grid[1:]) in ((4, 4), (8, 8), (12, 12)):  # 64 px or twice that: equal bit for bit
-        np.testing.assert_array_equal(pixels, expected)
-    else:  # two levels at most (see the resize test)
-        assert np.abs(pixels - expected).max() <= 2.0001 / 127.5
+    np.testing.assert_array_equal(pixels, expected)
 
 
 def test_video_policy_enters_the_artifact_identity():
