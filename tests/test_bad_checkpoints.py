@@ -280,7 +280,7 @@ def test_random_checkpoint_refuses_a_folder_with_files(tmp_path):
     result = random_checkpoint(tmp_path / "empty", "--layout", "mlx", "--bits", "4")
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path / "empty")) == ["config.json", "model.safetensors",
-                                                      "preprocessor_config.json"]
+                                                      "preprocessor_config.json", "video_preprocessor_config.json"]
     assert sorted(os.listdir(tmp_path)) == ["empty", "file", "m"]  # no temp folder left
 
 

@@ -65,7 +65,6 @@ def hf_video_processor(policy: VideoPolicy):
 def hf_process(policy: VideoPolicy, path):
     """transformers' video processor on every decoded frame of `path` with its metadata
     (it samples the frames itself)."""
-    import torch  # noqa: F401
     from transformers.video_utils import VideoMetadata
     frames, fps = decode_all(path)
     meta = VideoMetadata(total_num_frames=len(frames), fps=fps, width=frames.shape[2], height=frames.shape[1])
