@@ -14,9 +14,11 @@ with its one-line reason; the job goes on.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -34,6 +36,7 @@ from .processor import image_grid, process_image
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 LIST_SUFFIX = ".txt"
 INDEX_NAME = "index.json"
+LOCK_NAME = ".embed.lock"
 SHARD_FORMAT = "qwen3vl-iree embed shard v1"
 FORMATS = ("native", "vllm")
 
@@ -333,55 +336,86 @@ def embed(model, inputs, out_dir, batch: int = 16, fmt: str = "native", precisio
     from .cache import ArtifactCache
 
     say = say or (lambda message: None)
-    if batch < 1:
-        raise ValueError(f"--batch {batch}: expected 1 or more images per shard")
-    if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
-    use_ray = ray_local is not None or ray_address is not None
-    if use_ray:
-        from .embed_ray import check_ray
-        check_ray(ray_local, ray_address)
+    use_ray = check_options(batch, fmt, ray_local, ray_address)
     make_plan(str(model), None, buckets or DEFAULT_LADDER, target, precision=precision)  # checks the model first
     images = list_images(inputs)
     if not images:
         raise ValueError(f"INPUT {' '.join(inputs)}: no images found (suffixes {' '.join(IMAGE_SUFFIXES)})")
     folder = check_out_dir(out_dir, model)
-    spec = SessionSpec(str(Path(model).absolute()), str(ArtifactCache(cache_dir).root.absolute()),
-                       tuple(buckets or DEFAULT_LADDER), target, precision, threads)
-    identity, weights = prepare(spec, say)
-    index = EmbedIndex(folder, "ray" if use_ray else "local", identity, weights, fmt)
+    with out_dir_lock(folder):
+        spec = SessionSpec(str(Path(model).absolute()), str(ArtifactCache(cache_dir).root.absolute()),
+                           tuple(buckets or DEFAULT_LADDER), target, precision, threads)
+        identity, weights = prepare(spec, say)
+        index = EmbedIndex(folder, "ray" if use_ray else "local", identity, weights, fmt)
+        pending = resume(index, images, retry_failed, say)
+        writer = ShardWriter(index, batch)
+        start = time.perf_counter()
+        engine = None
+        try:
+            if pending and use_ray:
+                from .embed_ray import RayEngine
+                engine = RayEngine(spec, ray_local, ray_address, say)
+                start = time.perf_counter()  # the cluster is up
+            if pending:
+                results = engine.results(pending, batch) if engine else local_engine(spec.open(), pending, batch)
+                _drain(results, writer, len(pending), progress_bar)
+            writer.flush()
+        finally:
+            if engine:
+                engine.close()
+    wanted = set(images)
+    failed = sum(1 for e in index.failed() if e["image"] in wanted)
+    return Summary(writer.encoded, writer.rows, time.perf_counter() - start, len(images) - len(pending), failed,
+                   index.path)
+
+
+def check_options(batch: int, fmt: str, ray_local: int | None, ray_address: str | None) -> bool:
+    """Fail before any work on a bad option; whether Ray runs the job."""
+    if batch < 1:
+        raise ValueError(f"--batch {batch}: expected 1 or more images per shard")
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    if ray_local is None and ray_address is None:
+        return False
+    from .embed_ray import check_ray
+    check_ray(ray_local, ray_address)
+    return True
+
+
+@contextmanager
+def out_dir_lock(folder: Path):
+    """One writer per OUT_DIR: an exclusive flock on OUT_DIR/.embed.lock for the job."""
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"-o {folder}: another qwen3vl embed is writing there; wait for it to end "
+                             f"or choose another folder") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def resume(index: EmbedIndex, images: list[str], retry_failed: bool, say) -> list[str]:
+    """Load the index (taking back unlisted shards) and say what it lets us skip; the
+    images still to embed, in order."""
     index.load(retry_failed)
     done = index.done()
     pending = [image for image in images if image not in done]
-    skipped = len(images) - len(pending)
     if index.recovered:
         say(f"index: took back {index.recovered} images from shards written after its last save")
-    wanted = set(images)
+    skipped = len(images) - len(pending)
     if skipped:
-        failed_before = sum(1 for e in index.failed() if e["image"] in wanted)
+        failed = len({e["image"] for e in index.failed()} & set(images))
         say(f"skipping {skipped} images already in {index.path}"
-            + (f" ({failed_before} of them failed; --retry-failed tries those again)" if failed_before else ""))
-    writer = ShardWriter(index, batch)
-    engine = None
-    try:
-        if pending and use_ray:
-            from .embed_ray import RayEngine
-            engine = RayEngine(spec, ray_local, ray_address, say)
-        start = time.perf_counter()
-        if pending:
-            results = engine.results(pending, batch) if engine else local_engine(spec.open(), pending, batch)
-            _drain(results, writer, len(pending), progress_bar)
-        writer.flush()
-    finally:
-        if engine:
-            engine.close()
-    failed = sum(1 for e in index.failed() if e["image"] in wanted)
-    return Summary(writer.encoded, writer.rows, time.perf_counter() - start, skipped, failed, index.path)
+            + (f" ({failed} of them failed; --retry-failed tries those again)" if failed else ""))
+    return pending
 
 
 def _drain(results: Iterator[Embedded], writer: ShardWriter, total: int, progress_bar: bool) -> None:
-    """Every result into the writer, a tqdm bar (images/s) on stderr; the last shard is
-    flushed by the caller, also after an error (what was encoded is kept)."""
+    """Every result into the writer, a tqdm bar (images/s) on stderr; the buffered shard
+    is written even after an error or an interrupt (what was encoded is kept)."""
     from tqdm import tqdm
 
     with tqdm(total=total, unit="img", desc="embed", disable=not progress_bar, mininterval=0.5) as bar:

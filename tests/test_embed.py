@@ -5,6 +5,7 @@ actor killed mid-run; the driver killed mid-run; vLLM's layout; Ray not installe
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -113,7 +114,8 @@ def test_local_equals_run_and_index(setup, tmp_path):
     index = read_index(tmp_path / "out")
     assert index["engine"] == "local" and index["format"] == "native" and len(index["model"]) == 64
     assert [e["image"] for e in index["images"]] == images  # folder order: sorted, recursive
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.json", "shard-00000.safetensors",
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".embed.lock", "index.json",
+                                                                     "shard-00000.safetensors",
                                                                      "shard-00001.safetensors"]
     assert_rows_equal_run(embedded_rows(tmp_path / "out"), reference, images)
 
@@ -178,6 +180,12 @@ def test_bad_arguments_are_one_line(setup, tmp_path):
     result = embed(setup, root / "model")
     assert result.returncode == 2 and "checkpoint folder" in result.stderr
     assert not (tmp_path / "out").exists()
+    (tmp_path / "busy").mkdir()
+    with open(tmp_path / "busy" / ".embed.lock", "w") as lock:  # another embed writing there
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = embed(setup, tmp_path / "busy")
+    assert result.returncode == 2 and "another qwen3vl embed is writing there" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [".embed.lock"]
 
 
 def test_without_ray_installed(setup, tmp_path):
