@@ -151,21 +151,24 @@ def check_bounds(grid, count: int, policy: VideoPolicy, name: str) -> None:
                          f"in video_preprocessor_config.json, or raise longest_edge")
 
 
-def video_grid(path, policy: VideoPolicy = DEFAULT_VIDEO_POLICY, name: str | None = None) -> tuple[int, int, int]:
+def video_grid(path, policy: VideoPolicy = DEFAULT_VIDEO_POLICY, name: str | None = None,
+               info: VideoInfo | None = None) -> tuple[int, int, int]:
     """The (T, h, w) grid `process_video` will give, from the header alone (frames not
     decoded when the container stores their count): sizes a video before decoding it."""
     name = name or os.fspath(path)
-    info = probe_video(path, name)
+    info = info or probe_video(path, name)
     count = len(policy.sample_indices(info.frames, info.fps))
     grid = _grid(info, count, info.height, info.width, policy, name)
     check_bounds(grid, count, policy, name)
     return grid
 
 
-def load_video(path, policy: VideoPolicy = DEFAULT_VIDEO_POLICY, name: str | None = None) -> Video:
-    """Decode the sampled frames of a video file (uint8 RGB, as PyAV's rgb24)."""
+def load_video(path, policy: VideoPolicy = DEFAULT_VIDEO_POLICY, name: str | None = None,
+               info: VideoInfo | None = None) -> Video:
+    """Decode the sampled frames of a video file (uint8 RGB, as PyAV's rgb24); `info`:
+    its header, when already probed."""
     name = name or os.fspath(path)
-    info = probe_video(path, name)
+    info = info or probe_video(path, name)
     indices = policy.sample_indices(info.frames, info.fps)
     wanted = set(indices)
     picked: dict[int, np.ndarray] = {}
@@ -315,8 +318,9 @@ def process_video(video, policy: VideoPolicy = DEFAULT_VIDEO_POLICY,
     if not isinstance(video, Video):
         path = video
         name = name or os.fspath(path)
-        video_grid(path, policy, name)  # sized from the header: refused before decoding
-        video = load_video(path, policy, name)
+        info = probe_video(path, name)
+        video_grid(path, policy, name, info)  # sized from the header: refused before decoding
+        video = load_video(path, policy, name, info)
     frames = _resized_frames(video, policy)
     P = policy.patch_size
     grid = (-(-len(frames) // policy.temporal_patch_size), frames.shape[1] // P, frames.shape[2] // P)
