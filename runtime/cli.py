@@ -85,7 +85,7 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 
 @main.command(context_settings=CONTEXT)
 @click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
-@click.argument("images", nargs=-1, metavar="IMAGE...")
+@click.argument("images", nargs=-1, metavar="[IMAGE]...")
 @click.option("--video", "videos", multiple=True, metavar="FILE",
               help="A video file (any container and codec PyAV decodes; repeatable), sampled and processed as "
                    "video_preprocessor_config.json says.")

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 
 from emitter.config import PRESETS
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy
 from runtime.video import VideoError, load_video, process_video, video_grid
-
-av = pytest.importorskip("av")
 
 TINY = PRESETS["tiny"]
 SMALL_VIDEO = VideoPolicy(min_pixels=4096, max_pixels=4 * 64 * 64 * 8)  # tiny tests: small frames
@@ -426,3 +425,9 @@ def test_payload_places_image_and_video_rows_at_their_pads(tmp_path, tiny_model)
         np.testing.assert_array_equal(features[at_video], video_out.deepstack_features[k])
         np.testing.assert_array_equal(features[~at_video], image_out.deepstack_features[k])
     assert payload.position_ids.shape == (3, len(ids))
+
+
+def test_run_without_any_input_is_one_line(tmp_path):
+    result = qwen3vl("run", "--model", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: no input: give one or more IMAGE files or --video FILE"
