@@ -139,7 +139,7 @@ def segment_mask(b: Builder, segment_ids: Value) -> Value:
 # (docs/performance.md, "Large inputs", has the measurements behind the threshold).
 ATTENTION_FORMS = ("dense", "blockwise")
 ATTENTION_CHUNK = 512
-BLOCKWISE_FROM = 2048  # patches: buckets of at least this many use the blockwise form
+BLOCKWISE_FROM = 1024  # patches: buckets of at least this many use the blockwise form
 NO_SEGMENT = -1  # segment id of the rows padded up to a whole chunk (host ids are >= 0)
 SOFTMAX_FLOOR = -3.0e38  # running max before any key: finite, so exp(floor - floor) is 1, never NaN
 
