@@ -336,7 +336,7 @@ def embed(model, inputs, out_dir, batch: int = 16, fmt: str = "native", precisio
     from .cache import ArtifactCache
 
     say = say or (lambda message: None)
-    use_ray = check_options(batch, fmt, ray_local, ray_address)
+    use_ray = check_options(batch, fmt, ray_local, ray_address, threads)
     make_plan(str(model), None, buckets or DEFAULT_LADDER, target, precision=precision)  # checks the model first
     images = list_images(inputs)
     if not images:
@@ -369,10 +369,16 @@ def embed(model, inputs, out_dir, batch: int = 16, fmt: str = "native", precisio
                    index.path)
 
 
-def check_options(batch: int, fmt: str, ray_local: int | None, ray_address: str | None) -> bool:
+def check_options(batch: int, fmt: str, ray_local: int | None, ray_address: str | None,
+                  threads: int | None = None) -> bool:
     """Fail before any work on a bad option; whether Ray runs the job."""
     if batch < 1:
         raise ValueError(f"--batch {batch}: expected 1 or more images per shard")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads {threads}: expected a count of IREE worker threads, 1 or more")
+    if threads is not None and ray_local is not None and threads > ray_local:
+        raise ValueError(f"--threads {threads}: each actor takes that many CPUs, and --ray-local {ray_local} "
+                         f"has {ray_local}; use at most {ray_local}")
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     if ray_local is None and ray_address is None:

@@ -167,6 +167,7 @@ def test_bad_arguments_are_one_line(setup, tmp_path):
     cases = {
         ("--batch", "0"): "--batch 0",
         ("--ray-local", "0"): "--ray-local 0",
+        ("--ray-local", "2", "--threads", "3"): "--threads 3",  # an actor no worker could hold
         ("--ray-local", "2", "--ray", "127.0.0.1:1"): "give one",
         ("--ray", "127.0.0.1:1"): "no Ray cluster answers there",  # at once, not after Ray's minutes of retries
     }
