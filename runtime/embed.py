@@ -171,7 +171,8 @@ class EmbedIndex:
     weights: str
     format: str
     images: list[dict] = field(default_factory=list)
-    recovered: int = 0
+    recovered: int = 0  # images taken back from shards the index did not list
+    missing: int = 0  # images the index listed in shards no longer there
 
     @property
     def path(self) -> Path:
@@ -181,8 +182,9 @@ class EmbedIndex:
         return {"engine": self.engine, "model": self.model, "weights": self.weights, "format": self.format}
 
     def load(self, retry_failed: bool = False) -> None:
-        """The index already there, checked to be this model's and format's, plus any
-        shard on disk the index does not list yet (its metadata names its images)."""
+        """The index already there, checked to be this model's and format's, less the
+        entries whose shard file is gone, plus any shard on disk the index does not list
+        yet (its metadata names its images)."""
         if self.path.exists():
             try:
                 saved = json.loads(self.path.read_text(encoding="utf-8"))
@@ -196,6 +198,8 @@ class EmbedIndex:
                                      f"({saved.get(key)!r}, this run: {getattr(self, key)!r}); "
                                      f"choose another folder")
             self.images = [e for e in entries if not (retry_failed and "error" in e)]
+        kept = [e for e in self.images if "shard" not in e or (self.out_dir / e["shard"]).is_file()]
+        self.missing, self.images = len(self.images) - len(kept), kept  # their shard is gone: embed them again
         listed = {e["shard"] for e in self.images if "shard" in e}
         for shard in sorted(self.out_dir.glob("shard-*.safetensors")):
             if shard.name not in listed:
@@ -411,6 +415,8 @@ def resume(index: EmbedIndex, images: list[str], retry_failed: bool, say) -> lis
     pending = [image for image in images if image not in done]
     if index.recovered:
         say(f"index: took back {index.recovered} images from shards written after its last save")
+    if index.missing:
+        say(f"index: {index.missing} images are listed in shards no longer there; embedding them again")
     skipped = len(images) - len(pending)
     if skipped:
         failed = len({e["image"] for e in index.failed()} & set(images))

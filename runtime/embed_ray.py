@@ -22,7 +22,7 @@ import numpy as np
 
 from .embed import Embedded, EngineError, SessionSpec, encode_batch
 
-INSTALL_HINT = "pip install 'qwen3vl-iree[ray]' (or: pip install 'ray[data]==2.60.0')"
+INSTALL_HINT = "install the ray extra: pip install 'qwen3vl-iree[ray]' (in a checkout: pip install -e '.[ray]')"
 LOCAL_OBJECT_STORE = 512 * 2**20  # --ray-local: rows pass through it on their way to the driver
 
 
