@@ -233,6 +233,7 @@ class Generator:
                  progress=None):
         from emitter.config import load_model_config
         from emitter.policy import load_policy
+        from emitter.video_policy import load_video_policy
 
         from .session import set_thread_count
         from .tokenizer import ChatTokenizer
@@ -247,6 +248,7 @@ class Generator:
                                 **self.options)
         self._vision = None
         self.policy = load_policy(model_dir, self.vision_cfg)
+        self.video_policy = load_video_policy(model_dir, self.vision_cfg)
 
     @property
     def vision(self):
@@ -269,37 +271,40 @@ class Generator:
             self._vision = VisionSession(self.model_dir, buckets=buckets, **self.options)
         return self._vision
 
-    def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None) -> Generation:
-        """Greedy answer to one user message (the images in order, then `prompt`);
-        `on_text(piece)` hears the answer's text as it grows."""
+    def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None, videos=()) -> Generation:
+        """Greedy answer to one user message (the images in order, then the videos, then
+        `prompt`); `on_text(piece)` hears the answer's text as it grows."""
         from .packing import patch_count
         from .prefill import mrope_position_ids
         from .processor import process_images
-        from .tokenizer import expand_pads, user_message
+        from .video import frame_grids, process_videos, prompt_groups
 
         if max_new_tokens < 1:
             raise GenerateError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
-        ids = self.tokenizer.encode(self.tokenizer.render(user_message(prompt, len(images))))
         seconds = {"vision": 0.0, "build": 0.0}
-        visual = embeds = deepstack = grids = None
-        image_id = self.text.token_ids.image_token_id
-        if images:
-            start = time.perf_counter()
-            pixels, grids = process_images(list(images), self.policy)
-            seconds["vision"] = time.perf_counter() - start
-            ids = expand_pads(ids, image_id, [patch_count(g) // self.vision_cfg.merge_unit for g in grids])
+        visual = embeds = deepstack = None
+        image_id, video_id = self.text.token_ids.image_token_id, self.text.token_ids.video_token_id
+        start = time.perf_counter()
+        pixels, grids = process_images(list(images), self.policy)
+        video_pixels, video_grids, decoded = process_videos(list(videos), self.video_policy)
+        seconds["vision"] = time.perf_counter() - start
+        ids = self.tokenizer.prompt_ids(prompt, image_id, [patch_count(g) // self.vision_cfg.merge_unit for g in grids],
+                                        [prompt_groups(v, g, self.video_policy) for v, g in zip(decoded, video_grids)])
+        if len(images) or len(videos):
             self.text.check_request(ids.size, max_new_tokens)  # before any compile
-            vision = self.vision_for(max(patch_count(g) for g in grids))
+            inputs = [tuple(int(v) for v in g) for g in grids] + frame_grids(video_grids)  # a video: its groups
+            vision = self.vision_for(max(patch_count(g) for g in inputs))
             seconds["build"] += _timed(vision.artifact)  # compiled or loaded outside the clock
             start = time.perf_counter()
-            out = vision.encode_pixels(pixels, grids)
+            out = vision.encode_pixels(np.concatenate([pixels, video_pixels]), inputs)
             seconds["vision"] += time.perf_counter() - start
-            visual = np.flatnonzero(ids == image_id)
+            visual = np.flatnonzero(np.isin(ids, (image_id, video_id)))
+            # images come before videos in the prompt (user_message), as in the rows
             embeds, deepstack = out.image_embeds, out.deepstack_features
         self.text.check_request(ids.size, max_new_tokens)
         seconds["build"] += _timed(lambda: self.text.module)  # likewise
         positions, delta = mrope_position_ids(ids, grids, self.vision_cfg.spatial_merge_size, image_token_id=image_id,
-                                              video_token_id=self.text.token_ids.video_token_id)
+                                              video_token_id=video_id, video_grid_thw=video_grids)
         streamer = _TextStream(self.tokenizer, on_text) if on_text else None
         tokens, logits, timing = greedy(self.text, ids, positions, delta, max_new_tokens, self.tokenizer.eos_ids,
                                         visual, embeds, deepstack, streamer, self.tokenizer.repetition_penalty)

@@ -27,7 +27,9 @@ def _npy_bytes(array) -> bytes:
 @click.option("--model", required=True, metavar="DIR",
               help="Checkpoint folder (config.json, *.safetensors, tokenizer.json, a chat template).")
 @click.option("--image", "images", multiple=True, metavar="PATH", help="An image, in prompt order (repeatable).")
-@click.option("--prompt", required=True, metavar="TEXT", help="The user message's text (after the images).")
+@click.option("--video", "videos", multiple=True, metavar="PATH",
+              help="A video, after the images, in prompt order (repeatable; see qwen3vl run --video).")
+@click.option("--prompt", required=True, metavar="TEXT", help="The user message's text (after the images and videos).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True, metavar="N",
               help="Stop after N new tokens (or at an EOS id of generation_config.json).")
 @click.option("--json", "json_path", metavar="FILE",
@@ -42,9 +44,9 @@ def _npy_bytes(array) -> bytes:
               help="Tokens the KV cache holds (prompt and answer).")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
-def generate_command(model, images, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision, buckets,
-                     context, target, threads):
-    """Answer one user message (the images in order, then the prompt) greedily, with
+def generate_command(model, images, videos, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision,
+                     buckets, context, target, threads):
+    """Answer one user message (the images in order, the videos, then the prompt) greedily, with
     the checkpoint's tokenizer and chat template; the text streams to stdout."""
     from emitter.atomic import check_writable, write_atomic
 
@@ -72,7 +74,7 @@ def generate_command(model, images, prompt, max_new_tokens, json_path, save_logi
                 raise ValueError(f"--image {path}: cannot read ({e.strerror or e}); expected an image file") from None
         generator = Generator(model, buckets or DEFAULT_PROMPT_BUCKETS, context, target=target, cache_dir=cache_dir,
                               precision=precision, threads=threads, progress=say)
-        result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream)
+        result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream, videos=list(videos))
         stream("\n")
         if save_logits:
             write_atomic(save_logits, _npy_bytes(result.logits))
