@@ -24,12 +24,12 @@ WORKER = r"""
 import json, sys, time
 import iree.runtime as rt
 rt.flags.parse_flags(*json.loads(sys.argv[1]))
-from runtime.bench import our_tower, processed_images
+from runtime.bench import our_tower, processed_images, shallower
 from runtime.packing import host_inputs
 from runtime.synthetic import random_vision_weights
 from emitter.config import PRESETS
-preset, bucket, images, precision = json.loads(sys.argv[2])
-cfg = PRESETS[preset]
+preset, depth, bucket, images, precision = json.loads(sys.argv[2])
+cfg = shallower(PRESETS[preset], depth)
 pixels, grid_thw = processed_images([tuple(int(v) for v in s.split("x")) for s in images.split(",")])
 inputs = host_inputs(pixels, [tuple(int(v) for v in g) for g in grid_thw], cfg, bucket)
 run, _ = our_tower(cfg, random_vision_weights(cfg, seed=0), bucket, precision, "parameters", [],
@@ -52,10 +52,11 @@ def main(argv=None):
     p.add_argument("--images", default="256x256,256x256")
     p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--depth", type=int, help="only the first N blocks (same kernels, less memory and time)")
     args = p.parse_args(argv)
 
     import random
-    spec = json.dumps([args.preset, args.bucket, args.images, args.precision])
+    spec = json.dumps([args.preset, args.depth, args.bucket, args.images, args.precision])
     workers = {}
     for setting in args.settings:  # one at a time: compiles and packs are not timed
         worker = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps([f"--{flag}" for flag in setting.split()]), spec],
@@ -78,7 +79,7 @@ def main(argv=None):
         worker.stdin.close()
         worker.wait()
     base = args.settings[0]
-    print(f"{args.preset}, bucket {args.bucket}, {args.precision}, 1 warm-up + {args.repeats} rounds in random "
+    print(f"{args.preset} (depth {args.depth or 'all'}), bucket {args.bucket}, {args.precision}, 1 warm-up + {args.repeats} rounds in random "
           f"order, load average {load:.2f} -> {os.getloadavg()[0]:.2f}")
     for setting in args.settings:
         rounds = [b / s for b, s in zip(times[base], times[setting])]

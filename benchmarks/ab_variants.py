@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runtime.bench import alternate, processed_images, ratio_figures, vision_flops  # noqa: E402
+from runtime.bench import alternate, processed_images, ratio_figures, shallower, vision_flops  # noqa: E402
 from emitter import layers, vision  # noqa: E402
 from emitter.config import PRESETS, weight_schema  # noqa: E402
 from runtime.compiler import compile_mlir  # noqa: E402
@@ -152,6 +152,7 @@ def main(argv=None):
     p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--depth", type=int, help="only the first N blocks (same kernels, less memory and time)")
     args = p.parse_args(argv)
 
     import iree.runtime as rt
@@ -160,7 +161,7 @@ def main(argv=None):
     from runtime.session import set_thread_count
     from emitter.config import graph_weights
 
-    cfg = PRESETS[args.preset]
+    cfg = shallower(PRESETS[args.preset], args.depth)
     pixels, grid_thw = processed_images([tuple(int(v) for v in s.split("x")) for s in args.images.split(",")])
     grids = [tuple(int(v) for v in g) for g in grid_thw]
     weights = random_vision_weights(cfg, seed=0)
@@ -184,7 +185,7 @@ def main(argv=None):
     times = alternate(programs, 1, args.repeats)
     flops = vision_flops(cfg, grids)
     base, first = args.variants[0], outputs[args.variants[0]]
-    print(f"{args.preset}, bucket {args.bucket}, {args.precision}, {args.threads} threads, random order per round, "
+    print(f"{args.preset} (depth {cfg.depth}), bucket {args.bucket}, {args.precision}, {args.threads} threads, random order per round, "
           f"1 warm-up + {args.repeats} rounds, load average {load:.2f} -> {os.getloadavg()[0]:.2f}")
     for name in args.variants:
         r = ratio_figures(times, base, name)

@@ -52,6 +52,16 @@ def vision_flops(cfg: VisionConfig, grids) -> float:
     return cfg.depth * per_block + 2 * n * cfg.patch_dim * h + mergers
 
 
+def shallower(cfg: VisionConfig, depth: int | None) -> VisionConfig:
+    """`cfg` with only its first `depth` blocks (and the DeepStack taps among them): the same
+    kernels at a fraction of the memory and time, for A/B runs of the per-block work."""
+    if not depth:
+        return cfg
+    import dataclasses
+    return dataclasses.replace(cfg, depth=depth,
+                               deepstack_visual_indexes=tuple(i for i in cfg.deepstack_visual_indexes if i < depth))
+
+
 def parse_sizes(text: str, flag: str) -> list[tuple[int, int]]:
     """'256x256,128x64' -> [(256, 256), (128, 64)] (width, height)."""
     try:
