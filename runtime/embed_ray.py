@@ -90,8 +90,8 @@ class RayEngine:
         self.spec = SessionSpec(**dict(spec.__dict__, threads=spec.threads or 1))
         if ray_local is not None:
             say(f"ray: starting a local cluster with {ray_local} workers")
-            ray.init(num_cpus=ray_local, object_store_memory=LOCAL_OBJECT_STORE, include_dashboard=False,
-                     logging_level=logging.ERROR)
+            ray.init(address="local", num_cpus=ray_local, object_store_memory=LOCAL_OBJECT_STORE,
+                     include_dashboard=False, logging_level=logging.ERROR)  # a new cluster, never a running one
             cpus = ray_local
         else:
             say(f"ray: joining {address}")

@@ -221,7 +221,8 @@ def cluster():
     """One local Ray cluster of 2 workers for the tests below (joined with --ray ADDRESS);
     its object store capped; shut down after them."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, object_store_memory=500 * 2**20, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, object_store_memory=500 * 2**20, include_dashboard=False,
+             logging_level="ERROR")
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
