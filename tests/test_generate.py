@@ -279,3 +279,42 @@ def test_image_larger_than_the_default_ladder(model, tmp_path):
     assert out.returncode == 0, out.stderr
     merged = (512 // 16) * (608 // 16) // 4  # 1216 patches > 512: bucket 2048
     assert json.loads((tmp_path / "r.json").read_text())["prompt_tokens"] > merged
+
+
+RESIDENT_PROBE = """
+import sys, numpy as np
+from runtime.generate import TextSession
+def anon():  # bytes of this process's anonymous resident memory
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")) * 1024
+start = anon()
+session = TextSession(sys.argv[1], buckets=(64,), context=80, cache_dir=sys.argv[2])
+session.module  # archive and module from the cache (the first run wrote them): map, pack, let the pages go
+logits = session.prefill(np.arange(40) + 5, np.broadcast_to(np.arange(40), (3, 40)))
+session.decode(int(np.argmax(logits)), 40)
+print(anon() - start)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_text_weights_resident_once(tmp_path):
+    """After load and a prefill + decode, the session holds one copy of its weights: the
+    one IREE packed (every matrix but the embedding table, which the graph gathers rows of
+    straight from the mapped archive), not the checkpoint's arrays besides it, nor a second
+    packing for the one-row decode matmuls. Measured here: 1.03-1.05x the packed bytes;
+    4.8x before (host arrays kept beside the packed copy, decode packing its own)."""
+    import dataclasses
+
+    from emitter.text import text_weights
+    from runtime.synthetic_text import write_text_model
+
+    cfg = dataclasses.replace(TEXT_PRESETS["tiny"], vocab_size=32768, hidden_size=512, intermediate_size=2048,
+                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                              mrope_section=(12, 10, 10))
+    write_text_model(tmp_path / "m", cfg, seed=1)
+    packed = sum(int(np.prod(s.shape)) * 4 for s in text_weights(cfg) if not s.name.endswith("embed_tokens.weight"))
+    for _ in range(2):  # the first fills the cache; the second, a fresh process, is measured
+        out = subprocess.run([sys.executable, "-c", RESIDENT_PROBE, tmp_path / "m", tmp_path / "cache"],
+                             capture_output=True, text=True, check=True)
+    grown = int(out.stdout.split()[-1])
+    print(f"resident: {grown / packed:.2f}x the {packed / 1e6:.0f} MB of packed weights")
+    assert 0.9 * packed < grown < 1.2 * packed, (grown, packed)
