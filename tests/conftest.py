@@ -23,7 +23,7 @@ FIXTURES = TESTS / "fixtures"
 # The reference implementations the suite checks against. `make test` installs them and
 # sets QWEN3VL_REQUIRE_REFERENCES=1, so that a missing one fails the run instead of
 # silently skipping the checks that need it.
-REFERENCE_MODULES = ("torch", "transformers", "torchvision")
+REFERENCE_MODULES = ("torch", "transformers", "torchvision", "ray", "mlx", "mlx_vlm")
 
 
 def pytest_sessionstart(session):
