@@ -341,8 +341,10 @@ def project(b: Builder, x: Value, weight: Value, hint: str = "proj") -> Value:
     """x @ weight.T for a bias-free [out, in] weight, operands in the weight's dtype. One
     row [1, in] is computed as weight @ x.T: IREE's data tiling then packs the weight in
     the layout the many-row form packs it in, so a module with both (prefill and decode)
-    holds one packed copy; as x @ weight.T it packed a second, transposed one (decode
-    time the same or less: 2B widths, bf16, median 53 against 56 ms per token)."""
+    holds one packed copy; as x @ weight.T it packed a second, transposed one. Decode
+    time (2B widths, 2 layers, bf16, medians): the same for the layers' projections, but
+    lm_head [vocab, hidden] in this form took about 1.35x its time as x @ weight.T, which
+    instead needs a transposed transient at load (1.2 GB at 2B): memory chosen here."""
     if x.shape[0] != 1 or x.rank != 2:
         return matmul(b, x, weight, ([x.rank - 1], [1]), operand_dtype=weight.dtype, hint=hint)
     column = matmul(b, weight, x, ([1], [1]), operand_dtype=weight.dtype, hint=hint)
