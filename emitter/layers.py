@@ -133,9 +133,9 @@ def segment_mask(b: Builder, segment_ids: Value) -> Value:
 
 
 # Attention forms. "dense": one [H, B, B] score tensor and the [B, B] segment mask, fastest
-# for small buckets. "blockwise": query chunks of ATTENTION_CHUNK rows in a loop, each
-# attending with an online softmax over only the key chunks that hold its segments, so
-# memory per step is [H, C, C] and the cross-image blocks are never computed
+# for small buckets. "blockwise": query chunks of ATTENTION_CHUNK rows (unrolled), each
+# attending with an online softmax, in a loop, over only the key chunks that hold its
+# segments, so memory per step is [H, C, C] and the cross-image blocks are never computed
 # (docs/performance.md, "Large inputs", has the measurements behind the threshold).
 ATTENTION_FORMS = ("dense", "blockwise")
 ATTENTION_CHUNK = 512
@@ -177,7 +177,7 @@ def _pad_rows(b: Builder, x: Value, axis: int, rows: int, fill, hint: str) -> Va
 
 
 def key_chunk_range(b: Builder, seg_q: Value, segments: Value, chunk: int) -> tuple[Value, Value]:
-    """[first, last) key chunks holding every key that shares a segment with the queries
+    """[first, end) key chunks holding every key that shares a segment with the queries
     `seg_q` [C]: the span from the first to the last matching key (exact for any ids; for
     the host's contiguous segments it is just those segments)."""
     (c,), (n,) = seg_q.shape, segments.shape
