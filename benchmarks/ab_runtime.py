@@ -59,7 +59,8 @@ def main(argv=None):
     spec = json.dumps([args.preset, args.depth, args.bucket, args.images, args.precision])
     workers = {}
     for setting in args.settings:  # one at a time: compiles and packs are not timed
-        worker = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps([f"--{flag}" for flag in setting.split()]), spec],
+        flags = json.dumps([f"--{flag}" for flag in setting.split()])
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, flags, spec],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if worker.stdout.readline().strip() != "ready":
             sys.exit(f"error: the worker for {setting!r} failed")
@@ -79,8 +80,8 @@ def main(argv=None):
         worker.stdin.close()
         worker.wait()
     base = args.settings[0]
-    print(f"{args.preset} (depth {args.depth or 'all'}), bucket {args.bucket}, {args.precision}, 1 warm-up + {args.repeats} rounds in random "
-          f"order, load average {load:.2f} -> {os.getloadavg()[0]:.2f}")
+    print(f"{args.preset} (depth {args.depth or 'all'}), bucket {args.bucket}, {args.precision}, "
+          f"1 warm-up + {args.repeats} rounds in random order, load average {load:.2f} -> {os.getloadavg()[0]:.2f}")
     for setting in args.settings:
         rounds = [b / s for b, s in zip(times[base], times[setting])]
         m = statistics.median(times[setting])

@@ -185,8 +185,8 @@ def main(argv=None):
     times = alternate(programs, 1, args.repeats)
     flops = vision_flops(cfg, grids)
     base, first = args.variants[0], outputs[args.variants[0]]
-    print(f"{args.preset} (depth {cfg.depth}), bucket {args.bucket}, {args.precision}, {args.threads} threads, random order per round, "
-          f"1 warm-up + {args.repeats} rounds, load average {load:.2f} -> {os.getloadavg()[0]:.2f}")
+    print(f"{args.preset} (depth {cfg.depth}), bucket {args.bucket}, {args.precision}, {args.threads} threads, "
+          f"random order per round, 1 warm-up + {args.repeats} rounds, load average {load:.2f} -> {os.getloadavg()[0]:.2f}")
     for name in args.variants:
         r = ratio_figures(times, base, name)
         m = statistics.median(times[name])
