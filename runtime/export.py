@@ -64,6 +64,7 @@ def abi_document(plan: BuildPlan, identity: str, name: str, archive: Path) -> di
         "precision": plan.precision,
         "vision_config": plan.cfg.to_dict(),
         "processor_policy": plan.policy.to_dict(),
+        "video_policy": plan.video_policy.to_dict(),
         "emitter_version": __version__,
     }
 

@@ -62,6 +62,8 @@ def test_export_folder_and_abi(exported):
     assert all(o["shape"] == [16, TINY.out_hidden_size] for o in f64["outputs"])
     assert abi["parameters"] == {"scope": "model", "file": "tiny-model.irpa",
                                  "content_key": abi["parameters"]["content_key"]}
+    from emitter.video_policy import DEFAULT_VIDEO_POLICY
+    assert abi["video_policy"] == DEFAULT_VIDEO_POLICY.to_dict()  # the checkpoint's: the released one
     cached = exported / "cache" / f"{abi['identity']}.vmfb"
     assert cached.read_bytes() == (out / "tiny-model.vmfb").read_bytes()
     open_archive(out / "tiny-model.irpa", TINY)  # exactly the graph's weights
