@@ -282,6 +282,15 @@ class Builder:
         and what reads the result starts a new dispatch."""
         return self._op(hint or "barrier", f"stablehlo.optimization_barrier {x} : {x.type}", x.type)
 
+    def optimization_barriers(self, values: list[Value], hint=None) -> list[Value]:
+        """`values` unchanged, through one barrier: whatever reads any result waits for all
+        of them to be computed (an order the data alone does not impose)."""
+        name = self._fresh(f"{self._stage}.{hint or 'barrier'}" if self._stage else hint or "barrier")
+        operands, types = ", ".join(map(str, values)), ", ".join(str(v.type) for v in values)
+        self.lines.append(f'%{name}:{len(values)} = stablehlo.optimization_barrier {operands} : {types} '
+                          f'loc("{self._stage}")')
+        return [Value(f"{name}#{i}", v.type) for i, v in enumerate(values)]
+
     def concatenate(self, values: list[Value], dim: int, hint=None) -> Value:
         if not values or not 0 <= dim < values[0].rank:
             raise BuildError(f"concatenate: dim {dim} of {[str(v.type) for v in values]}")
