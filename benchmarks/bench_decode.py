@@ -61,6 +61,13 @@ def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, pr
     return next(r["real_time"] for r in runs if r["run_type"] == "iteration")
 
 
+def copy_lengths(path: Path) -> list[int]:
+    """Bytes of each copy recorded in the profiled command buffers."""
+    commands = subprocess.run([str(TOOLS / "iree-profile"), "command", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    return [int(m) for m in re.findall(r"op=copy .*length=(\d+)", commands)]
+
+
 def profile_report(path: Path, steps: int, top: int = 8) -> list[str]:
     """The top dispatches by time per step, and the copies in the step's command buffer."""
     tool = str(TOOLS / "iree-profile")
@@ -68,8 +75,7 @@ def profile_report(path: Path, steps: int, top: int = 8) -> list[str]:
                                                          capture_output=True, text=True, check=True).stdout.splitlines()]
     groups = sorted((r for r in rows if r.get("type") == "host_dispatch_group"), key=lambda r: -r["total_ns"])
     lines = [f"    {r['total_ns'] / steps / 1e6:7.2f} ms/step  {r['key']}" for r in groups[:top]]
-    commands = subprocess.run([tool, "command", str(path)], capture_output=True, text=True, check=True).stdout
-    sizes = [int(m) for m in re.findall(r"op=copy .*length=(\d+)", commands)]
+    sizes = copy_lengths(path)
     big = [s for s in sizes if s >= 1 << 20]
     lines.append(f"    copies recorded: {len(sizes)}, of them >= 1 MiB: {len(big)} ({sum(big) / 2**20:.0f} MiB)")
     return lines
