@@ -70,9 +70,9 @@ def copy_lengths(path: Path) -> list[int]:
 
 def profile_report(path: Path, steps: int, top: int = 8) -> list[str]:
     """The top dispatches by time per step, and the copies in the step's command buffer."""
-    tool = str(TOOLS / "iree-profile")
-    rows = [json.loads(line) for line in subprocess.run([tool, "dispatch", "--format=jsonl", str(path)],
-                                                         capture_output=True, text=True, check=True).stdout.splitlines()]
+    out = subprocess.run([str(TOOLS / "iree-profile"), "dispatch", "--format=jsonl", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
     groups = sorted((r for r in rows if r.get("type") == "host_dispatch_group"), key=lambda r: -r["total_ns"])
     lines = [f"    {r['total_ns'] / steps / 1e6:7.2f} ms/step  {r['key']}" for r in groups[:top]]
     sizes = copy_lengths(path)
