@@ -111,22 +111,22 @@ def test_bucket_larger_than_memory_is_refused_before_compiling(tmp_path, tiny):
     assert not list(empty_cache.rglob("*.vmfb"))  # nothing compiled
 
 
-@pytest.mark.slow  # compiles and runs bucket 65536
+@pytest.mark.slow  # compiles and runs bucket 8192
 def test_bucket_that_exhausts_the_allocator_is_a_one_line_error(tiny, cache_dir):
-    """Past the estimate (its largest buffer, 384 MiB of patches, fits in 768 MiB of address
-    space; the run needs that twice and more), an allocation fails at run time: that too
-    names the bucket. (At 768 MiB the process itself still starts.)"""
+    """Past the estimate (its largest buffer, 48 MiB of patches, fits in 640 MiB of address
+    space; the run needs more), an allocation fails at run time: that too names the bucket.
+    (Measured: at 640 MiB the process starts and bucket 4096 runs; 8192 runs at 768 MiB.)"""
     model, image = tiny
-    warm = run(model, image, "--threads", "1", bucket="65536", cache_dir=cache_dir)  # compile, unlimited
+    warm = run(model, image, "--threads", "1", bucket="8192", cache_dir=cache_dir)  # compile, unlimited
     assert warm.returncode == 0, warm.stderr
 
     def limit_address_space():
         import resource
-        resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))
+        resource.setrlimit(resource.RLIMIT_AS, (640 << 20, 640 << 20))
 
-    result = run(model, image, "--threads", "1", bucket="65536", cache_dir=cache_dir, preexec_fn=limit_address_space,
+    result = run(model, image, "--threads", "1", bucket="8192", cache_dir=cache_dir, preexec_fn=limit_address_space,
                  env=dict(os.environ, MALLOC_ARENA_MAX="1"))
-    one_line_error(result, "--bucket 65536", "does not fit in memory")
+    one_line_error(result, "--bucket 8192", "does not fit in memory")
 
 
 def test_target_without_its_driver_names_both(tiny, cache_dir):
