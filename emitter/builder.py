@@ -228,7 +228,8 @@ class Builder:
     # -- shape ops ------------------------------------------------------------
     def broadcast_in_dim(self, x: Value, shape, dims, hint=None) -> Value:
         shape, dims = tuple(shape), tuple(dims)
-        if len(dims) != x.rank or len(set(dims)) != len(dims) or any(not 0 <= d < len(shape) for d in dims) or any(x.shape[i] not in (1, shape[d]) for i, d in enumerate(dims)):
+        if (len(dims) != x.rank or len(set(dims)) != len(dims) or any(not 0 <= d < len(shape) for d in dims)
+                or any(x.shape[i] not in (1, shape[d]) for i, d in enumerate(dims))):
             raise BuildError(f"broadcast_in_dim: {x.type} cannot map to {shape} by dims {dims}")
         t = TensorType(shape, x.dtype)
         return self._op(hint or "bcast", f"stablehlo.broadcast_in_dim {x}, dims = [{_ints(dims)}] : ({x.type}) -> {t}", t)
@@ -296,7 +297,8 @@ class Builder:
             raise BuildError(f"concatenate: dim {dim} of {[str(v.type) for v in values]}")
         first = values[0]
         for v in values[1:]:
-            if v.dtype != first.dtype or v.rank != first.rank or any(a != b for i, (a, b) in enumerate(zip(v.shape, first.shape)) if i != dim):
+            if v.dtype != first.dtype or v.rank != first.rank or any(
+                    a != b for i, (a, b) in enumerate(zip(v.shape, first.shape)) if i != dim):
                 raise BuildError(f"concatenate: {v.type} does not stack with {first.type} on dim {dim}")
         shape = list(first.shape)
         shape[dim] = sum(v.shape[dim] for v in values)

@@ -115,7 +115,8 @@ def artifact_fields(cfg: VisionConfig, buckets, policy, target: str | None = DEF
     """Canonical JSON-able dict of everything that decides whether a compiled vmfb may
     be reused. The vmfb is the artifact module (`emit_artifact_module`) for the bucket
     set `buckets` (one bucket or several). `policy` is a `ProcessorPolicy` (or its
-    `to_dict()`), `video_policy` a `VideoPolicy` (or its dict; None: the released one); `compiler_version` overrides the installed compiler's version (tests);
+    `to_dict()`), `video_policy` a `VideoPolicy` (or its dict; None: the released one);
+    `compiler_version` overrides the installed compiler's version (tests);
     `extra_flags` are appended to the target's iree-compile flags (and so must be passed
     to the compiler too)."""
     buckets = bucket_set(buckets, cfg)

@@ -157,8 +157,27 @@ def _check_all(values: dict, names: dict, source: str) -> dict:
 # --------------------------------------------------------------------------- policy
 
 
+class PatchSizes:
+    """The sizes derived from a policy's patch_size, temporal_patch_size and merge_size,
+    one place each (image and video policies alike)."""
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this (patch_size * merge_size)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def in_channels(self) -> int:
+        return 3
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one row of pixel_values: C * T * P * P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
 @dataclass(frozen=True)
-class ProcessorPolicy:
+class ProcessorPolicy(PatchSizes):
     """Everything that decides the pixel values (and the patch grid) of an image."""
 
     min_pixels: int
@@ -179,21 +198,6 @@ class ProcessorPolicy:
         values = _check_all({f.name: getattr(self, f.name) for f in fields(self)}, {}, "ProcessorPolicy")
         for k, v in values.items():  # canonical types: tuples of floats, float rescale
             object.__setattr__(self, k, v)
-
-    # Derived sizes, one place each.
-    @property
-    def factor(self) -> int:
-        """Resized sides are multiples of this (patch_size * merge_size)."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def in_channels(self) -> int:
-        return 3
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one row of pixel_values: C * T * P * P."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) the image is resized to (`smart_resize`); unchanged when

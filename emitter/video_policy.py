@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .policy import (_CHECKS, MAX_ASPECT_RATIO, PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, VIDEO_PREPROCESSOR_CONFIG,
-                     PolicyError, _bad, _flag, _is_number, _positive_int, _read_json, check_matches_config)
+                     PatchSizes, PolicyError, _bad, _flag, _is_number, _positive_int, _read_json, check_matches_config)
 
 # transformers 5.24's Qwen3VLVideoProcessor class attributes.
 VIDEO_CLASS_DEFAULTS = {
@@ -96,7 +96,7 @@ def video_smart_resize(num_frames: int, height: int, width: int, temporal_factor
 
 
 @dataclass(frozen=True)
-class VideoPolicy:
+class VideoPolicy(PatchSizes):
     """Everything that decides the frames sampled from a video and their pixel values."""
 
     min_pixels: int = VIDEO_CLASS_DEFAULTS["min_pixels"]
@@ -124,15 +124,6 @@ class VideoPolicy:
         values = _check_video({f.name: getattr(self, f.name) for f in fields(self)}, {}, "VideoPolicy")
         for k, v in values.items():
             object.__setattr__(self, k, v)
-
-    @property
-    def factor(self) -> int:
-        """Resized sides are multiples of this (patch_size * merge_size)."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def in_channels(self) -> int:
-        return 3
 
     def frame_count(self, total_frames: int, video_fps: float | None) -> int:
         """How many frames `sample_indices` takes from a video of `total_frames`:
