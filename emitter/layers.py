@@ -133,12 +133,16 @@ def segment_mask(b: Builder, segment_ids: Value) -> Value:
 
 
 # Attention forms. "dense": one [H, B, B] score tensor and the [B, B] segment mask, fastest
-# for small buckets. "blockwise": query chunks of ATTENTION_CHUNK rows (unrolled), each
-# attending with an online softmax, in a loop, over only the key chunks that hold its
-# segments, so memory per step is [H, C, C] and the cross-image blocks are never computed
-# (docs/performance.md, "Large inputs", has the measurements behind the threshold).
+# for small buckets. "blockwise": query chunks of C rows (unrolled), each attending with
+# an online softmax, in a loop, over only the key chunks that hold its segments, so memory
+# per step is [H, C, C] and the cross-image blocks are never computed (docs/performance.md,
+# "Large inputs", has the measurements behind the threshold). C is ATTENTION_CHUNK, or
+# larger past 8192 patches so that a block unrolls at most MAX_QUERY_CHUNKS chunks:
+# iree-compile's time grows faster than the number of unrolled chunks (the 2B graph at
+# 8192, 16 chunks a block, compiled in 3 min; at 16384, 32 a block, not in 14).
 ATTENTION_FORMS = ("dense", "blockwise")
 ATTENTION_CHUNK = 512
+MAX_QUERY_CHUNKS = 16
 BLOCKWISE_FROM = 1024  # patches: buckets of at least this many use the blockwise form
 NO_SEGMENT = -1  # segment id of the rows padded up to a whole chunk (host ids are >= 0)
 SOFTMAX_FLOOR = -3.0e38  # running max before any key: finite, so exp(floor - floor) is 1, never NaN
@@ -146,6 +150,13 @@ SOFTMAX_FLOOR = -3.0e38  # running max before any key: finite, so exp(floor - fl
 
 def attention_form(bucket: int) -> str:
     return "blockwise" if bucket >= BLOCKWISE_FROM else "dense"
+
+
+def attention_chunk(bucket: int) -> int:
+    """The blockwise form's chunk rows at `bucket`: ATTENTION_CHUNK, or the multiple of it
+    that keeps the query chunks at MAX_QUERY_CHUNKS or fewer (16384 -> 1024)."""
+    chunks = -(-bucket // ATTENTION_CHUNK)
+    return ATTENTION_CHUNK * -(-chunks // MAX_QUERY_CHUNKS)
 
 
 def attention_inputs(b: Builder, segment_ids: Value, form: str):
@@ -205,9 +216,11 @@ class KeyRanges:
     chunk: int
 
 
-def key_ranges(b: Builder, segment_ids: Value, chunk: int = ATTENTION_CHUNK) -> KeyRanges:
-    """`key_chunk_range` of every query chunk, in a loop (one [chunk, P] comparison at a time)."""
+def key_ranges(b: Builder, segment_ids: Value, chunk: int | None = None) -> KeyRanges:
+    """`key_chunk_range` of every query chunk, in a loop (one [chunk, P] comparison at a
+    time); `chunk` defaults to `attention_chunk` of the bucket."""
     (n,) = segment_ids.shape
+    chunk = chunk or attention_chunk(n)
     padded = -(-n // chunk) * chunk
     segments = _pad_rows(b, segment_ids, 0, padded - n, NO_SEGMENT, "segments")
     count = padded // chunk

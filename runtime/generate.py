@@ -25,7 +25,7 @@ import numpy as np
 import iree.runtime as rt
 
 from emitter.identity import artifact_identity
-from emitter.targets import DEFAULT_TARGET, runtime_driver
+from emitter.targets import DEFAULT_TARGET
 from emitter.text import (DECODE, MODULE_NAME, PARAMETER_SCOPE, check_text_shapes, emit_text_module, prefill_inputs,
                           prefill_name, text_artifact_fields)
 from emitter.text_config import load_text_config
@@ -33,6 +33,7 @@ from emitter.text_config import load_text_config
 from .archive import parameters_module, release_mapped_pages
 from .cache import ArtifactCache, load_verified
 from .compiler import compile_mlir
+from .iree_module import device_config
 from .text_checkpoint import cached_text_archive, open_text_archive, text_entries
 
 DEFAULT_PROMPT_BUCKETS = (128, 512, 2048)
@@ -58,7 +59,7 @@ class TextSession:
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         self.model_dir, self.seconds = Path(model_dir), {}
         self.cache, self.progress = ArtifactCache(cache_dir), progress or (lambda message: None)
-        self.config = config or rt.Config(runtime_driver(self.target))
+        self.config = config or device_config(self.target)
         self._module = None
         self.length = 0  # tokens in the KV cache
 

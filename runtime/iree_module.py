@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import re
 
 import numpy as np
@@ -14,9 +16,35 @@ class DeviceMemoryError(MemoryError):
     """IREE could not allocate what a call needs (RESOURCE_EXHAUSTED)."""
 
 
+# glibc's mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_BELOW = 1 << 30  # bytes: allocations under this come from the heap and stay there when freed
+
+
+def keep_freed_memory() -> None:
+    """Let freed host memory be reused instead of returned to the kernel (glibc only; the
+    whole process, once). IREE's CPU device allocates each call's transient buffers with
+    malloc; glibc serves those over 32 MiB with a fresh mmap and unmaps them on free, so
+    every call faulted in every page again. At bucket 16384 that was 310 million page
+    faults and 40% of the CPU time in the kernel (docs/performance.md, "Large inputs");
+    at 512 nothing is that large and the time is unchanged."""
+    global _kept
+    if _kept or platform.libc_ver()[0] != "glibc":
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)
+    libc.mallopt(M_TRIM_THRESHOLD, 2 * KEEP_BELOW)
+    _kept = True
+
+
+_kept = False
+
+
 def device_config(target: str) -> rt.Config:
     """The IREE runtime config (driver and device) for a compile target; a ValueError
-    naming the target and the missing driver when this machine cannot make the device."""
+    naming the target and the missing driver when this machine cannot make the device.
+    Also `keep_freed_memory`, for the calls on that device."""
+    keep_freed_memory()
     driver = runtime_driver(target)
     try:
         return rt.Config(driver)

@@ -10,7 +10,7 @@ import pytest
 from conftest import compiled, rel_l2, run_graph
 from emitter.builder import Builder
 from emitter.config import PRESETS
-from emitter.layers import BLOCKWISE_FROM, attention_form, key_ranges
+from emitter.layers import BLOCKWISE_FROM, MAX_QUERY_CHUNKS, attention_chunk, attention_form, key_ranges
 from emitter.vision import emit_vision_module, render_functions
 from runtime.compiler import compile_mlir
 from runtime.iree_module import LoadedModule
@@ -44,6 +44,14 @@ def test_large_buckets_take_the_blockwise_form():
     assert "stablehlo.while" in emit_vision_module(TINY, BLOCKWISE_FROM)
 
 
+def test_large_buckets_unroll_a_bounded_number_of_query_chunks():
+    """Past 8192 patches the chunk grows so that a block unrolls at most MAX_QUERY_CHUNKS
+    query chunks (the compile time of the 2B graph at 16384 with 32 a block was unbounded)."""
+    assert [attention_chunk(n) for n in (1024, 4096, 8192, 8200, 16384)] == [512, 512, 512, 1024, 1024]
+    key_loops = emit_vision_module(TINY, 16384).count("stablehlo.while")
+    assert key_loops == 1 + TINY.depth * MAX_QUERY_CHUNKS  # the key-range loop, then each chunk's key loop
+
+
 @pytest.mark.slow  # about 15 s on a quiet machine, 50 s on a busy one
 @pytest.mark.parity
 def test_bucket_4096_with_several_images_matches_transformers():
@@ -67,6 +75,18 @@ def test_blockwise_form_pads_to_whole_chunks():
     weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=4)
     assert attention_form(1100) == "blockwise"
     assert_close(run_graph(compiled("tiny", 1100), TINY, weights, pixels, grid_thw, 1100), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_bucket_past_8192_with_larger_chunks_matches_transformers():
+    """Bucket 8200: 1024-row chunks (9 a block, padded to 9216), three images whose
+    segments cross chunk boundaries."""
+    pytest.importorskip("transformers")
+    grid_thw = np.array([[1, 64, 64], [1, 56, 64], [1, 8, 12]], np.int64)
+    weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=21)
+    assert len(pixels) == 7776 and attention_chunk(8200) == 1024
+    assert_close(run_graph(compiled("tiny", 8200), TINY, weights, pixels, grid_thw, 8200), expected)
 
 
 def key_range_module(rows: int, chunk: int) -> LoadedModule:
