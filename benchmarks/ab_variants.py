@@ -108,6 +108,12 @@ def gelu_tanh_via_exp(b, x):
     return b.subtract(x, b.divide(x, denom), hint="gelu")
 
 
+def blockwise_256(b, segment_ids, form):
+    """The blockwise form with 256-row chunks at any bucket: at 512 with two 256-patch images
+    it skips the cross-image blocks the dense form computes."""
+    return layers.key_ranges(b, segment_ids, 256)
+
+
 VARIANTS = {  # name -> (graph patch or None, extra flags[, weight binding]); binding default: parameters
     "baseline": (None, []),
     "arguments": (None, [], "arguments"),
@@ -120,6 +126,7 @@ VARIANTS = {  # name -> (graph patch or None, extra flags[, weight binding]); bi
     "diag_no_gelu": ((layers, "gelu_tanh", gelu_removed), []),
     "gelu_via_exp": ((layers, "gelu_tanh", gelu_tanh_via_exp), []),
     "diag_no_attention_core": ((vision, "attention", attention_core_removed), []),
+    "blockwise_256": ((vision, "attention_inputs", blockwise_256), []),
 }
 
 
