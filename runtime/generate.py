@@ -33,7 +33,7 @@ from emitter.text_config import load_text_config
 from .archive import parameters_module, release_mapped_pages
 from .cache import ArtifactCache, load_verified
 from .compiler import compile_mlir
-from .iree_module import device_config
+from .iree_module import device_config, invoke
 from .text_checkpoint import cached_text_archive, open_text_archive, text_entries
 
 DEFAULT_PROMPT_BUCKETS = (128, 512, 2048)
@@ -151,7 +151,7 @@ class TextSession:
         args = {"tokens": tokens, "visual": visual, "visual_embeds": embeds, "deepstack": deepstack,
                 "positions": positions, "last": np.array(n - 1, np.int32)}
         names = [name for name, _, _ in prefill_inputs(self.cfg, s, self.deepstack_layers)]
-        logits = self._logits(self.module[prefill_name(s)](*[args[name] for name in names]))
+        logits = self._logits(invoke(self.module[prefill_name(s)], *[args[name] for name in names]))
         self.length = n
         return logits
 
@@ -162,8 +162,8 @@ class TextSession:
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(np.array([token]))
         positions = np.full((3, 1), rope_position, np.int32)
-        logits = self._logits(self.module[DECODE](np.array([token], np.int32), positions,
-                                                  np.array(self.length, np.int32)))
+        logits = self._logits(invoke(self.module[DECODE], np.array([token], np.int32), positions,
+                                     np.array(self.length, np.int32)))
         self.length += 1
         return logits
 

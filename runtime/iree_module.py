@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import os
 import platform
 import re
+import sys
+import threading
 
 import numpy as np
 import iree.runtime as rt
@@ -17,7 +21,7 @@ class DeviceMemoryError(MemoryError):
 
 
 # glibc's mallopt parameters (malloc.h).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 KEEP_BELOW = 1 << 30  # bytes: allocations under this come from the heap and stay there when freed
 
 
@@ -27,11 +31,13 @@ def keep_freed_memory() -> None:
     malloc; glibc serves those over 32 MiB with a fresh mmap and unmaps them on free, so
     every call faulted in every page again. At bucket 16384 that was 310 million page
     faults and 40% of the CPU time in the kernel (docs/performance.md, "Large inputs");
-    at 512 nothing is that large and the time is unchanged."""
+    at 512 nothing is that large and the time is unchanged. One arena, because `invoke`
+    calls from a helper thread and a thread's own arena mmaps anything over 64 MiB."""
     global _kept
     if _kept or platform.libc_ver()[0] != "glibc":
         return
     libc = ctypes.CDLL(None)
+    libc.mallopt(M_ARENA_MAX, 1)  # every thread in the main heap (a thread's own arena mmaps over 64 MiB)
     libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)
     libc.mallopt(M_TRIM_THRESHOLD, 2 * KEEP_BELOW)
     _kept = True
@@ -63,6 +69,48 @@ def _out_of_memory(e: RuntimeError) -> RuntimeError:
     return DeviceMemoryError(reason.group(1) if reason else "RESOURCE_EXHAUSTED")
 
 
+def invoke(function, *args):
+    """function(*args), an IREE call, waited for so that a signal's Python handler (SIGTERM,
+    Ctrl-C) runs at once rather than when a call of minutes returns: from the main thread the
+    call runs in a helper thread (IREE releases the GIL while it computes) and the main
+    thread waits on it. If the handler raises, the call is abandoned to finish on its own."""
+    if threading.current_thread() is not threading.main_thread():
+        return function(*args)
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as e:  # handed to the waiting thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=call, name="iree-call", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.5)  # wakes when the call ends; a signal's handler runs meanwhile
+    except BaseException as e:  # the handler raised (SystemExit, KeyboardInterrupt): unwind now
+        _abandoned.append(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else
+                          130 if isinstance(e, KeyboardInterrupt) else 1)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+_abandoned: list[int] = []  # exit codes of the unwinds that left an IREE call running
+
+
+@atexit.register  # at import, so it runs after the handlers registered later
+def _exit_if_abandoned() -> None:
+    """After an abandoned call, end the process here: finalizing the interpreter under a
+    running IREE call would tear down the objects it uses (and nanobind reports them)."""
+    if _abandoned:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_abandoned[0])
+
+
 class LoadedModule:
     """One vmfb in its own context. `upload` makes device arrays once; `__call__` (the
     function named at load, `main` by default) and `call(name, ...)` take device arrays or
@@ -92,7 +140,7 @@ class LoadedModule:
     def call(self, function: str | None, *args) -> list[np.ndarray]:
         """Call an exported function by name (e.g. `encode_64`; None: the one named at load)."""
         try:
-            results = (self.module[function] if function else self.function)(*args)
+            results = invoke(self.module[function] if function else self.function, *args)
         except RuntimeError as e:
             raise _out_of_memory(e) from None
         if not isinstance(results, (list, tuple)):
