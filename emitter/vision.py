@@ -25,8 +25,8 @@ import numpy as np
 from . import __version__
 from .builder import Builder, Value
 from .config import HF_PREFIX, VisionConfig, graph_weights
-from .layers import (ATTENTION_FORMS, Stages, attention, attention_form, attention_inputs, layer_norm, linear, merger,
-                     mlp, rotary_tables)
+from .layers import (ATTENTION_FORMS, Stages, attention, attention_chunk, attention_form, attention_inputs, layer_norm,
+                     linear, merger, mlp, rotary_tables)
 
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
@@ -138,11 +138,13 @@ def check_attention(form: str | None, bucket: int) -> str:
 def largest_buffer_bytes(cfg: VisionConfig, bucket: int) -> int:
     """A lower bound on one call's memory: its largest f32 buffer. In the dense attention
     form that is the [heads, B, B] scores (a call holds 2 to 3 of them at its peak); the
-    blockwise form's scores are [heads, chunk, chunk] per step, so there it is the widest
-    [B, width] activation (patches, qkv or the MLP's hidden layer)."""
+    blockwise form's scores are [heads, chunk, chunk] per step, so there it is those or
+    the widest [B, width] activation (patches, qkv or the MLP's hidden layer)."""
     if attention_form(bucket) == "dense":
         return 4 * cfg.num_heads * bucket * bucket
-    return 4 * bucket * max(cfg.patch_dim, 3 * cfg.hidden_size, cfg.intermediate_size)
+    chunk = attention_chunk(bucket)
+    return 4 * max(bucket * max(cfg.patch_dim, 3 * cfg.hidden_size, cfg.intermediate_size),
+                   cfg.num_heads * chunk * chunk)
 
 
 def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: str = "f32",
