@@ -2,7 +2,7 @@
 
 Each variant is (emit function, extra flags). Graph variants are written here as
 alternative layer functions patched into the emitter for the emission only, so the
-emitter keeps one implementation; a variant that wins moves into emitter/layers.py.
+emitter keeps one implementation; a variant that wins moves into emitter/layers.py or attention.py.
 
     .venv/bin/python benchmarks/ab_variants.py baseline no_data_tiling --preset qwen3-vl-2b
 """
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runtime.bench import alternate, processed_images, ratio_figures, shallower, vision_flops  # noqa: E402
 from emitter import layers, vision  # noqa: E402
+from emitter.attention import key_ranges  # noqa: E402
 from emitter.config import PRESETS, weight_schema  # noqa: E402
 from runtime.compiler import compile_mlir  # noqa: E402
 from runtime.packing import host_inputs  # noqa: E402
@@ -111,7 +112,7 @@ def gelu_tanh_via_exp(b, x):
 def blockwise_256(b, segment_ids, form):
     """The blockwise form with 256-row chunks at any bucket: at 512 with two 256-patch images
     it skips the cross-image blocks the dense form computes."""
-    return layers.key_ranges(b, segment_ids, 256)
+    return key_ranges(b, segment_ids, 256)
 
 
 VARIANTS = {  # name -> (graph patch or None, extra flags[, weight binding]); binding default: parameters

@@ -7,7 +7,7 @@ score FLOPs each form does against the FLOPs the segments need.
 Forms: "dense" (one [H, B, B] score tensor, the graph's form for small buckets),
 "qchunk" (a loop over query chunks, scores [H, C, B], exact row softmax, same FLOPs as
 dense), "blockwise" (query chunks with an online softmax over only the key chunks of
-their segments: `layers.blockwise_attention`, the graph's form for large buckets),
+their segments: `attention.blockwise_attention`, the graph's form for large buckets),
 "fused" (IREE's `iree_linalg_ext.attention` with the [B, B] additive mask), and
 "per-segment" (the dense form at each image's size, one call per image: what per-image
 calls would cost). Every form is checked against numpy on the same inputs.
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from emitter.builder import Builder, Value
-from emitter.layers import (ATTENTION_CHUNK, blockwise_attention, dense_attention, key_ranges, segment_mask,
+from emitter.attention import (ATTENTION_CHUNK, blockwise_attention, dense_attention, key_ranges, segment_mask,
                             _i32, _pad_rows)
 from emitter.vision import render_functions
 

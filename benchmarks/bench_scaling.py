@@ -25,7 +25,7 @@ import numpy as np
 from emitter.atomic import check_writable, write_atomic
 from emitter.cli import fail
 from emitter.config import load_model_config
-from emitter.layers import attention_form
+from emitter.attention import attention_form
 from runtime.bench import vision_flops
 
 

@@ -25,8 +25,8 @@ import numpy as np
 from . import __version__
 from .builder import Builder, Value
 from .config import HF_PREFIX, VisionConfig, graph_weights
-from .layers import (ATTENTION_FORMS, Stages, attention, attention_chunk, attention_form, attention_inputs, layer_norm,
-                     linear, merger, mlp, rotary_tables)
+from .attention import ATTENTION_FORMS, attention, attention_chunk, attention_form, attention_inputs
+from .layers import Stages, layer_norm, linear, merger, mlp, rotary_tables
 
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
@@ -127,7 +127,7 @@ def check_binding(binding: str) -> str:
 
 def check_attention(form: str | None, bucket: int) -> str:
     """The attention form for `bucket`: `form` if given, else the bucket's default
-    (`layers.attention_form`: dense below BLOCKWISE_FROM patches, blockwise from there)."""
+    (`attention.attention_form`: dense below BLOCKWISE_FROM patches, blockwise from there)."""
     if form is None:
         return attention_form(bucket)
     if form not in ATTENTION_FORMS:

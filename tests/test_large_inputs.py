@@ -10,7 +10,7 @@ import pytest
 from conftest import compiled, rel_l2, run_graph
 from emitter.builder import Builder
 from emitter.config import PRESETS
-from emitter.layers import BLOCKWISE_FROM, MAX_QUERY_CHUNKS, attention_chunk, attention_form, key_ranges
+from emitter.attention import BLOCKWISE_FROM, MAX_QUERY_CHUNKS, attention_chunk, attention_form, key_ranges
 from emitter.vision import emit_vision_module, render_functions
 from runtime.compiler import compile_mlir
 from runtime.iree_module import LoadedModule
@@ -120,7 +120,7 @@ def test_each_query_chunk_visits_only_the_key_chunks_of_its_segments():
 
 def test_attention_form_is_part_of_the_artifact_identity(monkeypatch):
     """The cache cannot hand a dense-form vmfb to a blockwise request: the graph hash differs."""
-    import emitter.layers as layers
+    import emitter.attention as attention
     from emitter.identity import artifact_fields, artifact_identity
     from emitter.policy import DEFAULT_POLICY
 
@@ -128,6 +128,6 @@ def test_attention_form_is_part_of_the_artifact_identity(monkeypatch):
         return artifact_identity(artifact_fields(TINY, [64, BLOCKWISE_FROM], DEFAULT_POLICY, compiler_version={}))
 
     blockwise = identity()
-    monkeypatch.setattr(layers, "BLOCKWISE_FROM", 10 ** 9)
+    monkeypatch.setattr(attention, "BLOCKWISE_FROM", 10 ** 9)
     assert attention_form(BLOCKWISE_FROM) == "dense"
     assert identity() != blockwise

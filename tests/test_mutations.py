@@ -15,6 +15,7 @@ import functools
 
 import pytest
 
+import emitter.attention as attention
 import emitter.layers as layers
 import emitter.vision as vision
 from emitter.config import PRESETS
@@ -41,7 +42,7 @@ def tanh_gelu_in_mergers():
 def attention_scale_x1_0001():
     def softmax(b, scores):  # softmax(1.0001 * (s*q.k + mask)) == softmax(1.0001*s*q.k + mask)
         return ORIGINAL["softmax"](b, b.multiply(scores, b.scalar(1.0001, scores)))
-    return [(layers, "softmax", softmax)]
+    return [(attention, "softmax", softmax)]
 
 
 def rotate_half_swapped():
@@ -53,7 +54,7 @@ def rotate_half_swapped():
         cos = b.broadcast_in_dim(cos, x.shape, [0, 2])
         sin = b.broadcast_in_dim(sin, x.shape, [0, 2])
         return b.add(b.multiply(x, cos), b.multiply(rotated, sin))
-    return [(layers, "apply_rotary", apply_rotary)]
+    return [(attention, "apply_rotary", apply_rotary)]
 
 
 def rotary_row_col_swapped():

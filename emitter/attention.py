@@ -1,0 +1,218 @@
+"""Attention over packed images: the vision tower's two forms, as short functions over the builder.
+
+A packed call holds several images (segments) in one bucket; each patch attends only to
+the patches of its own segment. "dense" builds the [heads, B, B] scores with a [B, B]
+segment mask; "blockwise" walks query chunks with an online softmax over only the key
+chunks that share their segments, so memory per step is [heads, C, C] and the
+cross-image blocks are never computed. `attention` is the block's whole attention
+(fused [Q|K|V] projection, 2-D RoPE, either form, output projection).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .builder import Builder, Value
+from .layers import apply_rotary, linear, matmul, softmax
+
+
+def segment_mask(b: Builder, segment_ids: Value) -> Value:
+    """Additive mask [B, B]: 0 where two patches share a segment, -inf elsewhere."""
+    (n,) = segment_ids.shape
+    rows = b.broadcast_in_dim(segment_ids, (n, n), [0], hint="seg_row")
+    cols = b.broadcast_in_dim(segment_ids, (n, n), [1], hint="seg_col")
+    same = b.compare("EQ", rows, cols, hint="same_segment")
+    zero = b.constant(0.0, (n, n), hint="zero")
+    return b.select(same, zero, b.constant(float("-inf"), (n, n), hint="neg_inf"), hint="mask")
+
+
+# Attention forms. "dense": one [H, B, B] score tensor and the [B, B] segment mask, fastest
+# for small buckets. "blockwise": query chunks of C rows (unrolled), each attending with
+# an online softmax, in a loop, over only the key chunks that hold its segments, so memory
+# per step is [H, C, C] and the cross-image blocks are never computed (docs/performance.md,
+# "Large inputs", has the measurements behind the threshold). C is ATTENTION_CHUNK, or
+# larger past 8192 patches so that a block unrolls at most MAX_QUERY_CHUNKS chunks:
+# iree-compile's time grows faster than the number of unrolled chunks (the 2B graph at
+# 8192, 16 chunks a block, compiled in 3 min; at 16384, 32 a block, not in 14).
+ATTENTION_FORMS = ("dense", "blockwise")
+ATTENTION_CHUNK = 512
+MAX_QUERY_CHUNKS = 16
+BLOCKWISE_FROM = 1024  # patches: buckets of at least this many use the blockwise form
+NO_SEGMENT = -1  # segment id of the rows padded up to a whole chunk (host ids are >= 0)
+SOFTMAX_FLOOR = -3.0e38  # running max before any key: finite, so exp(floor - floor) is 1, never NaN
+
+
+def attention_form(bucket: int) -> str:
+    return "blockwise" if bucket >= BLOCKWISE_FROM else "dense"
+
+
+def attention_chunk(bucket: int) -> int:
+    """The blockwise form's chunk rows at `bucket`: ATTENTION_CHUNK, or the multiple of it
+    that keeps the query chunks at MAX_QUERY_CHUNKS or fewer (16384 -> 1024)."""
+    chunks = -(-bucket // ATTENTION_CHUNK)
+    return ATTENTION_CHUNK * -(-chunks // MAX_QUERY_CHUNKS)
+
+
+def attention_inputs(b: Builder, segment_ids: Value, form: str):
+    """What every block's attention reads beside q/k/v, built once per call: the [B, B]
+    mask (dense) or the `KeyRanges` (blockwise)."""
+    return segment_mask(b, segment_ids) if form == "dense" else key_ranges(b, segment_ids)
+
+
+def dense_attention(b: Builder, q: Value, k: Value, v: Value, mask: Value, operand_dtype: str) -> Value:
+    """softmax(q k^T / sqrt(d) + mask) v on [heads, B, head_dim], with one [heads, B, B] score tensor."""
+    head_dim = q.shape[2]
+    scores = matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+    scores = b.multiply(scores, b.scalar(head_dim ** -0.5, scores, "scale"), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+    return matmul(b, softmax(b, scores), v, ([2], [1]), ([0], [0]), operand_dtype, hint="context")
+
+
+def _i32(b: Builder, value: int, hint: str = "const") -> Value:
+    return b.constant(value, (), "i32", hint=hint)
+
+
+def _pad_rows(b: Builder, x: Value, axis: int, rows: int, fill, hint: str) -> Value:
+    """x with `rows` rows of `fill` appended along `axis`."""
+    if rows == 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = rows
+    return b.concatenate([x, b.constant(fill, shape, x.dtype, hint=hint + "_pad")], axis, hint=hint)
+
+
+def key_chunk_range(b: Builder, seg_q: Value, segments: Value, chunk: int) -> tuple[Value, Value]:
+    """[first, end) key chunks holding every key that shares a segment with the queries
+    `seg_q` [C]: the span from the first to the last matching key (exact for any ids; for
+    the host's contiguous segments it is just those segments)."""
+    (c,), (n,) = seg_q.shape, segments.shape
+    same = b.compare("EQ", b.broadcast_in_dim(seg_q, (c, n), [0], hint="seg_q"),
+                     b.broadcast_in_dim(segments, (c, n), [1], hint="seg_k"), hint="same_segment")
+    index = b.iota((c, n), 1, hint="key_index")
+    neg_first = b.select(same, b.negate(index, hint="neg_index"), b.constant(-n, (c, n), "i32"), hint="first")
+    after_last = b.select(same, b.add(index, b.constant(1, (c, n), "i32")), b.constant(0, (c, n), "i32"),
+                          hint="last")
+    first = b.negate(b.reduce(neg_first, [0, 1], "maximum", hint="first"), hint="first")
+    end = b.reduce(after_last, [0, 1], "maximum", hint="end")
+    size = _i32(b, chunk, "chunk")
+    return (b.divide(first, size, hint="first_chunk"),
+            b.divide(b.add(end, _i32(b, chunk - 1)), size, hint="end_chunk"))
+
+
+@dataclass(frozen=True)
+class KeyRanges:
+    """The blockwise form's view of the segments, the same for every block: the segment ids
+    padded to whole chunks with NO_SEGMENT [P], and for each query chunk the [first, end)
+    key chunks it attends to [P / chunk]."""
+    segments: Value
+    first: Value
+    end: Value
+    chunk: int
+
+
+def key_ranges(b: Builder, segment_ids: Value, chunk: int | None = None) -> KeyRanges:
+    """`key_chunk_range` of every query chunk, in a loop (one [chunk, P] comparison at a
+    time); `chunk` defaults to `attention_chunk` of the bucket."""
+    (n,) = segment_ids.shape
+    chunk = chunk or attention_chunk(n)
+    padded = -(-n // chunk) * chunk
+    segments = _pad_rows(b, segment_ids, 0, padded - n, NO_SEGMENT, "segments")
+    count = padded // chunk
+
+    def body(i, first, end):
+        seg_q = b.dynamic_slice(segments, [b.multiply(i, _i32(b, chunk, "chunk"), hint="q_start")], (chunk,),
+                                hint="seg_q")
+        lo, hi = key_chunk_range(b, seg_q, segments, chunk)
+        first = b.dynamic_update_slice(first, b.reshape(lo, (1,)), [i], hint="first_chunks")
+        end = b.dynamic_update_slice(end, b.reshape(hi, (1,)), [i], hint="end_chunks")
+        return [b.add(i, _i32(b, 1, "one")), first, end]
+
+    zeros = b.constant(0, (count,), "i32", hint="chunks")
+    _, first, end = b.while_loop([_i32(b, 0, "zero"), zeros, zeros],
+                                 lambda i, *_: b.compare("LT", i, _i32(b, count, "count"), hint="more_queries"),
+                                 body, hint="ranges")
+    return KeyRanges(segments, first, end, chunk)
+
+
+def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRanges, operand_dtype: str) -> Value:
+    """The same attention as `dense_attention` with the segment mask, query chunk by query
+    chunk (unrolled): each chunk of `chunk` queries runs an online softmax (running max,
+    rescaled sums) in a loop over the key chunks in its segments' range, each masked by segment. Memory per step is
+    [heads, chunk, chunk]; work is the diagonal blocks only. Rows are padded to a whole
+    chunk with segment NO_SEGMENT, which no real row shares."""
+    heads, n, d = q.shape
+    segments, chunk = ranges.segments, ranges.chunk
+    (padded,) = segments.shape
+    q, k, v = (_pad_rows(b, x, 1, padded - n, 0.0, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    zero = _i32(b, 0, "zero")
+
+    def chunk_of(x, start, hint):
+        """Rows [start, start + chunk) of x [heads, rows, d], copied out: IREE 3.13's llvm-cpu
+        fails ("large vector sizes") when the slice fuses into the matmul's packing."""
+        return b.optimization_barrier(b.dynamic_slice(x, [zero, start, zero], (heads, chunk, d), hint=hint), hint=hint)
+
+    def query_chunk(i):
+        """Chunk i's context [heads, chunk, d]: its key chunks in a loop, the softmax online."""
+        rows = (i * chunk, (i + 1) * chunk)
+        q_c = b.optimization_barrier(b.slice(q, (0, rows[0], 0), (heads, rows[1], d), hint="q_chunk"), hint="q_chunk")
+        seg_q = b.slice(segments, (rows[0],), (rows[1],), hint="seg_q")
+        first = b.reshape(b.slice(ranges.first, (i,), (i + 1,)), (), hint="first_chunk")
+        end = b.reshape(b.slice(ranges.end, (i,), (i + 1,)), (), hint="end_chunk")
+        init = [first, b.constant(SOFTMAX_FLOOR, (heads, chunk), hint="peak"),
+                b.constant(0.0, (heads, chunk), hint="denom"), b.constant(0.0, (heads, chunk, d), hint="acc")]
+        _, _, denom, acc = b.while_loop(init, lambda j, *_: b.compare("LT", j, end, hint="more_keys"),
+                                        lambda j, peak, denom, acc: key_chunk(q_c, seg_q, j, peak, denom, acc),
+                                        hint="keys")
+        return b.divide(acc, b.broadcast_in_dim(denom, acc.shape, [0, 1]), hint="context")
+
+    def key_chunk(q_c, seg_q, j, peak, denom, acc):
+        start = b.multiply(j, _i32(b, chunk, "chunk"), hint="k_start")
+        k_c, v_c = chunk_of(k, start, "k_chunk"), chunk_of(v, start, "v_chunk")
+        seg_k = b.dynamic_slice(segments, [start], (chunk,), hint="seg_k")
+        same = b.compare("EQ", b.broadcast_in_dim(seg_q, (chunk, chunk), [0]),
+                         b.broadcast_in_dim(seg_k, (chunk, chunk), [1]), hint="same_segment")
+        mask = b.select(same, b.constant(0.0, (chunk, chunk)), b.constant(float("-inf"), (chunk, chunk)),
+                        hint="mask")
+        scores = matmul(b, q_c, k_c, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+        scores = b.multiply(scores, b.scalar(d ** -0.5, scores, "scale"), hint="scores")
+        scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+        new_peak = b.maximum(peak, b.reduce(scores, [2], "maximum", hint="chunk_peak"), hint="peak")
+        e = b.exponential(b.subtract(scores, b.broadcast_in_dim(new_peak, scores.shape, [0, 1]), hint="shifted"),
+                          hint="exp")
+        rescale = b.exponential(b.subtract(peak, new_peak, hint="peak_change"), hint="rescale")
+        denom = b.add(b.multiply(denom, rescale), b.reduce(e, [2], "add", hint="chunk_denom"), hint="denom")
+        term = matmul(b, e, v_c, ([2], [1]), ([0], [0]), operand_dtype, hint="chunk_context")
+        acc = b.add(b.multiply(acc, b.broadcast_in_dim(rescale, acc.shape, [0, 1]), hint="acc"), term, hint="acc")
+        return [b.add(j, _i32(b, 1, "one")), new_peak, denom, acc]
+
+    # Query chunks unrolled, not a loop: a loop carrying the [heads, P, d] output copied it at
+    # every step and kept the copies (attention alone at 16384: 1.4-2.2 GB of peak, 0.76 unrolled).
+    contexts = [query_chunk(i) for i in range(padded // chunk)]
+    out = contexts[0] if len(contexts) == 1 else b.concatenate(contexts, 1, hint="context")
+    return out if padded == n else b.slice(out, (0, 0, 0), (heads, n, d), hint="context")
+
+
+def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, segments: Value, num_heads: int) -> Value:
+    """Packed multi-head self-attention with fused [Q|K|V] projection and 2-D RoPE; the
+    score and context matmuls take their operands in the attention weights' dtype.
+    `segments` is what `attention_inputs` gave: the [B, B] mask (dense form) or the
+    `KeyRanges` (blockwise form)."""
+    n, hidden = x.shape
+    head_dim = hidden // num_heads
+    operand_dtype = w["attn.qkv.weight"].dtype
+    qkv = b.reshape(linear(b, x, w["attn.qkv.weight"], w["attn.qkv.bias"], "qkv"), (n, 3, num_heads, head_dim))
+
+    def head_major(i, name, rope):
+        part = b.reshape(b.slice(qkv, (0, i, 0, 0), (n, i + 1, num_heads, head_dim)), (n, num_heads, head_dim),
+                         hint=name)
+        if rope:
+            part = apply_rotary(b, part, cos, sin)
+        return b.transpose(part, [1, 0, 2], hint=name)  # [heads, B, head_dim]
+
+    q, k, v = head_major(0, "q", True), head_major(1, "k", True), head_major(2, "v", False)
+    if isinstance(segments, KeyRanges):
+        context = blockwise_attention(b, q, k, v, segments, operand_dtype)
+    else:
+        context = dense_attention(b, q, k, v, segments, operand_dtype)
+    context = b.reshape(b.transpose(context, [1, 0, 2]), (n, hidden), hint="context")
+    return linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
