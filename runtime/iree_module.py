@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import os
 import platform
 import re
@@ -25,6 +26,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 KEEP_BELOW = 1 << 30  # bytes: allocations under this come from the heap and stay there when freed
 
 
+@functools.cache  # the whole process, once
 def keep_freed_memory() -> None:
     """Let freed host memory be reused instead of returned to the kernel (glibc only; the
     whole process, once). IREE's CPU device allocates each call's transient buffers with
@@ -33,17 +35,12 @@ def keep_freed_memory() -> None:
     faults and 40% of the CPU time in the kernel (docs/performance.md, "Large inputs");
     at 512 nothing is that large and the time is unchanged. One arena, because `invoke`
     calls from a helper thread and a thread's own arena mmaps anything over 64 MiB."""
-    global _kept
-    if _kept or platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc":
         return
     libc = ctypes.CDLL(None)
     libc.mallopt(M_ARENA_MAX, 1)  # every thread in the main heap (a thread's own arena mmaps over 64 MiB)
     libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)
     libc.mallopt(M_TRIM_THRESHOLD, 2 * KEEP_BELOW)
-    _kept = True
-
-
-_kept = False
 
 
 def device_config(target: str) -> rt.Config:
