@@ -21,7 +21,7 @@ import sys
 import time
 
 WORKER = r"""
-import json, sys, time
+import json, sys, tempfile, time
 import iree.runtime as rt
 rt.flags.parse_flags(*json.loads(sys.argv[1]))
 from runtime.bench import our_tower, processed_images, shallower
@@ -32,8 +32,9 @@ preset, depth, bucket, images, precision = json.loads(sys.argv[2])
 cfg = shallower(PRESETS[preset], depth)
 pixels, grid_thw = processed_images([tuple(int(v) for v in s.split("x")) for s in images.split(",")])
 inputs = host_inputs(pixels, [tuple(int(v) for v in g) for g in grid_thw], cfg, bucket)
+workdir = tempfile.TemporaryDirectory(prefix="ab-runtime-")  # the weight archive, removed at exit
 run, _ = our_tower(cfg, random_vision_weights(cfg, seed=0), bucket, precision, "parameters", [],
-                   rt.Config("local-task"), inputs)
+                   rt.Config("local-task"), inputs, workdir.name)
 del _
 run()
 print("ready", flush=True)

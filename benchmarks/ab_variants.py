@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runtime.bench import alternate, processed_images, ratio_figures, shallower, vision_flops  # noqa: E402
-from emitter import layers, vision  # noqa: E402
+from emitter import attention as forms, layers, vision  # noqa: E402
 from emitter.attention import key_ranges  # noqa: E402
 from emitter.config import PRESETS, weight_schema  # noqa: E402
 from runtime.compiler import compile_mlir  # noqa: E402
@@ -109,6 +109,43 @@ def gelu_tanh_via_exp(b, x):
     return b.subtract(x, b.divide(x, denom), hint="gelu")
 
 
+def softmax_over(b, scores, axis, lanes=None):
+    """Softmax over `axis`; with `lanes`, each reduction in two steps over [..., K/lanes,
+    lanes] (across vectors first, then the lanes), so that neither is an in-order reduction
+    along the contiguous dim."""
+    keep = [d for d in range(scores.rank) if d != axis]
+
+    def reduce(x, kind, hint):
+        if lanes:
+            v = b.reshape(x, (*x.shape[:axis], x.shape[axis] // lanes, lanes), hint=hint)
+            x, dims = b.reduce(v, [axis], kind, hint=hint), [axis]
+        else:
+            dims = [axis]
+        return b.broadcast_in_dim(b.reduce(x, dims, kind, hint=hint), scores.shape, keep, hint=hint)
+
+    e = b.exponential(b.subtract(scores, reduce(scores, "maximum", "peak"), hint="shifted"), hint="exp")
+    return b.divide(e, reduce(e, "add", "denom"), hint="probs")
+
+
+def dense_keys_major(b, q, k, v, mask, operand_dtype):
+    """Dense attention with the scores [H, keys, queries]: the softmax reduces over dim 1,
+    which IREE vectorizes across queries (its reductions along the contiguous dim are
+    scalar, in order)."""
+    scores = layers.matmul(b, k, q, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+    scores = b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [2, 1]), hint="scores")
+    return layers.matmul(b, softmax_over(b, scores, 1), v, ([1], [1]), ([0], [0]), operand_dtype, hint="context")
+
+
+def dense_split_softmax(b, q, k, v, mask, operand_dtype):
+    """Dense attention whose softmax reduces across 16-float vectors, then within them."""
+    scores = layers.matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+    scores = b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+    return layers.matmul(b, softmax_over(b, scores, 2, lanes=16), v, ([2], [1]), ([0], [0]), operand_dtype,
+                         hint="context")
+
+
 def blockwise_256(b, segment_ids, form):
     """The blockwise form with 256-row chunks at any bucket: at 512 with two 256-patch images
     it skips the cross-image blocks the dense form computes."""
@@ -128,6 +165,8 @@ VARIANTS = {  # name -> (graph patch or None, extra flags[, weight binding]); bi
     "gelu_via_exp": ((layers, "gelu_tanh", gelu_tanh_via_exp), []),
     "diag_no_attention_core": ((vision, "attention", attention_core_removed), []),
     "blockwise_256": ((vision, "attention_inputs", blockwise_256), []),
+    "softmax_keys_major": ((forms, "dense_attention", dense_keys_major), []),
+    "softmax_split_lanes": ((forms, "dense_attention", dense_split_softmax), []),
 }
 
 

@@ -7,6 +7,7 @@ import ctypes
 import functools
 import os
 import platform
+import queue
 import re
 import sys
 import threading
@@ -69,30 +70,49 @@ def _out_of_memory(e: RuntimeError) -> RuntimeError:
 def invoke(function, *args):
     """function(*args), an IREE call, waited for so that a signal's Python handler (SIGTERM,
     Ctrl-C) runs at once rather than when a call of minutes returns: from the main thread the
-    call runs in a helper thread (IREE releases the GIL while it computes) and the main
+    call runs on the `_call_thread` (IREE releases the GIL while it computes) and the main
     thread waits on it. If the handler raises, the call is abandoned to finish on its own."""
     if threading.current_thread() is not threading.main_thread():
         return function(*args)
-    outcome = {}
-
-    def call():
-        try:
-            outcome["value"] = function(*args)
-        except BaseException as e:  # handed to the waiting thread
-            outcome["error"] = e
-
-    worker = threading.Thread(target=call, name="iree-call", daemon=True)
-    worker.start()
+    done = queue.SimpleQueue()
+    _call_thread().put((function, args, done))
     try:
-        while worker.is_alive():
-            worker.join(0.5)  # wakes when the call ends; a signal's handler runs meanwhile
+        ok, value = _result(done)
     except BaseException as e:  # the handler raised (SystemExit, KeyboardInterrupt): unwind now
         _abandoned.append(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else
                           130 if isinstance(e, KeyboardInterrupt) else 1)
         raise
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    if not ok:
+        raise value
+    return value
+
+
+def _result(done: queue.SimpleQueue):
+    """The call's (ok, value), waited for in short waits: a signal's handler runs between them."""
+    while True:
+        try:
+            return done.get(timeout=0.5)
+        except queue.Empty:
+            pass
+
+
+@functools.cache  # one for the process, started at the first call
+def _call_thread() -> queue.SimpleQueue:
+    """The queue of a daemon thread that runs the main thread's IREE calls one at a time (a
+    thread started per call cost 120-190 us a call)."""
+    calls = queue.SimpleQueue()
+
+    def serve():
+        while True:
+            function, args, done = calls.get()
+            try:
+                done.put((True, function(*args)))
+            except BaseException as e:  # handed to the waiting thread
+                done.put((False, e))
+            del function, args, done  # hold nothing between calls (nanobind reports what is alive at exit)
+
+    threading.Thread(target=serve, name="iree-call", daemon=True).start()
+    return calls
 
 
 _abandoned: list[int] = []  # exit codes of the unwinds that left an IREE call running
@@ -116,7 +136,10 @@ class LoadedModule:
     def __init__(self, vmfb: bytes, driver: str = "local-task", function: str = "main",
                  module_name: str = "qwen3vl_vision", config: rt.Config | None = None, modules=()):
         # Modules sharing one config share its device, so one upload of the weights serves all.
-        self.config = config or rt.Config(driver)
+        if config is None:
+            keep_freed_memory()  # as device_config does
+            config = rt.Config(driver)
+        self.config = config
         self.context = rt.SystemContext(config=self.config)
         for module in modules:  # e.g. the parameter provider, before the module that needs it
             self.context.add_vm_module(module)
