@@ -94,11 +94,13 @@ def profile(args, workdir: Path) -> dict:
 
 
 def per_call(events) -> tuple[list[dict], int]:
-    """Each dispatch's time per call, over every call but the first (one submission per
-    call); and how many calls that is."""
-    submissions = sorted({e["submission_id"] for e in events})[1:]
-    kept = [e for e in events if e["submission_id"] in set(submissions)]
-    calls = len(submissions)
+    """Each dispatch's time per call, over every call but the first; and how many calls that
+    is. A call starts at each run of the first dispatch of the first call (a call can make
+    several submissions: the blockwise form's key loop runs on the host)."""
+    events = sorted(events, key=lambda e: e["start_host_time_ns"])
+    first = events[0]["key"]
+    starts = [i for i, e in enumerate(events) if e["key"] == first]
+    kept, calls = events[starts[1]:], len(starts) - 1
     by_name = defaultdict(lambda: [0, 0])
     for e in kept:
         by_name[e["key"]][0] += e["duration_ns"]

@@ -30,14 +30,17 @@ def segment_mask(b: Builder, segment_ids: Value) -> Value:
 # for small buckets. "blockwise": query chunks of C rows (unrolled), each attending with
 # an online softmax, in a loop, over only the key chunks that hold its segments, so memory
 # per step is [H, C, C] and the cross-image blocks are never computed (docs/performance.md,
-# "Large inputs", has the measurements behind the threshold). C is ATTENTION_CHUNK, or
-# larger past 8192 patches so that a block unrolls at most MAX_QUERY_CHUNKS chunks:
-# iree-compile's time grows faster than the number of unrolled chunks (the 2B graph at
-# 8192, 16 chunks a block, compiled in 3 min; at 16384, 32 a block, not in 14).
+# "Large inputs", has the measurements behind the threshold). C is ATTENTION_CHUNK; half
+# of it below 2 x ATTENTION_CHUNK patches, so that a 512 bucket holding two images skips
+# their cross blocks (the 2B tower with two 256-patch images x1.09 in f32, x1.05 in bf16;
+# x0.96 with one 512-patch image); and larger past 8192 patches so that a block unrolls at
+# most MAX_QUERY_CHUNKS chunks: iree-compile's time grows faster than the number of
+# unrolled chunks (the 2B graph at 8192, 16 chunks a block, compiled in 3 min; at 16384,
+# 32 a block, not in 14).
 ATTENTION_FORMS = ("dense", "blockwise")
 ATTENTION_CHUNK = 512
 MAX_QUERY_CHUNKS = 16
-BLOCKWISE_FROM = 1024  # patches: buckets of at least this many use the blockwise form
+BLOCKWISE_FROM = 512  # patches: buckets of at least this many use the blockwise form
 NO_SEGMENT = -1  # segment id of the rows padded up to a whole chunk (host ids are >= 0)
 SOFTMAX_FLOOR = -3.0e38  # running max before any key: finite, so exp(floor - floor) is 1, never NaN
 
@@ -47,8 +50,11 @@ def attention_form(bucket: int) -> str:
 
 
 def attention_chunk(bucket: int) -> int:
-    """The blockwise form's chunk rows at `bucket`: ATTENTION_CHUNK, or the multiple of it
-    that keeps the query chunks at MAX_QUERY_CHUNKS or fewer (16384 -> 1024)."""
+    """The blockwise form's chunk rows at `bucket`: ATTENTION_CHUNK, half of it below two
+    chunks (512 -> 256), or the multiple of it that keeps the query chunks at
+    MAX_QUERY_CHUNKS or fewer (16384 -> 1024)."""
+    if bucket < 2 * ATTENTION_CHUNK:
+        return ATTENTION_CHUNK // 2
     chunks = -(-bucket // ATTENTION_CHUNK)
     return ATTENTION_CHUNK * -(-chunks // MAX_QUERY_CHUNKS)
 

@@ -47,7 +47,8 @@ def test_large_buckets_take_the_blockwise_form():
 def test_large_buckets_unroll_a_bounded_number_of_query_chunks():
     """Past 8192 patches the chunk grows so that a block unrolls at most MAX_QUERY_CHUNKS
     query chunks (the compile time of the 2B graph at 16384 with 32 a block was unbounded)."""
-    assert [attention_chunk(n) for n in (1024, 4096, 8192, 8200, 16384)] == [512, 512, 512, 1024, 1024]
+    assert [attention_chunk(n) for n in (512, 1000, 1024, 4096, 8192, 8200, 16384)] == [256, 256, 512, 512, 512, 1024,
+                                                                                       1024]
     key_loops = emit_vision_module(TINY, 16384).count("stablehlo.while")
     assert key_loops == 1 + TINY.depth * MAX_QUERY_CHUNKS  # the key-range loop, then each chunk's key loop
 
@@ -64,6 +65,19 @@ def test_bucket_4096_with_several_images_matches_transformers():
     ours = run_graph(compiled("tiny", 4096), TINY, weights, pixels, grid_thw, 4096)
     errors = assert_close(ours, expected)
     print(f"bucket 4096, {len(grid_thw)} inputs: relative L2 {max(errors.values()):.1e}")
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("grid_thw", [[[1, 16, 16], [1, 16, 16]], [[1, 16, 32]], [[1, 12, 20], [1, 8, 20], [1, 4, 4]]],
+                         ids=["two images, a chunk each", "one image, both chunks", "three images across chunks"])
+def test_bucket_512_takes_256_row_chunks_and_matches_transformers(grid_thw):
+    """The default ladder's largest bucket: blockwise with 256-row chunks (two images of 256
+    patches skip their cross blocks), exact whatever the segments' layout."""
+    pytest.importorskip("transformers")
+    grid_thw = np.array(grid_thw, np.int64)
+    weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=5)
+    assert attention_form(512) == "blockwise" and attention_chunk(512) == 256
+    assert_close(run_graph(compiled("tiny", 512), TINY, weights, pixels, grid_thw, 512), expected)
 
 
 @pytest.mark.parity
