@@ -25,6 +25,7 @@ import json, sys, tempfile, time
 import iree.runtime as rt
 rt.flags.parse_flags(*json.loads(sys.argv[1]))
 from runtime.bench import our_tower, processed_images, shallower
+from runtime.iree_module import device_config
 from runtime.packing import host_inputs
 from runtime.synthetic import random_vision_weights
 from emitter.config import PRESETS
@@ -34,7 +35,7 @@ pixels, grid_thw = processed_images([tuple(int(v) for v in s.split("x")) for s i
 inputs = host_inputs(pixels, [tuple(int(v) for v in g) for g in grid_thw], cfg, bucket)
 workdir = tempfile.TemporaryDirectory(prefix="ab-runtime-")  # the weight archive, removed at exit
 run, _ = our_tower(cfg, random_vision_weights(cfg, seed=0), bucket, precision, "parameters", [],
-                   rt.Config("local-task"), inputs, workdir.name)
+                   device_config("llvm-cpu"), inputs, workdir.name)
 del _
 run()
 print("ready", flush=True)

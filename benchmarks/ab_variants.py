@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -152,28 +152,35 @@ def blockwise_256(b, segment_ids, form):
     return key_ranges(b, segment_ids, 256)
 
 
-VARIANTS = {  # name -> (graph patch or None, extra flags[, weight binding]); binding default: parameters
-    "baseline": (None, []),
-    "arguments": (None, [], "arguments"),
-    "no_data_tiling": (None, ["--iree-opt-data-tiling=false"]),
-    "ukernels": (None, ["--iree-llvmcpu-enable-ukernels=all"]),
-    "mmt4d": (None, ["--iree-llvmcpu-enable-ukernels=mmt4d"]),
-    "O3": (None, ["--iree-opt-level=O3"]),
-    "no_transpose_attention": ((vision, "attention", attention_no_transpose), []),
-    "lean_softmax": ((vision, "attention", attention_lean_softmax), []),
-    "diag_no_gelu": ((layers, "gelu_tanh", gelu_removed), []),
-    "gelu_via_exp": ((layers, "gelu_tanh", gelu_tanh_via_exp), []),
-    "diag_no_attention_core": ((vision, "attention", attention_core_removed), []),
-    "blockwise_256": ((vision, "attention_inputs", blockwise_256), []),
-    "softmax_keys_major": ((forms, "dense_attention", dense_keys_major), []),
-    "softmax_split_lanes": ((forms, "dense_attention", dense_split_softmax), []),
+def dense_form(b, segment_ids, form):
+    """The dense form at any bucket (the [B, B] segment mask)."""
+    return forms.segment_mask(b, segment_ids)
+
+
+DENSE = (vision, "attention_inputs", dense_form)
+VARIANTS = {  # name -> (graph patches, extra flags[, weight binding]); binding default: parameters
+    "baseline": ((), []),
+    "arguments": ((), [], "arguments"),
+    "no_data_tiling": ((), ["--iree-opt-data-tiling=false"]),
+    "ukernels": ((), ["--iree-llvmcpu-enable-ukernels=all"]),
+    "mmt4d": ((), ["--iree-llvmcpu-enable-ukernels=mmt4d"]),
+    "O3": ((), ["--iree-opt-level=O3"]),
+    "no_transpose_attention": (((vision, "attention", attention_no_transpose), DENSE), []),
+    "lean_softmax": (((vision, "attention", attention_lean_softmax), DENSE), []),
+    "diag_no_gelu": (((layers, "gelu_tanh", gelu_removed),), []),
+    "gelu_via_exp": (((layers, "gelu_tanh", gelu_tanh_via_exp),), []),
+    "diag_no_attention_core": (((vision, "attention", attention_core_removed),), []),
+    "dense": ((DENSE,), []),
+    "blockwise_256": (((vision, "attention_inputs", blockwise_256),), []),
+    "softmax_keys_major": ((DENSE, (forms, "dense_attention", dense_keys_major)), []),
+    "softmax_split_lanes": ((DENSE, (forms, "dense_attention", dense_split_softmax)), []),
 }
 
 
 def variant(name):
     """A named variant, or `flags:--a,--b` for the baseline graph with extra flags."""
     if name.startswith("flags:"):
-        return None, name[len("flags:"):].split(",")
+        return (), name[len("flags:"):].split(",")
     return VARIANTS[name][:2]
 
 
@@ -183,10 +190,9 @@ def binding(name) -> str:
 
 
 def emit(cfg, bucket, name, precision):
-    patch, _ = variant(name)
-    if patch is None:
-        return vision.emit_vision_module(cfg, bucket, precision=precision, weights=binding(name))
-    with patched(*patch):
+    with ExitStack() as stack:
+        for patch in variant(name)[0]:
+            stack.enter_context(patched(*patch))
         return vision.emit_vision_module(cfg, bucket, precision=precision, weights=binding(name))
 
 
@@ -204,7 +210,7 @@ def main(argv=None):
 
     import iree.runtime as rt
     from runtime.checkpoint import weights_in_order
-    from runtime.iree_module import LoadedModule, parameters_module
+    from runtime.iree_module import LoadedModule, device_config, parameters_module
     from runtime.session import set_thread_count
     from emitter.config import graph_weights
 
@@ -213,7 +219,7 @@ def main(argv=None):
     grids = [tuple(int(v) for v in g) for g in grid_thw]
     weights = random_vision_weights(cfg, seed=0)
     set_thread_count(args.threads)
-    config = rt.Config("local-task")
+    config = device_config("llvm-cpu")  # as a session makes it: glibc keeps freed transients
     ordered = weights_in_order({n: weights[n].reshape(s) for n, s in weight_schema(cfg)}, cfg, args.precision)
     params = parameters_module(config, [(w.name, a) for w, a in zip(graph_weights(cfg, args.precision), ordered)])
     device_weights = [rt.asdevicearray(config.device, a) for a in ordered] \
