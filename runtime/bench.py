@@ -152,7 +152,7 @@ def our_tower(cfg, weights, bucket, precision, binding, flags, config, inputs, w
     """Emit, compile and load the graph; a callable running it on device-resident inputs,
     returning image_embeds trimmed to the real rows; and its build figures. Parameter-bound
     weights are served as a session serves them: from an archive written in `workdir`,
-    memory-mapped (numpy arrays served from memory instead made a 2B f32 call 4-10% slower,
+    memory-mapped (numpy arrays served from memory instead made a 2B f32 call 4-9% slower,
     docs/performance.md)."""
     from emitter.vision import emit_vision_module
     from .archive import open_archive, parameters_module, release_mapped_pages, write_archive

@@ -99,7 +99,7 @@ def _result(done: queue.SimpleQueue):
 @functools.cache  # one for the process, started at the first call
 def _call_thread() -> queue.SimpleQueue:
     """The queue of a daemon thread that runs the main thread's IREE calls one at a time (a
-    thread started per call cost 120-190 us a call)."""
+    thread started per call cost 120-250 us a call; this one, 60-70)."""
     calls = queue.SimpleQueue()
 
     def serve():
@@ -113,6 +113,9 @@ def _call_thread() -> queue.SimpleQueue:
 
     threading.Thread(target=serve, name="iree-call", daemon=True).start()
     return calls
+
+
+os.register_at_fork(after_in_child=_call_thread.cache_clear)  # a forked child has no such thread: it starts its own
 
 
 _abandoned: list[int] = []  # exit codes of the unwinds that left an IREE call running

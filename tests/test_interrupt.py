@@ -1,5 +1,5 @@
 """A signal during a long IREE call: the command unwinds at once (SIGTERM's handler runs
-while the call computes, in a helper thread), exits 143 with its one-line error, and does
+while the call computes, on a call thread), exits 143 with its one-line error, and does
 not wait for the call, which at bucket 16384 on the 2B tower takes minutes."""
 
 from __future__ import annotations
@@ -57,3 +57,22 @@ def test_sigterm_during_a_long_call_exits_at_once():
     assert stderr.strip().splitlines() == ["error: terminated (SIGTERM)"]  # no teardown noise
     assert "returned" not in child.stdout.read()
     assert waited < 10, waited  # the call itself had about a minute left
+
+
+FORKED = r"""
+import os, signal
+from runtime.iree_module import invoke
+assert invoke(lambda: 1 + 1) == 2  # the parent's call thread is running
+pid = os.fork()
+if pid == 0:  # the thread did not survive the fork: the child starts its own
+    signal.alarm(10)  # a child left waiting for a thread that is not there dies here
+    os._exit(0 if invoke(lambda: 2 + 2) == 4 else 1)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_makes_its_own_calls():
+    done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=30,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.strip() == "child 0", done.stderr
