@@ -116,12 +116,10 @@ def softmax_over(b, scores, axis, lanes=None):
     keep = [d for d in range(scores.rank) if d != axis]
 
     def reduce(x, kind, hint):
-        if lanes:
-            v = b.reshape(x, (*x.shape[:axis], x.shape[axis] // lanes, lanes), hint=hint)
-            x, dims = b.reduce(v, [axis], kind, hint=hint), [axis]
-        else:
-            dims = [axis]
-        return b.broadcast_in_dim(b.reduce(x, dims, kind, hint=hint), scores.shape, keep, hint=hint)
+        if lanes:  # across the vectors first: [..., K] -> [..., K/lanes, lanes] -> [..., lanes]
+            x = b.reduce(b.reshape(x, (*x.shape[:axis], x.shape[axis] // lanes, lanes), hint=hint), [axis], kind,
+                         hint=hint)
+        return b.broadcast_in_dim(b.reduce(x, [axis], kind, hint=hint), scores.shape, keep, hint=hint)
 
     e = b.exponential(b.subtract(scores, reduce(scores, "maximum", "peak"), hint="shifted"), hint="exp")
     return b.divide(e, reduce(e, "add", "denom"), hint="probs")
@@ -131,17 +129,13 @@ def dense_keys_major(b, q, k, v, mask, operand_dtype):
     """Dense attention with the scores [H, keys, queries]: the softmax reduces over dim 1,
     which IREE vectorizes across queries (its reductions along the contiguous dim are
     scalar, in order)."""
-    scores = layers.matmul(b, k, q, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
-    scores = b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
-    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [2, 1]), hint="scores")
+    scores = forms.masked_scores(b, k, q, mask, operand_dtype)  # the segment mask is symmetric
     return layers.matmul(b, softmax_over(b, scores, 1), v, ([1], [1]), ([0], [0]), operand_dtype, hint="context")
 
 
 def dense_split_softmax(b, q, k, v, mask, operand_dtype):
     """Dense attention whose softmax reduces across 16-float vectors, then within them."""
-    scores = layers.matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
-    scores = b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
-    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+    scores = forms.masked_scores(b, q, k, mask, operand_dtype)
     return layers.matmul(b, softmax_over(b, scores, 2, lanes=16), v, ([2], [1]), ([0], [0]), operand_dtype,
                          hint="context")
 

@@ -65,12 +65,16 @@ def attention_inputs(b: Builder, segment_ids: Value, form: str):
     return segment_mask(b, segment_ids) if form == "dense" else key_ranges(b, segment_ids)
 
 
+def masked_scores(b: Builder, q: Value, k: Value, mask: Value, operand_dtype: str) -> Value:
+    """q k^T / sqrt(d) + mask: [heads, Q, K] from q [heads, Q, d], k [heads, K, d], mask [Q, K]."""
+    scores = matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+    scores = b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
+    return b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+
+
 def dense_attention(b: Builder, q: Value, k: Value, v: Value, mask: Value, operand_dtype: str) -> Value:
     """softmax(q k^T / sqrt(d) + mask) v on [heads, B, head_dim], with one [heads, B, B] score tensor."""
-    head_dim = q.shape[2]
-    scores = matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
-    scores = b.multiply(scores, b.scalar(head_dim ** -0.5, scores, "scale"), hint="scores")
-    scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+    scores = masked_scores(b, q, k, mask, operand_dtype)
     return matmul(b, softmax(b, scores), v, ([2], [1]), ([0], [0]), operand_dtype, hint="context")
 
 
@@ -179,9 +183,7 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
                          b.broadcast_in_dim(seg_k, (chunk, chunk), [1]), hint="same_segment")
         mask = b.select(same, b.constant(0.0, (chunk, chunk)), b.constant(float("-inf"), (chunk, chunk)),
                         hint="mask")
-        scores = matmul(b, q_c, k_c, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
-        scores = b.multiply(scores, b.scalar(d ** -0.5, scores, "scale"), hint="scores")
-        scores = b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
+        scores = masked_scores(b, q_c, k_c, mask, operand_dtype)
         new_peak = b.maximum(peak, b.reduce(scores, [2], "maximum", hint="chunk_peak"), hint="peak")
         e = b.exponential(b.subtract(scores, b.broadcast_in_dim(new_peak, scores.shape, [0, 1]), hint="shifted"),
                           hint="exp")
