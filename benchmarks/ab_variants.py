@@ -140,6 +140,22 @@ def dense_split_softmax(b, q, k, v, mask, operand_dtype):
                          hint="context")
 
 
+def block_residual_apart(b, x, w, cos, sin, segments, cfg, stages, name):
+    """The block with attention's and the MLP's outputs behind a barrier before their
+    residual adds: IREE then cannot make the residual the accumulator of the proj and fc2
+    matmuls (which packs it into the tiled layout first), and the add fuses forward."""
+    with b.stage(f"{name}.norm1"):
+        normed1 = vision.layer_norm(b, x, w["norm1.weight"], w["norm1.bias"])
+    with b.stage(f"{name}.attn"):
+        attn = b.optimization_barrier(vision.attention(b, normed1, w, cos, sin, segments, cfg.num_heads))
+        x = b.add(x, attn, hint="residual")
+    with b.stage(f"{name}.norm2"):
+        normed2 = vision.layer_norm(b, x, w["norm2.weight"], w["norm2.bias"])
+    with b.stage(f"{name}.mlp"):
+        x = b.add(x, b.optimization_barrier(vision.mlp(b, normed2, w)), hint="residual")
+    return stages(name, x)
+
+
 def blockwise_256(b, segment_ids, form):
     """The blockwise form with 256-row chunks at any bucket: at 512 with two 256-patch images
     it skips the cross-image blocks the dense form computes."""
@@ -168,6 +184,7 @@ VARIANTS = {  # name -> (graph patches, extra flags[, weight binding]); binding 
     "blockwise_256": (((vision, "attention_inputs", blockwise_256),), []),
     "softmax_keys_major": ((DENSE, (forms, "dense_attention", dense_keys_major)), []),
     "softmax_split_lanes": ((DENSE, (forms, "dense_attention", dense_split_softmax)), []),
+    "residual_apart": (((vision, "block", block_residual_apart),), []),
 }
 
 

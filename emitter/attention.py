@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .builder import Builder, Value
-from .layers import apply_rotary, linear, matmul, softmax
+from .layers import apply_rotary, cast, linear, matmul, softmax
 
 
 def segment_mask(b: Builder, segment_ids: Value) -> Value:
@@ -147,9 +147,14 @@ def key_ranges(b: Builder, segment_ids: Value, chunk: int | None = None) -> KeyR
 def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRanges, operand_dtype: str) -> Value:
     """The same attention as `dense_attention` with the segment mask, query chunk by query
     chunk (unrolled): each chunk of `chunk` queries runs an online softmax (running max,
-    rescaled sums) in a loop over the key chunks in its segments' range, each masked by segment. Memory per step is
-    [heads, chunk, chunk]; work is the diagonal blocks only. Rows are padded to a whole
-    chunk with segment NO_SEGMENT, which no real row shares."""
+    rescaled sums) in a loop over the key chunks in its segments' range, each masked by
+    segment. Memory per step is [heads, chunk, chunk]; work is the diagonal blocks only.
+    Rows are padded to a whole chunk with segment NO_SEGMENT, which no real row shares.
+
+    q, k and v enter the loop in the matmul operand dtype (under the bf16 policy the chunk
+    copies are bf16 and no step converts them again), and exp(scores - peak) is rounded to
+    it once: the context matmul and the denominator read the same rounded weights."""
+    q, k, v = (cast(b, x, operand_dtype, f"{name}_{operand_dtype}") for x, name in ((q, "q"), (k, "k"), (v, "v")))
     heads, n, d = q.shape
     segments, chunk = ranges.segments, ranges.chunk
     (padded,) = segments.shape
@@ -187,8 +192,10 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
         new_peak = b.maximum(peak, b.reduce(scores, [2], "maximum", hint="chunk_peak"), hint="peak")
         e = b.exponential(b.subtract(scores, b.broadcast_in_dim(new_peak, scores.shape, [0, 1]), hint="shifted"),
                           hint="exp")
+        e = cast(b, e, operand_dtype, f"exp_{operand_dtype}")
+        summed = b.reduce(cast(b, e, "f32", "exp_f32"), [2], "add", hint="chunk_denom")
         rescale = b.exponential(b.subtract(peak, new_peak, hint="peak_change"), hint="rescale")
-        denom = b.add(b.multiply(denom, rescale), b.reduce(e, [2], "add", hint="chunk_denom"), hint="denom")
+        denom = b.add(b.multiply(denom, rescale), summed, hint="denom")
         term = matmul(b, e, v_c, ([2], [1]), ([0], [0]), operand_dtype, hint="chunk_context")
         acc = b.add(b.multiply(acc, b.broadcast_in_dim(rescale, acc.shape, [0, 1]), hint="acc"), term, hint="acc")
         return [b.add(j, _i32(b, 1, "one")), new_peak, denom, acc]

@@ -61,14 +61,18 @@ class Value:
         return "%" + self.name
 
 
-def float_literal(x: float) -> str:
-    """An f32 literal MLIR parses back to the same bits (infinities and NaN as hex)."""
+def float_literal(x: float, dtype: str = "f32") -> str:
+    """An f32 or bf16 literal MLIR parses back to the same bits (infinities and NaN as hex,
+    of the type's width); a bf16 literal must be exact in bf16."""
     with np.errstate(over="ignore"):
         x32 = np.float32(x)
     if np.isfinite(x) and not np.isfinite(x32):
         raise BuildError(f"{x!r} does not fit in f32")
+    bits = int(x32.view(np.uint32))
+    if dtype == "bf16" and bits & 0xFFFF:
+        raise BuildError(f"{x!r} is not exact in bf16")
     if not np.isfinite(x32):
-        return "0x%08X" % x32.view(np.uint32)
+        return "0x%08X" % bits if dtype == "f32" else "0x%04X" % (bits >> 16)
     text = np.format_float_scientific(x32, unique=True, exp_digits=2)
     return text.replace(".e", ".0e")
 
@@ -138,7 +142,7 @@ class Builder:
         device between calls); returns (symbol, type) for `load_state` / `store_state`."""
         t = TensorType(shape, dtype)
         symbol = self._fresh("state." + name)
-        zero = float_literal(0.0) if dtype in ("f32", "bf16") else "0"
+        zero = float_literal(0.0, dtype) if dtype in ("f32", "bf16") else "0"
         self.globals.append(f"util.global private mutable @{symbol} = dense<{zero}> : {t}")
         return symbol, t
 
@@ -164,7 +168,7 @@ class Builder:
     # -- constants and iota ------------------------------------------------
     def constant(self, value: float | int, shape=(), dtype: str = "f32", hint: str = "const") -> Value:
         """A splat constant."""
-        literal = float_literal(value) if dtype == "f32" else str(int(value))
+        literal = float_literal(value, dtype) if dtype in ("f32", "bf16") else str(int(value))
         t = TensorType(shape, dtype)
         return self._op(hint, f"stablehlo.constant dense<{literal}> : {t}", t)
 

@@ -41,11 +41,15 @@ class Stages(dict):
         return value
 
 
+def cast(b: Builder, x: Value, dtype: str, hint: str = "cast") -> Value:
+    """x in `dtype`: converted, unless it already is."""
+    return x if x.dtype == dtype else b.convert(x, dtype, hint=hint)
+
+
 def matmul(b: Builder, x: Value, y: Value, contract, batch=([], []), operand_dtype: str = "f32",
            hint: str = "matmul") -> Value:
     """dot_general with operands in `operand_dtype` (converted if needed) and an f32 result."""
-    x, y = (v if v.dtype == operand_dtype else b.convert(v, operand_dtype, hint=f"{hint}_{operand_dtype}")
-            for v in (x, y))
+    x, y = (cast(b, v, operand_dtype, f"{hint}_{operand_dtype}") for v in (x, y))
     return b.dot_general(x, y, contract=contract, batch=batch, hint=hint, result_dtype="f32")
 
 

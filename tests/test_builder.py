@@ -481,6 +481,20 @@ def test_float_literal_infinities_are_hex():
     assert float_literal(1.0) == "1.0e+00"
 
 
+def test_bf16_constants_are_bf16_literals_that_keep_their_value():
+    """A bf16 splat prints as a float (an integer literal does not parse for bf16) and its
+    non-finite values as 16-bit hex; a value bf16 cannot hold exactly is refused."""
+    assert float_literal(float("-inf"), "bf16") == "0xFF80" and float_literal(0.0, "bf16") == "0.0e+00"
+    with pytest.raises(BuildError, match="not exact in bf16"):
+        float_literal(0.1, "bf16")
+    b = Builder()
+    x = b.argument("x", (3,))
+    values = [b.convert(b.constant(v, (3,), "bf16"), "f32") for v in (0.0, -2.5, float("-inf"))]
+    out = run(b, {"zero": b.add(x, values[0]), "neg": b.add(x, values[1]), "inf": b.add(x, values[2])},
+              np.ones(3, np.float32))
+    assert list(out["zero"]) == [1.0] * 3 and list(out["neg"]) == [-1.5] * 3 and list(out["inf"]) == [-np.inf] * 3
+
+
 # -- names, locations, determinism ---------------------------------------------------------------
 _SSA = re.compile(r"[A-Za-z_][A-Za-z0-9_.$-]*")
 

@@ -81,6 +81,30 @@ def test_bucket_512_takes_256_row_chunks_and_matches_transformers(grid_thw):
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("bucket", [512, 1100])
+def test_blockwise_form_in_bf16_stays_close_to_transformers(bucket):
+    """The bf16 policy in the blockwise form (q, k, v chunked in bf16, padded with bf16 zeros
+    at 1100, exp(scores - peak) rounded to bf16 once for the context and the denominator):
+    clearly not f32, clearly the same function, as the dense form is at small buckets."""
+    pytest.importorskip("transformers")
+    from conftest import graph_weights
+    from emitter.config import weight_schema
+    from emitter.vision import result_names
+    from runtime.checkpoint import weights_in_order
+    from runtime.packing import host_inputs
+    grid_thw = np.array([[1, 12, 20], [1, 8, 20], [1, 4, 4]], np.int64)
+    weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=5)
+    flat = dict(zip([name for name, _ in weight_schema(TINY)], graph_weights(TINY, weights)))
+    module = LoadedModule(compile_mlir(emit_vision_module(TINY, bucket, precision="bf16")))
+    grids = [tuple(int(v) for v in g) for g in grid_thw]
+    results = dict(zip(result_names(TINY), module(*host_inputs(pixels, grids, TINY, bucket),
+                                                 *weights_in_order(flat, TINY, "bf16"))))
+    merged = len(pixels) // TINY.merge_unit
+    errors = {name: rel_l2(results[name][:merged], expected[name]) for name in expected}
+    assert all(1e-5 < e < 2e-2 for e in errors.values()), errors
+
+
+@pytest.mark.parity
 def test_blockwise_form_pads_to_whole_chunks():
     """A bucket that is not a whole number of chunks (1100 rows, padded to 1536 inside the
     graph): same outputs as transformers."""
