@@ -140,20 +140,15 @@ def dense_split_softmax(b, q, k, v, mask, operand_dtype):
                          hint="context")
 
 
-def block_residual_apart(b, x, w, cos, sin, segments, cfg, stages, name):
-    """The block with attention's and the MLP's outputs behind a barrier before their
-    residual adds: IREE then cannot make the residual the accumulator of the proj and fc2
-    matmuls (which packs it into the tiled layout first), and the add fuses forward."""
-    with b.stage(f"{name}.norm1"):
-        normed1 = vision.layer_norm(b, x, w["norm1.weight"], w["norm1.bias"])
-    with b.stage(f"{name}.attn"):
-        attn = b.optimization_barrier(vision.attention(b, normed1, w, cos, sin, segments, cfg.num_heads))
-        x = b.add(x, attn, hint="residual")
-    with b.stage(f"{name}.norm2"):
-        normed2 = vision.layer_norm(b, x, w["norm2.weight"], w["norm2.bias"])
-    with b.stage(f"{name}.mlp"):
-        x = b.add(x, b.optimization_barrier(vision.mlp(b, normed2, w)), hint="residual")
-    return stages(name, x)
+def behind_barrier(layer):
+    """`layer` with its output behind an optimization barrier."""
+    return lambda b, *args: b.optimization_barrier(layer(b, *args))
+
+
+# The block's attention and MLP outputs behind a barrier before their residual adds: IREE then
+# cannot make the residual the accumulator of the proj and fc2 matmuls (which packs it into
+# the tiled layout first), and the add is a dispatch of its own.
+RESIDUAL_APART = ((vision, "attention", behind_barrier(vision.attention)), (vision, "mlp", behind_barrier(vision.mlp)))
 
 
 def blockwise_256(b, segment_ids, form):
@@ -184,7 +179,7 @@ VARIANTS = {  # name -> (graph patches, extra flags[, weight binding]); binding 
     "blockwise_256": (((vision, "attention_inputs", blockwise_256),), []),
     "softmax_keys_major": ((DENSE, (forms, "dense_attention", dense_keys_major)), []),
     "softmax_split_lanes": ((DENSE, (forms, "dense_attention", dense_split_softmax)), []),
-    "residual_apart": (((vision, "block", block_residual_apart),), []),
+    "residual_apart": (RESIDUAL_APART, []),
 }
 
 

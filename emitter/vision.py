@@ -227,10 +227,9 @@ def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False
     input, same bytes). `precision` "bf16" takes the matmul weights in bf16 and runs every
     matmul on bf16 operands with f32 accumulation; everything else stays f32 (the
     blockwise form's softmax denominator sums, in f32, the bf16 weights its context matmul
-    takes). `weights`
-    "parameters" reads the weights from a parameter archive (scope `model`, keys the
-    checkpoint names) instead of taking them as arguments. `attention` overrides the
-    bucket's attention form ("dense" or "blockwise"; for A/B measurements)."""
+    takes). `weights` "parameters" reads the weights from a parameter archive (scope
+    `model`, keys the checkpoint names) instead of taking them as arguments. `attention`
+    overrides the bucket's attention form ("dense" or "blockwise"; for A/B measurements)."""
     check_bucket(bucket, cfg)
     check_inspect_blocks(cfg, inspect_blocks)
     function, globals_ = vision_function(cfg, bucket, "main", diagnostics, inspect_blocks, precision, weights,
