@@ -161,15 +161,26 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
     q, k, v = (_pad_rows(b, x, 1, padded - n, 0.0, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     zero = _i32(b, 0, "zero")
 
+    # Chunk-major copies [chunks, heads, chunk, d] of q, k and v, written out once per block
+    # behind one barrier, so that a chunk is a slice of the leading dim. IREE 3.13's llvm-cpu
+    # fails ("large vector sizes") when a row slice of [heads, rows, d] fuses into the
+    # matmul's packing, and each barrier makes the host wait for the device (one a block here,
+    # where a barrier per chunk made 148 waits a 2B call).
+    count = padded // chunk
+    q, k, v = b.optimization_barriers(
+        [b.transpose(b.reshape(x, (heads, count, chunk, d)), [1, 0, 2, 3], hint=name + "_chunks")
+         for x, name in ((q, "q"), (k, "k"), (v, "v"))], hint="chunks")
+
     def chunk_of(x, start, hint):
-        """Rows [start, start + chunk) of x [heads, rows, d], copied out: IREE 3.13's llvm-cpu
-        fails ("large vector sizes") when the slice fuses into the matmul's packing."""
-        return b.optimization_barrier(b.dynamic_slice(x, [zero, start, zero], (heads, chunk, d), hint=hint), hint=hint)
+        """Chunk `start` of a chunk-major x, [heads, chunk, d]."""
+        return b.reshape(b.dynamic_slice(x, [start, zero, zero, zero], (1, heads, chunk, d), hint=hint),
+                         (heads, chunk, d), hint=hint)
 
     def query_chunk(i):
         """Chunk i's context [heads, chunk, d]: its key chunks in a loop, the softmax online."""
         rows = (i * chunk, (i + 1) * chunk)
-        q_c = b.optimization_barrier(b.slice(q, (0, rows[0], 0), (heads, rows[1], d), hint="q_chunk"), hint="q_chunk")
+        q_c = b.reshape(b.slice(q, (i, 0, 0, 0), (i + 1, heads, chunk, d), hint="q_chunk"), (heads, chunk, d),
+                        hint="q_chunk")
         seg_q = b.slice(segments, (rows[0],), (rows[1],), hint="seg_q")
         first = b.reshape(b.slice(ranges.first, (i,), (i + 1,)), (), hint="first_chunk")
         end = b.reshape(b.slice(ranges.end, (i,), (i + 1,)), (), hint="end_chunk")
@@ -181,8 +192,8 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
         return b.divide(acc, b.broadcast_in_dim(denom, acc.shape, [0, 1]), hint="context")
 
     def key_chunk(q_c, seg_q, j, peak, denom, acc):
+        k_c, v_c = chunk_of(k, j, "k_chunk"), chunk_of(v, j, "v_chunk")
         start = b.multiply(j, _i32(b, chunk, "chunk"), hint="k_start")
-        k_c, v_c = chunk_of(k, start, "k_chunk"), chunk_of(v, start, "v_chunk")
         seg_k = b.dynamic_slice(segments, [start], (chunk,), hint="seg_k")
         same = b.compare("EQ", b.broadcast_in_dim(seg_q, (chunk, chunk), [0]),
                          b.broadcast_in_dim(seg_k, (chunk, chunk), [1]), hint="same_segment")
