@@ -6,9 +6,9 @@ from __future__ import annotations
 INPUT_FLAGS = ("--iree-input-type=stablehlo",)
 
 # name -> (runtime driver, flags). "llvm-cpu" bakes the host CPU's features in, and
-# distributes each data-tiled matmul in tiles of up to 2 MiB of operands (IREE 3.13's
-# default is far smaller): the 2B tower's matmuls went from 135-190 to 190-208 GFLOP/s in
-# f32 and its mergers from 280 to 400 in bf16 (docs/performance.md, "Matmul tile bytes").
+# distributes each data-tiled matmul in tiles of up to 2 MiB of operands, far more than
+# IREE 3.13's default: the 2B tower x1.025-1.045 in f32 at buckets 256 and 512, x1.00-1.01
+# in bf16 (docs/performance.md, "Matmul tile bytes").
 TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llvm-cpu": ("local-task", (
         "--iree-hal-target-device=local",
