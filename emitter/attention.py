@@ -164,16 +164,16 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
     # Chunk-major copies [chunks, heads, chunk, d] of q, k and v, written out once per block
     # behind one barrier, so that a chunk is a slice of the leading dim. IREE 3.13's llvm-cpu
     # fails ("large vector sizes") when a row slice of [heads, rows, d] fuses into the
-    # matmul's packing, and each barrier makes the host wait for the device (one a block here,
-    # where a barrier per chunk made 148 waits a 2B call).
+    # matmul's packing, and each barrier makes the host wait for the device (once a block
+    # here; a barrier per chunk made 148 waits in a 2B call at 512, 27 now).
     count = padded // chunk
     q, k, v = b.optimization_barriers(
         [b.transpose(b.reshape(x, (heads, count, chunk, d)), [1, 0, 2, 3], hint=name + "_chunks")
          for x, name in ((q, "q"), (k, "k"), (v, "v"))], hint="chunks")
 
-    def chunk_of(x, start, hint):
-        """Chunk `start` of a chunk-major x, [heads, chunk, d]."""
-        return b.reshape(b.dynamic_slice(x, [start, zero, zero, zero], (1, heads, chunk, d), hint=hint),
+    def chunk_of(x, j, hint):
+        """Chunk j of a chunk-major x, [heads, chunk, d]."""
+        return b.reshape(b.dynamic_slice(x, [j, zero, zero, zero], (1, heads, chunk, d), hint=hint),
                          (heads, chunk, d), hint=hint)
 
     def query_chunk(i):
