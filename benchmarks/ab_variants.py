@@ -140,6 +140,24 @@ def dense_split_softmax(b, q, k, v, mask, operand_dtype):
                          hint="context")
 
 
+def online_softmax_step_keys_major(b, q, k, v, mask, peak, denom, acc, operand_dtype):
+    """`attention.online_softmax_step` with the scores laid out [heads, K, Q] (k q^T): the max
+    and the sum reduce over dim 1, across query lanes, not along the contiguous dim."""
+    scores = layers.matmul(b, k, q, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+    scores = b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
+    scores = b.add(scores, b.broadcast_in_dim(b.transpose(mask, [1, 0]), scores.shape, [1, 2]), hint="scores")
+    new_peak = b.maximum(peak, b.reduce(scores, [1], "maximum", hint="chunk_peak"), hint="peak")
+    e = b.exponential(b.subtract(scores, b.broadcast_in_dim(new_peak, scores.shape, [0, 2]), hint="shifted"),
+                      hint="exp")
+    e = layers.cast(b, e, operand_dtype, f"exp_{operand_dtype}")
+    summed = b.reduce(layers.cast(b, e, "f32", "exp_f32"), [1], "add", hint="chunk_denom")
+    rescale = b.exponential(b.subtract(peak, new_peak, hint="peak_change"), hint="rescale")
+    denom = b.add(b.multiply(denom, rescale), summed, hint="denom")
+    term = layers.matmul(b, e, v, ([1], [1]), ([0], [0]), operand_dtype, hint="chunk_context")
+    acc = b.add(b.multiply(acc, b.broadcast_in_dim(rescale, acc.shape, [0, 1]), hint="acc"), term, hint="acc")
+    return [new_peak, denom, acc]
+
+
 def behind_barrier(layer):
     """`layer` with its output behind an optimization barrier."""
     return lambda b, *args: b.optimization_barrier(layer(b, *args))
@@ -180,6 +198,7 @@ VARIANTS = {  # name -> (graph patches, extra flags[, weight binding]); binding 
     "softmax_keys_major": ((DENSE, (forms, "dense_attention", dense_keys_major)), []),
     "softmax_split_lanes": ((DENSE, (forms, "dense_attention", dense_split_softmax)), []),
     "residual_apart": (RESIDUAL_APART, []),
+    "blockwise_keys_major": (((forms, "online_softmax_step", online_softmax_step_keys_major),), []),
 }
 
 

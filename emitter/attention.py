@@ -144,6 +144,25 @@ def key_ranges(b: Builder, segment_ids: Value, chunk: int | None = None) -> KeyR
     return KeyRanges(segments, first, end, chunk)
 
 
+def online_softmax_step(b: Builder, q: Value, k: Value, v: Value, mask: Value, peak: Value, denom: Value,
+                        acc: Value, operand_dtype: str) -> list[Value]:
+    """One key chunk of the online softmax: (peak, denom, acc) [heads, Q], [heads, Q],
+    [heads, Q, d] carried over q [heads, Q, d], k and v [heads, K, d] and the additive
+    mask [Q, K]. exp(scores - peak) is rounded to the operand dtype once: the context
+    matmul and the denominator read the same rounded weights."""
+    scores = masked_scores(b, q, k, mask, operand_dtype)
+    new_peak = b.maximum(peak, b.reduce(scores, [2], "maximum", hint="chunk_peak"), hint="peak")
+    e = b.exponential(b.subtract(scores, b.broadcast_in_dim(new_peak, scores.shape, [0, 1]), hint="shifted"),
+                      hint="exp")
+    e = cast(b, e, operand_dtype, f"exp_{operand_dtype}")
+    summed = b.reduce(cast(b, e, "f32", "exp_f32"), [2], "add", hint="chunk_denom")
+    rescale = b.exponential(b.subtract(peak, new_peak, hint="peak_change"), hint="rescale")
+    denom = b.add(b.multiply(denom, rescale), summed, hint="denom")
+    term = matmul(b, e, v, ([2], [1]), ([0], [0]), operand_dtype, hint="chunk_context")
+    acc = b.add(b.multiply(acc, b.broadcast_in_dim(rescale, acc.shape, [0, 1]), hint="acc"), term, hint="acc")
+    return [new_peak, denom, acc]
+
+
 def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRanges, operand_dtype: str) -> Value:
     """The same attention as `dense_attention` with the segment mask, query chunk by query
     chunk (unrolled): each chunk of `chunk` queries runs an online softmax (running max,
@@ -152,8 +171,7 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
     Rows are padded to a whole chunk with segment NO_SEGMENT, which no real row shares.
 
     q, k and v enter the loop in the matmul operand dtype (under the bf16 policy the chunk
-    copies are bf16 and no step converts them again), and exp(scores - peak) is rounded to
-    it once: the context matmul and the denominator read the same rounded weights."""
+    copies are bf16 and no step converts them again); `online_softmax_step` is one key chunk."""
     q, k, v = (cast(b, x, operand_dtype, f"{name}_{operand_dtype}") for x, name in ((q, "q"), (k, "k"), (v, "v")))
     heads, n, d = q.shape
     segments, chunk = ranges.segments, ranges.chunk
@@ -199,17 +217,8 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
                          b.broadcast_in_dim(seg_k, (chunk, chunk), [1]), hint="same_segment")
         mask = b.select(same, b.constant(0.0, (chunk, chunk)), b.constant(float("-inf"), (chunk, chunk)),
                         hint="mask")
-        scores = masked_scores(b, q_c, k_c, mask, operand_dtype)
-        new_peak = b.maximum(peak, b.reduce(scores, [2], "maximum", hint="chunk_peak"), hint="peak")
-        e = b.exponential(b.subtract(scores, b.broadcast_in_dim(new_peak, scores.shape, [0, 1]), hint="shifted"),
-                          hint="exp")
-        e = cast(b, e, operand_dtype, f"exp_{operand_dtype}")
-        summed = b.reduce(cast(b, e, "f32", "exp_f32"), [2], "add", hint="chunk_denom")
-        rescale = b.exponential(b.subtract(peak, new_peak, hint="peak_change"), hint="rescale")
-        denom = b.add(b.multiply(denom, rescale), summed, hint="denom")
-        term = matmul(b, e, v_c, ([2], [1]), ([0], [0]), operand_dtype, hint="chunk_context")
-        acc = b.add(b.multiply(acc, b.broadcast_in_dim(rescale, acc.shape, [0, 1]), hint="acc"), term, hint="acc")
-        return [b.add(j, _i32(b, 1, "one")), new_peak, denom, acc]
+        carried = online_softmax_step(b, q_c, k_c, v_c, mask, peak, denom, acc, operand_dtype)
+        return [b.add(j, _i32(b, 1, "one")), *carried]
 
     # Query chunks unrolled, not a loop: a loop carrying the [heads, P, d] output copied it at
     # every step and kept the copies (attention alone at 16384: 1.4-2.2 GB of peak, 0.76 unrolled).
