@@ -158,6 +158,23 @@ def online_softmax_step_keys_major(b, q, k, v, mask, peak, denom, acc, operand_d
     return [new_peak, denom, acc]
 
 
+def apply_rotary_halves(b, x, cos, sin):
+    """`layers.apply_rotary` as its two halves, cat(x1 c - x2 s, x2 c + x1 s): no negated,
+    concatenated copy of x."""
+    n, heads, d = x.shape
+
+    def half(v, i, hint):
+        return b.slice(v, (0,) * (v.rank - 1) + (i * d // 2,), v.shape[:-1] + ((i + 1) * d // 2,), hint=hint)
+
+    def table(t, i, hint):
+        return b.broadcast_in_dim(half(t, i, hint), (n, heads, d // 2), [0, 2], hint=hint)
+
+    x1, x2 = half(x, 0, "x1"), half(x, 1, "x2")
+    first = b.subtract(b.multiply(x1, table(cos, 0, "cos")), b.multiply(x2, table(sin, 0, "sin")), hint="roped")
+    second = b.add(b.multiply(x2, table(cos, 1, "cos")), b.multiply(x1, table(sin, 1, "sin")), hint="roped")
+    return b.concatenate([first, second], 2, hint="roped")
+
+
 def behind_barrier(layer):
     """`layer` with its output behind an optimization barrier."""
     return lambda b, *args: b.optimization_barrier(layer(b, *args))
@@ -198,6 +215,7 @@ VARIANTS = {  # name -> (graph patches, extra flags[, weight binding]); binding 
     "softmax_keys_major": ((DENSE, (forms, "dense_attention", dense_keys_major)), []),
     "softmax_split_lanes": ((DENSE, (forms, "dense_attention", dense_split_softmax)), []),
     "residual_apart": (RESIDUAL_APART, []),
+    "rotary_halves": (((forms, "apply_rotary", apply_rotary_halves),), []),
     "blockwise_keys_major": (((forms, "online_softmax_step", online_softmax_step_keys_major),), []),
 }
 
