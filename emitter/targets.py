@@ -5,10 +5,13 @@ from __future__ import annotations
 
 INPUT_FLAGS = ("--iree-input-type=stablehlo",)
 
-# name -> (runtime driver, flags). "llvm-cpu" bakes the host CPU's features in, and
+# name -> (runtime driver, flags). "llvm-cpu" bakes the host CPU's features in;
 # distributes each data-tiled matmul in tiles of up to 2 MiB of operands, far more than
 # IREE 3.13's default: the 2B tower x1.025-1.045 in f32 at buckets 256 and 512, x1.00-1.01
-# in bf16 (docs/performance.md, "Matmul tile bytes").
+# in bf16 (docs/performance.md, "Matmul tile bytes"); and lets floating-point reductions
+# reassociate (off by default at IREE 3.13's default opt level), so that sums and maxima
+# along the contiguous dim (LayerNorm, softmax) run in vectors instead of one element at a
+# time: the softmax statistics 28 -> 7 ms a 2B bf16 call (docs/performance.md, "Reductions").
 TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llvm-cpu": ("local-task", (
         "--iree-hal-target-device=local",
@@ -16,6 +19,7 @@ TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
         "--iree-llvmcpu-target-cpu=host",
         "--iree-opt-data-tiling",
         "--iree-llvmcpu-matmul-tile-bytes=2097152",
+        "--iree-llvmcpu-reassociate-fp-reductions=true",
     )),
     "cuda-sm80": ("cuda", (
         "--iree-hal-target-device=cuda",
