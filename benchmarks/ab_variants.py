@@ -143,9 +143,7 @@ def dense_split_softmax(b, q, k, v, mask, operand_dtype):
 def online_softmax_step_keys_major(b, q, k, v, mask, peak, denom, acc, operand_dtype):
     """`attention.online_softmax_step` with the scores laid out [heads, K, Q] (k q^T): the max
     and the sum reduce over dim 1, across query lanes, not along the contiguous dim."""
-    scores = layers.matmul(b, k, q, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
-    scores = b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
-    scores = b.add(scores, b.broadcast_in_dim(b.transpose(mask, [1, 0]), scores.shape, [1, 2]), hint="scores")
+    scores = forms.masked_scores(b, k, q, b.transpose(mask, [1, 0]), operand_dtype)
     new_peak = b.maximum(peak, b.reduce(scores, [1], "maximum", hint="chunk_peak"), hint="peak")
     e = b.exponential(b.subtract(scores, b.broadcast_in_dim(new_peak, scores.shape, [0, 2]), hint="shifted"),
                       hint="exp")
