@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime.bench import alternate, processed_images, ratio_figures, shallower, vision_flops  # noqa: E402
 from emitter import attention as forms, layers, vision  # noqa: E402
 from emitter.attention import key_ranges  # noqa: E402
-from emitter.config import PRESETS, weight_schema  # noqa: E402
+from emitter.config import LAYER_NORM_EPS, PRESETS, weight_schema  # noqa: E402
 from runtime.compiler import compile_mlir  # noqa: E402
 from runtime.packing import host_inputs  # noqa: E402
 from runtime.synthetic import random_vision_weights  # noqa: E402
@@ -173,6 +173,59 @@ def apply_rotary_halves(b, x, cos, sin):
     return b.concatenate([first, second], 2, hint="roped")
 
 
+def apply_rotary_broadcast(b, x, cos, sin):
+    """`layers.apply_rotary` with no rotated copy: out[.., j, :] = x1 A[j] + x2 B[j] over a new
+    halves axis j, A = (cos1, sin2), B = (-sin1, cos2), so every operand is read through a
+    broadcast (x1 c - x2 s and x1 s + x2 c, the same products and sums as x c + rot(x) s)."""
+    n, heads, d = x.shape
+    h = d // 2
+
+    def half(v, i, hint):
+        lead = v.shape[:-1]
+        return b.reshape(b.slice(v, (0,) * (v.rank - 1) + (i * h,), lead + ((i + 1) * h,), hint=hint),
+                         lead + (1, h), hint=hint)
+
+    table_a = b.concatenate([half(cos, 0, "cos1"), half(sin, 1, "sin2")], 1, hint="rot_a")
+    table_b = b.concatenate([b.negate(half(sin, 0, "sin1"), hint="neg_sin1"), half(cos, 1, "cos2")], 1, hint="rot_b")
+    shape = (n, heads, 2, h)
+
+    def spread(v, dims, hint):
+        return b.broadcast_in_dim(v, shape, dims, hint=hint)
+
+    x1 = spread(b.reshape(half(x, 0, "x1"), (n, heads, h)), [0, 1, 3], "x1")
+    x2 = spread(b.reshape(half(x, 1, "x2"), (n, heads, h)), [0, 1, 3], "x2")
+    out = b.add(b.multiply(x1, spread(table_a, [0, 2, 3], "rot_a")),
+                b.multiply(x2, spread(table_b, [0, 2, 3], "rot_b")), hint="roped")
+    return b.reshape(out, x.shape, hint="roped")
+
+
+def apply_rotary_concat(b, x, cos, sin):
+    """The earlier `layers.apply_rotary`: rotate_half as a concatenate of -x2 and x1."""
+    n, heads, d = x.shape
+    first = b.slice(x, (0, 0, 0), (n, heads, d // 2), hint="x1")
+    second = b.slice(x, (0, 0, d // 2), (n, heads, d), hint="x2")
+    rotated = b.concatenate([b.negate(second, hint="neg_x2"), first], 2, hint="rotated")
+    cos = b.broadcast_in_dim(cos, x.shape, [0, 2], hint="cos")
+    sin = b.broadcast_in_dim(sin, x.shape, [0, 2], hint="sin")
+    return b.add(b.multiply(x, cos, hint="x_cos"), b.multiply(rotated, sin, hint="rotated_sin"), hint="roped")
+
+
+def layer_norm_square(b, x, weight, bias, eps=LAYER_NORM_EPS):
+    """The earlier `layers.layer_norm`: the variance summed over centered * centered, which
+    IREE 3.13 takes for a contraction and lowers to one scalar FMA per element."""
+    rows, keep = x.shape[:-1], list(range(x.rank - 1))
+
+    def mean(v, hint):
+        total = b.reduce(v, [x.rank - 1], "add", hint=hint + "_sum")
+        return b.broadcast_in_dim(b.divide(total, b.constant(x.shape[-1], rows), hint=hint), x.shape, keep, hint=hint)
+
+    centered = b.subtract(x, mean(x, "mean"), hint="centered")
+    variance = mean(b.multiply(centered, centered, hint="square"), "var")
+    inv_std = b.rsqrt(b.add(variance, b.scalar(eps, variance, "eps")), hint="inv_std")
+    scaled = b.multiply(b.multiply(centered, inv_std, hint="normed"), b.broadcast_in_dim(weight, x.shape, [x.rank - 1]))
+    return b.add(scaled, b.broadcast_in_dim(bias, x.shape, [x.rank - 1]), hint="norm")
+
+
 def behind_barrier(layer):
     """`layer` with its output behind an optimization barrier."""
     return lambda b, *args: b.optimization_barrier(layer(b, *args))
@@ -214,6 +267,9 @@ VARIANTS = {  # name -> (graph patches, extra flags[, weight binding]); binding 
     "softmax_split_lanes": ((DENSE, (forms, "dense_attention", dense_split_softmax)), []),
     "residual_apart": (RESIDUAL_APART, []),
     "rotary_halves": (((forms, "apply_rotary", apply_rotary_halves),), []),
+    "rotary_broadcast": (((forms, "apply_rotary", apply_rotary_broadcast),), []),
+    "rotary_concat": (((forms, "apply_rotary", apply_rotary_concat),), []),
+    "layer_norm_square": (((vision, "layer_norm", layer_norm_square), (layers, "layer_norm", layer_norm_square)), []),
     "blockwise_keys_major": (((forms, "online_softmax_step", online_softmax_step_keys_major),), []),
 }
 

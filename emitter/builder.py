@@ -200,6 +200,7 @@ class Builder:
         return self._op(hint or op.split(".")[-1], f"{op} {x} : {x.type}", x.type)
 
     def negate(self, x, hint=None): return self._unary("stablehlo.negate", x, hint)
+    def abs(self, x, hint=None): return self._unary("stablehlo.abs", x, hint)
     def exponential(self, x, hint=None): return self._unary("stablehlo.exponential", x, hint)
     def tanh(self, x, hint=None): return self._unary("stablehlo.tanh", x, hint)
     def rsqrt(self, x, hint=None): return self._unary("stablehlo.rsqrt", x, hint)

@@ -60,6 +60,14 @@ def linear(b: Builder, x: Value, weight: Value, bias: Value, hint: str = "linear
     return b.add(y, b.broadcast_in_dim(bias, y.shape, [y.rank - 1], hint=hint + "_bias"), hint=hint)
 
 
+def square(b: Builder, x: Value) -> Value:
+    """x * x, written |x| * |x| (the same bits): IREE 3.13 takes a sum over x * x for a
+    contraction and lowers it to a scalar FMA per element; over |x| * |x| it is a vector
+    reduction (a 2B LayerNorm's second pass 2x faster, docs/performance.md, "RoPE fused, squares that vectorize")."""
+    magnitude = b.abs(x, hint="magnitude")
+    return b.multiply(magnitude, magnitude, hint="square")
+
+
 def layer_norm(b: Builder, x: Value, weight: Value, bias: Value, eps: float = LAYER_NORM_EPS) -> Value:
     """LayerNorm over the last dim: centered variance, in f32."""
     rows, width = x.shape[:-1], x.shape[-1]
@@ -70,7 +78,7 @@ def layer_norm(b: Builder, x: Value, weight: Value, bias: Value, eps: float = LA
         return b.broadcast_in_dim(b.divide(total, b.constant(width, rows), hint=hint), x.shape, keep, hint=hint)
 
     centered = b.subtract(x, mean(x, "mean"), hint="centered")
-    variance = mean(b.multiply(centered, centered, hint="square"), "var")
+    variance = mean(square(b, centered), "var")
     inv_std = b.rsqrt(b.add(variance, b.scalar(eps, variance, "eps")), hint="inv_std")
     normed = b.multiply(centered, inv_std, hint="normed")
     scaled = b.multiply(normed, b.broadcast_in_dim(weight, x.shape, [x.rank - 1]), hint="scaled")
@@ -115,14 +123,27 @@ def rotary_tables(b: Builder, rope_pos: Value, inv_freq, head_dim: int) -> tuple
 
 
 def apply_rotary(b: Builder, x: Value, cos: Value, sin: Value) -> Value:
-    """x*cos + rotate_half(x)*sin on [B, heads, head_dim]; cos/sin are [B, head_dim]."""
+    """x*cos + rotate_half(x)*sin on [B, heads, head_dim]; cos/sin are [B, head_dim].
+    Computed over [B, heads, 2, head_dim/2] (the halves on an axis of their own), with
+    rotate_half(x) = cat(-x2, x1) a select along that axis between the two halves
+    broadcast over it: every operand is then read through a broadcast, so the rotation
+    fuses into its consumer (a concatenate or a reverse is a dispatch of its own in IREE 3.13)."""
     n, heads, d = x.shape
-    first = b.slice(x, (0, 0, 0), (n, heads, d // 2), hint="x1")
-    second = b.slice(x, (0, 0, d // 2), (n, heads, d), hint="x2")
-    rotated = b.concatenate([b.negate(second, hint="neg_x2"), first], 2, hint="rotated")
-    cos = b.broadcast_in_dim(cos, x.shape, [0, 2], hint="cos")
-    sin = b.broadcast_in_dim(sin, x.shape, [0, 2], hint="sin")
-    return b.add(b.multiply(x, cos, hint="x_cos"), b.multiply(rotated, sin, hint="rotated_sin"), hint="roped")
+    halves = (n, heads, 2, d // 2)
+    x = b.reshape(x, halves, hint="halves")
+
+    def half(i, hint):
+        part = b.reshape(b.slice(x, (0, 0, i, 0), (n, heads, i + 1, d // 2), hint=hint), (n, heads, d // 2), hint=hint)
+        return b.broadcast_in_dim(part, halves, [0, 1, 3], hint=hint)
+
+    def table(t, hint):
+        return b.broadcast_in_dim(b.reshape(t, (n, 2, d // 2), hint=hint), halves, [0, 2, 3], hint=hint)
+
+    first = b.compare("EQ", b.iota(halves, 2, hint="half"), b.constant(0, halves, "i32"), hint="first_half")
+    rotated = b.select(first, b.negate(half(1, "x2"), hint="neg_x2"), half(0, "x1"), hint="rotated")
+    x_cos = b.multiply(x, table(cos, "cos"), hint="x_cos")
+    roped = b.add(x_cos, b.multiply(rotated, table(sin, "sin"), hint="rotated_sin"), hint="roped")
+    return b.reshape(roped, (n, heads, d), hint="roped")
 
 
 def mlp(b: Builder, x: Value, w: dict) -> Value:
@@ -168,7 +189,7 @@ def project(b: Builder, x: Value, weight: Value, hint: str = "proj") -> Value:
 def rms_norm(b: Builder, x: Value, weight: Value, eps: float) -> Value:
     """weight * x * rsqrt(mean(x^2) + eps) over the last dim, in f32 (transformers' RMSNorm)."""
     rows, width, keep = x.shape[:-1], x.shape[-1], list(range(x.rank - 1))
-    total = b.reduce(b.multiply(x, x, hint="square"), [x.rank - 1], "add", hint="sum_sq")
+    total = b.reduce(square(b, x), [x.rank - 1], "add", hint="sum_sq")
     mean = b.divide(total, b.constant(width, rows), hint="mean_sq")
     inv = b.rsqrt(b.add(mean, b.scalar(eps, mean, "eps")), hint="inv_rms")
     normed = b.multiply(x, b.broadcast_in_dim(inv, x.shape, keep, hint="inv_rms"), hint="normed")

@@ -11,7 +11,10 @@ INPUT_FLAGS = ("--iree-input-type=stablehlo",)
 # in bf16 (docs/performance.md, "Matmul tile bytes"); and lets floating-point reductions
 # reassociate (off by default at IREE 3.13's default opt level), so that sums and maxima
 # along the contiguous dim (LayerNorm, softmax) run in vectors instead of one element at a
-# time: the softmax statistics 28 -> 7 ms a 2B bf16 call (docs/performance.md, "Reductions").
+# time: the softmax statistics 28 -> 7 ms a 2B bf16 call (docs/performance.md, "Reductions");
+# and moves a collapse of dims across an expand of others, so that RoPE, computed over the
+# head's two halves, fuses into the head-major transpose that follows it (two dispatches
+# fewer a block, docs/performance.md, "RoPE fused, squares that vectorize").
 TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llvm-cpu": ("local-task", (
         "--iree-hal-target-device=local",
@@ -20,6 +23,7 @@ TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
         "--iree-opt-data-tiling",
         "--iree-llvmcpu-matmul-tile-bytes=2097152",
         "--iree-llvmcpu-reassociate-fp-reductions=true",
+        "--iree-dispatch-creation-propagate-collapse-across-expands",
     )),
     "cuda-sm80": ("cuda", (
         "--iree-hal-target-device=cuda",
