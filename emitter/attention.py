@@ -222,7 +222,9 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
 
     # Query chunks unrolled, not a loop: a loop carrying the [heads, P, d] output copied it at
     # every step and kept the copies (attention alone at 16384: 1.4-2.2 GB of peak, 0.76 unrolled).
-    contexts = [query_chunk(i) for i in range(padded // chunk)]
+    # Each chunk's context is rounded to the operand dtype before the join: the output
+    # projection reads it in that dtype anyway, and the join copies half the bytes in bf16.
+    contexts = [cast(b, query_chunk(i), operand_dtype, f"context_{operand_dtype}") for i in range(padded // chunk)]
     out = contexts[0] if len(contexts) == 1 else b.concatenate(contexts, 1, hint="context")
     return out if padded == n else b.slice(out, (0, 0, 0), (heads, n, d), hint="context")
 
