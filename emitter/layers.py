@@ -69,7 +69,10 @@ def square(b: Builder, x: Value) -> Value:
 
 
 def layer_norm(b: Builder, x: Value, weight: Value, bias: Value, eps: float = LAYER_NORM_EPS) -> Value:
-    """LayerNorm over the last dim: centered variance, in f32."""
+    """LayerNorm over the last dim: centered variance, in f32. The centered rows are written
+    twice, x - mean for the output and x + (-mean) for the variance (the same values), so
+    that IREE forms them inside each of its two passes instead of writing a centered copy
+    out between them (docs/performance.md, "RoPE fused, squares that vectorize")."""
     rows, width = x.shape[:-1], x.shape[-1]
     keep = list(range(x.rank - 1))
 
@@ -77,10 +80,10 @@ def layer_norm(b: Builder, x: Value, weight: Value, bias: Value, eps: float = LA
         total = b.reduce(v, [x.rank - 1], "add", hint=hint + "_sum")
         return b.broadcast_in_dim(b.divide(total, b.constant(width, rows), hint=hint), x.shape, keep, hint=hint)
 
-    centered = b.subtract(x, mean(x, "mean"), hint="centered")
-    variance = mean(square(b, centered), "var")
+    mu = mean(x, "mean")
+    variance = mean(square(b, b.add(x, b.negate(mu, hint="neg_mean"), hint="deviation")), "var")
     inv_std = b.rsqrt(b.add(variance, b.scalar(eps, variance, "eps")), hint="inv_std")
-    normed = b.multiply(centered, inv_std, hint="normed")
+    normed = b.multiply(b.subtract(x, mu, hint="centered"), inv_std, hint="normed")
     scaled = b.multiply(normed, b.broadcast_in_dim(weight, x.shape, [x.rank - 1]), hint="scaled")
     return b.add(scaled, b.broadcast_in_dim(bias, x.shape, [x.rank - 1]), hint="norm")
 
