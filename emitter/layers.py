@@ -63,7 +63,8 @@ def linear(b: Builder, x: Value, weight: Value, bias: Value, hint: str = "linear
 def square(b: Builder, x: Value) -> Value:
     """x * x, written |x| * |x| (the same bits): IREE 3.13 takes a sum over x * x for a
     contraction and lowers it to a scalar FMA per element; over |x| * |x| it is a vector
-    reduction (a 2B LayerNorm's second pass 2x faster, docs/performance.md, "RoPE fused, squares that vectorize")."""
+    reduction (a 2B LayerNorm's second pass about 20% faster, docs/performance.md, "RoPE fused,
+    squares that vectorize")."""
     magnitude = b.abs(x, hint="magnitude")
     return b.multiply(magnitude, magnitude, hint="square")
 
