@@ -264,6 +264,13 @@ VARIANTS = {  # name -> (graph patches, extra flags[, weight binding]); binding 
 }
 
 
+def variant_name(text: str) -> str:
+    """An argparse type: a name from VARIANTS, or `flags:--a,--b`."""
+    if text in VARIANTS or text.startswith("flags:"):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(VARIANTS)}, or flags:--a,--b")
+
+
 def variant(name):
     """A named variant, or `flags:--a,--b` for the baseline graph with extra flags."""
     if name.startswith("flags:"):
@@ -285,7 +292,7 @@ def emit(cfg, bucket, name, precision):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("variants", nargs="+", help=f"{', '.join(VARIANTS)}, or flags:--flag1,--flag2")
+    p.add_argument("variants", nargs="+", type=variant_name, help=f"{', '.join(VARIANTS)}, or flags:--flag1,--flag2")
     p.add_argument("--preset", default="qwen3-vl-2b")
     p.add_argument("--bucket", type=int, default=512)
     p.add_argument("--images", default="256x256,256x256")

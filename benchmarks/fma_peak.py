@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+MAX_THREADS = 256  # the C source's thread arrays (passed to it as -DMAX_THREADS)
+
 SOURCE = r"""
 #include <immintrin.h>
 #include <pthread.h>
@@ -59,7 +61,7 @@ static void *bf16(void *out) {
 #endif
 
 static double gflops(void *(*kernel)(void *), int threads, double flops_per_op) {
-    pthread_t t[256]; float out[256];
+    pthread_t t[MAX_THREADS]; float out[MAX_THREADS];
     double t0 = now();
     for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, kernel, &out[i]);
     for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
@@ -92,7 +94,8 @@ def build(cc: str, workdir: Path) -> Path:
     source, binary = workdir / "fma_peak.c", workdir / "fma_peak"
     source.write_text(SOURCE)
     isa = ["-mavx512f", *(["-mavx512bf16"] if "avx512_bf16" in flags else [])]
-    subprocess.run([cc, "-O3", "-funroll-all-loops", *isa, str(source), "-o", str(binary), "-lpthread"], check=True)
+    subprocess.run([cc, "-O3", "-funroll-all-loops", f"-DMAX_THREADS={MAX_THREADS}", *isa, str(source),
+                    "-o", str(binary), "-lpthread"], check=True)
     return binary
 
 
@@ -104,6 +107,8 @@ def main(argv=None):
     p.add_argument("--cc", default=shutil.which("cc") or "cc")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
+    if not 1 <= args.threads <= MAX_THREADS:
+        p.error(f"--threads {args.threads}: expected 1 to {MAX_THREADS}")
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(args.cc, Path(tmp))
         runs = [json.loads(subprocess.run([str(binary), str(args.threads), str(args.steps)], check=True,
