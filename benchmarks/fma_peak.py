@@ -5,8 +5,12 @@ IREE), which is what a kernel reaches, not what the core can issue. This times a
 independent register-only multiply-adds on every core at once, as many threads as
 `--threads`: f32 `vfmadd231ps` (32 flops on a zmm register) and, where the CPU has
 avx512_bf16, `vdpbf16ps` (64 flops: 16 lanes, each a dot of two bf16 pairs). No memory
-traffic, so it is an upper bound a matmul can approach but not pass. The C source is
-compiled here with the system's C compiler (`cc`, or `--cc`).
+traffic, so it is an upper bound a matmul can approach but not pass. With avx512_bf16 it
+also times IREE's own bf16 matmul inner loop, as IREE 3.13 emits it for the tower's
+linears (the mmt4d loop of the 16x16x2 data tiles, read off fc2's assembly): one zmm load
+of the packed weights and 16 `vdpbf16ps` with `{1to16}` broadcasts of the packed
+activations into 16 accumulators, over K = 4096 panels (128 KiB each, in L2). The C source
+is compiled here with the system's C compiler (`cc`, or `--cc`).
 
     .venv/bin/python benchmarks/fma_peak.py --threads 2
 """
@@ -58,21 +62,59 @@ static void *bf16(void *out) {
     float sum = 0; for (int i = 0; i < CHAINS; i++) sum += _mm512_reduce_add_ps(acc[i]);
     *(float *)out = sum; return NULL;
 }
+
+/* IREE's bf16 mmt4d inner loop: A [K/2][16][2] and B [K/2][16][2] bf16 panels (one 16x16
+   output tile), 16 accumulators, each step one zmm load of B and 16 broadcast-from-memory
+   vdpbf16ps (fc2's loop, `vdpbf16ps 4(%r12,%r8){1to16}, %zmm16, %zmm14`, ...). */
+#define KSTEPS 2048        /* K = 4096: 128 KiB a panel */
+static long mmt4d_tiles(void) { return steps * CHAINS / (16 * KSTEPS); }  /* about as many ops as the others */
+static void *mmt4d(void *out) {
+    char *a = aligned_alloc(64, 64 * KSTEPS), *b = aligned_alloc(64, 64 * KSTEPS);
+    for (long i = 0; i < 64 * KSTEPS; i++) { a[i] = (i & 1) ? 0x3f : 0; b[i] = (i & 1) ? 0x30 : 0; }
+    long n = 64 * KSTEPS, tiles = mmt4d_tiles();
+    float *o = out;
+    for (long t = 0; t < tiles; t++) {
+        __asm__ volatile(
+            "vxorps %%xmm0,%%xmm0,%%xmm0\n vxorps %%xmm1,%%xmm1,%%xmm1\n vxorps %%xmm2,%%xmm2,%%xmm2\n"
+            "vxorps %%xmm3,%%xmm3,%%xmm3\n vxorps %%xmm4,%%xmm4,%%xmm4\n vxorps %%xmm5,%%xmm5,%%xmm5\n"
+            "vxorps %%xmm6,%%xmm6,%%xmm6\n vxorps %%xmm7,%%xmm7,%%xmm7\n vxorps %%xmm8,%%xmm8,%%xmm8\n"
+            "vxorps %%xmm9,%%xmm9,%%xmm9\n vxorps %%xmm10,%%xmm10,%%xmm10\n vxorps %%xmm11,%%xmm11,%%xmm11\n"
+            "vxorps %%xmm12,%%xmm12,%%xmm12\n vxorps %%xmm13,%%xmm13,%%xmm13\n vxorps %%xmm14,%%xmm14,%%xmm14\n"
+            "vxorps %%xmm15,%%xmm15,%%xmm15\n xorq %%r8,%%r8\n"
+            ".p2align 4\n1:\n"
+            "vmovups (%[b],%%r8), %%zmm16\n"
+            "vdpbf16ps (%[a],%%r8)%{1to16%}, %%zmm16, %%zmm15\n vdpbf16ps 4(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm14\n"
+            "vdpbf16ps 8(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm13\n vdpbf16ps 12(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm12\n"
+            "vdpbf16ps 16(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm11\n vdpbf16ps 20(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm10\n"
+            "vdpbf16ps 24(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm9\n vdpbf16ps 28(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm8\n"
+            "vdpbf16ps 32(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm7\n vdpbf16ps 36(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm6\n"
+            "vdpbf16ps 40(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm5\n vdpbf16ps 44(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm4\n"
+            "vdpbf16ps 48(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm3\n vdpbf16ps 52(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm2\n"
+            "vdpbf16ps 56(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm1\n vdpbf16ps 60(%[a],%%r8)%{1to16%}, %%zmm16, %%zmm0\n"
+            "addq $64, %%r8\n cmpq %[n], %%r8\n jne 1b\n"
+            "vaddps %%zmm0, %%zmm15, %%zmm15\n vmovups %%zmm15, (%[o])\n"
+            : : [a] "r"(a), [b] "r"(b), [n] "r"(n), [o] "r"(o)
+            : "r8", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+              "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16");
+    }
+    free(a); free(b); return NULL;
+}
 #endif
 
-static double gflops(void *(*kernel)(void *), int threads, double flops_per_op) {
-    pthread_t t[MAX_THREADS]; float out[MAX_THREADS];
+static double gflops(void *(*kernel)(void *), int threads, double ops, double flops_per_op) {
+    pthread_t t[MAX_THREADS]; float out[MAX_THREADS * 16];
     double t0 = now();
-    for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, kernel, &out[i]);
+    for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, kernel, &out[16 * i]);
     for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
-    return threads * (double)steps * CHAINS * flops_per_op / (now() - t0) / 1e9;
+    return threads * ops * flops_per_op / (now() - t0) / 1e9;
 }
 
 int main(int argc, char **argv) {
     int threads = atoi(argv[1]); steps = atol(argv[2]);
-    printf("{\"f32\": %.1f", gflops(f32, threads, 32));
+    printf("{\"f32\": %.1f", gflops(f32, threads, (double)steps * CHAINS, 32));
 #ifdef __AVX512BF16__
-    printf(", \"bf16\": %.1f", gflops(bf16, threads, 64));
+    printf(", \"bf16\": %.1f", gflops(bf16, threads, (double)steps * CHAINS, 64));
+    printf(", \"bf16_mmt4d_loop\": %.1f", gflops(mmt4d, threads, (double)mmt4d_tiles() * 16 * KSTEPS, 64));
 #endif
     printf("}\n");
     return 0;
@@ -115,8 +157,9 @@ def main(argv=None):
                                           capture_output=True, text=True).stdout) for _ in range(args.repeats)]
     result = {"threads": args.threads, "repeats": args.repeats,
               **{k: {"best": max(r[k] for r in runs), "runs": [r[k] for r in runs]} for k in runs[0]}}
+    labels = {"f32": "f32 FMA peak", "bf16": "bf16 FMA peak", "bf16_mmt4d_loop": "IREE's bf16 mmt4d inner loop"}
     for k in runs[0]:
-        print(f"{k:5s} FMA peak, {args.threads} threads: {result[k]['best']:.1f} GFLOP/s "
+        print(f"{labels[k]:29s} {args.threads} threads: {result[k]['best']:.1f} GFLOP/s "
               f"(runs {min(result[k]['runs']):.1f}-{result[k]['best']:.1f})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
