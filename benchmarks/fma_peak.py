@@ -67,7 +67,8 @@ static void *bf16(void *out) {
    output tile), 16 accumulators, each step one zmm load of B and 16 broadcast-from-memory
    vdpbf16ps (fc2's loop, `vdpbf16ps 4(%r12,%r8){1to16}, %zmm16, %zmm14`, ...). */
 #define KSTEPS 2048        /* K = 4096: 128 KiB a panel */
-static long mmt4d_tiles(void) { return steps * CHAINS / (16 * KSTEPS); }  /* about as many ops as the others */
+/* About as many ops as the other kernels; at least one tile, however few --steps. */
+static long mmt4d_tiles(void) { long t = steps * CHAINS / (16 * KSTEPS); return t > 0 ? t : 1; }
 static void *mmt4d(void *out) {
     char *a = aligned_alloc(64, 64 * KSTEPS), *b = aligned_alloc(64, 64 * KSTEPS);
     for (long i = 0; i < 64 * KSTEPS; i++) { a[i] = (i & 1) ? 0x3f : 0; b[i] = (i & 1) ? 0x30 : 0; }
