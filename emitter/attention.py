@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .builder import Builder, Value
-from .layers import apply_rotary, cast, linear, matmul, softmax
+from .layers import activation_dtype, apply_rotary, cast, linear, matmul, softmax
 
 
 def segment_mask(b: Builder, segment_ids: Value) -> Value:
@@ -231,12 +231,12 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
 
 def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, segments: Value, num_heads: int) -> Value:
     """Packed multi-head self-attention with fused [Q|K|V] projection and 2-D RoPE; the
-    score and context matmuls take their operands in the attention weights' dtype.
+    score and context matmuls take their operands in the projections' activation dtype.
     `segments` is what `attention_inputs` gave: the [B, B] mask (dense form) or the
     `KeyRanges` (blockwise form)."""
     n, hidden = x.shape
     head_dim = hidden // num_heads
-    operand_dtype = w["attn.qkv.weight"].dtype
+    operand_dtype = activation_dtype(b, w["attn.qkv.weight"])
     qkv = b.reshape(linear(b, x, w["attn.qkv.weight"], w["attn.qkv.bias"], "qkv"), (n, 3, num_heads, head_dim))
 
     def head_major(i, name, rope):

@@ -86,7 +86,10 @@ def _array(values) -> str:
 
 
 class Builder:
-    def __init__(self):
+    def __init__(self, activations: str | None = None):
+        """`activations`: the dtype every matmul's activations take ("f32": a bf16 weight is
+        widened inside the matmul), or None: each matmul's weight dtype (`layers.linear`)."""
+        self.activations = activations
         self.arguments: list[tuple[Value, str]] = []
         self.globals: list[str] = []  # module-level declarations (parameter-backed weights)
         self.lines: list[str] = []
@@ -344,17 +347,18 @@ class Builder:
     def dot_general(self, a: Value, b: Value, contract: tuple[list, list], batch: tuple[list, list] = ([], []),
                     hint=None, result_dtype: str | None = None) -> Value:
         """Result dims: batch dims, then a's free dims, then b's free dims; the result
-        dtype may be wider than the operands' (bf16 x bf16 -> f32 accumulates in f32)."""
+        dtype may be wider than the operands' (bf16 x bf16 -> f32 accumulates in f32), and
+        one float operand may be f32 beside a bf16 one (bf16 widened inside the matmul)."""
         (ca, cb), (ba, bb) = contract, batch
         for dims, v in ((list(ca) + list(ba), a), (list(cb) + list(bb), b)):
             if len(set(dims)) != len(dims) or any(not 0 <= d < v.rank for d in dims):
                 raise BuildError(f"dot_general: dims {dims} do not name distinct dims of {v.type}")
-        if a.dtype != b.dtype or [a.shape[i] for i in ca] != [b.shape[i] for i in cb] or \
+        if (a.dtype != b.dtype and {a.dtype, b.dtype} != {"f32", "bf16"}) or [a.shape[i] for i in ca] != [b.shape[i] for i in cb] or \
                 [a.shape[i] for i in ba] != [b.shape[i] for i in bb]:
             raise BuildError(f"dot_general: {a.type} x {b.type} cannot contract {contract} batch {batch}")
         free_a = [d for i, d in enumerate(a.shape) if i not in ca and i not in ba]
         free_b = [d for i, d in enumerate(b.shape) if i not in cb and i not in bb]
-        t = TensorType([a.shape[i] for i in ba] + free_a + free_b, result_dtype or a.dtype)
+        t = TensorType([a.shape[i] for i in ba] + free_a + free_b, result_dtype or (a.dtype if a.dtype == b.dtype else "f32"))
         dims = f"contracting_dims = [{_ints(ca)}] x [{_ints(cb)}]"
         if ba:
             dims = f"batching_dims = [{_ints(ba)}] x [{_ints(bb)}], " + dims

@@ -212,7 +212,15 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
     return from_hf_config(config, source=str(path))
 
 
-PRECISIONS = ("f32", "bf16")  # bf16: matmul operands in bf16, accumulation, norms and softmax in f32
+# precision -> (the matmul weights' dtype, the dtype of the activations fed to the matmuls).
+# Accumulation, norms and softmax stay f32 under every precision. "bf16" runs the matmuls
+# on bf16 operands (fast where the CPU has a bf16 dot product: avx512_bf16, AMX, Arm bf16);
+# "bf16-f32" keeps the weights in bf16 (half the bytes) and widens them to f32 inside each
+# matmul, for CPUs without one, where IREE 3.13 lowers a bf16 x bf16 matmul to scalar code
+# (~50x slower than f32 on AVX2; docs/performance.md, "bf16 without a bf16 dot product").
+# Users ask for "f32" or "bf16"; `identity.graph_precision` picks the bf16 form for a target.
+PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32")}
+USER_PRECISIONS = ("f32", "bf16")
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
@@ -232,6 +240,17 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+def weight_dtype(precision: str) -> str:
+    """The dtype the matmul weights are stored in (and archived in) under `precision`."""
+    return PRECISIONS[check_precision(precision)][0]
+
+
+def activation_dtype(precision: str) -> str | None:
+    """The dtype of a matmul's activations under `precision`, or None where they take each
+    matmul's weight dtype (f32 and bf16); a graph's `Builder(activations=...)`."""
+    return "f32" if precision == "bf16-f32" else None
+
+
 def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
     """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
     (exact for bf16 checkpoints); norms, biases and the position table stay f32."""
@@ -240,7 +259,7 @@ def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]
     for name, shape in weight_schema(cfg):
         transforms = ["conv3d_flatten"] if name == CONV_WEIGHT else []
         dtype = "f32"
-        if precision == "bf16" and name.endswith(MATMUL_WEIGHT_SUFFIXES):
+        if weight_dtype(precision) == "bf16" and name.endswith(MATMUL_WEIGHT_SUFFIXES):
             dtype = "bf16"
             transforms.append("round_to_bf16")
         specs.append(WeightSpec(name, shape, dtype, "+".join(transforms) or "none"))

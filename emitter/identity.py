@@ -102,6 +102,41 @@ def target_fields(target: str, extra_flags=()) -> dict:
     return out
 
 
+# CPU features that give IREE's bf16 matmuls a bf16 dot product: x86's AVX-512 BF16 and
+# AMX, Arm's BF16 extension (BFDOT/BFMMLA).
+BF16_DOT_FEATURES = ("+avx512bf16", "+amx-bf16", "+bf16")
+
+
+def native_bf16(target: str, extra_flags=()) -> bool:
+    """Whether `target` runs bf16 x bf16 matmuls natively: an llvm-cpu target when the CPU
+    LLVM resolves it to (the host's, for target-cpu=host) has a bf16 dot product; GPU
+    targets always. Without one IREE 3.13 lowers them to a scalar loop."""
+    device = resolved_device_target(tuple([*target_flags(target), *extra_flags]))
+    if '#hal.executable.target<"llvm-cpu"' not in device:
+        return True
+    features = _FEATURES_RE.search(device)
+    return bool(features) and any(f in features.group(1).split(",") for f in BF16_DOT_FEATURES)
+
+
+def graph_precision(precision: str, target: str | None = None, extra_flags=()) -> str:
+    """The precision a graph is built in for what a user asked (`USER_PRECISIONS`) on
+    `target`: "bf16" where the target has a bf16 dot product, else "bf16-f32" (bf16
+    weights widened to f32 inside each matmul: as fast as f32, half the weight bytes)."""
+    check_precision(precision)
+    if precision == "bf16" and not native_bf16(target or DEFAULT_TARGET, extra_flags):
+        return "bf16-f32"
+    return precision
+
+
+def precision_note(asked: str, used: str, target: str | None = None) -> str | None:
+    """One line for a user whose precision was changed to the target's fast form, or None."""
+    if asked == used:
+        return None
+    where = "this CPU" if (target or DEFAULT_TARGET) == DEFAULT_TARGET else f"target {target}"
+    return (f"note: --precision {asked}: {where} has no bf16 dot product (avx512_bf16, AMX or Arm bf16); "
+            f"running {used}: bf16 weights, matmuls in f32 (as fast as f32, half the weight memory)")
+
+
 def bucket_set(buckets, cfg: VisionConfig | None = None) -> list[int]:
     """A bucket or several as the artifact's bucket set: checked, distinct, ascending."""
     buckets = [buckets] if isinstance(buckets, int) else list(buckets)

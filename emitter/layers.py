@@ -53,10 +53,28 @@ def matmul(b: Builder, x: Value, y: Value, contract, batch=([], []), operand_dty
     return b.dot_general(x, y, contract=contract, batch=batch, hint=hint, result_dtype="f32")
 
 
+def activation_dtype(b: Builder, weight: Value) -> str:
+    """The dtype a matmul against `weight` takes its activations in: the graph's
+    (`Builder.activations`, "f32" under the bf16-f32 precision), else the weight's."""
+    return b.activations or weight.dtype
+
+
+def weight_matmul(b: Builder, x: Value, weight: Value, hint: str, weight_first: bool = False) -> Value:
+    """x @ weight.T for an [out, in] weight as stored, f32 result; x cast to
+    `activation_dtype`. The weight itself is never converted: a conversion of a weight
+    global is hoisted by IREE into a resident full-size copy, where a bf16 weight beside
+    f32 activations is widened inside the matmul. `weight_first`: weight @ x.T instead."""
+    dtype = activation_dtype(b, weight)
+    x = cast(b, x, dtype, f"{hint}_{dtype}")
+    if weight_first:
+        return b.dot_general(weight, x, ([1], [x.rank - 1]), hint=hint, result_dtype="f32")
+    return b.dot_general(x, weight, ([x.rank - 1], [1]), hint=hint, result_dtype="f32")
+
+
 def linear(b: Builder, x: Value, weight: Value, bias: Value, hint: str = "linear") -> Value:
-    """x @ weight.T + bias for a [out, in] weight, as the checkpoint stores it; the
-    matmul takes its operands in the weight's dtype (f32, or bf16 under that policy)."""
-    y = matmul(b, x, weight, ([x.rank - 1], [1]), operand_dtype=weight.dtype, hint=hint + "_matmul")
+    """x @ weight.T + bias for a [out, in] weight, as the checkpoint stores it (f32, or bf16
+    under the bf16 precisions; `weight_matmul`)."""
+    y = weight_matmul(b, x, weight, hint + "_matmul")
     return b.add(y, b.broadcast_in_dim(bias, y.shape, [y.rank - 1], hint=hint + "_bias"), hint=hint)
 
 
@@ -177,7 +195,7 @@ def merger(b: Builder, x: Value, w: dict, merge_unit: int, postshuffle_norm: boo
 
 
 def project(b: Builder, x: Value, weight: Value, hint: str = "proj") -> Value:
-    """x @ weight.T for a bias-free [out, in] weight, operands in the weight's dtype. One
+    """x @ weight.T for a bias-free [out, in] weight (`weight_matmul`). One
     row [1, in] is computed as weight @ x.T: IREE's data tiling then packs the weight in
     the layout the many-row form packs it in, so a module with both (prefill and decode)
     holds one packed copy; as x @ weight.T it packed a second, transposed one. Decode
@@ -185,8 +203,8 @@ def project(b: Builder, x: Value, weight: Value, hint: str = "proj") -> Value:
     lm_head [vocab, hidden] in this form took about 1.35x its time as x @ weight.T, which
     instead needs a transposed transient at load (1.2 GB at 2B): memory chosen here."""
     if x.shape[0] != 1 or x.rank != 2:
-        return matmul(b, x, weight, ([x.rank - 1], [1]), operand_dtype=weight.dtype, hint=hint)
-    column = matmul(b, weight, x, ([1], [1]), operand_dtype=weight.dtype, hint=hint)
+        return weight_matmul(b, x, weight, hint)
+    column = weight_matmul(b, x, weight, hint, weight_first=True)
     return b.reshape(column, (1, weight.shape[0]), hint=hint)
 
 

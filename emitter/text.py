@@ -27,7 +27,7 @@ import numpy as np
 
 from . import __version__
 from .builder import Builder, Value
-from .config import WeightSpec, check_precision
+from .config import WeightSpec, activation_dtype, check_precision, weight_dtype
 from .layers import apply_rotary, gated_mlp, grouped_attention, mrope_tables, project, rms_norm
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
@@ -35,6 +35,7 @@ PARAMETER_SCOPE = "model"
 MODULE_NAME = "qwen3vl_text"
 DECODE = "decode"
 MATMUL_SUFFIXES = ("proj.weight", "embed_tokens.weight", LM_HEAD)
+PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls"}
 
 
 class TextShapeError(ValueError):
@@ -61,7 +62,7 @@ def check_text_shapes(buckets, context: int) -> tuple[tuple[int, ...], int]:
 
 def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
-    under bf16 the projection matrices, the embedding table and lm_head are bf16."""
+    under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16."""
     check_precision(precision)
     d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     p = TEXT_PREFIX
@@ -81,7 +82,7 @@ def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     shapes.append((p + "norm.weight", (d,)))
     if not cfg.tie_word_embeddings:
         shapes.append((LM_HEAD, (cfg.vocab_size, d)))
-    bf16 = precision == "bf16"
+    bf16 = weight_dtype(precision) == "bf16"
     return [WeightSpec(name, shape, "bf16" if bf16 and name.endswith(MATMUL_SUFFIXES) else "f32",
                        "round_to_bf16" if bf16 and name.endswith(MATMUL_SUFFIXES) else "none")
             for name, shape in shapes]
@@ -109,7 +110,7 @@ class TextGraph:
     in every function of the module)."""
 
     def __init__(self, cfg: TextConfig, context: int, precision: str):
-        self.cfg, self.context, self.b = cfg, context, Builder()
+        self.cfg, self.context, self.b = cfg, context, Builder(activations=activation_dtype(precision))
         self.inputs: dict[str, Value] = {}
         self.w = {s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype, key=s.name,
                                            scope=PARAMETER_SCOPE) for s in text_weights(cfg, precision)}
@@ -261,7 +262,7 @@ def emit_text_module(cfg: TextConfig, buckets, context: int, deepstack_layers: i
         shared = globals_
     header = (f"// Qwen3-VL language model{' (' + title + ')' if title else ''}, prompt buckets "
               f"{', '.join(map(str, buckets))}, context {context}, {deepstack_layers} DeepStack layers"
-              f"{', bf16 matmuls' if precision == 'bf16' else ''}.\n"
+              f"{PRECISION_NOTES[precision]}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
               f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
     return header + f"module @{MODULE_NAME} {{\n" + "".join(f"  {g}\n" for g in shared) + \

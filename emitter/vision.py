@@ -24,7 +24,7 @@ import numpy as np
 
 from . import __version__
 from .builder import Builder, Value
-from .config import HF_PREFIX, VisionConfig, graph_weights
+from .config import HF_PREFIX, VisionConfig, activation_dtype, graph_weights
 from .attention import ATTENTION_FORMS, attention, attention_chunk, attention_form, attention_inputs
 from .layers import Stages, layer_norm, linear, merger, mlp, rotary_tables
 
@@ -212,7 +212,7 @@ def vision_function(cfg: VisionConfig, bucket: int, name: str, diagnostics: bool
                     precision: str = "f32", weights: str = "arguments", attention: str | None = None
                     ) -> tuple[dict, list[str]]:
     """One bucket's function (name, arguments, results, body) and the weight globals it reads."""
-    b = Builder()
+    b = Builder(activations=activation_dtype(precision))
     kept = stage_names(cfg, inspect_blocks) if diagnostics else []
     outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights, kept, attention)
     values = outputs + [stages[s] for s in kept]
@@ -225,7 +225,8 @@ def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False
                        attention: str | None = None) -> str:
     """MLIR text of the vision tower for one bucket, function `main` (deterministic: same
     input, same bytes). `precision` "bf16" takes the matmul weights in bf16 and runs every
-    matmul on bf16 operands with f32 accumulation; everything else stays f32 (the
+    matmul on bf16 operands with f32 accumulation ("bf16-f32": bf16 weights, widened to
+    f32 inside each matmul, all activations f32); everything else stays f32 (the
     blockwise form's softmax denominator sums, in f32, the bf16 weights its context matmul
     takes). `weights` "parameters" reads the weights from a parameter archive (scope
     `model`, keys the checkpoint names) instead of taking them as arguments. `attention`

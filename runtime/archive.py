@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import iree.runtime as rt
 
-from emitter.config import VisionConfig, graph_weights
+from emitter.config import VisionConfig, graph_weights, weight_dtype
 from emitter.identity import weight_schema_fields
 from emitter.vision import PARAMETER_SCOPE
 
@@ -69,7 +69,7 @@ def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict
                for name, e in sorted(found.items())]
     return {
         "archive_format": ARCHIVE_FORMAT,
-        "precision": precision,
+        "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
         "vision_config": cfg.to_dict(),
         "weight_schema": weight_schema_fields(cfg, precision),
         "quantization": stored_quantization(Path(model_dir)),

@@ -36,6 +36,7 @@ from emitter.cli import fail
 from emitter.config import CONV_WEIGHT, PRESETS, ROPE_THETA, VisionConfig, weight_schema
 from emitter.config import HF_PREFIX, graph_weights as graph_weight_specs
 
+from .compiler import resolve_precision
 from .roof import DEFAULT_SIZES, measure_roof
 
 PRECISIONS = {"f32": ("f32",), "bf16": ("bf16",), "both": ("f32", "bf16")}
@@ -327,9 +328,12 @@ def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, 
     config = device_config("llvm-cpu")  # as a session makes it (glibc keeps freed transients)
     merged = len(pixels) // cfg.merge_unit
     programs, figures = {}, {}
+    # Our bf16 in the host's form (bf16-f32 without a bf16 dot product), as the commands run it.
+    forms = {precision: resolve_precision(precision, "llvm-cpu", print) for precision in precisions}
+    figures["graph_precisions"] = forms
     for precision in precisions:
-        run, built = our_tower(cfg, weights, args.bucket, precision, args.weights, args.flag, config, inputs,
-                                workdir)
+        run, built = our_tower(cfg, weights, args.bucket, forms[precision], args.weights, args.flag, config,
+                               inputs, workdir)
         programs[f"ours {precision}"] = lambda run=run: run()[:merged]
         figures.update({f"{k}_{precision}" if precision != "f32" else k: v for k, v in built.items()})
     torch_status = "not asked (--no-torch)" if args.no_torch else import_transformers_tower()
@@ -349,7 +353,7 @@ def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, 
 
     outputs = {name: fn() for name, fn in programs.items()}
     times = alternate(programs, args.warmup, args.repeats, args.seed)
-    roof = measure_roof(config, args.threads, roof_sizes, with_torch=attention is not None)
+    roof = measure_roof(config, args.threads, roof_sizes, forms, with_torch=attention is not None)
     flops = vision_flops(cfg, grids)
 
     figures.update({
@@ -358,7 +362,7 @@ def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, 
         "flags": args.flag, "torch": torch_status, "order": f"random per round (seed {args.seed})",
         "warmup": args.warmup, "repeats": args.repeats, "loadavg": list(os.getloadavg()),
         "gflop": flops / 1e9, "times": times, "roof": roof,
-        "roof_gflops": roof["f32"]["gflops"], "roof_bf16_gflops": roof["bf16"]["gflops"],
+        "roof_gflops": roof.get("f32", {}).get("gflops"), "roof_bf16_gflops": roof.get("bf16", {}).get("gflops"),
     })
     for precision in ("f32", "bf16"):
         tag = "" if precision == "f32" else "_bf16"
@@ -407,9 +411,11 @@ def report(f: dict, flops: float) -> str:
         s = spread(t)
         lines.append(f"  {name:<24} median {s['median']:8.3f} s  (min {s['min']:.3f}, max {s['max']:.3f})  "
                      f"{flops / s['median'] / 1e9:6.0f} GFLOP/s")
-    for precision, tag in (("f32", ""), ("bf16", "_bf16")):
-        roof = f["roof"][precision]
-        line = f"  {precision}: roof {roof['gflops']:.0f} GFLOP/s ({roof['by']})"
+    for precision, roof in f["roof"].items():
+        tag = "" if precision == "f32" else "_bf16"
+        form = f["graph_precisions"].get(precision, precision)
+        line = (f"  {precision}{f' (built as {form})' if form != precision else ''}: "
+                f"roof {roof['gflops']:.0f} GFLOP/s ({roof['by']})")
         if f[f"ours{tag}_s"] is not None:
             line += f"; ours at {f[f'roof{tag}_fraction']:.0%} of it"
         if f[f"ratio{tag}"] is not None:

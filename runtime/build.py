@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from emitter.cli import parse_bucket, resolve_config
-from emitter.config import VisionConfig, check_precision
+from emitter.config import VisionConfig
 from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, format_explanation
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy, load_video_policy
@@ -21,7 +21,7 @@ from emitter.vision import check_binding, check_bucket, emit_artifact_module
 DEFAULT_BINDING = "parameters"
 
 from .cache import ArtifactCache
-from .compiler import compile_mlir
+from .compiler import compile_mlir, resolve_precision
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,10 @@ class BuildResult:
 
 def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,
               diagnostics: bool = False, inspect_blocks=None, precision: str = "f32",
-              weights: str | None = None) -> BuildPlan:
-    """Check every input before anything is compiled; ValueError naming the bad one."""
+              weights: str | None = None, progress=None) -> BuildPlan:
+    """Check every input before anything is compiled; ValueError naming the bad one. The
+    plan's precision is the target's form of the one asked (`compiler.resolve_precision`:
+    bf16 is built as bf16-f32 for a CPU without a bf16 dot product; `progress` hears so)."""
     if model and not Path(model).is_dir():
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
                          f"(config.json, preprocessor_config.json, *.safetensors)")
@@ -83,7 +85,8 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
         if bad:
             raise ValueError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
     return BuildPlan(cfg, title, policy, tuple(parsed), target, bool(diagnostics), inspect,
-                     check_precision(precision), check_binding(weights or DEFAULT_BINDING), video_policy)
+                     resolve_precision(precision, target, progress), check_binding(weights or DEFAULT_BINDING),
+                     video_policy)
 
 
 def emit_and_compile(plan: BuildPlan) -> bytes:

@@ -14,6 +14,7 @@ import sys
 
 from iree.compiler.tools.binaries import find_tool
 
+from emitter.identity import graph_precision, precision_note
 from emitter.targets import target_flags
 
 # What iree.compiler.compile_str put before our flags; kept so the vmfb stays the same.
@@ -60,3 +61,17 @@ def compile_mlir(text: str, target: str = "llvm-cpu", extra_flags=()) -> bytes:
     if done.stderr:  # warnings
         sys.stderr.write(done.stderr.decode("utf-8", "replace"))
     return done.stdout
+
+
+_notes_said: set[str] = set()
+
+
+def resolve_precision(precision: str, target: str | None = None, progress=None) -> str:
+    """The precision to build for what a user asked on `target` (`graph_precision`); when
+    it differs, `progress` hears why in one line, once per process."""
+    used = graph_precision(precision, target)
+    note = precision_note(precision, used, target)
+    if note and progress and note not in _notes_said:
+        _notes_said.add(note)
+        progress(note)
+    return used

@@ -308,7 +308,8 @@ def prepare(spec: SessionSpec, progress=None) -> tuple[str, str]:
     from .build import build_artifact, make_plan
     from .cache import ArtifactCache
 
-    plan = make_plan(spec.model, None, spec.buckets, spec.target, precision=spec.precision, weights="parameters")
+    plan = make_plan(spec.model, None, spec.buckets, spec.target, precision=spec.precision, weights="parameters",
+                     progress=progress)
     cache = ArtifactCache(spec.cache_dir)
     cache.ensure_root()
     identity = build_artifact(plan, cache, progress).identity

@@ -32,7 +32,7 @@ from emitter.text_config import load_text_config
 
 from .archive import parameters_module, release_mapped_pages
 from .cache import ArtifactCache, load_verified
-from .compiler import compile_mlir
+from .compiler import compile_mlir, resolve_precision
 from .iree_module import device_config, invoke
 from .text_checkpoint import cached_text_archive, open_text_archive, text_entries
 
@@ -54,11 +54,13 @@ class TextSession:
                  progress=None, config: rt.Config | None = None):
         self.cfg, self.token_ids = load_text_config(model_dir)
         self.buckets, self.context = check_text_shapes(list(buckets), context)
-        self.deepstack_layers, self.precision = deepstack_layers, precision
         self.target = target or DEFAULT_TARGET
+        self.progress = progress or (lambda message: None)
+        self.deepstack_layers = deepstack_layers
+        self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 without a bf16 dot
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         self.model_dir, self.seconds = Path(model_dir), {}
-        self.cache, self.progress = ArtifactCache(cache_dir), progress or (lambda message: None)
+        self.cache = ArtifactCache(cache_dir)
         self.config = config or device_config(self.target)
         self._module = None
         self.length = 0  # tokens in the KV cache

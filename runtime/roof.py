@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from emitter.config import PRECISIONS
+
 DEFAULT_SIZES = (2048, 4096)
 
 _NUMPY_SCRIPT = """
@@ -72,12 +74,13 @@ def torch_gflops(n: int, precision: str, threads: int, repeats: int) -> float:
 
 
 def iree_matmul_mlir(n: int, precision: str) -> str:
-    """One n x n x n dot_general; bf16 operands accumulate in f32, as the tower's do."""
-    t = "f32" if precision == "f32" else "bf16"
+    """One n x n x n dot_general with operands as the graphs of `precision` take them
+    (`emitter.config.PRECISIONS`: activations, weights), accumulating in f32."""
+    a, b = PRECISIONS[precision][1], PRECISIONS[precision][0]
     return (f"module @roof {{\n"
-            f"  func.func @main(%a: tensor<{n}x{n}x{t}>, %b: tensor<{n}x{n}x{t}>) -> tensor<{n}x{n}xf32> {{\n"
+            f"  func.func @main(%a: tensor<{n}x{n}x{a}>, %b: tensor<{n}x{n}x{b}>) -> tensor<{n}x{n}xf32> {{\n"
             f"    %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : "
-            f"(tensor<{n}x{n}x{t}>, tensor<{n}x{n}x{t}>) -> tensor<{n}x{n}xf32>\n"
+            f"(tensor<{n}x{n}x{a}>, tensor<{n}x{n}x{b}>) -> tensor<{n}x{n}xf32>\n"
             f"    return %0 : tensor<{n}x{n}xf32>\n  }}\n}}\n")
 
 
@@ -91,23 +94,29 @@ def iree_gflops(n: int, precision: str, config, repeats: int, extra_flags=()) ->
 
     module = LoadedModule(compile_mlir(iree_matmul_mlir(n, precision), extra_flags=extra_flags),
                           config=config, module_name="roof")
-    dtype = np.float32 if precision == "f32" else ml_dtypes.bfloat16
+    dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
     rng = np.random.default_rng(0)
-    a, b = (module.upload(rng.standard_normal((n, n), dtype=np.float32).astype(dtype)) for _ in range(2))
+    a, b = (module.upload(rng.standard_normal((n, n), dtype=np.float32).astype(dtypes[t]))
+            for t in reversed(PRECISIONS[precision]))
     return gflops(n, best_time(lambda: module.function(a, b), repeats))
 
 
-def measure_roof(config, threads: int, sizes=DEFAULT_SIZES, repeats: int = 3, with_torch: bool = True,
-                 progress=None) -> dict:
-    """{"f32": {...}, "bf16": {...}}, each {"gflops": best, "by": "<library> <n>", "all": {contender: GFLOP/s}}.
-    `config`: the IREE runtime config the caller runs on (its device and thread count)."""
-    contenders = {"f32": {}, "bf16": {}}
+def measure_roof(config, threads: int, sizes=DEFAULT_SIZES, forms=None, repeats: int = 3,
+                 with_torch: bool = True, progress=None) -> dict:
+    """{precision: {"gflops": best, "by": "<library> <n>", "all": {contender: GFLOP/s}}} for
+    each precision in `forms` ({precision asked: the graph precision it is built as}; default
+    f32 and bf16 as asked): only those, so an f32 bench times no bf16 matmul. IREE's contender
+    runs the graph precision (bf16-f32 on a CPU without a bf16 dot product, where IREE's bf16
+    x bf16 matmul is scalar). `config`: the IREE runtime config the caller runs on."""
+    forms = forms or {"f32": "f32", "bf16": "bf16"}
+    contenders = {precision: {} for precision in forms}
     for n in sizes:
-        contenders["f32"][f"numpy {n}"] = numpy_gflops(n, threads, repeats)
-        for precision in ("f32", "bf16"):
+        if "f32" in forms:
+            contenders["f32"][f"numpy {n}"] = numpy_gflops(n, threads, repeats)
+        for precision, form in forms.items():
             if with_torch:
                 contenders[precision][f"torch {n}"] = torch_gflops(n, precision, threads, repeats)
-            contenders[precision][f"iree {n}"] = iree_gflops(n, precision, config, repeats)
+            contenders[precision][f"iree {n}"] = iree_gflops(n, form, config, repeats)
         if progress:
             progress(f"roof at {n}: " + ", ".join(f"{precision} {name} {g:.0f}" for precision, c in contenders.items()
                                                   for name, g in c.items() if name.endswith(f" {n}")))

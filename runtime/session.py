@@ -76,7 +76,8 @@ class VisionSession:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks,
-                              precision, weights)
+                              precision, weights, progress)
+        precision = self.plan.precision  # the target's form of it (bf16-f32 on CPUs without bf16 dot products)
         self.cfg, self.policy = self.plan.cfg, self.plan.policy
         self.video_policy = self.plan.video_policy
         self.cache = ArtifactCache(cache_dir)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from emitter.config import weight_dtype
 from emitter.identity import canonical_json
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
@@ -161,7 +162,7 @@ def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> d
     return {
         "kind": "qwen3vl-text-weights",
         "archive_format": TEXT_ARCHIVE_FORMAT,
-        "precision": precision,
+        "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
         "text_config": cfg.to_dict(),
         "weight_schema": hashlib.sha256(canonical_json({"weights": schema}).encode("ascii")).hexdigest(),
         "quantization": stored_quantization(Path(model_dir)),

@@ -15,7 +15,7 @@ FORMATS = {"cuda-sm80": b"cuda-nvptx-fb", "rocm-gfx942": b"rocm-hsaco-fb", "vulk
 
 
 def test_every_gpu_target_is_covered():
-    assert sorted(FORMATS) == sorted(t for t in TARGETS if t != "llvm-cpu")
+    assert sorted(FORMATS) == sorted(t for t in TARGETS if not t.startswith("llvm-cpu"))
 
 
 @pytest.mark.parametrize("target", sorted(FORMATS))
