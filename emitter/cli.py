@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .atomic import check_writable, write_atomic
-from .config import DEFAULT_PRESET, VisionConfig, load_model_config, preset
+from .config import DEFAULT_PRESET, PRECISIONS, VisionConfig, load_model_config, preset
 
 
 def fail(message: str, status: int = 2) -> None:
@@ -55,8 +55,10 @@ def resolve_config(model: str | None, preset_name: str | None) -> tuple[VisionCo
 @click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
               help="With --diagnostics: a block whose inner stages to return (repeatable; "
                    "default the first and the last block).")
-@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help="bf16: matmul weights and operands in bf16, f32 accumulation, norms and softmax.")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)), default="f32", show_default=True,
+              help="f32; bf16: matmul weights and operands in bf16, f32 accumulation, norms and softmax; "
+                   "bf16-f32: bf16 weights widened to f32 inside each matmul (what `qwen3vl` builds for bf16 "
+                   "on a CPU without a bf16 dot product).")
 @click.option("--weights", type=click.Choice(["arguments", "parameters"]), default="arguments", show_default=True,
               help="Weights as function arguments, or as globals read from a parameter archive (scope `model`).")
 @click.option("--explain", is_flag=True,

@@ -7,6 +7,7 @@ import signal
 import click
 
 from emitter.cli import fail
+from emitter.config import PRECISION_HELP
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -49,7 +50,7 @@ def presets():
 @click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
               help="With --diagnostics: a block whose inner stages to return (repeatable).")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
+              help=PRECISION_HELP)
 @click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
               help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
                    "faster) or function arguments (packed on every call).")
@@ -98,7 +99,7 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
 @click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
+              help=PRECISION_HELP)
 @click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
               help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
                    "faster) or function arguments (packed on every call).")
@@ -125,7 +126,7 @@ def run(model, images, videos, output, buckets, target, cache_dir, threads, prec
 @click.option("--bucket", "buckets", multiple=True, metavar="N",
               help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help="bf16: matmul weights and operands in bf16 with f32 accumulation; f32 is exact.")
+              help=PRECISION_HELP)
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--name", metavar="NAME", help="File stem of the vmfb and irpa (default: the model folder's name).")
 @click.option("--diagnostics", is_flag=True,

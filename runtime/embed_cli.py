@@ -7,6 +7,7 @@ import sys
 import click
 
 from emitter.cli import fail
+from emitter.config import PRECISION_HELP
 
 from .compiler import CompileError
 from .embed import FORMATS
@@ -28,7 +29,7 @@ SOME_FAILED = 1  # exit status when an image could not be embedded (recorded in 
               help="native: image_embeds and deepstack_features; vllm: image_embeds [tokens, out_hidden x (1 + K)], "
                    "main then each DeepStack feature, as vLLM takes Qwen3-VL's precomputed embeddings.")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help="bf16: matmul operands in bf16 with f32 accumulation (faster, ~1e-3 error); f32 is exact.")
+              help=PRECISION_HELP)
 @click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
               help="Buckets to pack into (repeatable; default 64 128 256 512); a larger image fails.")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")

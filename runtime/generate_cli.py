@@ -9,6 +9,7 @@ import sys
 import click
 
 from emitter.cli import fail
+from emitter.config import PRECISION_HELP
 
 from .compiler import CompileError
 from .generate import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
@@ -37,7 +38,7 @@ def _npy_bytes(array) -> bytes:
 @click.option("--save-logits", metavar="FILE.npy", help="Write the [new tokens, vocab] f32 logits of each step.")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help="bf16: matmul weights and operands in bf16 with f32 accumulation; f32 is exact.")
+              help=PRECISION_HELP)
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
               help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}).")
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
