@@ -102,39 +102,45 @@ def target_fields(target: str, extra_flags=()) -> dict:
     return out
 
 
-# CPU features that give IREE's bf16 matmuls a bf16 dot product: x86's AVX-512 BF16 and
-# AMX, Arm's BF16 extension (BFDOT/BFMMLA).
-BF16_DOT_FEATURES = ("+avx512bf16", "+amx-bf16", "+bf16")
+# bf16 x bf16 matmuls pay only where the bf16 dot product runs at twice the rate of f32
+# FMAs: AMD Zen 4/5 (vdpbf16ps, measured 455-464 bf16 against 223 f32 GFLOP/s on 2 cores)
+# and Arm's BF16 (BFMMLA). Intel's AVX-512 BF16 (Cooper Lake to Granite Rapids) runs it on one
+# port, at f32's rate, so the activations' rounding and packing make a bf16 x bf16 graph
+# slower than f32 (measured 1.3x on a 2B tower); without one (AVX2) IREE 3.13 lowers it to
+# a scalar loop (~50x). There, bf16-f32 (docs/performance.md, "bf16 on every CPU").
+_DOUBLE_RATE_BF16 = (("znver", "+avx512bf16"), ("", "+bf16"))  # (LLVM CPU name prefix, feature)
 
 
-def native_bf16(target: str, extra_flags=()) -> bool:
-    """Whether `target` runs bf16 x bf16 matmuls natively: an llvm-cpu target when the CPU
-    LLVM resolves it to (the host's, for target-cpu=host) has a bf16 dot product; GPU
-    targets always. Without one IREE 3.13 lowers them to a scalar loop."""
+def bf16_form(target: str, extra_flags=()) -> tuple[str, str]:
+    """("bf16" or "bf16-f32", why) for `target` as LLVM resolves it here: "bf16" on GPU
+    targets and CPUs with a double-rate bf16 dot product, else "bf16-f32"."""
     device = resolved_device_target(tuple([*target_flags(target), *extra_flags]))
     if '#hal.executable.target<"llvm-cpu"' not in device:
-        return True
-    features = _FEATURES_RE.search(device)
-    return bool(features) and any(f in features.group(1).split(",") for f in BF16_DOT_FEATURES)
+        return "bf16", "a GPU target"
+    cpu, features = _CPU_RE.search(device), _FEATURES_RE.search(device)
+    cpu, features = cpu.group(1) if cpu else "", (features.group(1) if features else "").split(",")
+    if any(cpu.startswith(prefix) and feature in features for prefix, feature in _DOUBLE_RATE_BF16):
+        return "bf16", f"{cpu} has a double-rate bf16 dot product"
+    if "+avx512bf16" in features:
+        return "bf16-f32", f"{cpu}'s bf16 dot product runs at the rate of f32 FMAs"
+    return "bf16-f32", f"{cpu or target} has no bf16 dot product"
 
 
 def graph_precision(precision: str, target: str | None = None, extra_flags=()) -> str:
     """The precision a graph is built in for what a user asked (`USER_PRECISIONS`) on
-    `target`: "bf16" where the target has a bf16 dot product, else "bf16-f32" (bf16
-    weights widened to f32 inside each matmul: as fast as f32, half the weight bytes)."""
+    `target`: bf16 as `bf16_form` says (bf16-f32: bf16 weights widened to f32 inside each
+    matmul, half the weight bytes of f32, never IREE's scalar bf16 loop)."""
     check_precision(precision)
-    if precision == "bf16" and not native_bf16(target or DEFAULT_TARGET, extra_flags):
-        return "bf16-f32"
-    return precision
+    return bf16_form(target or DEFAULT_TARGET, extra_flags)[0] if precision == "bf16" else precision
 
 
 def precision_note(asked: str, used: str, target: str | None = None) -> str | None:
     """One line for a user whose precision was changed to the target's fast form, or None."""
     if asked == used:
         return None
-    where = "this CPU" if (target or DEFAULT_TARGET) == DEFAULT_TARGET else f"target {target}"
-    return (f"note: --precision {asked}: {where} has no bf16 dot product (avx512_bf16, AMX or Arm bf16); "
-            f"running {used}: bf16 weights, matmuls in f32 (as fast as f32, half the weight memory)")
+    why = bf16_form(target or DEFAULT_TARGET)[1]
+    return (f"note: --precision {asked}: {why}; running {used} (bf16 weights, widened to f32 inside each "
+            f"matmul: half the weight memory, about f32's matmul speed)")
 
 
 def bucket_set(buckets, cfg: VisionConfig | None = None) -> list[int]:

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import rel_l2
 from emitter.config import PRESETS, graph_weights
-from emitter.identity import graph_precision, native_bf16
+from emitter.identity import bf16_form, graph_precision
 from emitter.text import emit_text_module
 from emitter.text_config import TEXT_PRESETS
 from emitter.vision import emit_vision_module, result_names
@@ -33,19 +33,20 @@ TINY = PRESETS["tiny"]
 QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
 
 
-def cpu_flags() -> set[str]:
+def cpuinfo(field: str) -> str:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+    line = next((line for line in text.splitlines() if line.startswith(field)), "")
+    return line.split(":", 1)[-1].strip()
 
 
 def test_the_bf16_form_follows_the_cpu():
     assert graph_precision("bf16", AVX2) == "bf16-f32"
     assert graph_precision("f32", AVX2) == "f32"
     assert graph_precision("bf16", "cuda-sm80") == "bf16"
-    flags = cpu_flags()
-    if flags:  # the host's form agrees with what the kernel says this CPU has
-        assert native_bf16("llvm-cpu") == bool(flags & {"avx512_bf16", "amx_bf16"})
+    flags = cpuinfo("flags").split()
+    if flags:  # the host's form agrees with what the kernel says this CPU is: AMD's double-rate dot product
+        double_rate = "avx512_bf16" in flags and cpuinfo("vendor_id") == "AuthenticAMD"
+        assert (bf16_form("llvm-cpu")[0] == "bf16") == double_rate, bf16_form("llvm-cpu")
 
 
 def test_bf16_f32_graph_widens_weights_inside_the_matmuls():
