@@ -9,12 +9,7 @@ import click
 
 from .atomic import check_writable, write_atomic
 from .config import DEFAULT_PRESET, PRECISIONS, VisionConfig, load_model_config, preset
-
-
-def fail(message: str, status: int = 2) -> None:
-    """One line on stderr, exit `status` (2: bad input; 1: a failed compile), no traceback."""
-    click.echo(f"error: {message}", err=True)
-    sys.exit(status)
+from .errors import command_errors, fail  # noqa: F401 - fail: the commands' one-line exit
 
 
 def parse_bucket(text: str) -> int:
@@ -72,7 +67,7 @@ def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, precision
     """
     from .vision import emit_vision_module
 
-    try:
+    with command_errors():
         bucket = parse_bucket(bucket)
         cfg, title = resolve_config(model, preset_name)
         inspect = tuple(inspect_blocks) if inspect_blocks else None
@@ -92,5 +87,3 @@ def emit_main(bucket, model, preset_name, diagnostics, inspect_blocks, precision
             write_atomic(output, text)
         else:
             write_stdout(text)
-    except (ValueError, OSError) as e:
-        fail(str(e))

@@ -6,8 +6,8 @@ import signal
 
 import click
 
-from emitter.cli import fail
 from emitter.config import PRECISION_HELP
+from emitter.errors import command_errors
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -22,7 +22,16 @@ def terminated(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-@click.group(context_settings=CONTEXT)
+class OneLineErrors(click.Group):
+    """The `qwen3vl` group: every subcommand's failures, Ctrl-C included, are one `error:`
+    line with the exit status of `emitter.errors` (not click's "Aborted!")."""
+
+    def invoke(self, ctx):
+        with command_errors():
+            return super().invoke(ctx)
+
+
+@click.group(cls=OneLineErrors, context_settings=CONTEXT)
 def main():
     """Compile and run the Qwen3-VL vision tower with IREE."""
     signal.signal(signal.SIGTERM, terminated)
@@ -61,27 +70,21 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
     write its weight archive there too (hits redo nothing)."""
     from .build import build_artifact, explain_plan, make_plan
     from .cache import ArtifactCache
-    from .compiler import CompileError
 
-    try:
-        if not model and not preset_name:
-            raise ValueError("--model DIR or --preset NAME: give one")
-        plan = make_plan(model, preset_name, buckets, target, diagnostics, inspect_blocks, precision, weights)
-        cache = ArtifactCache(cache_dir)
-        if explain:
-            click.echo(explain_plan(plan, cache), nl=False)
-            return
-        cache.ensure_root()
-        r = build_artifact(plan, cache, progress=say)
-        click.echo(f"buckets {','.join(map(str, r.buckets))}  {r.identity[:12]}  {'built' if r.built else 'hit':<5} "
-                   f"{r.seconds:7.2f} s  {r.path}")
-        if model and plan.weights == "parameters":  # the weight archive the module reads
-            from .archive import cached_archive
-            click.echo(f"weights  {cached_archive(model, plan.cfg, plan.precision, cache, progress=say)}")
-    except (ValueError, OSError) as e:
-        fail(str(e))
-    except CompileError as e:  # the graph, not the input: one line, status 1
-        fail(e.one_line(), 1)
+    if not model and not preset_name:
+        raise ValueError("--model DIR or --preset NAME: give one")
+    plan = make_plan(model, preset_name, buckets, target, diagnostics, inspect_blocks, precision, weights)
+    cache = ArtifactCache(cache_dir)
+    if explain:
+        click.echo(explain_plan(plan, cache), nl=False)
+        return
+    cache.ensure_root()
+    r = build_artifact(plan, cache, progress=say)
+    click.echo(f"buckets {','.join(map(str, r.buckets))}  {r.identity[:12]}  {'built' if r.built else 'hit':<5} "
+               f"{r.seconds:7.2f} s  {r.path}")
+    if model and plan.weights == "parameters":  # the weight archive the module reads
+        from .archive import cached_archive
+        click.echo(f"weights  {cached_archive(model, plan.cfg, plan.precision, cache, progress=say)}")
 
 
 @main.command(context_settings=CONTEXT)
@@ -108,16 +111,10 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 def run(model, images, videos, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
     """Encode images and videos: merged embeddings and the DeepStack features, images in
     order, then videos in order."""
-    from .compiler import CompileError
     from .run import run_images
 
-    try:
-        click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say,
-                              precision=precision, weights=weights, dump_inputs=dump_inputs, videos=videos))
-    except (ValueError, OSError) as e:
-        fail(str(e))
-    except CompileError as e:  # the graph, not the input: one line, status 1
-        fail(e.one_line(), 1)
+    click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say,
+                          precision=precision, weights=weights, dump_inputs=dump_inputs, videos=videos))
 
 
 @main.command(context_settings=CONTEXT)
@@ -135,16 +132,10 @@ def run(model, images, videos, output, buckets, target, cache_dir, threads, prec
 def export(model, output, buckets, precision, target, name, diagnostics, cache_dir):
     """Write OUT/NAME.vmfb (one entry per bucket), OUT/NAME.irpa (the weights), OUT/abi.json and
     OUT/README.txt: a folder IREE's own iree-run-module runs."""
-    from .compiler import CompileError
     from .export import export as export_folder
 
-    try:
-        click.echo(export_folder(model, output, buckets, precision, target, cache_dir, name, diagnostics,
-                                 progress=say))
-    except (ValueError, OSError) as e:
-        fail(str(e))
-    except CompileError as e:  # the graph, not the input: one line, status 1
-        fail(e.one_line(), 1)
+    click.echo(export_folder(model, output, buckets, precision, target, cache_dir, name, diagnostics,
+                             progress=say))
 
 
 @main.command("random-checkpoint", context_settings=CONTEXT)
@@ -164,25 +155,24 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, seed, with_text)
     from emitter.config import preset
     from .synthetic import write_checkpoint
 
-    try:
-        cfg = preset(preset_name)
-        if with_text:
-            from .synthetic_text import write_text_preset_checkpoint
-            click.echo(write_text_preset_checkpoint(folder, preset_name, layout, dtype, bits, seed))
-            return
-        write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None)
-        click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
-    except (ValueError, OSError) as e:
-        fail(str(e))
+    cfg = preset(preset_name)
+    if with_text:
+        from .synthetic_text import write_text_preset_checkpoint
+        click.echo(write_text_preset_checkpoint(folder, preset_name, layout, dtype, bits, seed))
+        return
+    write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None)
+    click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
 
 
 from .oracle import oracle_command  # noqa: E402
 from .generate_cli import generate_command  # noqa: E402
 from .embed_cli import embed_command  # noqa: E402
+from .serve.cli import serve_command  # noqa: E402
 
 main.add_command(oracle_command)
 main.add_command(generate_command)
 main.add_command(embed_command)
+main.add_command(serve_command)
 
 
 @main.command(context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True,

@@ -14,6 +14,7 @@ import sys
 
 from iree.compiler.tools.binaries import find_tool
 
+from emitter.errors import Failure
 from emitter.identity import graph_precision, precision_note
 from emitter.targets import target_flags
 
@@ -25,7 +26,7 @@ PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
-class CompileError(RuntimeError):
+class CompileError(Failure):
     """iree-compile failed: the first line says where, the rest is the compiler's output."""
 
     def one_line(self) -> str:

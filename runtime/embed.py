@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.numpy import save
 
 from emitter.atomic import check_writable, write_atomic
+from emitter.errors import Failure, one_line_error as one_line
 from emitter.identity import DEFAULT_LADDER
 
 from .packing import pack
@@ -74,7 +75,7 @@ def _list_lines(path: Path) -> list[str]:
 
 # --------------------------------------------------------------------------- encoding
 
-class EngineError(RuntimeError):
+class EngineError(Failure):
     """The engine itself failed (not one image): one line; what was written is kept."""
 
 
@@ -102,10 +103,6 @@ class Embedded:
     grid: tuple[int, int, int] | None = None
     features: np.ndarray | None = None
     error: str | None = None
-
-
-def one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def encode_batch(session, images: list[str]) -> list[Embedded]:

@@ -6,14 +6,13 @@ import sys
 
 import click
 
-from emitter.cli import fail
 from emitter.config import PRECISION_HELP
+from emitter.errors import EXIT_FAILED, command_errors
 
-from .compiler import CompileError
 from .embed import FORMATS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
-SOME_FAILED = 1  # exit status when an image could not be embedded (recorded in the index)
+SOME_FAILED = EXIT_FAILED  # exit status when an image could not be embedded (recorded in the index)
 
 
 @click.command("embed", context_settings=CONTEXT)
@@ -48,20 +47,14 @@ def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, pr
     A rerun skips the images already in the index. An image that cannot be read or fits
     no bucket is recorded as failed and the job goes on; the exit status is 1 when any
     image of INPUT... failed."""
-    from .embed import EngineError, embed
+    from .embed import embed
 
     def say(message: str) -> None:
         click.echo(message, err=True)
 
-    try:
+    with command_errors():  # a Ray failure (EngineError) keeps the shards and index written so far
         summary = embed(model, inputs, out_dir, batch, fmt, precision, buckets or None, target, cache_dir, threads,
                         ray_local, ray_address, retry_failed, say, progress_bar=not no_progress)
-    except (ValueError, OSError) as e:
-        fail(str(e))
-    except CompileError as e:  # the graph, not the input: one line, status 1
-        fail(e.one_line(), 1)
-    except EngineError as e:  # Ray failed; the shards and index written so far are kept
-        fail(str(e), 1)
     click.echo(summary.line())
     if summary.failed:
         say(f"error: {summary.failed} images failed (reasons in {summary.index})")

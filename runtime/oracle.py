@@ -22,7 +22,7 @@ import click
 import numpy as np
 
 from emitter import __version__
-from emitter.cli import fail
+from emitter.errors import EXIT_FAILED, command_errors, fail
 from emitter.config import VisionConfig
 from emitter.vision import default_inspect_blocks
 
@@ -251,12 +251,10 @@ def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2
     controls are detected, 1 otherwise (the report is written either way) or
     when the graph does not compile, 2 for bad input or an unwritable report.
     """
-    from .compiler import CompileError
-
     def say(message):
         click.echo(message, err=True)
 
-    try:
+    with command_errors():
         tolerances(precision, atol, rtol, max_rel_l2)
         if report_path:
             check_report_path(report_path, model, images)
@@ -264,10 +262,6 @@ def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2
                             inspect_blocks=inspect_blocks or None, stages=stages, reference_dtype=reference_dtype,
                             cache_dir=cache_dir, buckets=buckets or None, target=target, threads=threads,
                             progress=say, precision=precision)
-    except (ValueError, OSError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except CompileError as e:  # the graph, not the input: status 1, as `qwen3vl build` says it
-        fail(e.one_line(), 1)
     click.echo(format_table(report))
     if report_path:
         try:
@@ -276,4 +270,4 @@ def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2
             fail(f"--report {report_path}: {e.strerror or e}")
         click.echo(f"report     {report_path}")
     if not report["pass"]:
-        raise SystemExit(1)
+        raise SystemExit(EXIT_FAILED)

@@ -41,6 +41,7 @@ from typing import Sequence, Union
 import numpy as np
 from PIL import Image, ImageOps
 
+from emitter.errors import one_line_error
 from emitter.policy import DEFAULT_POLICY, MAX_ASPECT_RATIO, ProcessorPolicy, smart_resize
 
 ImageLike = Union[Image.Image, str, os.PathLike]
@@ -76,8 +77,8 @@ def _name_of(image, name: str | None) -> str:
 
 
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text}"
+    """A foreign library's exception, its type named (PIL's messages alone are often vague)."""
+    return f"{type(e).__name__}: {one_line_error(e)}"
 
 
 # Modes whose samples are wider than 8 bits. PIL's convert("RGB"), which transformers

@@ -34,6 +34,7 @@ from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
+from emitter.errors import one_line_error as _one_line
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy
 
 from .processor import ImageError, check_image_file
@@ -72,10 +73,6 @@ class Video:
         seconds = [i / self.fps for i in indices]
         m = temporal_patch_size
         return [(seconds[i] + seconds[i + m - 1]) / 2 for i in range(0, len(seconds), m)]
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _open(path, name: str):

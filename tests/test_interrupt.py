@@ -1,6 +1,7 @@
 """A signal during a long IREE call: the command unwinds at once (SIGTERM's handler runs
 while the call computes, on a call thread), exits 143 with its one-line error, and does
-not wait for the call, which at bucket 16384 on the 2B tower takes minutes."""
+not wait for the call, which at bucket 16384 on the 2B tower takes minutes. Ctrl-C
+(SIGINT) likewise, during a call or a compile: one `error:` line and exit 130."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 WORKER = r"""
 import signal, sys, time
@@ -76,3 +79,46 @@ def test_a_forked_child_makes_its_own_calls():
     done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=30,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.stdout.strip() == "child 0", done.stderr
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+INTERRUPTED = WORKER.replace("from runtime.cli import terminated", "from emitter.errors import command_errors").replace(
+    "signal.signal(signal.SIGTERM, terminated)\n", "").replace(
+    "module(eye, np.int32(int(60 / per_step)))", "with command_errors():\n    module(eye, np.int32(int(60 / per_step)))")
+
+
+def interrupted(child: subprocess.Popen, wait_for) -> tuple[int, str]:
+    """Ctrl-C (SIGINT to the process alone) once `wait_for()` is true: (exit status, stderr)."""
+    try:
+        deadline = time.monotonic() + 120
+        while not wait_for():
+            assert child.poll() is None and time.monotonic() < deadline, child.stderr.read()
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        child.wait(timeout=20)
+        return child.returncode, child.stderr.read()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_ctrl_c_during_a_long_call_is_one_line_and_130():
+    child = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parents[1])
+    status, stderr = interrupted(child, lambda: child.stdout.readline().startswith("calling") and not time.sleep(1))
+    assert status == 130, stderr
+    assert stderr.strip().splitlines() == ["error: interrupted (SIGINT)"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds iree-compile in /proc")
+def test_ctrl_c_during_a_compile_is_one_line_and_130(tmp_path):
+    from test_bad_input import children_named
+
+    qwen3vl = str(Path(sys.executable).parent / "qwen3vl")
+    child = subprocess.Popen([qwen3vl, "build", "--preset", "qwen3-vl-2b", "--bucket", "64", "--cache-dir",
+                              str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    status, stderr = interrupted(child, lambda: children_named(child.pid, "iree-compile"))
+    assert status == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "error: interrupted (SIGINT)" and "Aborted" not in stderr
+    assert not list(tmp_path.rglob("*.vmfb"))
