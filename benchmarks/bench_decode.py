@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter.text import MODULE_NAME, decode_function, render_function, text_weights
+from emitter.module import render
+from emitter.text import MODULE_NAME, decode_function, text_weights
 from emitter.text_config import TEXT_PRESETS
 from runtime.compiler import compile_mlir
 
@@ -35,7 +36,7 @@ TOOLS = Path(sys.executable).parent
 
 def decode_module(cfg, context: int, precision: str) -> str:
     function, shared = decode_function(cfg, context, precision)
-    return f"module @{MODULE_NAME} {{\n" + "".join(f"  {g}\n" for g in shared) + render_function(function) + "}\n"
+    return render(MODULE_NAME, "", shared, [function])
 
 
 def write_archive(cfg, precision: str, path: Path) -> None:

@@ -221,6 +221,9 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 # Users ask for "f32" or "bf16"; `identity.graph_precision` picks the bf16 form for a target.
 PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32")}
 USER_PRECISIONS = ("f32", "bf16")
+PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls"}  # module headers
+# The parameter scope every module's weight globals are read from (keys: checkpoint names).
+PARAMETER_SCOPE = "model"
 PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulation, ~1e-3 error; operands in bf16 "
                   "where the CPU has a bf16 dot product, else widened to f32 in the matmul (bf16-f32, said in one "
                   "line). f32 is exact.")

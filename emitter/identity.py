@@ -21,9 +21,10 @@ from .targets import DEFAULT_TARGET, TARGETS, target_flags
 from .vision import check_binding, check_bucket, default_inspect_blocks, emit_artifact_module
 
 # Bump when the meaning of a cached artifact changes in a way no other field records
-# (e.g. the calling convention of the emitted function). 2: one module per bucket set,
-# entries `encode_<B>`.
+# (e.g. the calling convention of the emitted function). Vision 2: one module per bucket
+# set, entries `encode_<B>`. Text 1: `prefill_<S>` and `decode` (emitter/text.py).
 FORMAT_VERSION = 2
+TEXT_FORMAT_VERSION = 1
 
 # The default bucket ladder (patches per call): two 256x256 images fill 512.
 DEFAULT_LADDER = (64, 128, 256, 512)
@@ -50,10 +51,10 @@ def artifact_identity(fields: dict) -> str:
     return hashlib.sha256(canonical_json(fields).encode("ascii")).hexdigest()
 
 
-def weight_schema_fields(cfg: VisionConfig, precision: str = "f32") -> dict:
-    """Compact weight schema: count and sha256 of the full [name, shape, dtype,
-    host_transform] list (`config.graph_weights`)."""
-    schema = [[w.name, list(w.shape), w.dtype, w.host_transform] for w in graph_weights(cfg, precision)]
+def weight_schema_fields(specs) -> dict:
+    """Compact weight schema of a graph's `WeightSpec`s (`config.graph_weights`,
+    `text.text_weights`): count and sha256 of the full [name, shape, dtype, host_transform] list."""
+    schema = [[w.name, list(w.shape), w.dtype, w.host_transform] for w in specs]
     digest = hashlib.sha256(canonical_json({"weights": schema}).encode("ascii")).hexdigest()
     return {"count": len(schema), "sha256": digest}
 
@@ -149,45 +150,63 @@ def bucket_set(buckets, cfg: VisionConfig | None = None) -> list[int]:
     return sorted({check_bucket(b, cfg) for b in buckets})
 
 
-def artifact_fields(cfg: VisionConfig, buckets, policy, target: str | None = DEFAULT_TARGET,
-                    diagnostics: bool = False, inspect_blocks=None, compiler_version=None,
-                    extra_flags=(), precision: str = "f32", weights: str = "arguments",
-                    video_policy=None) -> dict:
-    """Canonical JSON-able dict of everything that decides whether a compiled vmfb may
-    be reused. The vmfb is the artifact module (`emit_artifact_module`) for the bucket
-    set `buckets` (one bucket or several). `policy` is a `ProcessorPolicy` (or its
-    `to_dict()`), `video_policy` a `VideoPolicy` (or its dict; None: the released one);
-    `compiler_version` overrides the installed compiler's version (tests);
-    `extra_flags` are appended to the target's iree-compile flags (and so must be passed
-    to the compiler too)."""
+def artifact_fields(kind: str, config: dict, graph: str, weights, precision: str, target: str | None = None,
+                    compiler_version=None, extra_flags=(), **fields) -> dict:
+    """Canonical JSON-able dict of everything that decides whether a compiled module of
+    `kind` ("vision" or "text") may be reused: its config, the emitted `graph` (title comment
+    left out: guards against an emitter change nobody recorded in its version), the weight
+    schema of `weights`, the precision, what the target resolves to here and the compiler;
+    `fields` are the kind's own (buckets, context, policies, ...). `compiler_version`
+    overrides the installed compiler's (tests); `extra_flags` are appended to the target's
+    iree-compile flags (and so must be passed to the compiler too)."""
+    out = {
+        "format_version": {"vision": FORMAT_VERSION, "text": TEXT_FORMAT_VERSION}[kind],
+        "emitter_version": __version__,
+        f"{kind}_config": config,
+        "precision": check_precision(precision),
+        "weight_schema": weight_schema_fields(weights),
+        "graph_sha256": hashlib.sha256(graph.encode("utf-8")).hexdigest(),
+        "target": target_fields(target or DEFAULT_TARGET, extra_flags),
+        "compiler": installed_compiler_version() if compiler_version is None else compiler_version,
+        **fields,
+    }
+    if kind == "text":
+        out["kind"] = "qwen3vl-text"
+    return out
+
+
+def vision_artifact_fields(cfg: VisionConfig, buckets, policy, target: str | None = DEFAULT_TARGET,
+                           diagnostics: bool = False, inspect_blocks=None, compiler_version=None,
+                           extra_flags=(), precision: str = "f32", weights: str = "arguments",
+                           video_policy=None) -> dict:
+    """`artifact_fields` of the vision artifact module (`emit_artifact_module`) for the
+    bucket set `buckets` (one bucket or several). `policy` is a `ProcessorPolicy` (or its
+    `to_dict()`), `video_policy` a `VideoPolicy` (or its dict; None: the released one)."""
     buckets = bucket_set(buckets, cfg)
-    target = target or DEFAULT_TARGET
     diagnostics = bool(diagnostics)
     if diagnostics:
         blocks = default_inspect_blocks(cfg) if inspect_blocks is None else inspect_blocks
         blocks = sorted({int(i) for i in blocks})
     else:
         blocks = []  # the plain variant does not depend on them
-    return {
-        "format_version": FORMAT_VERSION,
-        "emitter_version": __version__,
-        "vision_config": cfg.to_dict(),
-        "buckets": buckets,
-        "diagnostics": diagnostics,
-        "inspect_blocks": blocks,
-        "precision": check_precision(precision),
-        "weight_binding": check_binding(weights),
-        "processor_policy": policy if isinstance(policy, dict) else policy.to_dict(),
-        "video_policy": _video_policy_dict(video_policy),
-        "weight_schema": weight_schema_fields(cfg, precision),
-        # The emitted graph itself (title comment left out): guards against an emitter
-        # change that nobody recorded in its version.
-        "graph_sha256": hashlib.sha256(
-            emit_artifact_module(cfg, buckets, diagnostics=diagnostics, inspect_blocks=inspect_blocks,
-                                 title="", precision=precision, weights=weights).encode("utf-8")).hexdigest(),
-        "target": target_fields(target, extra_flags),
-        "compiler": installed_compiler_version() if compiler_version is None else compiler_version,
-    }
+    graph = emit_artifact_module(cfg, buckets, diagnostics=diagnostics, inspect_blocks=inspect_blocks, title="",
+                                 precision=check_precision(precision), weights=weights)
+    return artifact_fields("vision", cfg.to_dict(), graph, graph_weights(cfg, precision), precision, target,
+                           compiler_version, extra_flags, buckets=buckets, diagnostics=diagnostics,
+                           inspect_blocks=blocks, weight_binding=check_binding(weights),
+                           processor_policy=policy if isinstance(policy, dict) else policy.to_dict(),
+                           video_policy=_video_policy_dict(video_policy))
+
+
+def text_artifact_fields(cfg, buckets, context: int, deepstack_layers: int, precision: str = "f32",
+                         target: str | None = DEFAULT_TARGET, graph: str | None = None) -> dict:
+    """`artifact_fields` of the language-model module (`text.emit_text_module`); `graph`:
+    the module's MLIR text when the caller has it already."""
+    from .text import check_text_shapes, emit_text_module, text_weights
+    buckets, context = check_text_shapes(buckets, context)
+    graph = graph or emit_text_module(cfg, buckets, context, deepstack_layers, precision)
+    return artifact_fields("text", cfg.to_dict(), graph, text_weights(cfg, precision), precision, target,
+                           buckets=list(buckets), context=context, deepstack_layers=deepstack_layers)
 
 
 def _video_policy_dict(video_policy) -> dict:
@@ -208,7 +227,7 @@ def explain_identity(cfg: VisionConfig, bucket, diagnostics: bool = False, inspe
     if policy is None:
         policy = load_policy(model_dir, cfg) if model_dir else DEFAULT_POLICY
     video_policy = load_video_policy(model_dir, cfg) if model_dir else None
-    fields = artifact_fields(cfg, bucket, policy, target=target, diagnostics=diagnostics,
+    fields = vision_artifact_fields(cfg, bucket, policy, target=target, diagnostics=diagnostics,
                              inspect_blocks=inspect_blocks, precision=precision, weights=weights,
                              video_policy=video_policy)
     return format_explanation(fields)

@@ -132,6 +132,13 @@ def softmax(b: Builder, scores: Value) -> Value:
     return b.divide(e, total, hint="probs")
 
 
+def rope_inv_freq(dim: int, theta: float) -> np.ndarray:
+    """1 / theta^(arange(0, dim, 2) / dim), in f32 like transformers (the vision tower's
+    2-D rotary takes dim = head_dim / 2, the language model's M-RoPE dim = head_dim)."""
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    return (np.float32(1.0) / np.power(np.float32(theta), exponent)).astype(np.float32)
+
+
 def rotary_tables(b: Builder, rope_pos: Value, inv_freq, head_dim: int) -> tuple[Value, Value]:
     """cos and sin [B, head_dim] from (row, col) ids [2, B]: angles cat(row*f, col*f) twice."""
     _, n = rope_pos.shape

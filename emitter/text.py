@@ -27,15 +27,14 @@ import numpy as np
 
 from . import __version__
 from .builder import Builder, Value
-from .config import WeightSpec, activation_dtype, check_precision, weight_dtype
-from .layers import apply_rotary, gated_mlp, grouped_attention, mrope_tables, project, rms_norm
+from .config import PARAMETER_SCOPE, PRECISION_NOTES, WeightSpec, activation_dtype, check_precision, weight_dtype
+from .layers import apply_rotary, gated_mlp, grouped_attention, mrope_tables, project, rms_norm, rope_inv_freq
+from .module import function, render
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
-PARAMETER_SCOPE = "model"
 MODULE_NAME = "qwen3vl_text"
 DECODE = "decode"
 MATMUL_SUFFIXES = ("proj.weight", "embed_tokens.weight", LM_HEAD)
-PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls"}
 
 
 class TextShapeError(ValueError):
@@ -86,12 +85,6 @@ def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     return [WeightSpec(name, shape, "bf16" if bf16 and name.endswith(MATMUL_SUFFIXES) else "f32",
                        "round_to_bf16" if bf16 and name.endswith(MATMUL_SUFFIXES) else "none")
             for name, shape in shapes]
-
-
-def rope_inv_freq(cfg: TextConfig) -> np.ndarray:
-    """1 / theta^(arange(0, head_dim, 2) / head_dim), in f32 like transformers."""
-    exponent = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
-    return (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)).astype(np.float32)
 
 
 def prefill_inputs(cfg: TextConfig, bucket: int, deepstack_layers: int) -> list[tuple[str, tuple, str]]:
@@ -167,10 +160,11 @@ class TextGraph:
 
     def rope(self, positions: Value) -> tuple[Value, Value]:
         with self.b.stage("rope"):
-            return mrope_tables(self.b, positions, rope_inv_freq(self.cfg), self.cfg.mrope_section)
+            return mrope_tables(self.b, positions, rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta),
+                                self.cfg.mrope_section)
 
     def function(self, name: str, logits: Value) -> dict:
-        return {"name": name, "arguments": self.b.arguments, "results": [("logits", logits)], "body": self.b.lines}
+        return function(self.b, name, [("logits", logits)])
 
 
 def causal_mask(b: Builder, s: int) -> Value:
@@ -255,57 +249,14 @@ def emit_text_module(cfg: TextConfig, buckets, context: int, deepstack_layers: i
     over shared weight globals and KV-cache globals (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     functions, shared = [], None
-    for function, globals_ in [prefill_function(cfg, s, context, deepstack_layers, precision) for s in buckets] + \
+    for entry, globals_ in [prefill_function(cfg, s, context, deepstack_layers, precision) for s in buckets] + \
             [decode_function(cfg, context, precision)]:
         assert shared is None or globals_ == shared, "every entry reads the same globals"
-        functions.append(function)
+        functions.append(entry)
         shared = globals_
     header = (f"// Qwen3-VL language model{' (' + title + ')' if title else ''}, prompt buckets "
               f"{', '.join(map(str, buckets))}, context {context}, {deepstack_layers} DeepStack layers"
               f"{PRECISION_NOTES[precision]}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
               f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
-    return header + f"module @{MODULE_NAME} {{\n" + "".join(f"  {g}\n" for g in shared) + \
-        "\n".join(render_function(f) for f in functions) + f'}} loc("{MODULE_NAME}")\n'
-
-
-def render_function(f: dict) -> str:
-    args = ",\n".join(f'      {v}: {v.type} {{iree.abi.name = "{abi}"}} loc("{abi}")' for v, abi in f["arguments"])
-    results = ",\n".join(f'      {v.type} {{iree.abi.name = "{name}"}}' for name, v in f["results"])
-    body = "".join(f"    {line}\n" for line in f["body"])
-    values = ", ".join(str(v) for _, v in f["results"])
-    types = ", ".join(str(v.type) for _, v in f["results"])
-    return (f"  func.func @{f['name']}(\n{args}\n  ) -> (\n{results}\n  ) {{\n{body}"
-            f'    return {values} : {types} loc("return")\n  }} loc("{f["name"]}")\n')
-
-
-TEXT_FORMAT_VERSION = 1  # bump when the calling convention of the text module changes
-
-
-def text_artifact_fields(cfg: TextConfig, buckets, context: int, deepstack_layers: int, precision: str = "f32",
-                         target: str = "llvm-cpu", graph: str | None = None) -> dict:
-    """Everything that decides whether a compiled text module may be reused (hashed by
-    `identity.artifact_identity`, cached by the runtime's artifact cache). `graph`: the
-    module's MLIR text when the caller has it already."""
-    import hashlib
-
-    from .identity import canonical_json, installed_compiler_version, target_fields
-
-    buckets, context = check_text_shapes(buckets, context)
-    schema = [[w.name, list(w.shape), w.dtype, w.host_transform] for w in text_weights(cfg, precision)]
-    graph = graph or emit_text_module(cfg, buckets, context, deepstack_layers, precision)
-    return {
-        "kind": "qwen3vl-text",
-        "format_version": TEXT_FORMAT_VERSION,
-        "emitter_version": __version__,
-        "text_config": cfg.to_dict(),
-        "buckets": list(buckets),
-        "context": context,
-        "deepstack_layers": deepstack_layers,
-        "precision": precision,
-        "weight_schema": {"count": len(schema), "sha256": hashlib.sha256(
-            canonical_json({"weights": schema}).encode("ascii")).hexdigest()},
-        "graph_sha256": hashlib.sha256(graph.encode("utf-8")).hexdigest(),
-        "target": target_fields(target),
-        "compiler": installed_compiler_version(),
-    }
+    return render(MODULE_NAME, header, shared, functions)

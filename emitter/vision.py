@@ -17,16 +17,14 @@ the diagnostics variant appends the named stages listed by `stage_names`.
 
 from __future__ import annotations
 
-from importlib import resources
-
-import jinja2
 import numpy as np
 
 from . import __version__
 from .builder import Builder, Value
-from .config import HF_PREFIX, VisionConfig, activation_dtype, graph_weights
+from .config import HF_PREFIX, PARAMETER_SCOPE, PRECISION_NOTES, VisionConfig, activation_dtype, graph_weights
 from .attention import ATTENTION_FORMS, attention, attention_chunk, attention_form, attention_inputs
-from .layers import Stages, layer_norm, linear, merger, mlp, rotary_tables
+from .layers import Stages, layer_norm, linear, merger, mlp, rope_inv_freq, rotary_tables
+from .module import function, render
 
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
@@ -34,7 +32,7 @@ STAGE_PREFIX = "stage."
 # How weights reach the function: as arguments (uploaded once, passed every call) or as
 # globals from a parameter archive (packed for the matmuls once, at module load).
 WEIGHT_BINDINGS = ("arguments", "parameters")
-PARAMETER_SCOPE = "model"
+MODULE_NAME = "qwen3vl_vision"
 
 
 class BucketError(ValueError):
@@ -51,13 +49,6 @@ def check_bucket(bucket, cfg: VisionConfig | None = None) -> int:
 def default_inspect_blocks(cfg: VisionConfig) -> tuple[int, ...]:
     """Blocks whose inner stages the diagnostics variant records unless told otherwise."""
     return tuple(sorted({0, cfg.depth - 1}))
-
-
-def rope_inv_freq(cfg: VisionConfig) -> np.ndarray:
-    """1 / theta^(arange(0, rd, 2) / rd) with rd = head_dim/2, in f32 like transformers."""
-    rotary_dim = cfg.head_dim // 2
-    exponent = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
-    return (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)).astype(np.float32)
 
 
 def output_names(cfg: VisionConfig) -> list[str]:
@@ -174,7 +165,8 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: st
     with b.stage("embed"):
         x = stages("embed", b.add(patch_embed, pos_embed, hint="sum"))
     with b.stage("rotary"):
-        cos, sin = rotary_tables(b, inputs["rope_pos"], rope_inv_freq(cfg), cfg.head_dim)
+        inv_freq = rope_inv_freq(cfg.head_dim // 2, cfg.rope_theta)
+        cos, sin = rotary_tables(b, inputs["rope_pos"], inv_freq, cfg.head_dim)
     with b.stage("mask"):
         segments = attention_inputs(b, inputs["segment_ids"], check_attention(attention, bucket))
 
@@ -188,13 +180,6 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: st
     with b.stage("merger"):
         main = stages("merger", merger(b, x, group("merger."), cfg.merge_unit, False, stages, "merger"))
     return [main, *deepstack], stages
-
-
-def _template() -> jinja2.Template:
-    text = resources.files("qwen3vl_templates").joinpath("module.mlir.j2").read_text()
-    env = jinja2.Environment(keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
-                             undefined=jinja2.StrictUndefined)
-    return env.from_string(text)
 
 
 def entry_name(bucket: int, diagnostics: bool = False) -> str:
@@ -217,7 +202,7 @@ def vision_function(cfg: VisionConfig, bucket: int, name: str, diagnostics: bool
     outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights, kept, attention)
     values = outputs + [stages[s] for s in kept]
     results = list(zip(result_names(cfg, diagnostics, inspect_blocks), values))
-    return {"name": name, "arguments": b.arguments, "results": results, "body": b.lines}, b.globals
+    return function(b, name, results), b.globals
 
 
 def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
@@ -261,19 +246,28 @@ def emit_artifact_module(cfg: VisionConfig, buckets, diagnostics: bool = False, 
                             precision=precision, config=cfg.to_dict())
 
 
+def vision_header(title: str = "", buckets=(0,), diagnostics: bool = False, precision: str = "f32",
+                  config: dict | None = None, parameters: bool = False) -> str:
+    """The vision module's header comment."""
+    buckets = list(buckets)
+    notes = (" (" + title + ")" if title else "") + f", {'bucket' if len(buckets) == 1 else 'buckets'} " \
+        f"{', '.join(map(str, buckets))} patches" + (", diagnostics" if diagnostics else "") + \
+        PRECISION_NOTES[precision] + (", weights from parameters" if parameters else "")
+    return (f"// Qwen3-VL vision tower{notes}.\n"
+            f"// Emitted by qwen3vl-iree {__version__}; regenerate with emit-qwen3vl, do not edit by hand.\n"
+            f"// vision config: {', '.join(f'{k}={v}' for k, v in (config or {}).items())}\n")
+
+
 def render_functions(functions: list[dict], globals_: list[str], *, title: str = "", buckets=(0,),
                      diagnostics: bool = False, precision: str = "f32", config: dict | None = None) -> str:
-    """Functions (name, arguments, results, body) over shared globals, in the module skeleton."""
-    return _template().render(
-        title=title, version=__version__, buckets=list(buckets), diagnostics=diagnostics, precision=precision,
-        config=config or {}, globals=globals_, functions=functions,
-    )
+    """Functions (name, arguments, results, body) over shared globals, as the vision module."""
+    header = vision_header(title, buckets, diagnostics, precision, config, bool(globals_))
+    return render(MODULE_NAME, header, globals_, functions)
 
 
 def render_module(b: Builder, results: list[tuple[str, Value]], *, title: str = "", bucket: int = 0,
                   diagnostics: bool = False, precision: str = "f32", config: dict | None = None) -> str:
-    """The builder's globals, arguments and lines as function `main` in the module skeleton,
+    """The builder's globals, arguments and lines as function `main` in the vision module,
     with `results` (ABI name, value) returned in order."""
-    function = {"name": "main", "arguments": b.arguments, "results": results, "body": b.lines}
-    return render_functions([function], b.globals, title=title, buckets=[bucket], diagnostics=diagnostics,
-                            precision=precision, config=config)
+    return render_functions([function(b, "main", results)], b.globals, title=title, buckets=[bucket],
+                            diagnostics=diagnostics, precision=precision, config=config)

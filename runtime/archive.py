@@ -23,9 +23,8 @@ from pathlib import Path
 import numpy as np
 import iree.runtime as rt
 
-from emitter.config import VisionConfig, graph_weights, weight_dtype
+from emitter.config import PARAMETER_SCOPE, VisionConfig, graph_weights, weight_dtype
 from emitter.identity import weight_schema_fields
-from emitter.vision import PARAMETER_SCOPE
 
 from . import checkpoint
 
@@ -71,7 +70,7 @@ def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict
         "archive_format": ARCHIVE_FORMAT,
         "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
         "vision_config": cfg.to_dict(),
-        "weight_schema": weight_schema_fields(cfg, precision),
+        "weight_schema": weight_schema_fields(graph_weights(cfg, precision)),
         "quantization": stored_quantization(Path(model_dir)),
         "tensors": tensors,
         "code_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in _CODE)).hexdigest(),

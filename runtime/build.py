@@ -10,7 +10,7 @@ from typing import Callable
 
 from emitter.cli import parse_bucket, resolve_config
 from emitter.config import VisionConfig
-from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, format_explanation
+from emitter.identity import DEFAULT_LADDER, artifact_identity, format_explanation, vision_artifact_fields
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy, load_video_policy
 from emitter.targets import DEFAULT_TARGET, target_flags
@@ -39,9 +39,10 @@ class BuildPlan:
 
     def fields(self) -> dict:
         """The identity fields of the artifact module for the whole bucket set."""
-        return artifact_fields(self.cfg, self.buckets, self.policy, target=self.target,
-                               diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks,
-                               precision=self.precision, weights=self.weights, video_policy=self.video_policy)
+        return vision_artifact_fields(self.cfg, self.buckets, self.policy, target=self.target,
+                                      diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks,
+                                      precision=self.precision, weights=self.weights,
+                                      video_policy=self.video_policy)
 
 
 @dataclass(frozen=True)

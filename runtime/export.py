@@ -20,9 +20,10 @@ from pathlib import Path
 
 from emitter import __version__
 from emitter.atomic import write_atomic
+from emitter.config import PARAMETER_SCOPE
 from emitter.identity import canonical_json
 from emitter.targets import runtime_driver
-from emitter.vision import PARAMETER_SCOPE, entry_name, vision_function
+from emitter.vision import entry_name, vision_function
 
 from .archive import cached_archive, open_archive
 from .build import BuildPlan, build_artifact, make_plan

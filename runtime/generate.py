@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import iree.runtime as rt
 
-from emitter.identity import artifact_identity
+from emitter.config import PARAMETER_SCOPE
+from emitter.identity import artifact_identity, text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
-from emitter.text import (DECODE, MODULE_NAME, PARAMETER_SCOPE, check_text_shapes, emit_text_module, prefill_inputs,
-                          prefill_name, text_artifact_fields)
+from emitter.text import DECODE, MODULE_NAME, check_text_shapes, emit_text_module, prefill_inputs, prefill_name
 from emitter.text_config import load_text_config
 
 from .archive import parameters_module, release_mapped_pages

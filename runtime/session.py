@@ -16,9 +16,9 @@ import numpy as np
 import iree.runtime as rt
 
 from emitter.atomic import write_atomic
+from emitter.config import PARAMETER_SCOPE, graph_weights
 from emitter.identity import DEFAULT_LADDER
-from emitter.config import graph_weights
-from emitter.vision import PARAMETER_SCOPE, entry_name, input_specs, result_names
+from emitter.vision import entry_name, input_specs, result_names
 
 from .archive import cached_archive, entry_arrays, open_archive, release_mapped_pages
 from .archive import parameters_module as archive_parameters

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from emitter.config import weight_dtype
-from emitter.identity import canonical_json
+from emitter.identity import weight_schema_fields
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
@@ -158,13 +158,12 @@ def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> d
     sha256 of its bytes), the quantization settings, the config, the precision, the weight
     schema and the source of the code that transforms them. Reads the text tensors once."""
     found, _ = scan_text_tensors(Path(model_dir))
-    schema = [[s.name, list(s.shape), s.dtype] for s in text_weights(cfg, precision)]
     return {
         "kind": "qwen3vl-text-weights",
         "archive_format": TEXT_ARCHIVE_FORMAT,
         "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
         "text_config": cfg.to_dict(),
-        "weight_schema": hashlib.sha256(canonical_json({"weights": schema}).encode("ascii")).hexdigest(),
+        "weight_schema": weight_schema_fields(text_weights(cfg, precision)),
         "quantization": stored_quantization(Path(model_dir)),
         "tensors": [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
                     for name, e in sorted(found.items())],

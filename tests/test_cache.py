@@ -12,7 +12,7 @@ import time
 import pytest
 
 from emitter.config import PRESETS
-from emitter.identity import artifact_fields, artifact_identity
+from emitter.identity import vision_artifact_fields, artifact_identity
 from emitter.policy import DEFAULT_POLICY
 from emitter.vision import emit_vision_module
 from runtime.cache import ArtifactCache, CacheError, load_verified
@@ -38,7 +38,7 @@ class CountingBuild:
 
 @pytest.fixture(scope="module")
 def fields():
-    return artifact_fields(TINY, 16, DEFAULT_POLICY)
+    return vision_artifact_fields(TINY, 16, DEFAULT_POLICY)
 
 
 def messages():
@@ -135,13 +135,13 @@ CONCURRENT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from emitter.config import PRESETS
-    from emitter.identity import artifact_fields
+    from emitter.identity import vision_artifact_fields
     from emitter.policy import DEFAULT_POLICY
     from emitter.vision import emit_vision_module
     from runtime.cache import ArtifactCache, load_verified
     from runtime.compiler import compile_mlir
     root, marker, ready, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
-    fields = artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY)
+    fields = vision_artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY)
     def build():
         with open(marker, "a") as f:
             f.write("compiled\\n")
@@ -235,7 +235,8 @@ def test_cli_model_folder(tmp_path):
     out = qwen3vl("build", "--model", str(tmp_path / "m"), "--bucket", "16", "--cache-dir",
                   str(tmp_path / "c"), "--explain")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[1] == f"identity {artifact_identity(artifact_fields(TINY, 16, policy, weights='parameters'))}"
+    fields = vision_artifact_fields(TINY, 16, policy, weights="parameters")
+    assert out.stdout.splitlines()[1] == f"identity {artifact_identity(fields)}"
     assert not (tmp_path / "c").exists() or not list((tmp_path / "c").iterdir())
     (tmp_path / "m" / "preprocessor_config.json").unlink()
     out = qwen3vl("build", "--model", str(tmp_path / "m"), "--bucket", "16", "--cache-dir", str(tmp_path / "c"))

@@ -11,7 +11,7 @@ import pytest
 
 from emitter import identity as ident
 from emitter.config import PRESETS
-from emitter.identity import DEFAULT_LADDER, artifact_fields, artifact_identity, explain_identity
+from emitter.identity import DEFAULT_LADDER, vision_artifact_fields, artifact_identity, explain_identity
 from emitter.policy import DEFAULT_POLICY
 from emitter.video_policy import DEFAULT_VIDEO_POLICY
 
@@ -21,7 +21,7 @@ TINY = PRESETS["tiny"]
 def ident_of(**overrides) -> str:
     kwargs = dict(cfg=TINY, buckets=16, policy=DEFAULT_POLICY, target="llvm-cpu", diagnostics=False)
     kwargs.update(overrides)
-    return artifact_identity(artifact_fields(**kwargs))
+    return artifact_identity(vision_artifact_fields(**kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def base() -> str:
 
 
 def test_deterministic_and_json(base):
-    fields = artifact_fields(TINY, 16, DEFAULT_POLICY)
+    fields = vision_artifact_fields(TINY, 16, DEFAULT_POLICY)
     assert json.loads(json.dumps(fields)) == fields
     assert artifact_identity(fields) == base == ident_of()
     assert len(base) == 64 and int(base, 16) >= 0
@@ -92,7 +92,7 @@ def test_target_flags_table_change_changes_identity(base, monkeypatch):
 
 
 def test_target_changes_identity(base):
-    gpu = artifact_fields(TINY, 16, DEFAULT_POLICY, target="cuda-sm80")
+    gpu = vision_artifact_fields(TINY, 16, DEFAULT_POLICY, target="cuda-sm80")
     assert artifact_identity(gpu) != base
     assert "sm_80" in gpu["target"]["device_target"] and "host_cpu" not in gpu["target"]
     assert ident_of(target="rocm-gfx942") not in (base, artifact_identity(gpu))
@@ -109,7 +109,7 @@ def test_diagnostics_and_inspect_blocks_change_identity(base):
 
 
 def test_compiler_version_changes_identity(base):
-    fields = artifact_fields(TINY, 16, DEFAULT_POLICY)
+    fields = vision_artifact_fields(TINY, 16, DEFAULT_POLICY)
     other = dict(fields["compiler"], version="3.14.0")
     assert ident_of(compiler_version=other) != base
     assert ident_of(compiler_version=fields["compiler"]) == base
@@ -162,9 +162,9 @@ def test_format_and_emitter_version_change_identity(base, monkeypatch):
 
 
 def test_same_identity_in_fresh_process(base):
-    code = ("from emitter.identity import artifact_fields, artifact_identity\n"
+    code = ("from emitter.identity import vision_artifact_fields, artifact_identity\n"
             "from emitter.config import PRESETS\nfrom emitter.policy import DEFAULT_POLICY\n"
-            "print(artifact_identity(artifact_fields(PRESETS['tiny'], 16, DEFAULT_POLICY)))\n")
+            "print(artifact_identity(vision_artifact_fields(PRESETS['tiny'], 16, DEFAULT_POLICY)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == base
 

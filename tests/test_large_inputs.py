@@ -159,11 +159,12 @@ def test_each_query_chunk_visits_only_the_key_chunks_of_its_segments():
 def test_attention_form_is_part_of_the_artifact_identity(monkeypatch):
     """The cache cannot hand a dense-form vmfb to a blockwise request: the graph hash differs."""
     import emitter.attention as attention
-    from emitter.identity import artifact_fields, artifact_identity
+    from emitter.identity import vision_artifact_fields, artifact_identity
     from emitter.policy import DEFAULT_POLICY
 
     def identity():
-        return artifact_identity(artifact_fields(TINY, [64, BLOCKWISE_FROM], DEFAULT_POLICY, compiler_version={}))
+        return artifact_identity(vision_artifact_fields(TINY, [64, BLOCKWISE_FROM], DEFAULT_POLICY,
+                                                        compiler_version={}))
 
     blockwise = identity()
     monkeypatch.setattr(attention, "BLOCKWISE_FROM", 10 ** 9)

@@ -11,13 +11,12 @@ import pytest
 
 from emitter.builder import Builder, BuildError
 from emitter.layers import grouped_attention, mrope_tables, rms_norm, silu
-from emitter.text import render_function
+from emitter.module import function as module_function, render
 from runtime.compiler import compile_mlir
 
 
 def load(functions: list[dict], globals_=()) -> object:
-    text = ("module @m {\n" + "".join(f"  {g}\n" for g in globals_) + "\n".join(map(render_function, functions))
-            + "}\n")
+    text = render("m", "", list(globals_), functions)
     config = rt.Config("local-task")
     context = rt.SystemContext(config=config)
     context.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, compile_mlir(text)))
@@ -25,7 +24,7 @@ def load(functions: list[dict], globals_=()) -> object:
 
 
 def function(b: Builder, name: str, results) -> dict:
-    return {"name": name, "arguments": b.arguments, "results": list(results), "body": b.lines}
+    return module_function(b, name, list(results))
 
 
 def test_dynamic_slice_and_update_clamp_like_stablehlo():

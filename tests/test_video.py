@@ -147,11 +147,12 @@ def test_policy_read_as_transformers_reads_it(tmp_path, config):
 
 def test_video_policy_enters_the_artifact_identity():
     from emitter.config import PRESETS
-    from emitter.identity import artifact_fields, artifact_identity
+    from emitter.identity import vision_artifact_fields, artifact_identity
     from emitter.policy import DEFAULT_POLICY
-    base = artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY)
+    base = vision_artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY)
     assert base["video_policy"] == DEFAULT_VIDEO_POLICY.to_dict()
-    other = artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY, video_policy=VideoPolicy.from_config({"fps": 1}))
+    other = vision_artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY,
+                                   video_policy=VideoPolicy.from_config({"fps": 1}))
     assert artifact_identity(other) != artifact_identity(base)
 
 
