@@ -8,7 +8,9 @@ between machines may hold another machine's live writer's temp, which it would r
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -34,7 +36,8 @@ def alive(pid: int) -> bool:
 
 
 def remove_stale_temps(path: Path) -> None:
-    """Remove temps of `path` left by writers that no longer run."""
+    """Remove temps of `path` (files, or folders of `folder_atomic`) left by writers that
+    no longer run."""
     prefix = temp_prefix(path)
     try:
         names = os.listdir(path.parent)
@@ -43,7 +46,19 @@ def remove_stale_temps(path: Path) -> None:
     for name in names:
         pid = name[len(prefix):].split(".", 1)[0]
         if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
-            (path.parent / name).unlink(missing_ok=True)
+            stale = path.parent / name
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
+def _temp_name(path: Path) -> Path:
+    """A free temp name beside `path` (`.<name>.tmp.<pid>.<random>`), not created."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{temp_prefix(path)}{os.getpid()}.", dir=path.parent)
+    os.close(fd)
+    os.unlink(tmp)
+    return Path(tmp)
 
 
 def check_writable(path: str | os.PathLike, flag: str = "-o") -> Path:
@@ -106,3 +121,52 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) 
             os.close(dir_fd)
     except OSError:
         pass
+
+
+def link_atomic(source: str | os.PathLike, path: str | os.PathLike) -> None:
+    """`path` becomes a file with `source`'s content, whole or not at all: a hard link when
+    they share a file system (for a source never rewritten in place, such as a cache
+    entry), else a copy. Nothing is done, and no temp left, when `path` already is
+    `source` (a rename onto the same file does nothing and would leave the temp)."""
+    source, path = Path(source), Path(path)
+    remove_stale_temps(path)
+    if path.is_file() and os.path.samefile(source, path):
+        return
+    tmp = _temp_name(path)
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def folder_atomic(folder: str | os.PathLike, replace: bool = False):
+    """Yield a new temp folder beside `folder` to fill; when the block ends without an
+    error it becomes `folder` whole: renamed onto a missing or empty folder, or with
+    `replace`, swapped for the folder there, which is then removed (a kill between the two
+    renames leaves no `folder`, never a mix). On an error the temp folder is removed and
+    any earlier folder kept; a killed writer's temps go at the next `folder_atomic` of the
+    same folder."""
+    folder = Path(folder)
+    remove_stale_temps(folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{temp_prefix(folder)}{os.getpid()}.", dir=folder.parent))
+    old = None
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+        if replace and folder.is_dir() and os.listdir(folder):
+            old = _temp_name(folder)
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+    except BaseException:
+        if old is not None and old.exists() and not folder.exists():
+            os.replace(old, folder)  # the earlier folder back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -31,6 +31,7 @@ from emitter.atomic import check_writable, write_atomic
 from emitter.errors import Failure, one_line_error as one_line
 from emitter.identity import DEFAULT_LADDER
 
+from .outputs import check_output_folder
 from .packing import pack
 from .processor import image_grid, process_image
 
@@ -281,15 +282,8 @@ class ShardWriter:
 def check_out_dir(out_dir, model) -> Path:
     """OUT_DIR: a folder (created if missing, its parent must exist), writable now, and
     not the checkpoint folder (a shard there would be read as a weight file)."""
-    folder = Path(out_dir).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"-o {out_dir}: is a file; expected a folder (created if missing)")
-    if folder.absolute() == Path(model).absolute() or (folder.exists() and folder.resolve() == Path(model).resolve()):
-        raise ValueError(f"-o {out_dir}: is the checkpoint folder (its shards would be read as weights); "
-                         f"choose another folder")
+    folder = check_output_folder(out_dir, model)
     if not folder.exists():
-        if not folder.absolute().parent.is_dir():
-            raise ValueError(f"-o {out_dir}: folder {folder.absolute().parent} does not exist")
         try:
             folder.mkdir()
         except OSError as e:

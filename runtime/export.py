@@ -12,14 +12,11 @@ export of a checkpoint already run costs a copy. See docs/artifact.md.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 from emitter import __version__
-from emitter.atomic import write_atomic
+from emitter.atomic import folder_atomic, link_atomic, write_atomic
 from emitter.config import PARAMETER_SCOPE
 from emitter.identity import canonical_json
 from emitter.targets import runtime_driver
@@ -28,10 +25,12 @@ from emitter.vision import entry_name, vision_function
 from .archive import cached_archive, open_archive
 from .build import BuildPlan, build_artifact, make_plan
 from .cache import ArtifactCache
+from .outputs import check_output_folder
 
 ABI_FORMAT = 1
 MODULE_NAME = "qwen3vl_vision"
 NUMPY_DTYPES = {"f32": "float32", "i32": "int32", "bf16": "bfloat16"}
+TEMP = re.compile(r"^\..+\.tmp\.\d+\.")  # a killed writer's temp (emitter.atomic)
 
 
 def export_name(model_dir) -> str:
@@ -103,22 +102,28 @@ Outputs are padded to the bucket: keep the first "merged" rows of each.
 """
 
 
-def place_file(source: Path, target: Path) -> None:
-    """`target` becomes a copy of `source` (a hard link when they share a file system; the
-    cache never rewrites an entry in place), replacing it whole or not at all."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp.{os.getpid()}.", dir=target.parent)
-    os.close(fd)
-    os.unlink(tmp)
+def check_export_folder(out, model) -> Path:
+    """OUT before any work: a folder (`check_output_folder`: created if missing, not the
+    checkpoint folder) that is new, empty, or an earlier export (its abi.json and
+    README.txt, the module and archive abi.json names, and nothing else, so that replacing
+    it loses no one's file)."""
+    out = check_output_folder(out, model)
+    held = {p.name for p in out.iterdir() if not TEMP.match(p.name)} if out.is_dir() else set()
+    other = sorted(held - _earlier_export(out))
+    if other:
+        more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+        raise ValueError(f"-o {out}: holds other files ({other[0]}{more}); expected a new or empty folder, "
+                         f"or an earlier export to replace")
+    return out
+
+
+def _earlier_export(out: Path) -> set[str]:
+    """The file names of the export in `out` by its abi.json (empty when it has none)."""
     try:
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        abi = json.loads((out / "abi.json").read_text(encoding="utf-8"))
+        return {"abi.json", "README.txt", abi["module"]["file"], abi["parameters"]["file"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
 
 
 def export(model, out, buckets=(), precision: str = "f32", target: str | None = None, cache_dir=None,
@@ -127,11 +132,7 @@ def export(model, out, buckets=(), precision: str = "f32", target: str | None = 
     if not model or not Path(model).is_dir():
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
                          f"(config.json, preprocessor_config.json, *.safetensors)")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"-o {out}: is a file; expected a folder (created if missing)")
-    if not out.parent.is_dir():
-        raise ValueError(f"-o {out}: folder {out.parent} does not exist")
+    out = check_export_folder(out, model)
     plan = make_plan(str(model), None, buckets, target, diagnostics, None, precision, "parameters")
     name = name or export_name(model)
     cache = ArtifactCache(cache_dir)
@@ -139,20 +140,11 @@ def export(model, out, buckets=(), precision: str = "f32", target: str | None = 
     open_archive(archive, plan.cfg, plan.precision)  # holds exactly the graph's weights
     result = build_artifact(plan, cache, progress)
     abi = abi_document(plan, result.identity, name, archive)
-    created = not out.exists()
-    out.mkdir(exist_ok=True)
-    files = [out / f"{name}.irpa", out / f"{name}.vmfb", out / "abi.json", out / "README.txt"]
-    try:  # all four or none: a failed write removes what this export placed
-        place_file(archive, files[0])
-        place_file(result.path, files[1])
-        write_atomic(files[2], json.dumps(abi, indent=1) + "\n")
-        write_atomic(files[3], readme_text(abi))
-    except BaseException:
-        for path in files:
-            path.unlink(missing_ok=True)
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    with folder_atomic(out, replace=True) as folder:  # all four or none, an earlier export replaced whole
+        link_atomic(archive, folder / f"{name}.irpa")
+        link_atomic(result.path, folder / f"{name}.vmfb")
+        write_atomic(folder / "abi.json", json.dumps(abi, indent=1) + "\n")
+        write_atomic(folder / "README.txt", readme_text(abi))
     assert json.loads(canonical_json(abi)) == abi  # plain JSON only
     sizes = {p: (out / p).stat().st_size for p in (f"{name}.vmfb", f"{name}.irpa")}
     return "\n".join([f"wrote {out}/",

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
-from emitter.atomic import check_writable, write_atomic
+from emitter.atomic import write_atomic
 from emitter.config import VisionConfig
 from emitter.targets import runtime_driver
 from emitter.vision import largest_buffer_bytes
@@ -18,6 +18,7 @@ from emitter.vision import largest_buffer_bytes
 from emitter.identity import DEFAULT_LADDER
 
 from .build import make_plan
+from .outputs import check_finite, check_output_path
 from .packing import pack
 from .processor import check_image_file, image_grid, process_images
 from .session import VisionOutput, VisionSession
@@ -48,28 +49,6 @@ def split_output(out: VisionOutput, image_count: int, video_grids, merge_unit: i
                                               np.asarray(grids, np.int64).reshape(-1, 3), out.calls)
     return (part(0, rows, out.grid_thw[:image_count]),
             part(rows, len(out.image_embeds), video_grids))
-
-
-def check_output_path(path, model, images, flag: str = "-o") -> None:
-    """Fail before any work if `path` cannot be written (`check_writable`) or would
-    overwrite an input: an image, or a file of the checkpoint folder (a new *.safetensors
-    there would be read as part of the checkpoint)."""
-    target = check_writable(path, flag)
-    for image in images:
-        if Path(image).resolve() == target:
-            raise ValueError(f"{flag} {path}: is the input image {image}; choose another file")
-    if model and target.parent == Path(model).resolve() and (target.exists() or target.suffix == ".safetensors"):
-        raise ValueError(f"{flag} {path}: would write into the checkpoint folder {model} "
-                         f"({'replacing its file' if target.exists() else 'as a weight file'}); choose another folder")
-
-
-def check_finite(out: VisionOutput) -> None:
-    """NaN or inf in an output means the tower overflowed (e.g. huge weights): fail, name it."""
-    for name, value in (("image_embeds", out.image_embeds), ("deepstack_features", out.deepstack_features)):
-        bad = value.size - int(np.count_nonzero(np.isfinite(value)))
-        if bad:
-            raise ValueError(f"output {name}: {bad} of {value.size} values are NaN or inf; the tower overflowed "
-                             f"f32 (check the checkpoint's weights)")
 
 
 def machine_memory() -> int:
@@ -164,7 +143,8 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
     except MemoryError as e:
         raise ValueError(f"--bucket {max(needed)}: does not fit in memory ({e}); use a smaller bucket") from None
     t3 = time.perf_counter()
-    check_finite(out)
+    for name in ("image_embeds", "deepstack_features"):
+        check_finite(name, getattr(out, name), "the tower")
     out, video_out = split_output(out, len(names), video_grids, session.cfg.merge_unit)
     video_out = video_out if video_names else None
     seconds = {"load": session.seconds["load"], "upload": session.seconds["upload"], "process": t1 - t0,

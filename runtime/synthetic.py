@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from emitter.atomic import alive, temp_prefix, write_atomic
+from emitter.atomic import folder_atomic, write_atomic
 from emitter.config import ROPE_THETA, VisionConfig, weight_schema
 from emitter.policy import VIDEO_PREPROCESSOR_CONFIG
 from emitter.video_policy import DEFAULT_VIDEO_POLICY
@@ -215,15 +213,6 @@ def check_new_folder(model_dir: Path) -> None:
                              f"expected a new or empty folder")
 
 
-def remove_stale_folders(model_dir: Path) -> None:
-    """Remove temp folders of `model_dir` left by writers that no longer run (kill -9)."""
-    prefix = temp_prefix(model_dir)
-    for path in model_dir.parent.glob(prefix + "*"):
-        pid = path.name[len(prefix):].split(".", 1)[0]
-        if path.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, layout: str = "hf",
                      dtype: str = "f32", bits: int | None = None, group_size: int = 64, shards: int = 1,
                      processor_policy_dict: dict | None = None, model_type: str = "qwen3_vl",
@@ -254,21 +243,17 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     model_dir = Path(model_dir)
     check_new_folder(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_folders(model_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{temp_prefix(model_dir)}{os.getpid()}.", dir=model_dir.parent))
+    tmp = None
     try:
-        source = _write_files(tmp, cfg, seed, layout, dtype, bits, group_size, shards, processor_policy_dict,
-                              model_type, quant_overrides)
-        video = DEFAULT_VIDEO_POLICY.to_config() if video_policy_dict is None else video_policy_dict
-        write_atomic(tmp / VIDEO_PREPROCESSOR_CONFIG, json.dumps(video, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
-        os.replace(tmp, model_dir)  # onto a missing or empty folder
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):  # named by the folder asked for, never the temp one
-            reason = (e.strerror or str(e)).replace(str(tmp), str(model_dir))
-            raise OSError(f"{model_dir}: cannot write the checkpoint ({reason})") from None
-        raise
+        with folder_atomic(model_dir) as tmp:  # onto a missing or empty folder
+            source = _write_files(tmp, cfg, seed, layout, dtype, bits, group_size, shards, processor_policy_dict,
+                                  model_type, quant_overrides)
+            video = DEFAULT_VIDEO_POLICY.to_config() if video_policy_dict is None else video_policy_dict
+            write_atomic(tmp / VIDEO_PREPROCESSOR_CONFIG, json.dumps(video, indent=2) + "\n")
+    except OSError as e:  # named by the folder asked for, never the temp one
+        reason = e.strerror or str(e)
+        reason = reason.replace(str(tmp), str(model_dir)) if tmp else reason
+        raise OSError(f"{model_dir}: cannot write the checkpoint ({reason})") from None
     return source
 
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from emitter.atomic import write_atomic
+from emitter.atomic import folder_atomic, write_atomic
 from emitter.config import VisionConfig
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
@@ -115,15 +113,9 @@ def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfi
     model_dir = Path(model_dir)
     check_new_folder(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
-    try:
+    with folder_atomic(model_dir) as tmp:
         write_checkpoint(tmp, vision, seed=seed, processor_policy_dict=processor_policy_dict)
         _add_language_model(tmp, text, seed)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, model_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> None:

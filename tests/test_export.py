@@ -277,3 +277,62 @@ def test_failed_export_leaves_nothing_behind(exported, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and "abi.json" in lines[-1], result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["abi.json"]  # only what was there before
+
+
+def test_rerun_replaces_the_export_whole_and_leaves_no_temp(exported, tmp_path):
+    """A rerun into an earlier export (hard links onto the same cache entries) leaves no
+    `.NAME.tmp.PID.*` behind, and one with other buckets replaces all four files."""
+    out = tmp_path / "out"
+    model, cache = str(exported / "tiny-model"), str(exported / "cache")
+    for buckets in (BUCKETS, BUCKETS, BUCKETS[:1]):
+        args = [a for b in buckets for a in ("--bucket", b)]
+        result = qwen3vl("export", "--model", model, "-o", str(out), *args, "--cache-dir", cache)
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+        assert sorted(p.name for p in out.iterdir()) == ["README.txt", "abi.json", "tiny-model.irpa",
+                                                         "tiny-model.vmfb"]
+    assert [f["bucket"] for f in json.loads((out / "abi.json").read_text())["functions"]] == [32]
+
+
+@pytest.mark.parametrize("case", ["user file", "checkpoint folder", "inside a file"])
+def test_export_refuses_a_folder_it_would_overwrite_or_misname(exported, tmp_path, case):
+    model = tmp_path / "m"
+    shutil.copytree(exported / "tiny-model", model)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "abi.json").write_text("my own notes")
+    out, needle = {"user file": (tmp_path / "mine", "holds other files (abi.json)"),
+                   "checkpoint folder": (model, "is the checkpoint folder"),
+                   "inside a file": (tmp_path / "afile" / "sub", "is a file, not a folder")}[case]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    result = qwen3vl("export", "--model", str(model), "-o", str(out), "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: -o {out}: ") and needle in lines[0], result.stderr
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+KILLED_FILLING = r"""
+import os, sys
+from pathlib import Path
+from emitter.atomic import folder_atomic
+with folder_atomic(Path(sys.argv[1]), replace=True) as tmp:
+    (tmp / "a.vmfb").write_text("new")
+    os.kill(os.getpid(), 9)  # killed between two files of the folder
+"""
+
+
+def test_a_folder_writer_killed_midway_leaves_the_old_folder_and_its_temp_goes_next_time(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.vmfb").write_text("old")
+    (out / "abi.json").write_text("old")
+    killed = subprocess.run([sys.executable, "-c", KILLED_FILLING, str(out)], capture_output=True)
+    assert killed.returncode == -9
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"a.vmfb": "old", "abi.json": "old"}
+    assert len(list(tmp_path.glob(".out.tmp.*"))) == 1  # the killed writer's
+    from emitter.atomic import folder_atomic
+    with folder_atomic(out, replace=True) as tmp:
+        (tmp / "a.vmfb").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"a.vmfb": "new"}
