@@ -5,7 +5,8 @@ the patches of its own segment. "dense" builds the [heads, B, B] scores with a [
 segment mask; "blockwise" walks query chunks with an online softmax over only the key
 chunks that share their segments, so memory per step is [heads, C, C] and the
 cross-image blocks are never computed. `attention` is the block's whole attention
-(fused [Q|K|V] projection, 2-D RoPE, either form, output projection).
+(fused [Q|K|V] projection, 2-D RoPE, either form, output projection). The language model's
+grouped-query attention, over the KV cache in blocks, is `grouped_attention`.
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ def attention_inputs(b: Builder, segment_ids: Value, form: str):
     return segment_mask(b, segment_ids) if form == "dense" else key_ranges(b, segment_ids)
 
 
+def scaled_scores(b: Builder, q: Value, k: Value, operand_dtype: str = "f32") -> Value:
+    """q k^T / sqrt(d): [heads, Q, K] from q [heads, Q, d], k [heads, K, d]."""
+    scores = matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
+    return b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
+
+
 def masked_scores(b: Builder, q: Value, k: Value, mask: Value, operand_dtype: str) -> Value:
     """q k^T / sqrt(d) + mask: [heads, Q, K] from q [heads, Q, d], k [heads, K, d], mask [Q, K]."""
-    scores = matmul(b, q, k, ([2], [2]), ([0], [0]), operand_dtype, hint="scores")
-    scores = b.multiply(scores, b.scalar(q.shape[2] ** -0.5, scores, "scale"), hint="scores")
+    scores = scaled_scores(b, q, k, operand_dtype)
     return b.add(scores, b.broadcast_in_dim(mask, scores.shape, [1, 2]), hint="scores")
 
 
@@ -253,3 +259,46 @@ def attention(b: Builder, x: Value, w: dict, cos: Value, sin: Value, segments: V
         context = dense_attention(b, q, k, v, segments, operand_dtype)
     context = b.reshape(b.transpose(context, [1, 0, 2]), (n, hidden), hint="context")
     return linear(b, context, w["attn.proj.weight"], w["attn.proj.bias"], "proj")
+
+
+# -- the language model's grouped-query attention over its KV cache ----------------------
+
+
+def grouped_attention(b: Builder, q: Value, keys: list[Value], values: list[Value], mask: Value) -> Value:
+    """Attention of queries q [S, H, D] over blocks of keys/values [KVH, T_i, D]: one
+    softmax over all T = sum T_i keys, computed block by block (shared max, summed
+    denominators) so that no block is copied and no dispatch holds a whole score row; H/KVH
+    query heads per KV head (query head h reads KV head h // (H/KVH)); additive mask
+    [S, T]. Returns [S, H*D]."""
+    s, heads, d = q.shape
+    kv_heads = keys[0].shape[0]
+    groups = heads // kv_heads
+    q = b.reshape(b.transpose(b.reshape(q, (s, kv_heads, groups, d)), [1, 2, 0, 3]), (kv_heads, groups * s, d),
+                  hint="q_grouped")
+    scores, start = [], 0
+    for k in keys:
+        t = k.shape[1]
+        x = b.reshape(scaled_scores(b, q, k), (kv_heads, groups, s, t))
+        block_mask = mask if len(keys) == 1 else b.slice(mask, (0, start), (s, start + t), hint="mask")
+        scores.append(b.add(x, b.broadcast_in_dim(block_mask, x.shape, [2, 3], hint="mask"), hint="masked"))
+        start += t
+    if len(scores) == 1:
+        probs = b.reshape(softmax(b, scores[0]), (kv_heads, groups * s, start), hint="probs")
+        context = matmul(b, probs, values[0], ([2], [1]), ([0], [0]), hint="context")
+    else:
+        peaks = [b.reduce(x, [3], "maximum", hint="peak") for x in scores]
+        peak = peaks[0]
+        for p in peaks[1:]:
+            peak = b.maximum(peak, p, hint="peak")
+        context = total = None
+        for x, v in zip(scores, values):
+            e = b.exponential(b.subtract(x, b.broadcast_in_dim(peak, x.shape, [0, 1, 2]), hint="shifted"), hint="exp")
+            part = b.reduce(e, [3], "add", hint="denom")
+            term = matmul(b, b.reshape(e, (kv_heads, groups * s, x.shape[3])), v, ([2], [1]), ([0], [0]),
+                          hint="context")
+            total = part if total is None else b.add(total, part, hint="denom")
+            context = term if context is None else b.add(context, term, hint="context")
+        denom = b.broadcast_in_dim(b.reshape(total, (kv_heads, groups * s)), context.shape, [0, 1], hint="denom")
+        context = b.divide(context, denom, hint="context")
+    context = b.transpose(b.reshape(context, (kv_heads, groups, s, d)), [2, 0, 1, 3], hint="context")
+    return b.reshape(context, (s, heads * d), hint="context")

@@ -28,7 +28,8 @@ import numpy as np
 from . import __version__
 from .builder import Builder, Value
 from .config import PARAMETER_SCOPE, PRECISION_NOTES, WeightSpec, activation_dtype, check_precision, weight_dtype
-from .layers import apply_rotary, gated_mlp, grouped_attention, mrope_tables, project, rms_norm, rope_inv_freq
+from .attention import grouped_attention
+from .layers import apply_rotary, gated_mlp, mrope_tables, project, rms_norm, rope_inv_freq
 from .module import function, render
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
@@ -140,12 +141,27 @@ class TextGraph:
         v = heads("v", cfg.num_key_value_heads)
         return q, b.transpose(k, [1, 0, 2], hint="k"), b.transpose(v, [1, 0, 2], hint="v")
 
+    def decoder(self, x: Value, positions: Value, make_mask, attend, after_layer=None) -> Value:
+        """The decoder over input embeddings `x` [S, D] at M-RoPE `positions` [3, S]: the
+        rotary tables, the additive mask (`make_mask()`), then every layer, `attend(n, q, k,
+        v, mask)` storing layer n's K/V and returning its context [S, H*hd], and
+        `after_layer(n, x)` (DeepStack) on each layer's output. `self.zero` is an i32 0."""
+        cos, sin = self.rope(positions)
+        with self.b.stage("mask"):
+            mask = make_mask()
+        self.zero = self.b.constant(0, (), "i32", hint="zero")
+        for n in range(self.cfg.num_hidden_layers):
+            x = self.layer(n, x, cos, sin, lambda q, k, v: attend(n, q, k, v, mask))
+            if after_layer:
+                x = after_layer(n, x)
+        return x
+
     def layer(self, n: int, x: Value, cos: Value, sin: Value, attend) -> Value:
-        """One decoder layer; `attend(n, q, k, v)` stores K/V and returns the context [S, H*hd]."""
+        """One decoder layer; `attend(q, k, v)` stores K/V and returns the context [S, H*hd]."""
         b, w, eps = self.b, self.layer_weights(n), self.cfg.rms_norm_eps
         with b.stage(f"layers.{n}.attn"):
             q, k, v = self.qkv(rms_norm(b, x, w["input_layernorm.weight"], eps), w, cos, sin)
-            x = b.add(x, project(b, attend(n, q, k, v), w["self_attn.o_proj.weight"], "o"), hint="residual")
+            x = b.add(x, project(b, attend(q, k, v), w["self_attn.o_proj.weight"], "o"), hint="residual")
         with b.stage(f"layers.{n}.mlp"):
             return b.add(x, gated_mlp(b, rms_norm(b, x, w["post_attention_layernorm.weight"], eps), w),
                          hint="residual")
@@ -185,27 +201,24 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
         visual = b.compare("NE", inputs["visual"], b.constant(0, (bucket,), "i32"), hint="visual")
         visual = b.broadcast_in_dim(visual, (bucket, d), [0], hint="visual")
         x = b.select(visual, inputs["visual_embeds"], g.embed(inputs["tokens"]), hint="inputs_embeds")
-    cos, sin = g.rope(inputs["positions"])
-    with b.stage("mask"):
-        mask = causal_mask(b, bucket)
-    zero = b.constant(0, (), "i32", hint="zero")
-
     rest = (cfg.num_key_value_heads, context - bucket, cfg.head_dim)
 
-    def attend(n, q, k, v):
+    def attend(n, q, k, v, mask):
         for state, value in zip(g.cache[n], (k, v)):  # a new sequence: the cache is rewritten whole
             whole = b.concatenate([value, b.constant(0.0, rest, hint="empty")], 1, hint="cache") if rest[1] else value
             b.store_state(whole, state)
         return grouped_attention(b, q, [k], [v], mask)
 
-    for n in range(cfg.num_hidden_layers):
-        x = g.layer(n, x, cos, sin, attend)
-        if n < deepstack_layers:
-            with b.stage(f"deepstack.{n}"):
-                feature = b.reshape(b.slice(inputs["deepstack"], (n, 0, 0), (n + 1, bucket, d)), (bucket, d))
-                x = b.add(x, feature, hint="deepstack")  # zero off the visual rows: x + 0 = x
+    def deepstack(n, x):
+        if n >= deepstack_layers:
+            return x
+        with b.stage(f"deepstack.{n}"):
+            feature = b.reshape(b.slice(inputs["deepstack"], (n, 0, 0), (n + 1, bucket, d)), (bucket, d))
+            return b.add(x, feature, hint="deepstack")  # zero off the visual rows: x + 0 = x
+
+    x = g.decoder(x, inputs["positions"], lambda: causal_mask(b, bucket), attend, deepstack)
     with b.stage("last"):
-        row = b.dynamic_slice(x, [inputs["last"], zero], (1, d), hint="last")
+        row = b.dynamic_slice(x, [inputs["last"], g.zero], (1, d), hint="last")
     return g.function(prefill_name(bucket), g.logits(row)), b.globals
 
 
@@ -215,17 +228,16 @@ def decode_function(cfg: TextConfig, context: int, precision: str = "f32") -> tu
     inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in DECODE_INPUTS}
     with b.stage("embed"):
         x = g.embed(inputs["token"])
-    cos, sin = g.rope(inputs["positions"])
-    with b.stage("mask"):  # keys: the cache's slots before `slot`, then the new token's own
+
+    def mask():  # keys: the cache's slots before `slot`, then the new token's own
         keys = b.iota((1, context + 1), 1, hint="key")
         seen = b.compare("LT", keys, b.broadcast_in_dim(inputs["slot"], (1, context + 1), [], hint="slot"))
         own = b.compare("EQ", keys, b.constant(context, (1, context + 1), "i32"), hint="own")
         seen = b.select(own, own, seen, hint="seen")
-        mask = b.select(seen, b.constant(0.0, (1, context + 1)), b.constant(float("-inf"), (1, context + 1)),
+        return b.select(seen, b.constant(0.0, (1, context + 1)), b.constant(float("-inf"), (1, context + 1)),
                         hint="mask")
-    zero = b.constant(0, (), "i32", hint="zero")
 
-    def attend(n, q, k, v):
+    def attend(n, q, k, v, mask):
         # Attention reads the cache as loaded plus the new K/V as a second block, never the
         # updated cache: reading the stored value in the same call gave wrong results (IREE 3.13).
         # The update is ordered after the attention (one barrier over both caches and the
@@ -235,11 +247,11 @@ def decode_function(cfg: TextConfig, context: int, precision: str = "f32") -> tu
         context = grouped_attention(b, q, [loaded[0], k], [loaded[1], v], mask)
         *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
         for state, cache, value in zip(g.cache[n], loaded, (k, v)):
-            b.store_state(b.dynamic_update_slice(cache, value, [zero, inputs["slot"], zero], hint="cache"), state)
+            b.store_state(b.dynamic_update_slice(cache, value, [g.zero, inputs["slot"], g.zero], hint="cache"),
+                          state)
         return context
 
-    for n in range(cfg.num_hidden_layers):
-        x = g.layer(n, x, cos, sin, attend)
+    x = g.decoder(x, inputs["positions"], mask, attend)
     return g.function(DECODE, g.logits(x)), b.globals
 
 

@@ -10,7 +10,8 @@ import iree.runtime as rt
 import pytest
 
 from emitter.builder import Builder, BuildError
-from emitter.layers import grouped_attention, mrope_tables, rms_norm, silu
+from emitter.attention import grouped_attention
+from emitter.layers import mrope_tables, rms_norm, silu
 from emitter.module import function as module_function, render
 from runtime.compiler import compile_mlir
 
