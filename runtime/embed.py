@@ -170,7 +170,7 @@ class EmbedIndex:
     format: str
     images: list[dict] = field(default_factory=list)
     recovered: int = 0  # images taken back from shards the index did not list
-    missing: int = 0  # images the index listed in shards no longer there
+    missing: int = 0  # images the index listed in shards no longer there, or truncated
 
     @property
     def path(self) -> Path:
@@ -196,12 +196,27 @@ class EmbedIndex:
                                      f"({saved.get(key)!r}, this run: {getattr(self, key)!r}); "
                                      f"choose another folder")
             self.images = [e for e in entries if not (retry_failed and "error" in e)]
-        kept = [e for e in self.images if "shard" not in e or (self.out_dir / e["shard"]).is_file()]
-        self.missing, self.images = len(self.images) - len(kept), kept  # their shard is gone: embed them again
+        rows = self._shard_rows({e["shard"] for e in self.images if "shard" in e})
+        kept = [e for e in self.images if "shard" not in e or e["start"] + e["rows"] <= rows[e["shard"]]]
+        self.missing, self.images = len(self.images) - len(kept), kept  # their rows are gone: embed them again
         listed = {e["shard"] for e in self.images if "shard" in e}
         for shard in sorted(self.out_dir.glob("shard-*.safetensors")):
             if shard.name not in listed:
                 self.recovered += self._recover(shard)
+
+    def _shard_rows(self, names) -> dict[str, int]:
+        """Rows each named shard holds, read from its header and checked whole (its size
+        what the header says, its layout this index's); 0 for a shard missing, truncated
+        or damaged, whose images are then embedded again."""
+        rows = {}
+        for name in names:
+            try:
+                with safe_open(str(self.out_dir / name), "np") as f:
+                    ok = (f.metadata() or {}).get("layout") == self.format and "grid_thw" in f.keys()
+                    rows[name] = f.get_slice("image_embeds").get_shape()[0] if ok else 0
+            except Exception:  # noqa: BLE001 - safetensors raises its own errors for a bad file
+                rows[name] = 0
+        return rows
 
     def _recover(self, shard: Path) -> int:
         """Take a shard's images back from its metadata (a shard written, its index not)."""
@@ -408,7 +423,7 @@ def resume(index: EmbedIndex, images: list[str], retry_failed: bool, say) -> lis
     if index.recovered:
         say(f"index: took back {index.recovered} images from shards written after its last save")
     if index.missing:
-        say(f"index: {index.missing} images are listed in shards no longer there; embedding them again")
+        say(f"index: {index.missing} images are listed in shards missing or damaged; embedding them again")
     skipped = len(images) - len(pending)
     if skipped:
         failed = len({e["image"] for e in index.failed()} & set(images))

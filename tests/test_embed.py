@@ -161,6 +161,20 @@ def test_driver_killed_mid_run_then_resumed(setup, tmp_path):
     assert again.returncode == 0 and "skipping 60 images" in again.stderr and "embedded 0 images" in again.stdout
 
 
+def test_rerun_redoes_the_images_of_a_truncated_shard(setup, tmp_path):
+    """A shard cut to 1 KB after the run: the rerun does not trust the index's rows in it
+    but embeds those images again, and every image reads back equal to `qwen3vl run`."""
+    root, images, _, reference = setup
+    out = tmp_path / "out"
+    assert embed(setup, out, "--batch", "4").returncode == 0
+    shard = out / "shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1024])
+    result = embed(setup, out, "--batch", "4")
+    assert result.returncode == 0, result.stderr
+    assert "4 images are listed in shards missing or damaged" in result.stderr and "embedded 4 images" in result.stdout
+    assert_rows_equal_run(embedded_rows(out), reference, images)
+
+
 def test_bad_arguments_are_one_line(setup, tmp_path):
     root, images, _, _ = setup
     (tmp_path / "file").write_text("x")
