@@ -90,7 +90,8 @@ def _open(path, name: str):
         raise VideoError(f"{name}: not a video container PyAV/FFmpeg can read ({_one_line(e)})") from None
     if not container.streams.video:
         container.close()
-        raise VideoError(f"{name}: holds no video stream")
+        raise VideoError(f"{name}: holds no video stream PyAV/FFmpeg can find (an audio-only file, or a video "
+                         f"cut short before its stream headers)")
     stream = container.streams.video[0]
     if stream.codec_context is None:
         tag = stream.codec_tag if hasattr(stream, "codec_tag") else "?"
@@ -118,6 +119,7 @@ def probe_video(path, name: str | None = None) -> VideoInfo:
         frames = int(stream.frames or 0)
         if frames == 0:
             frames = sum(1 for _ in _decode(container, stream, name))
+            _check_whole(frames, _declared_frames(container, stream), name)
         rate = stream.average_rate
         width, height = int(stream.width or 0), int(stream.height or 0)
     if frames == 0:
@@ -125,6 +127,27 @@ def probe_video(path, name: str | None = None) -> VideoInfo:
     if width == 0 or height == 0:
         raise VideoError(f"{name}: video has zero size ({width}x{height})")
     return VideoInfo(frames, float(rate) if rate else None, width, height)
+
+
+def _declared_frames(container, stream) -> float | None:
+    """Frames the container's duration and the stream's rate promise (Matroska stores no
+    frame count, only these), or None when it declares either not."""
+    rate = stream.average_rate or stream.guessed_rate
+    if stream.duration and stream.time_base:
+        seconds = float(stream.duration * stream.time_base)
+    elif container.duration:
+        seconds = container.duration / 1_000_000  # AV_TIME_BASE
+    else:
+        return None
+    return seconds * float(rate) if rate else None
+
+
+def _check_whole(decoded: int, declared: float | None, name: str) -> None:
+    """VideoError when fewer frames decode than the container declares (beyond a frame or
+    5% of rounding): a file cut short would otherwise pass as a shorter clip."""
+    if declared is not None and decoded + max(1.0, 0.05 * declared) < declared:
+        raise VideoError(f"{name}: {decoded} frames decode of the {declared:.0f} its container's duration declares; "
+                         f"the file is truncated or damaged")
 
 
 def _grid(info: VideoInfo, count: int, height: int, width: int, policy: VideoPolicy, name: str):

@@ -266,6 +266,13 @@ def truncated_video(tmp_path) -> str:
     return _write(tmp_path / "cut.mkv", data[:data.index(b"\x1f\x43\xb6\x75")])  # the Cluster element id
 
 
+def cut_short_video(tmp_path) -> str:
+    """A Matroska file of 40 frames cut to 40% of its bytes: its header's duration still
+    says 40 frames (Matroska stores no frame count), a few decode."""
+    data = Path(write_video(tmp_path / "full.mkv", gradient_frames(40, 64, 64), fmt="matroska")).read_bytes()
+    return _write(tmp_path / "short.mkv", data[:len(data) * 2 // 5])
+
+
 def unknown_codec_video(tmp_path) -> str:
     """An AVI whose codec tag names no decoder (FMP4 rewritten as QQZ9)."""
     data = Path(write_video(tmp_path / "ok.avi", gradient_frames(4, 64, 64), fmt="avi")).read_bytes()
@@ -284,6 +291,8 @@ BAD_VIDEOS = {  # name -> (make(tmp_path), message)
               r"img0\.png: .*(no video stream|frame\(s\) sampled)"),
     "zero frames": (zero_frame_video, r"empty\.avi: video has no frames"),
     "truncated": (truncated_video, r"cut\.mkv: not a video container PyAV/FFmpeg can read \(.*End of file"),
+    "cut short": (cut_short_video, r"short\.mkv: \d+ frames decode of the 40 its container's duration declares; "
+                                   r"the file is truncated or damaged"),
     "unknown codec": (unknown_codec_video, r"unknown\.avi: video codec not supported by this PyAV/FFmpeg build"),
     "one frame": (lambda d: write_video(d / "one.mp4", gradient_frames(1, 64, 64)),
                   r"one\.mp4: 1 frame\(s\) sampled of 1; the processor needs at least temporal_patch_size = 2"),
@@ -308,7 +317,7 @@ def test_bad_video_is_one_line_naming_the_file(tmp_path, case):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("case", ["not a video", "zero frames", "unknown codec", "too long"])
+@pytest.mark.parametrize("case", ["not a video", "zero frames", "unknown codec", "too long", "cut short"])
 def test_run_refuses_a_bad_video_before_writing_anything(tmp_path, case):
     """One line on stderr, exit 2, no output file and no cache entry."""
     from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
