@@ -24,6 +24,19 @@ def _npy_bytes(array) -> bytes:
     return buffer.getvalue()
 
 
+def sampling_options(defaults, temperature, top_p, top_k, seed):
+    """The checkpoint's sampling settings with the command's options; an option that
+    only applies to sampling while decoding greedily is an error, not ignored."""
+    from .sampling import SamplingError
+
+    params = defaults.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    given = [name for name, value in (("--top-p", top_p), ("--top-k", top_k), ("--seed", seed)) if value is not None]
+    if given and not params.do_sample:
+        raise SamplingError(f"{given[0]}: only applies when sampling; give --temperature above 0 (decoding is "
+                            "greedy: generation_config.json does not set do_sample true)")
+    return params
+
+
 @click.command("generate", context_settings=CONTEXT)
 @click.option("--model", required=True, metavar="DIR",
               help="Checkpoint folder (config.json, *.safetensors, tokenizer.json, a chat template).")
@@ -45,10 +58,18 @@ def _npy_bytes(array) -> bytes:
               help="Tokens the KV cache holds (prompt and answer).")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
+@click.option("--temperature", type=float, metavar="T",
+              help="0: greedy; > 0: sample at this temperature (default: generation_config.json's do_sample and "
+                   "temperature, greedy when it sets none).")
+@click.option("--top-p", type=float, metavar="P", help="Nucleus sampling mass (default: generation_config.json's).")
+@click.option("--top-k", type=int, metavar="K", help="Sample among the K likeliest, 0 for all (default: "
+                                                      "generation_config.json's, else 50).")
+@click.option("--seed", type=int, metavar="N", help="Seed of the sampler (same seed, same answer).")
 def generate_command(model, images, videos, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision,
-                     buckets, context, target, threads):
-    """Answer one user message (the images in order, the videos, then the prompt) greedily, with
-    the checkpoint's tokenizer and chat template; the text streams to stdout."""
+                     buckets, context, target, threads, temperature, top_p, top_k, seed):
+    """Answer one user message (the images in order, the videos, then the prompt), greedily or
+    sampled as generation_config.json and the sampling options say, with the checkpoint's
+    tokenizer and chat template; the text streams to stdout."""
     from emitter.atomic import check_writable, write_atomic
 
     from .generate import Generator
@@ -75,7 +96,9 @@ def generate_command(model, images, videos, prompt, max_new_tokens, json_path, s
                 raise ValueError(f"--image {path}: cannot read ({e.strerror or e}); expected an image file") from None
         generator = Generator(model, buckets or DEFAULT_PROMPT_BUCKETS, context, target=target, cache_dir=cache_dir,
                               precision=precision, threads=threads, progress=say)
-        result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream, videos=list(videos))
+        sampling = sampling_options(generator.sampling, temperature, top_p, top_k, seed)
+        result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream, videos=list(videos),
+                                    sampling=sampling)
         stream("\n")
         if save_logits:
             write_atomic(save_logits, _npy_bytes(result.logits))

@@ -154,7 +154,15 @@ class ChatTokenizer:
         `image_tokens[i]` pads), then the videos, then `prompt`, rendered with the chat
         template. `videos`: per video, (timestamps of its temporal groups, merged tokens
         per group); each video becomes its timestamped groups (`video_placeholder`)."""
-        text = self.render(user_message(prompt, len(image_tokens), len(videos)))
+        return self.messages_ids(user_message(prompt, len(image_tokens), len(videos)), image_token_id, image_tokens,
+                                 videos)
+
+    def messages_ids(self, messages: list[dict], image_token_id: int, image_tokens=(), videos=()) -> np.ndarray:
+        """Token ids of a whole chat (`messages` as the template takes them, parts
+        {"type": "image"}, {"type": "video"}, {"type": "text", "text": ...}), rendered with
+        the generation prompt; images and videos counted as in `prompt_ids`, each kind in
+        its order of appearance."""
+        text = self.render(messages)
         text = expand_video_text(text, [video_placeholder(times, tokens) for times, tokens in videos])
         return expand_pads(self.encode(text), image_token_id, list(image_tokens))
 

@@ -1,0 +1,29 @@
+"""The server's Prometheus metrics (`GET /metrics`), in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("qwen3vl_requests", "Chat completion requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("qwen3vl_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("qwen3vl_generation_tokens", "Tokens generated", registry=r)
+        self.waiting = Gauge("qwen3vl_requests_waiting", "Requests queued for the engine", registry=r)
+        self.running = Gauge("qwen3vl_requests_running", "Sequences being decoded", registry=r)
+        self.ttft = Histogram("qwen3vl_time_to_first_token_seconds", "From arrival to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.per_token = Histogram("qwen3vl_time_per_output_token_seconds", "Between consecutive tokens",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.encoder_hits = Counter("qwen3vl_encoder_cache_hits", "Images/videos served from the encoder cache",
+                                    registry=r)
+        self.encoder_misses = Counter("qwen3vl_encoder_cache_misses", "Images/videos run through the tower",
+                                      registry=r)
+        self.encoder_bytes = Gauge("qwen3vl_encoder_cache_bytes", "Bytes held by the encoder cache", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

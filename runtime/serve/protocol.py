@@ -1,0 +1,155 @@
+"""A `/v1/chat/completions` body checked and turned into what the engine runs.
+
+Every field is checked for its type and range; anything wrong is an `ApiError` (400)
+naming the field (`messages[1].content[0].image_url.url`, `temperature`, ...). `n` other
+than 1 and `tools` are refused rather than ignored. Fields this server does not read
+(`user`, `metadata`, ...) are accepted and have no effect.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import ApiError
+
+ROLES = ("system", "user", "assistant")
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+SAMPLING_FIELDS = {"temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0), "top_k": (int, -1, None),
+                   "min_p": (float, 0.0, 1.0), "seed": (int, 0, None), "presence_penalty": (float, -2.0, 2.0),
+                   "frequency_penalty": (float, -2.0, 2.0), "repetition_penalty": (float, 0.0, None)}
+MAX_STOPS = 4
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]  # as the chat template takes them
+    media: list[tuple[str, str, str]]  # (kind, url, param) in prompt order
+    sampling: dict  # SamplingParams overrides; absent fields keep the checkpoint's
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False  # vLLM's extension: decode to max_tokens past EOS ids
+
+
+def _number(body: dict, name: str, kind, low, high):
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok or (low is not None and value < low) or (high is not None and value > high):
+        span = f" in [{low}, {high}]" if high is not None else f" >= {low}"
+        raise ApiError(f"{name}: {value!r}: expected {'an integer' if kind is int else 'a number'}{span}", name)
+    return kind(value)
+
+
+def _text(part: dict, param: str) -> str:
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ApiError(f"{param}.text: expected a string", f"{param}.text")
+    return text
+
+
+def _content(content, role: str, param: str, media: list) -> str | list[dict]:
+    """A message's content as the template takes it; media URLs appended to `media`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise ApiError(f"{param}: expected a string or a non-empty list of content parts", param)
+    parts = []
+    for i, part in enumerate(content):
+        where = f"{param}[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": _text(part, where)})
+        elif kind in MEDIA_PARTS:
+            if role != "user":
+                raise ApiError(f"{where}: {kind} parts are only accepted in user messages", where)
+            url = part.get(kind)
+            url = url.get("url") if isinstance(url, dict) else url
+            media.append((MEDIA_PARTS[kind], url, f"{where}.{kind}.url"))
+            parts.append({"type": MEDIA_PARTS[kind]})
+        else:
+            raise ApiError(f"{where}.type: {kind!r}: expected 'text', 'image_url' or 'video_url'", f"{where}.type")
+    return parts
+
+
+def _messages(body: dict) -> tuple[list[dict], list]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages: expected a non-empty list of {role, content} objects", "messages")
+    out, media = [], []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(f"{where}: expected an object with role and content", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(f"{where}.role: {role!r}: expected one of {', '.join(ROLES)}", f"{where}.role")
+        if message.get("tool_calls"):
+            raise ApiError(f"{where}.tool_calls: tools are not supported by this server", f"{where}.tool_calls")
+        out.append({"role": role, "content": _content(message.get("content"), role, f"{where}.content", media)})
+    return out, media
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(f"stop: expected a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
+    return stops
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(f"{name}: {value!r}: expected true or false", name)
+    return value
+
+
+def _refused(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ApiError(f"n: {n!r}: this server returns one choice per request; expected 1", "n")
+    if body.get("tools"):
+        raise ApiError("tools: tool calling is not supported by this server", "tools")
+    if body.get("tool_choice") not in (None, "none"):
+        raise ApiError("tool_choice: tool calling is not supported by this server", "tool_choice")
+
+
+def parse_chat_request(body, max_media: int) -> ChatRequest:
+    """The checked request; ApiError (400) at the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    _refused(body)
+    messages, media = _messages(body)
+    if len(media) > max_media:
+        raise ApiError(f"messages: {len(media)} images and videos: more than the {max_media} this server accepts "
+                       "per request (--max-media)", "messages", code="too_many_media")
+    sampling = {name: _number(body, name, *rule) for name, rule in SAMPLING_FIELDS.items()}
+    if sampling["top_k"] in (-1, 0):
+        sampling["top_k"] = 0 if sampling["top_k"] is not None else None
+    if sampling["temperature"] == 0 and sampling["top_p"] is not None:
+        sampling["top_p"] = None  # greedy: nucleus mass has no effect
+    if sampling["top_p"] == 0:
+        raise ApiError("top_p: 0: expected a number in (0, 1]", "top_p")
+    max_tokens = _number(body, "max_completion_tokens", int, 1, None) or _number(body, "max_tokens", int, 1, None)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError("stream_options: expected an object", "stream_options")
+    logprobs = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", int, 0, 20) or 0
+    if top and not logprobs:
+        raise ApiError("top_logprobs: only with logprobs: true", "top_logprobs")
+    return ChatRequest(messages, media, {k: v for k, v in sampling.items() if v is not None}, max_tokens,
+                       _stop(body), _flag(body, "stream"), bool(options.get("include_usage")), logprobs, top,
+                       _flag(body, "ignore_eos"))

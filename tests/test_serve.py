@@ -1,0 +1,373 @@
+"""`qwen3vl serve` end to end: the real server process on a free localhost port, over a
+tiny random checkpoint, driven by the official `openai` client and by raw HTTP. One
+server for the module (started once, stopped with SIGTERM by the last test)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from emitter.config import PRESETS
+from emitter.text_config import TEXT_PRESETS
+from runtime.synthetic import DEFAULT_PROCESSOR
+from runtime.synthetic_text import write_generation_checkpoint
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx2")  # the HTTP client the openai package uses
+
+QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
+SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
+KEY = "test-key"
+SHAPE = ["--context", "4096", "--prompt-bucket", "64", "--prompt-bucket", "256"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root: Path):
+        self.root, self.model, self.cache = root, root / "model", root / "cache"
+        write_generation_checkpoint(self.model, PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
+                                    processor_policy_dict=SMALL_POLICY)
+        self.allowed = root / "allowed"
+        self.allowed.mkdir()
+        from PIL import Image
+        rng = np.random.default_rng(5)
+        self.images = []
+        for i, (h, w) in enumerate([(64, 96), (96, 64)]):
+            path = self.allowed / f"img{i}.png"
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+            self.images.append(path)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(root / "server.log", "w+")
+        self.process = subprocess.Popen(
+            [QWEN3VL, "serve", "--model", self.model, "--port", str(self.port), "--cache-dir", self.cache, *SHAPE,
+             "--api-key", KEY, "--allowed-local-media-path", self.allowed, "--max-waiting", "3", "--max-media", "3",
+             "--max-body-mb", "1", "--threads", "2"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise AssertionError("server not ready: " + self.output())
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def post(self, body, headers=None, **kw):
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(self.url + "/v1/chat/completions", content=data, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
+                                   **(headers or {})}, **kw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(self.url + "/metrics").text
+        match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"))
+    yield s
+    if s.process.poll() is None:
+        s.process.kill()
+        s.process.wait()
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def user(text: str, images=()) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in images] +
+            [{"type": "text", "text": text}]}
+
+
+def generate(server, prompt: str, images=(), steps: int = 8, *extra) -> dict:
+    out = server.root / "gen.json"
+    args = [QWEN3VL, "generate", "--model", server.model, "--prompt", prompt, "--max-new-tokens", str(steps),
+            "--cache-dir", server.cache, "--json", out, *SHAPE, *extra]
+    for image in images:
+        args += ["--image", image]
+    run = subprocess.run(args, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return json.loads(out.read_text())
+
+
+def chat(server, messages, stream=False, **kw):
+    """(text, finish_reason, usage) of one completion, streamed or not."""
+    if not stream:
+        r = server.client.chat.completions.create(model="model", messages=messages, **kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.model_dump()
+    pieces, finish, usage = [], None, None
+    for chunk in server.client.chat.completions.create(model="model", messages=messages, stream=True,
+                                                       stream_options={"include_usage": True}, **kw):
+        if chunk.usage:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(pieces), finish, {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+SHAPES = {"text": ("Say something.", 0), "one image": ("Describe the image.", 1), "two images": ("Compare them.", 2)}
+
+
+@pytest.fixture(scope="module")
+def solo(server):
+    """generate's greedy answer for each shape, 8 new tokens."""
+    return {name: generate(server, prompt, server.images[:n]) for name, (prompt, n) in SHAPES.items()}
+
+
+def same_as_generate(result, expected) -> None:
+    text, finish, usage = result
+    assert text == expected["text"]
+    assert usage["prompt_tokens"] == expected["prompt_tokens"]
+    assert usage["completion_tokens"] == len(expected["tokens"])
+    assert finish == ("length" if len(expected["tokens"]) == 8 else "stop")
+
+
+def test_health_models_and_metrics(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == ["model"]
+    assert "qwen3vl_time_to_first_token_seconds" in httpx.get(server.url + "/metrics").text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_equals_generate(server, solo, shape, stream):
+    prompt, n = SHAPES[shape]
+    same_as_generate(chat(server, [user(prompt, server.images[:n])], stream, max_tokens=8, temperature=0), solo[shape])
+
+
+def test_four_concurrent_requests_each_equal_their_solo_run(server, solo):
+    jobs = [("text", True), ("one image", False), ("two images", True), ("one image", True)]
+    results = [None] * len(jobs)
+
+    def run(i, shape, stream):
+        prompt, n = SHAPES[shape]
+        results[i] = chat(server, [user(prompt, server.images[:n])], stream, max_tokens=8)
+
+    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for (shape, _), result in zip(jobs, results):
+        same_as_generate(result, solo[shape])
+
+
+def test_same_seed_same_tokens_and_as_generate(server):
+    kw = dict(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, extra_body={"top_k": 40})
+    messages = [user("Tell a story.")]
+    first, again = chat(server, messages, **kw), chat(server, messages, stream=True, **kw)
+    assert first[0] == again[0]
+    assert chat(server, messages, **dict(kw, seed=12))[0] != first[0]
+    ours = generate(server, "Tell a story.", (), 12, "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40",
+                    "--seed", "11")
+    assert ours["text"] == first[0] and len(ours["tokens"]) == first[2]["completion_tokens"]
+    greedy = generate(server, "Tell a story.", (), 12)
+    assert greedy["tokens"] != ours["tokens"]
+
+
+def test_stop_string_cut_and_not_returned(server, solo):
+    text = solo["text"]["text"]
+    stop = text[3:5]
+    got, finish, _ = chat(server, [user(SHAPES["text"][0])], max_tokens=8, stop=[stop, "\x00never"])
+    assert got == text[:text.find(stop)] and finish == "stop"
+    streamed, finish, _ = chat(server, [user(SHAPES["text"][0])], stream=True, max_tokens=8, stop=stop)
+    assert streamed == got and finish == "stop"
+
+
+def test_logprobs(server):
+    r = server.client.chat.completions.create(model="model", messages=[user("Hi")], max_tokens=5, logprobs=True,
+                                              top_logprobs=3, temperature=0)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the likeliest
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+
+
+def test_max_tokens_capped_by_the_context(server):
+    text, finish, usage = chat(server, [user("Hi")], max_tokens=100000, extra_body={"ignore_eos": True})
+    assert finish == "length" and usage["completion_tokens"] == 4096 - usage["prompt_tokens"] + 1
+
+
+def test_encoder_cache_hit_in_a_second_turn(server):
+    image = server.allowed / "third.png"
+    from PIL import Image
+    Image.fromarray(np.full((64, 64, 3), 77, np.uint8)).save(image)
+    hits, misses = server.metric("qwen3vl_encoder_cache_hits_total"), server.metric("qwen3vl_encoder_cache_misses_total")
+    first = [user("What is it?", [image])]
+    answer = chat(server, first, max_tokens=4)[0]
+    assert server.metric("qwen3vl_encoder_cache_misses_total") == misses + 1
+    second = first + [{"role": "assistant", "content": answer}, user("And now?")]
+    file_url = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image.as_uri()}},
+                                            {"type": "text", "text": "Same?"}]}
+    chat(server, second, max_tokens=4)
+    chat(server, second + [{"role": "assistant", "content": "x"}, file_url], max_tokens=4)
+    assert server.metric("qwen3vl_encoder_cache_hits_total") == hits + 3
+    assert server.metric("qwen3vl_encoder_cache_misses_total") == misses + 1
+
+
+def long_stream(server, messages=None):
+    """A streaming request that runs until its client goes: (response, its open client)."""
+    client = httpx.Client(timeout=60)
+    body = {"messages": messages or [user("Go on.")], "max_tokens": 100000, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    request = client.build_request("POST", server.url + "/v1/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {KEY}"})
+    return client.send(request, stream=True), client
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_cancels_and_frees_the_engine(server):
+    cancelled = server.metric("qwen3vl_requests_total", '{outcome="cancelled"}')
+    response, client = long_stream(server)
+    lines = response.iter_lines()
+    assert next(lines).startswith("data: ")
+    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 1)
+    response.close()
+    client.close()
+    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 0, 5)
+    assert server.metric("qwen3vl_requests_total", '{outcome="cancelled"}') == cancelled + 1
+    start = time.monotonic()
+    chat(server, [user("Hi")], max_tokens=2)
+    assert time.monotonic() - start < 10
+
+
+def test_queue_full_is_429_with_retry_after(server):
+    running = [long_stream(server)]
+    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 1)
+    waiting = []
+    for _ in range(3):  # --max-waiting 3
+        threading.Thread(target=lambda: waiting.append(long_stream(server)), daemon=True).start()
+    assert wait_for(lambda: server.metric("qwen3vl_requests_waiting") == 3)
+    r = server.post({"messages": [user("Hi")], "max_tokens": 2})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+    for response, client in running:
+        response.close()
+        client.close()
+    closed = 0
+    while closed < 3:  # each admitted in turn, closed once it streams
+        assert wait_for(lambda: len(waiting) > closed, 10)
+        response, client = waiting[closed]
+        response.close()
+        client.close()
+        closed += 1
+    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 0 and
+                    server.metric("qwen3vl_requests_waiting") == 0, 10)
+
+
+def bad_cases(server):
+    outside = server.root / "outside.png"
+    outside.write_bytes(server.images[0].read_bytes())
+    link = server.allowed / "link.png"
+    if not link.exists():
+        link.symlink_to(outside)
+    image_part = lambda url: {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},  # noqa
+                                                          {"type": "text", "text": "x"}]}
+    ok = [user("Hi")]
+    return {  # name: (body, status, param, message pattern)
+        "malformed JSON": (b"{not json", 400, None, "not valid JSON"),
+        "not an object": ([1, 2], 400, None, "must be a JSON object"),
+        "empty messages": ({"messages": []}, 400, "messages", "non-empty list"),
+        "unknown role": ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "expected one of"),
+        "content type": ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string or"),
+        "part type": ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400,
+                      "messages[0].content[0].type", "'audio'"),
+        "temperature type": ({"messages": ok, "temperature": "hot"}, 400, "temperature", "expected a number"),
+        "n > 1": ({"messages": ok, "n": 2}, 400, "n", "one choice"),
+        "tools": ({"messages": ok, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+                  "not supported"),
+        "stop type": ({"messages": ok, "stop": 3}, 400, "stop", "string or a list"),
+        "top_logprobs alone": ({"messages": ok, "top_logprobs": 2}, 400, "top_logprobs", "only with logprobs"),
+        "wrong model": ({"messages": ok, "model": "gpt-4"}, 404, "model", "serves 'model'"),
+        "http URL": ({"messages": [image_part("https://example.com/a.png")]}, 400,
+                     "messages[0].content[0].image_url.url", "not fetched.*data:image"),
+        "not an image": ({"messages": [image_part("data:image/png;base64," + base64.b64encode(b"hello").decode())]},
+                         400, "messages[0].content[0].image_url.url", "not an image"),
+        "bad base64": ({"messages": [image_part("data:image/png;base64,@@@")]}, 400,
+                       "messages[0].content[0].image_url.url", "base64"),
+        "file outside via ..": ({"messages": [image_part(f"file://{server.allowed}/../outside.png")]}, 400,
+                                "messages[0].content[0].image_url.url", "outside the allowed folder"),
+        "file via symlink out": ({"messages": [image_part(link.as_uri())]}, 400,
+                                 "messages[0].content[0].image_url.url", "outside the allowed folder"),
+        "too many images": ({"messages": [user("x", [server.images[0]] * 4)]}, 400, "messages", "more than the 3"),
+        "body too large": ({"messages": [user("x" * (1 << 20))]}, 413, None, "more than the 1048576"),
+        "prompt over the context": ({"messages": [user("a b " * 3000)]}, 400, "messages", "prompt of \\d+ tokens"),
+    }
+
+
+def test_bad_inputs_are_openai_errors_and_the_server_keeps_serving(server):
+    for name, (body, status, param, pattern) in bad_cases(server).items():
+        r = server.post(body)
+        assert r.status_code == status, (name, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, name
+        assert error["param"] == param and re.search(pattern, error["message"]), (name, error)
+        assert "\n" not in error["message"]
+    assert chat(server, [user("Hi")], max_tokens=2)[2]["completion_tokens"] >= 1
+
+
+def test_api_key_required(server):
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}):
+        r = server.post({"messages": [user("Hi")]}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_sigterm_finishes_in_flight_and_exits_0(server):
+    """Last: a streamed request in flight when SIGTERM arrives still completes; exit 0."""
+    response, client = long_stream(server, [user("Bye.")])
+    try:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    finally:
+        response.close()
+        client.close()
+    events = [line for line in rest if line]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"  # ran to its end
+    assert server.process.wait(60) == 0, server.output()
