@@ -17,8 +17,6 @@ the diagnostics variant appends the named stages listed by `stage_names`.
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import __version__
 from .builder import Builder, Value
 from .config import HF_PREFIX, PARAMETER_SCOPE, PRECISION_NOTES, VisionConfig, activation_dtype, graph_weights

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import iree.runtime as rt
 
-from emitter.config import PARAMETER_SCOPE, VisionConfig, graph_weights, weight_dtype
+from emitter.config import VisionConfig, graph_weights, weight_dtype
 from emitter.identity import weight_schema_fields
 
 from . import checkpoint
@@ -186,12 +186,6 @@ def release_mapped_pages(index: rt.ParameterIndex) -> bool:
         return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(high - start), MADV_DONTNEED) == 0
     except (OSError, AttributeError):
         return False
-
-
-def parameters_module(config: rt.Config, index: rt.ParameterIndex, scope: str = PARAMETER_SCOPE) -> rt.VmModule:
-    """The `io_parameters` module serving the archive's entries under `scope` (the vision
-    graph's by default)."""
-    return rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=scope))
 
 
 def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress=None) -> Path:

@@ -156,10 +156,10 @@ def our_tower(cfg, weights, bucket, precision, binding, flags, config, inputs, w
     memory-mapped (numpy arrays served from memory instead made a 2B f32 call 4-9% slower,
     docs/performance.md)."""
     from emitter.vision import emit_vision_module
-    from .archive import open_archive, parameters_module, release_mapped_pages, write_archive
+    from .archive import open_archive, release_mapped_pages, write_archive
     from .checkpoint import weights_in_order
     from .compiler import compile_mlir
-    from .iree_module import LoadedModule
+    from .iree_module import LoadedModule, parameters_module
 
     ordered = weights_in_order({name: weights[name].reshape(shape) for name, shape in weight_schema(cfg)},
                                cfg, precision)

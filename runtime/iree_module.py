@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import iree.runtime as rt
 
+from emitter.config import PARAMETER_SCOPE
 from emitter.targets import runtime_driver
 
 
@@ -172,10 +173,13 @@ class LoadedModule:
         return [np.array(r.to_host(), copy=True) for r in results]
 
 
-def parameters_module(config: rt.Config, named_arrays, scope: str = "model") -> rt.VmModule:
-    """An `io_parameters` module serving `(name, array)` pairs under `scope`; the arrays
-    are referenced, not copied, and must stay alive as long as the module."""
-    index = rt.ParameterIndex()
-    for name, array in named_arrays:  # raw bytes: the module knows each global's type (bf16 too)
-        index.add_buffer(name, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+def parameters_module(config: rt.Config, source, scope: str = PARAMETER_SCOPE) -> rt.VmModule:
+    """An `io_parameters` module serving `source` under `scope` (the graphs' weight scope by
+    default): a `ParameterIndex` (an archive, memory-mapped) or `(name, array)` pairs,
+    referenced, not copied, which must stay alive as long as the module."""
+    index = source
+    if not isinstance(source, rt.ParameterIndex):
+        index = rt.ParameterIndex()
+        for name, array in source:  # raw bytes: the module knows each global's type (bf16 too)
+            index.add_buffer(name, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     return rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=scope))

@@ -16,12 +16,11 @@ import numpy as np
 import iree.runtime as rt
 
 from emitter.atomic import write_atomic
-from emitter.config import PARAMETER_SCOPE, graph_weights
+from emitter.config import graph_weights
 from emitter.identity import DEFAULT_LADDER
 from emitter.vision import entry_name, input_specs, result_names
 
 from .archive import cached_archive, entry_arrays, open_archive, release_mapped_pages
-from .archive import parameters_module as archive_parameters
 from .build import DEFAULT_BINDING, build_artifact, make_plan
 from .cache import ArtifactCache, load_verified
 from .checkpoint import weights_in_order
@@ -112,9 +111,9 @@ class VisionSession:
         if self.plan.weights == "arguments":
             return [], [rt.asdevicearray(self.config.device, a) for a in arrays]
         if vision_weights is None:
-            return [archive_parameters(self.config, self.parameters)], []
+            return [parameters_module(self.config, self.parameters)], []
         self._weight_arrays = arrays  # the in-memory provider references these
-        return [parameters_module(self.config, [(w.name, a) for w, a in zip(specs, arrays)], PARAMETER_SCOPE)], []
+        return [parameters_module(self.config, [(w.name, a) for w, a in zip(specs, arrays)])], []
 
     @property
     def buckets(self) -> tuple[int, ...]:
