@@ -7,7 +7,8 @@
   globals, on the device, between calls. Only the logits row of each call comes back to
   the host.
 - `Generator`: the whole model: tokenizer and chat template (runtime/tokenizer.py), the
-  vision session for the images, M-RoPE positions (runtime/prefill.py), greedy decoding.
+  vision session for the images, M-RoPE positions (runtime/prefill.py, runtime/chat.py),
+  greedy or sampled decoding (runtime/sampling.py; generation_config.json's settings).
 
     from runtime.generate import Generator
     gen = Generator("path/to/checkpoint")
@@ -33,6 +34,8 @@ from .archive import release_mapped_pages
 from .cache import ArtifactCache, load_verified
 from .compiler import compile_mlir, resolve_precision
 from .iree_module import device_config, invoke, parameters_module
+from .sampling import Sampler, SamplingParams, generation_defaults
+from .text_stream import TextStream
 from .text_checkpoint import cached_text_archive, open_text_archive, text_entries
 
 DEFAULT_PROMPT_BUCKETS = (128, 512, 2048)
@@ -174,15 +177,6 @@ class TextSession:
             raise GenerateError(f"token id {int(bad[0])}: outside the vocabulary [0, {self.cfg.vocab_size})")
 
 
-def penalized(logits: np.ndarray, prompt: np.ndarray, tokens: list[int], penalty: float) -> np.ndarray:
-    if penalty == 1.0:
-        return logits
-    seen = np.unique(np.concatenate([prompt.astype(np.int64), np.array(tokens, np.int64)]))
-    out = logits.copy()
-    out[seen] = np.where(out[seen] < 0, out[seen] * np.float32(penalty), out[seen] / np.float32(penalty))
-    return out
-
-
 @dataclass
 class Generation:
     prompt_tokens: int
@@ -197,33 +191,50 @@ class Generation:
                 "seconds": {k: round(v, 4) for k, v in self.seconds.items()}}
 
 
-def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_tokens: int, eos_ids=(),
-           visual_positions=None, image_embeds=None, deepstack_features=None, on_token=None,
-           repetition_penalty: float = 1.0):
-    """Prefill, then greedy decoding until an EOS id or `max_new_tokens`: (tokens, logits
-    [steps, vocab], seconds); the logits are the model's, the choice is made after the
-    repetition penalty (as transformers' RepetitionPenaltyLogitsProcessor: every id seen so
-    far, prompt included, has its logit divided by the penalty if positive, else multiplied).
-    `on_token(id)` hears each new token as it is chosen."""
-    ids = np.asarray(input_ids).reshape(-1)
-    text.check_request(ids.size, max_new_tokens)
+def stream_tokens(text: TextSession, prompt, sampler, max_new_tokens: int, eos_ids=()):
+    """Prefill `prompt` (a `chat.Prompt`), then one token per decode step until an EOS id
+    or `max_new_tokens`: yields (token, logits), the logits the model gave (the sampler
+    chose from them after its penalties and warpers). Closing the generator early leaves
+    the KV cache to the next prefill."""
+    text.check_request(prompt.ids.size, max_new_tokens)
+    logits = text.prefill(prompt.ids, prompt.positions, prompt.visual, prompt.embeds, prompt.deepstack)
+    for step in range(1, max_new_tokens + 1):
+        token = sampler.choose(logits)
+        yield token, logits
+        if token in eos_ids or step == max_new_tokens:
+            return
+        logits = text.decode(token, text.length + prompt.rope_delta)
+
+
+def run_tokens(text: TextSession, prompt, sampler, max_new_tokens: int, eos_ids=(), on_token=None):
+    """`stream_tokens` to the end: (tokens, logits [steps, vocab], seconds {prefill,
+    decode}); `on_token(id)` hears each new token as it is chosen."""
     start = time.perf_counter()
-    logits = text.prefill(ids, position_ids, visual_positions, image_embeds, deepstack_features)
-    seconds = {"prefill": time.perf_counter() - start}
-    start = time.perf_counter()
-    tokens, rows = [], []
-    while len(tokens) < max_new_tokens:
-        rows.append(logits)
-        token = int(np.argmax(penalized(logits, ids, tokens, repetition_penalty)))
+    tokens, rows, seconds = [], [], {}
+    for token, logits in stream_tokens(text, prompt, sampler, max_new_tokens, eos_ids):
+        if not tokens:
+            seconds["prefill"] = time.perf_counter() - start
+            start = time.perf_counter()
         tokens.append(token)
+        rows.append(logits)
         if on_token:
             on_token(token)
-        if token in eos_ids or len(tokens) == max_new_tokens:
-            break
-        logits = text.decode(token, text.length + rope_delta)
     seconds["decode"] = time.perf_counter() - start
     vocab = text.cfg.vocab_size
     return tokens, np.stack(rows) if rows else np.zeros((0, vocab), np.float32), seconds
+
+
+def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_tokens: int, eos_ids=(),
+           visual_positions=None, image_embeds=None, deepstack_features=None, on_token=None,
+           repetition_penalty: float = 1.0):
+    """Prefill, then greedy decoding (`run_tokens`), the choice made after the repetition
+    penalty as transformers' RepetitionPenaltyLogitsProcessor makes it."""
+    from .chat import Prompt
+
+    ids = np.asarray(input_ids).reshape(-1)
+    prompt = Prompt(ids, position_ids, rope_delta, visual_positions, image_embeds, deepstack_features)
+    sampler = Sampler(SamplingParams(repetition_penalty=repetition_penalty), ids, text.cfg.vocab_size)
+    return run_tokens(text, prompt, sampler, max_new_tokens, eos_ids, on_token)
 
 
 class Generator:
@@ -251,6 +262,7 @@ class Generator:
         self._vision = None
         self.policy = load_policy(model_dir, self.vision_cfg)
         self.video_policy = load_video_policy(model_dir, self.vision_cfg)
+        self.sampling = generation_defaults(model_dir)  # greedy unless do_sample, as transformers
 
     @property
     def vision(self):
@@ -273,71 +285,56 @@ class Generator:
             self._vision = VisionSession(self.model_dir, buckets=buckets, **self.options)
         return self._vision
 
-    def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None, videos=()) -> Generation:
-        """Greedy answer to one user message (the images in order, then the videos, then
-        `prompt`); `on_text(piece)` hears the answer's text as it grows."""
-        from .packing import patch_count
-        from .prefill import mrope_position_ids
-        from .processor import process_images
-        from .video import frame_grids, process_videos, prompt_groups
+    def prepare(self, messages, media=(), max_new_tokens: int = 1, encode=None):
+        """The `chat.Prompt` of `messages` (media: `chat.Media` in prompt order), checked
+        against the context before any compile; `encode(processed)` gives each medium's
+        rows (default: one tower call for all, `chat.encode_joint`). Its `seconds` hold
+        vision (processing and encoding) and build (compiling or loading)."""
+        from .chat import build_prompt, encode_joint, process_media, prompt_ids
+
+        seconds = {"vision": 0.0, "build": 0.0}
+        start = time.perf_counter()
+        processed = process_media(media, self.policy, self.video_policy, self.vision_cfg.merge_unit)
+        seconds["vision"] = time.perf_counter() - start
+        ids = prompt_ids(self.tokenizer, self.text.token_ids, messages, processed)
+        self.text.check_request(ids.size, max_new_tokens)  # before any compile
+        rows = None
+        if processed:
+            if encode is None:
+                vision = self.vision_for(max(m.patches for m in processed))
+                seconds["build"] += _timed(vision.artifact)  # compiled or loaded outside the clock
+                encode = lambda items: encode_joint(self.vision_for, items)  # noqa: E731
+            start = time.perf_counter()
+            rows = encode(processed)
+            seconds["vision"] += time.perf_counter() - start
+        seconds["build"] += _timed(lambda: self.text.module)  # likewise
+        prompt = build_prompt(ids, self.text.token_ids, self.vision_cfg.spatial_merge_size, processed, rows)
+        prompt.seconds = seconds
+        return prompt
+
+    def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None, videos=(),
+                 sampling: SamplingParams | None = None) -> Generation:
+        """The answer to one user message (the images in order, then the videos, then
+        `prompt`), greedy or sampled as `sampling` says (default: generation_config.json's);
+        `on_text(piece)` hears the answer's text as it grows."""
+        from .chat import Media
+        from .tokenizer import user_message
 
         if max_new_tokens < 1:
             raise GenerateError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
-        seconds = {"vision": 0.0, "build": 0.0}
-        visual = embeds = deepstack = None
-        image_id, video_id = self.text.token_ids.image_token_id, self.text.token_ids.video_token_id
-        start = time.perf_counter()
-        pixels, grids = process_images(list(images), self.policy)
-        video_pixels, video_grids, decoded = process_videos(list(videos), self.video_policy)
-        seconds["vision"] = time.perf_counter() - start
-        ids = self.tokenizer.prompt_ids(prompt, image_id, [patch_count(g) // self.vision_cfg.merge_unit for g in grids],
-                                        [prompt_groups(v, g, self.video_policy) for v, g in zip(decoded, video_grids)])
-        if len(images) or len(videos):
-            self.text.check_request(ids.size, max_new_tokens)  # before any compile
-            inputs = [tuple(int(v) for v in g) for g in grids] + frame_grids(video_grids)  # a video: its groups
-            vision = self.vision_for(max(patch_count(g) for g in inputs))
-            seconds["build"] += _timed(vision.artifact)  # compiled or loaded outside the clock
-            start = time.perf_counter()
-            out = vision.encode_pixels(np.concatenate([pixels, video_pixels]), inputs)
-            seconds["vision"] += time.perf_counter() - start
-            visual = np.flatnonzero(np.isin(ids, (image_id, video_id)))
-            # images come before videos in the prompt (user_message), as in the rows
-            embeds, deepstack = out.image_embeds, out.deepstack_features
-        self.text.check_request(ids.size, max_new_tokens)
-        seconds["build"] += _timed(lambda: self.text.module)  # likewise
-        positions, delta = mrope_position_ids(ids, grids, self.vision_cfg.spatial_merge_size, image_token_id=image_id,
-                                              video_token_id=video_id, video_grid_thw=video_grids)
-        streamer = _TextStream(self.tokenizer, on_text) if on_text else None
-        tokens, logits, timing = greedy(self.text, ids, positions, delta, max_new_tokens, self.tokenizer.eos_ids,
-                                        visual, embeds, deepstack, streamer, self.tokenizer.repetition_penalty)
+        media = [Media("image", p) for p in images] + [Media("video", v) for v in videos]
+        chat = self.prepare(user_message(prompt, len(images), len(videos)), media, max_new_tokens)
+        streamer = TextStream(self.tokenizer, emit=on_text) if on_text else None
+        sampler = Sampler(sampling or self.sampling, chat.ids, self.text.cfg.vocab_size)
+        tokens, logits, timing = run_tokens(self.text, chat, sampler, max_new_tokens, self.tokenizer.eos_ids,
+                                            streamer)
         if streamer:
             streamer.flush()
-        seconds.update(timing)
-        return Generation(int(ids.size), tokens, self.tokenizer.decode(tokens), logits, seconds, ids)
+        seconds = dict(chat.seconds, **timing)
+        return Generation(int(chat.ids.size), tokens, self.tokenizer.decode(tokens), logits, seconds, chat.ids)
 
 
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-class _TextStream:
-    """Calls `emit(piece)` with the new text each token adds, holding back a trailing
-    partial UTF-8 character until it completes."""
-
-    def __init__(self, tokenizer, emit):
-        self.tokenizer, self.emit, self.tokens, self.sent = tokenizer, emit, [], ""
-
-    def __call__(self, token: int) -> None:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if not text.endswith("\ufffd") and len(text) > len(self.sent):
-            self.emit(text[len(self.sent):])
-            self.sent = text
-
-    def flush(self) -> None:
-        text = self.tokenizer.decode(self.tokens)
-        if len(text) > len(self.sent):
-            self.emit(text[len(self.sent):])
-        self.sent = text
