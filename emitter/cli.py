@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
 from .atomic import check_writable, write_atomic
-from .config import DEFAULT_PRESET, PRECISIONS, VisionConfig, load_model_config, preset
+from .config import DEFAULT_PRESET, PRECISIONS, resolve_config
 from .errors import command_errors, fail  # noqa: F401 - fail: the commands' one-line exit
-
-
-def parse_bucket(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"--bucket {text!r}: expected a positive multiple of 4 (patches)") from None
+from .vision import parse_bucket
 
 
 def write_stdout(text: str) -> None:
@@ -29,16 +22,6 @@ def write_stdout(text: str) -> None:
     except (BrokenPipeError, ValueError):  # reader gone, or stdout closed meanwhile
         sys.stdout = None  # nothing left to flush at exit
         raise OSError("stdout closed before all of the output was written; give -o FILE") from None
-
-
-def resolve_config(model: str | None, preset_name: str | None) -> tuple[VisionConfig, str]:
-    """The vision config asked for on the command line, and a title naming its source."""
-    if model and preset_name:
-        raise ValueError("--model and --preset: give one, not both")
-    if model:
-        return load_model_config(model), f"model {Path(model).name}"
-    name = preset_name or DEFAULT_PRESET
-    return preset(name), f"preset {name}"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -332,3 +332,13 @@ def preset(name: str) -> VisionConfig:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"--preset {name!r}: unknown preset; expected one of {', '.join(PRESETS)}") from None
+
+
+def resolve_config(model: str | None, preset_name: str | None) -> tuple[VisionConfig, str]:
+    """The vision config asked for on the command line, and a title naming its source."""
+    if model and preset_name:
+        raise ValueError("--model and --preset: give one, not both")
+    if model:
+        return load_model_config(model), f"model {Path(model).name}"
+    name = preset_name or DEFAULT_PRESET
+    return preset(name), f"preset {name}"

@@ -44,6 +44,13 @@ def check_bucket(bucket, cfg: VisionConfig | None = None) -> int:
     return bucket
 
 
+def parse_bucket(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--bucket {text!r}: expected a positive multiple of 4 (patches)") from None
+
+
 def default_inspect_blocks(cfg: VisionConfig) -> tuple[int, ...]:
     """Blocks whose inner stages the diagnostics variant records unless told otherwise."""
     return tuple(sorted({0, cfg.depth - 1}))

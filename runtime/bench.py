@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from emitter.atomic import check_writable, write_atomic
-from emitter.cli import fail
+from emitter.errors import fail
 from emitter.config import CONV_WEIGHT, PRESETS, ROPE_THETA, VisionConfig, weight_schema
 from emitter.config import HF_PREFIX, graph_weights as graph_weight_specs
 

@@ -8,13 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from emitter.cli import parse_bucket, resolve_config
-from emitter.config import VisionConfig
+from emitter.config import VisionConfig, resolve_config
 from emitter.identity import DEFAULT_LADDER, artifact_identity, format_explanation, vision_artifact_fields
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy, load_video_policy
 from emitter.targets import DEFAULT_TARGET, target_flags
-from emitter.vision import check_binding, check_bucket, emit_artifact_module
+from emitter.vision import check_binding, check_bucket, emit_artifact_module, parse_bucket
 
 # The runtime's artifacts read their weights from a parameter archive: IREE then packs
 # them for the matmuls once at load instead of on every call (docs/performance.md).
