@@ -18,6 +18,8 @@ from .config import ConfigError, read_rope
 DENSE_MODEL_TYPE = "qwen3_vl"
 MOE_MODEL_TYPES = ("qwen3_vl_moe",)
 DEFAULT_ROPE_THETA = 500000.0  # transformers' Qwen3VLTextConfig.default_theta, when the config names none
+DEFAULT_MAX_POSITIONS = 128000  # transformers' Qwen3VLTextConfig.max_position_embeddings default
+MOE_TEXT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 DEFAULT_MROPE_SECTION = (24, 20, 20)  # transformers' fallback when rope_parameters has none
 TEXT_PREFIX = "model.language_model."  # Hugging Face names of the decoder's tensors
 LM_HEAD = "lm_head.weight"
@@ -34,10 +36,10 @@ class TextConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 5000000.0
+    rope_theta: float = DEFAULT_ROPE_THETA
     mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 262144
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
@@ -71,6 +73,13 @@ class TextConfig:
             bad("rms_norm_eps", self.rms_norm_eps, "a positive number")
         if not self.rope_theta > 0:
             bad("rope_parameters.rope_theta", self.rope_theta, "a positive number")
+
+    def check_context(self, context: int) -> None:
+        """A KV cache of `context` tokens the model's positions cover (rotary positions past
+        max_position_embeddings were never trained); ConfigError naming --context if not."""
+        if context > self.max_position_embeddings:
+            raise ConfigError(f"--context {context}: more than the model's max_position_embeddings "
+                              f"({self.max_position_embeddings}, config.json); give at most that")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -124,6 +133,7 @@ def text_config_from_hf(config: dict, source: str = "config.json") -> tuple[Text
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: field 'text_config' is missing: expected an object")
+    _refuse_moe_text(text, source)
     kwargs = {}
     for name in REQUIRED_FIELDS:
         if name not in text:
@@ -151,11 +161,26 @@ def text_config_from_hf(config: dict, source: str = "config.json") -> tuple[Text
             raise ConfigError(f"{source}: field '{name}' = {value!r}: expected a token id")
         ids[name] = value
     try:
-        return TextConfig(**kwargs), TokenIds(**ids)
+        cfg = TextConfig(**kwargs)
     except ConfigError as e:
         raise ConfigError(str(e).replace("text_config: field '", f"{source}: field 'text_config.")) from None
     except TypeError as e:
         raise ConfigError(f"{source}: text_config: {e}") from None
+    for name, value in ids.items():  # else the prompt would hold a token the embedding table has no row for
+        if value >= cfg.vocab_size:
+            raise ConfigError(f"{source}: field '{name}' = {value}: outside the vocabulary [0, {cfg.vocab_size}) "
+                              f"of text_config.vocab_size")
+    return cfg, TokenIds(**ids)
+
+
+def _refuse_moe_text(text: dict, source: str) -> None:
+    """A mixture-of-experts language model declared only in text_config (its model_type or
+    expert fields) is refused like one declared by the top-level model_type."""
+    experts = [name for name in MOE_TEXT_FIELDS if text.get(name)]
+    if text.get("model_type") == "qwen3_vl_moe_text" or experts:
+        what = f"model_type {text.get('model_type')!r}" if not experts else f"field {experts[0]!r}"
+        raise ConfigError(f"{source}: text_config {what} declares a mixture-of-experts language model, which is "
+                          f"not supported yet; expected a dense one")
 
 
 def load_text_config(model_dir: str | Path) -> tuple[TextConfig, TokenIds]:
@@ -175,7 +200,8 @@ def load_text_config(model_dir: str | Path) -> tuple[TextConfig, TokenIds]:
 def _released(hidden, layers, heads, intermediate, tied):
     return TextConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=128,
-                      rope_theta=5000000.0, mrope_section=(24, 20, 20), tie_word_embeddings=tied)
+                      rope_theta=5000000.0, mrope_section=(24, 20, 20), tie_word_embeddings=tied,
+                      max_position_embeddings=262144)
 
 
 TEXT_PRESETS: dict[str, TextConfig] = {

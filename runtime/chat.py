@@ -19,7 +19,7 @@ import numpy as np
 
 from .packing import patch_count
 from .prefill import mrope_position_ids
-from .processor import process_image
+from .processor import image_grid, process_image
 from .video import frame_grids, process_video, prompt_groups
 
 
@@ -69,6 +69,12 @@ def process_media(items, policy, video_policy, merge_unit: int) -> list[Processe
         else:
             raise ValueError(f"media kind {item.kind!r}: expected 'image' or 'video'")
     return out
+
+
+def image_tokens(items, policy, merge_unit: int) -> int:
+    """The prompt tokens the images among `items` will take, from their headers alone
+    (nothing decoded): a too-large image is refused before it costs its decoding."""
+    return sum(patch_count(image_grid(m.source, policy, m.name)) // merge_unit for m in items if m.kind == "image")
 
 
 Rows = tuple[np.ndarray, np.ndarray]  # embeds [m, D], deepstack [K, m, D] of one medium

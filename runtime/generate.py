@@ -34,6 +34,7 @@ from .archive import release_mapped_pages
 from .cache import ArtifactCache, load_verified
 from .compiler import compile_mlir, resolve_precision
 from .iree_module import device_config, invoke, parameters_module
+from .outputs import check_finite
 from .sampling import Sampler, SamplingParams, generation_defaults
 from .text_stream import TextStream
 from .text_checkpoint import cached_text_archive, open_text_archive, text_entries
@@ -56,6 +57,7 @@ class TextSession:
                  progress=None, config: rt.Config | None = None):
         self.cfg, self.token_ids = load_text_config(model_dir)
         self.buckets, self.context = check_text_shapes(list(buckets), context)
+        self.cfg.check_context(self.context)
         self.target = target or DEFAULT_TARGET
         self.progress = progress or (lambda message: None)
         self.deepstack_layers = deepstack_layers
@@ -129,7 +131,11 @@ class TextSession:
                             "give a shorter prompt or smaller images")
 
     def _logits(self, result) -> np.ndarray:
-        return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(-1)
+        """A call's logits row on the host; ValueError if any is NaN or inf (no token is
+        chosen from an overflowed row)."""
+        logits = np.array(result.to_host(), dtype=np.float32, copy=True).reshape(-1)
+        check_finite("logits", logits, "the language model")
+        return logits
 
     def prefill(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
                 deepstack_features=None) -> np.ndarray:
@@ -290,7 +296,12 @@ class Generator:
         against the context before any compile; `encode(processed)` gives each medium's
         rows (default: one tower call for all, `chat.encode_joint`). Its `seconds` hold
         vision (processing and encoding) and build (compiling or loading)."""
-        from .chat import build_prompt, encode_joint, process_media, prompt_ids
+        from .chat import build_prompt, encode_joint, image_tokens, process_media, prompt_ids
+
+        try:  # sized from the image headers: a too-large image is refused before it is decoded
+            self.text.bucket_for(image_tokens(media, self.policy, self.vision_cfg.merge_unit))
+        except GenerateError as e:
+            raise GenerateError(f"the images alone: {e}") from None
 
         seconds = {"vision": 0.0, "build": 0.0}
         start = time.perf_counter()

@@ -8,10 +8,9 @@ import sys
 
 import click
 
-from emitter.cli import fail
 from emitter.config import PRECISION_HELP
+from emitter.errors import command_errors
 
-from .compiler import CompileError
 from .generate import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -70,9 +69,11 @@ def generate_command(model, images, videos, prompt, max_new_tokens, json_path, s
     """Answer one user message (the images in order, the videos, then the prompt), greedily or
     sampled as generation_config.json and the sampling options say, with the checkpoint's
     tokenizer and chat template; the text streams to stdout."""
-    from emitter.atomic import check_writable, write_atomic
+    from emitter.atomic import write_atomic
 
     from .generate import Generator
+    from .outputs import check_output_paths
+    from .tokenizer import check_utf8
 
     def say(message: str) -> None:
         click.echo(message, err=True)
@@ -81,13 +82,11 @@ def generate_command(model, images, videos, prompt, max_new_tokens, json_path, s
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    try:
+    with command_errors():
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
-        if json_path:
-            check_writable(json_path, "--json")
-        if save_logits:
-            check_writable(save_logits, "--save-logits")
+        check_utf8(prompt, "--prompt")
+        check_output_paths({"--json": json_path, "--save-logits": save_logits}, model, [*images, *videos])
         for path in images:
             try:
                 with open(path, "rb"):
@@ -104,7 +103,3 @@ def generate_command(model, images, videos, prompt, max_new_tokens, json_path, s
             write_atomic(save_logits, _npy_bytes(result.logits))
         if json_path:
             write_atomic(json_path, json.dumps(result.to_json(), indent=1) + "\n")
-    except (ValueError, OSError) as e:
-        fail(str(e))
-    except CompileError as e:  # the graph, not the input: one line, status 1
-        fail(e.one_line(), 1)

@@ -43,6 +43,17 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def check_utf8(text: str, what: str) -> None:
+    """TokenizerError unless `text` is valid Unicode (a command-line argument that was not
+    valid UTF-8 arrives with its bad bytes as lone surrogates, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        bad = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise TokenizerError(f"{what}: not valid UTF-8 ({bad} at character {e.start}); expected UTF-8 text") from None
+
+
 def _token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {content: ...}."""
     if isinstance(value, dict):
@@ -94,7 +105,8 @@ class ChatTokenizer:
         self.model_dir = Path(model_dir)
         path = self.model_dir / "tokenizer.json"
         if not path.is_file():
-            raise TokenizerError(f"{path}: missing; expected the checkpoint's tokenizer.json")
+            what = "is a folder" if path.is_dir() else "not a regular file" if path.exists() else "missing"
+            raise TokenizerError(f"{path}: {what}; expected the checkpoint's tokenizer.json")
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - the library raises its own exception types
@@ -145,6 +157,7 @@ class ChatTokenizer:
         """Token ids of rendered text, as transformers' processor tokenizes a rendered chat:
         the tokenizer's own special tokens (its post-processor) are added unless the text
         already starts with the BOS token."""
+        check_utf8(text, "the prompt")
         bos = _token_text(self.config.get("bos_token"))
         add = not (bos and text.startswith(bos))
         return np.array(self.tokenizer.encode(text, add_special_tokens=add).ids, np.int64)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from emitter.config import ConfigError, PRESETS
-from emitter.text_config import TEXT_PRESETS, text_config_from_hf
+from emitter.text_config import TEXT_PRESETS, TextConfig, text_config_from_hf
 from runtime.synthetic import DEFAULT_PROCESSOR
 from runtime.synthetic_text import write_generation_checkpoint
 from runtime.tokenizer import ChatTokenizer, TokenizerError, expand_pads, user_message
@@ -66,6 +66,24 @@ def test_both_rope_spellings_and_tying(model):
     for config in (old, new, dict(new, tie_word_embeddings=True)):
         theirs = transformers.Qwen3VLConfig(**json.loads(json.dumps(config))).tie_word_embeddings
         assert text_config_from_hf(config)[0].tie_word_embeddings == theirs
+
+
+@pytest.mark.parity
+def test_defaults_of_a_config_that_names_none_are_transformers(model):
+    """rope_theta and max_position_embeddings left out of text_config: the values
+    transformers' Qwen3VLTextConfig gives them (5e5 and 128000, not the released 5e6 and
+    262144)."""
+    transformers = pytest.importorskip("transformers")
+    config = hf_config(model)
+    text = config["text_config"]
+    del text["rope_parameters"]["rope_theta"], text["max_position_embeddings"]
+    theirs = transformers.Qwen3VLConfig(**json.loads(json.dumps(config))).text_config
+    ours, _ = text_config_from_hf(config)
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 500000.0
+    assert ours.max_position_embeddings == theirs.max_position_embeddings == 128000
+    bare = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                num_key_value_heads=1, head_dim=8, mrope_section=(2, 1, 1))
+    assert TextConfig(**bare).rope_theta == ours.rope_theta  # the dataclass's own default too
 
 
 def test_moe_refused_by_model_type(model):
@@ -153,6 +171,52 @@ def test_pad_expansion_counts_checked():
 # --------------------------------------------------------------------------- command line
 
 
+@pytest.mark.parametrize("case", ["json over config", "json over image", "logits over weights", "same file"])
+def test_outputs_that_overwrite_an_input_or_each_other_are_refused(model, tmp_path, case):
+    """--json and --save-logits are checked as `run`'s -o is: before any work, never an
+    input image, a file of the checkpoint folder, or one file for both."""
+    from PIL import Image
+    folder = copy_model(model, tmp_path)
+    image = tmp_path / "a.png"
+    Image.new("RGB", (64, 64)).save(image)
+    json_path, logits = {"json over config": (folder / "config.json", None),
+                         "json over image": (image, None),
+                         "logits over weights": (None, folder / "model.safetensors"),
+                         "same file": (tmp_path / "out", tmp_path / "out")}[case]
+    args = [*(["--json", json_path] if json_path else []), *(["--save-logits", logits] if logits else [])]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    out = qwen3vl("generate", "--model", folder, "--image", image, "--prompt", "Hi", "--prompt-bucket", 32,
+                  "--context", 48, "--cache-dir", tmp_path / "cache", *args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    flag = "--save-logits" if case in ("logits over weights", "same file") else "--json"
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag} "), out.stderr
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert nothing_compiled(tmp_path / "cache") and out.stdout == ""
+
+
+def test_logits_that_overflow_are_an_error_not_an_answer(model, tmp_path):
+    """Finite weights scaled near f32's largest value: the logits are inf; one line, no
+    token streamed, no file written."""
+    from safetensors.numpy import load_file, save_file
+
+    def huge(folder):
+        tensors = load_file(folder / "model.safetensors")
+        head = tensors["lm_head.weight"].astype(np.float64)
+        tensors["lm_head.weight"] = (head * (3e38 / np.abs(head).max())).astype(np.float32)
+        save_file(tensors, folder / "model.safetensors")
+
+    folder = copy_model(model, tmp_path, huge)
+    out = qwen3vl("generate", "--model", folder, "--prompt", "Hi", "--max-new-tokens", 3, "--json", tmp_path / "r.json",
+                  "--save-logits", tmp_path / "l.npy", "--prompt-bucket", 32, "--context", 48,
+                  "--cache-dir", tmp_path / "cache")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: output logits: ") and "NaN or inf" in lines[-1], out.stderr
+    assert [line for line in lines if line.startswith("error")] == lines[-1:] and "Traceback" not in out.stderr
+    assert out.stdout == "" and not (tmp_path / "r.json").exists() and not (tmp_path / "l.npy").exists()
+
+
 def test_generate_cli_json_and_logits(model, tmp_path):
     images = [str(tmp_path / "a.png")]
     from PIL import Image
@@ -185,8 +249,31 @@ def nothing_compiled(cache: Path) -> bool:
     return not cache.exists() or not list(cache.glob("*.vmfb"))
 
 
+def edit_config(**fields):
+    """An edit of config.json: `text_config.NAME` or top-level `NAME` fields set."""
+    def edit(folder):
+        config = hf_config(folder)
+        for name, value in fields.items():
+            section, _, key = name.rpartition("__")
+            (config[section] if section else config)[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+def header_only_png(path, size: int) -> str:
+    """A PNG whose header says size x size and whose pixel data is cut off: it can be sized,
+    not decoded."""
+    from PIL import Image
+    Image.new("L", (size, size)).save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:data.index(b"IDAT") + 16])
+    return str(path)
+
+
 @pytest.mark.parametrize("case", ["long-prompt", "small-context", "moe", "no-tokenizer", "no-template",
-                                  "json-is-folder", "missing-image", "zero-tokens", "untied-without-head"])
+                                  "json-is-folder", "missing-image", "zero-tokens", "untied-without-head",
+                                  "bad-utf8", "context-past-positions", "image-id-outside-vocab",
+                                  "moe-in-text-config", "tokenizer-is-folder", "image-too-large"])
 def test_bad_input_one_line_before_compile(model, tmp_path, case):
     args = ["--prompt", "What is shown here?", "--prompt-bucket", 32, "--context", 48]
     edit, expect = None, None
@@ -217,6 +304,27 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
     elif case == "untied-without-head":
         edit = drop_lm_head
         expect = "lm_head.weight: missing; config.json says the embeddings are untied"
+    elif case == "bad-utf8":
+        args += ["--prompt", "bad\udcff"]  # the byte 0xff of argv, as Python hands it over
+        expect = "--prompt: not valid UTF-8 (byte 0xff at character 3)"
+    elif case == "context-past-positions":
+        edit = edit_config(text_config__max_position_embeddings=40)
+        expect = "--context 48: more than the model's max_position_embeddings (40"
+    elif case == "image-id-outside-vocab":
+        edit = edit_config(image_token_id=TEXT_PRESETS["tiny"].vocab_size)
+        expect = f"field 'image_token_id' = {TEXT_PRESETS['tiny'].vocab_size}: outside the vocabulary"
+    elif case == "moe-in-text-config":
+        edit = edit_config(text_config__num_experts=8)
+        expect = "text_config field 'num_experts' declares a mixture-of-experts language model"
+    elif case == "tokenizer-is-folder":
+        edit = lambda f: ((f / "tokenizer.json").unlink(), (f / "tokenizer.json").mkdir())  # noqa: E731
+        expect = "tokenizer.json: is a folder"
+    elif case == "image-too-large":  # the released pixel budget: 12000x12000 becomes 16384 tiny tokens
+        edit = lambda f: (f / "preprocessor_config.json").write_text(json.dumps(dict(  # noqa: E731
+            json.loads((f / "preprocessor_config.json").read_text()), size={"shortest_edge": 65536,
+                                                                             "longest_edge": 16777216})))
+        args += ["--image", header_only_png(tmp_path / "big.png", 12000)]
+        expect = "the images alone: prompt of 16384 tokens: longer than the largest prefill bucket (32)"
     folder = copy_model(model, tmp_path, edit)
     cache = tmp_path / "cache"
     out = qwen3vl("generate", "--model", folder, *args, "--cache-dir", cache)
