@@ -1,7 +1,7 @@
 """`qwen3vl embed`: a collection of images -> features in shards, resumable.
 
 The driver lists the images, skips those the index already holds, and hands the rest
-to an engine (one local session here, or Ray Data in `embed_ray`). Results come back
+to an engine (one local session, `embed_engine`, or Ray Data, `embed_ray`). Results come back
 one image at a time, in input order; every `batch` encoded images become one shard,
 `OUT_DIR/shard-NNNNN.safetensors`, written whole, then `OUT_DIR/index.json`, written
 whole. Each shard also names its images in its metadata, so a shard whose index write
@@ -28,12 +28,11 @@ from safetensors import safe_open
 from safetensors.numpy import save
 
 from emitter.atomic import check_writable, write_atomic
-from emitter.errors import Failure, one_line_error as one_line
+from emitter.errors import one_line_error as one_line
 from emitter.identity import DEFAULT_LADDER
 
+from .embed_engine import Embedded, SessionSpec, local_engine
 from .outputs import check_output_folder
-from .packing import pack
-from .processor import image_grid, process_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 LIST_SUFFIX = ".txt"
@@ -72,76 +71,6 @@ def _list_lines(path: Path) -> list[str]:
         raise ValueError(f"INPUT {path}: cannot read the list ({getattr(e, 'strerror', None) or e}); "
                          f"expected a UTF-8 text file, one image path a line") from None
     return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
-
-
-# --------------------------------------------------------------------------- encoding
-
-class EngineError(Failure):
-    """The engine itself failed (not one image): one line; what was written is kept."""
-
-
-@dataclass(frozen=True)
-class SessionSpec:
-    """What opens a session, picklable (Ray actors open their own from it)."""
-    model: str
-    cache_dir: str
-    buckets: tuple[int, ...] = DEFAULT_LADDER
-    target: str | None = None
-    precision: str = "f32"
-    threads: int | None = None
-
-    def open(self):
-        from .session import VisionSession
-        return VisionSession(self.model, buckets=self.buckets, target=self.target, cache_dir=self.cache_dir,
-                             threads=self.threads, precision=self.precision)
-
-
-@dataclass
-class Embedded:
-    """One image's result: `features` [1 + K, tokens, out_hidden] f32 (the main embeddings,
-    then each DeepStack feature), or `error`, one line."""
-    image: str
-    grid: tuple[int, int, int] | None = None
-    features: np.ndarray | None = None
-    error: str | None = None
-
-
-def encode_batch(session, images: list[str]) -> list[Embedded]:
-    """Encode `images` together (packed as `qwen3vl run` packs them); an image that cannot
-    be read or fits no bucket becomes a failed result instead of an exception."""
-    results = [Embedded(image) for image in images]
-    good, pixels = [], []
-    for result in results:
-        try:
-            pack([image_grid(result.image, session.policy)], session.buckets, [result.image])  # header only
-            values, result.grid = process_image(result.image, session.policy)
-        except (ValueError, OSError) as e:
-            result.error = one_line(e)
-            continue
-        good.append(result)
-        pixels.append(values)
-    if not good:
-        return results
-    try:
-        out = session.encode_pixels(np.concatenate(pixels), [r.grid for r in good], [r.image for r in good])
-    except MemoryError as e:
-        for result in good:
-            result.error = f"out of memory encoding this batch ({one_line(e)}); use a smaller --batch or bucket"
-        return results
-    stacked = np.concatenate([out.image_embeds[None], out.deepstack_features]).astype(np.float32)
-    start = 0
-    for result, rows in zip(good, out.merged_counts(session.cfg.merge_unit)):
-        result.features = stacked[:, start:start + rows]
-        start += rows
-        if not np.isfinite(result.features).all():
-            result.features, result.error = None, "outputs are NaN or inf; the tower overflowed f32"
-    return results
-
-
-def local_engine(session, images: list[str], batch: int) -> Iterator[Embedded]:
-    """One session in this process, `batch` images per call."""
-    for start in range(0, len(images), batch):
-        yield from encode_batch(session, images[start:start + batch])
 
 
 # --------------------------------------------------------------------------- shards and index

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .embed import Embedded, EngineError, SessionSpec, encode_batch
+from .embed_engine import Embedded, EngineError, SessionSpec, encode_batch
 
 INSTALL_HINT = "install the ray extra: pip install 'qwen3vl-iree[ray]' (in a checkout: pip install -e '.[ray]')"
 LOCAL_OBJECT_STORE = 512 * 2**20  # --ray-local: rows pass through it on their way to the driver
