@@ -4,7 +4,7 @@ runs it from a source checkout with the same options.
     .venv/bin/python benchmarks/bench_vision.py --preset qwen3-vl-2b --bucket 512 --precision both
 """
 
-from runtime.bench import main
+from runtime.bench_cli import bench_command
 
 if __name__ == "__main__":
-    main()
+    bench_command()

@@ -13,11 +13,12 @@ outputs) against the bare graph call.
 
     qwen3vl bench --preset qwen3-vl-2b --bucket 512 --precision both --json bench.json
     qwen3vl bench --preset tiny --bucket 64 --images 64x64 --roof-sizes 256
+
+`run(BenchOptions(...))` returns the figures; runtime/bench_cli.py is the command.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -27,12 +28,12 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from emitter.atomic import check_writable, write_atomic
-from emitter.errors import fail
 from emitter.config import CONV_WEIGHT, PRESETS, ROPE_THETA, VisionConfig, weight_schema
 from emitter.config import HF_PREFIX, graph_weights as graph_weight_specs
 
@@ -248,32 +249,25 @@ def rel_l2(a, b) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="qwen3vl bench", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("--preset", default="qwen3-vl-2b", help="a preset, with random weights (default qwen3-vl-2b)")
-    p.add_argument("--model", help="a checkpoint folder instead of a preset")
-    p.add_argument("--bucket", type=int, default=512)
-    p.add_argument("--images", default="256x256,256x256", help="comma-separated WxH sizes (random RGB)")
-    p.add_argument("--repeats", type=int, default=7, help="timed rounds")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    p.add_argument("--threads", type=int, default=2, help="threads for every side")
-    p.add_argument("--precision", choices=list(PRECISIONS), default="f32",
-                   help="f32, bf16 (bf16 matmul operands, f32 accumulation), or both in one run")
-    p.add_argument("--weights", choices=["parameters", "arguments"], default="parameters",
-                   help="weight binding (the runtime's default: parameters)")
-    p.add_argument("--flag", action="append", default=[], help="extra iree-compile flag (a lever to try)")
-    p.add_argument("--no-torch", action="store_true", help="do not run transformers (our side and the roof)")
-    p.add_argument("--roof-sizes", default=",".join(map(str, DEFAULT_SIZES)),
-                   help="square matmul sizes for the roof (default %(default)s)")
-    p.add_argument("--end-to-end", action="store_true",
-                   help="also time a VisionSession's encode() on image files (writes a random checkpoint "
-                        "for a preset); --cache-dir for its artifact (default: a temporary folder)")
-    p.add_argument("--cache-dir", help="artifact cache for --end-to-end")
-    p.add_argument("--seed", type=int, default=0, help="seed of the run order")
-    p.add_argument("--json", help="write the figures here")
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `qwen3vl bench` was asked (runtime/bench_cli.py gives each its flag and help)."""
+    preset: str = "qwen3-vl-2b"
+    model: str | None = None
+    bucket: int = 512
+    images: str = "256x256,256x256"
+    repeats: int = 7
+    warmup: int = 2
+    threads: int = 2
+    precision: str = "f32"
+    weights: str = "parameters"
+    flags: tuple[str, ...] = ()
+    no_torch: bool = False
+    roof_sizes: str = ",".join(map(str, DEFAULT_SIZES))
+    end_to_end: bool = False
+    cache_dir: str | None = None
+    seed: int = 0
+    json: str | None = None
 
 
 def load_model(args):
@@ -300,24 +294,27 @@ def load_model(args):
     return cfg, pixels, grid_thw, weights, images
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def run(args: BenchOptions) -> dict:
+    """Every figure of one bench run (module docstring); `args.json` written too. Bad input
+    is a ValueError (or OSError), raised before any work."""
     from .packing import PackingError, host_inputs
     from .session import set_thread_count
-    try:  # before any work
-        if args.json:
-            check_writable(args.json, "--json")
-        roof_sizes = parse_roof_sizes(args.roof_sizes)
-        set_thread_count(args.threads)
-        cfg, pixels, grid_thw, weights, images = load_model(args)
-        try:
-            inputs = host_inputs(pixels, [tuple(int(v) for v in g) for g in grid_thw], cfg, args.bucket)
-        except PackingError as e:
-            raise ValueError(f"--bucket {args.bucket}: the images of --images {args.images} do not fit ({e})")
-    except ValueError as e:
-        fail(str(e))
+    if args.precision not in PRECISIONS:
+        raise ValueError(f"--precision {args.precision}: expected one of {', '.join(PRECISIONS)}")
+    if args.json:
+        check_writable(args.json, "--json")
+    roof_sizes = parse_roof_sizes(args.roof_sizes)
+    set_thread_count(args.threads)
+    cfg, pixels, grid_thw, weights, images = load_model(args)
+    try:
+        inputs = host_inputs(pixels, [tuple(int(v) for v in g) for g in grid_thw], cfg, args.bucket)
+    except PackingError as e:
+        raise ValueError(f"--bucket {args.bucket}: the images of --images {args.images} do not fit ({e})") from None
     with tempfile.TemporaryDirectory(prefix="qwen3vl-bench-") as workdir:
-        return run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, workdir)
+        figures = run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, workdir)
+    if args.json:
+        write_atomic(args.json, json.dumps(figures, indent=1) + "\n")
+    return figures
 
 
 def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, workdir) -> dict:
@@ -332,7 +329,7 @@ def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, 
     forms = {precision: resolve_precision(precision, "llvm-cpu", print) for precision in precisions}
     figures["graph_precisions"] = forms
     for precision in precisions:
-        run, built = our_tower(cfg, weights, args.bucket, forms[precision], args.weights, args.flag, config,
+        run, built = our_tower(cfg, weights, args.bucket, forms[precision], args.weights, args.flags, config,
                                inputs, workdir)
         programs[f"ours {precision}"] = lambda run=run: run()[:merged]
         figures.update({f"{k}_{precision}" if precision != "f32" else k: v for k, v in built.items()})
@@ -359,7 +356,7 @@ def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, 
     figures.update({
         "preset": None if args.model else args.preset, "model": args.model, "bucket": args.bucket,
         "images": args.images, "threads": args.threads, "precision": args.precision, "weights": args.weights,
-        "flags": args.flag, "torch": torch_status, "order": f"random per round (seed {args.seed})",
+        "flags": args.flags, "torch": torch_status, "order": f"random per round (seed {args.seed})",
         "warmup": args.warmup, "repeats": args.repeats, "loadavg": list(os.getloadavg()),
         "gflop": flops / 1e9, "times": times, "roof": roof,
         "roof_gflops": roof.get("f32", {}).get("gflops"), "roof_bf16_gflops": roof.get("bf16", {}).get("gflops"),
@@ -393,16 +390,12 @@ def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, 
                         "e2e_overhead_min": r["min"] - 1, "e2e_overhead_max": r["max"] - 1,
                         "rel_l2_e2e_vs_graph": rel_l2(outputs[e2e], outputs[f"ours {precisions[0]}"])})
     figures["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(report(figures, flops))
-    if args.json:
-        try:
-            write_atomic(args.json, json.dumps(figures, indent=1) + "\n")
-        except OSError as e:
-            fail(str(e))
     return figures
 
 
-def report(f: dict, flops: float) -> str:
+def report(f: dict) -> str:
+    """The figures of `run` as the command prints them."""
+    flops = f["gflop"] * 1e9
     lines = [f"{f['model'] or f['preset']}, bucket {f['bucket']}, images {f['images']}, {f['threads']} threads, "
              f"{f['gflop']:.0f} GFLOP of work, weights {f['weights']}, flags {f['flags'] or 'default'}, "
              f"load average {f['loadavg'][0]:.2f}",

@@ -168,20 +168,12 @@ from .oracle import oracle_command  # noqa: E402
 from .generate_cli import generate_command  # noqa: E402
 from .embed_cli import embed_command  # noqa: E402
 from .serve.cli import serve_command  # noqa: E402
+from .bench_cli import bench_command  # noqa: E402
 
 main.add_command(oracle_command)
 main.add_command(generate_command)
 main.add_command(embed_command)
 main.add_command(serve_command)
+main.add_command(bench_command)
 
 
-@main.command(context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True,
-                                   help_option_names=[]))
-@click.pass_context
-def bench(ctx):
-    """Time the compiled tower against transformers' (f32 against f32, bf16 against bf16) and
-    the machine's matmul roof, in one process. `qwen3vl bench --help` lists the options.
-
-    torch and transformers are optional: without them it times our side against the roof."""
-    from .bench import main as bench_main
-    bench_main(ctx.args)
