@@ -164,7 +164,7 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, seed, with_text)
     click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
 
 
-from .oracle import oracle_command  # noqa: E402
+from .oracle_cli import oracle_command  # noqa: E402
 from .generate_cli import generate_command  # noqa: E402
 from .embed_cli import embed_command  # noqa: E402
 from .serve.cli import serve_command  # noqa: E402

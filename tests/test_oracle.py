@@ -18,7 +18,8 @@ from emitter.config import PRESETS
 from helpers import write_images
 from emitter.vision import default_inspect_blocks
 from runtime.oracle import (CONTROL_KINDS, DEFAULT_TOLERANCES, REPORT_SCHEMA_VERSION, check_report, compare,
-                            format_table, oracle_command, oracle_stage_names, run_oracle)
+                            format_table, oracle_stage_names, run_oracle)
+from runtime.oracle_cli import oracle_command
 from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 TINY = PRESETS["tiny"]
