@@ -98,7 +98,9 @@ class TextConfig:
 
 @dataclass(frozen=True)
 class TokenIds:
-    """The special-token ids the prompt needs, from config.json's top level."""
+    """The special-token ids the prompt needs, from config.json's top level
+    (`token_ids_from_hf`). The defaults are what transformers' Qwen3VLConfig gives a
+    config.json that names none (Qwen's released ids); code takes the checkpoint's."""
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
@@ -154,23 +156,30 @@ def text_config_from_hf(config: dict, source: str = "config.json") -> tuple[Text
     # transformers 5.24 ties lm_head to the embeddings by the top-level flag only (default
     # false), whatever text_config says.
     kwargs["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
-    ids = {}
-    for name in TOKEN_ID_FIELDS:
-        value = config.get(name, getattr(TokenIds, name))
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{source}: field '{name}' = {value!r}: expected a token id")
-        ids[name] = value
+    ids = token_ids_from_hf(config, source)
     try:
         cfg = TextConfig(**kwargs)
     except ConfigError as e:
         raise ConfigError(str(e).replace("text_config: field '", f"{source}: field 'text_config.")) from None
     except TypeError as e:
         raise ConfigError(f"{source}: text_config: {e}") from None
-    for name, value in ids.items():  # else the prompt would hold a token the embedding table has no row for
-        if value >= cfg.vocab_size:
-            raise ConfigError(f"{source}: field '{name}' = {value}: outside the vocabulary [0, {cfg.vocab_size}) "
-                              f"of text_config.vocab_size")
-    return cfg, TokenIds(**ids)
+    for name in TOKEN_ID_FIELDS:  # else the prompt would hold a token the embedding table has no row for
+        if getattr(ids, name) >= cfg.vocab_size:
+            raise ConfigError(f"{source}: field '{name}' = {getattr(ids, name)}: outside the vocabulary "
+                              f"[0, {cfg.vocab_size}) of text_config.vocab_size")
+    return cfg, ids
+
+
+def token_ids_from_hf(config: dict, source: str = "config.json") -> TokenIds:
+    """The special-token ids of a parsed `config.json` (its top-level fields; a field left
+    out takes transformers' Qwen3VLConfig default)."""
+    ids = {}
+    for name in TOKEN_ID_FIELDS:
+        value = config.get(name, getattr(TokenIds, name))
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{source}: field '{name}' = {value!r}: expected a token id")
+        ids[name] = value
+    return TokenIds(**ids)
 
 
 def _refuse_moe_text(text: dict, source: str) -> None:
@@ -185,6 +194,20 @@ def _refuse_moe_text(text: dict, source: str) -> None:
 
 def load_text_config(model_dir: str | Path) -> tuple[TextConfig, TokenIds]:
     """The text config and special-token ids of a checkpoint folder (its `config.json`)."""
+    config, path = _read_config(model_dir)
+    return text_config_from_hf(config, source=str(path))
+
+
+def load_token_ids(model_dir: str | Path) -> TokenIds:
+    """The special-token ids of a checkpoint folder's `config.json` (no language model needed)."""
+    config, path = _read_config(model_dir)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return token_ids_from_hf(config, source=str(path))
+
+
+def _read_config(model_dir: str | Path) -> tuple[object, Path]:
+    """A checkpoint folder's parsed `config.json` and its path; ConfigError naming it."""
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ConfigError(f"--model {model_dir}: not a readable folder")
@@ -194,7 +217,7 @@ def load_text_config(model_dir: str | Path) -> tuple[TextConfig, TokenIds]:
         raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return text_config_from_hf(config, source=str(path))
+    return config, path
 
 
 def _released(hidden, layers, heads, intermediate, tied):

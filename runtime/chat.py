@@ -95,7 +95,7 @@ def prompt_ids(tokenizer, token_ids, messages, processed: list[ProcessedMedia]) 
     """The chat's token ids, each medium's pads expanded."""
     images = [m.prompt for m in processed if m.kind == "image"]
     videos = [m.prompt for m in processed if m.kind == "video"]
-    return tokenizer.messages_ids(messages, token_ids.image_token_id, images, videos)
+    return tokenizer.messages_ids(messages, token_ids, images, videos)
 
 
 def build_prompt(ids: np.ndarray, token_ids, merge_size: int, processed: list[ProcessedMedia],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from emitter.config import HF_PREFIX, VisionConfig
+from emitter.text_config import TokenIds
 
 from .oracle_compare import actuals, compare_stages
 
@@ -51,15 +52,19 @@ def zeroed_branch(cfg: VisionConfig, graph: dict[str, np.ndarray], expected: dic
             "failing_stages": failing}
 
 
+# The control's own token ids: it only packages outputs, no tokenizer or language model reads them.
+CONTROL_IDS = TokenIds(image_token_id=3, video_token_id=4, vision_start_token_id=1, vision_end_token_id=2)
+
+
 def _prompt(grid_thw, merge_size: int) -> np.ndarray:
     """A chat-template-like prompt: one <|vision_start|><|image_pad|><|vision_end|> per
-    image, text tokens around them, pads expanded to each image's merged count."""
-    from .prefill import IMAGE_PAD, VISION_END, VISION_START, expand_image_pads
-    text = [9707, 11]  # any text tokens
+    image (`CONTROL_IDS`), text tokens around them, pads expanded to each image's merged count."""
+    from .prefill import expand_image_pads
+    text = [5, 6]  # any text tokens
     ids = list(text)
     for _ in range(len(grid_thw)):
-        ids += [VISION_START, IMAGE_PAD, VISION_END] + text
-    return expand_image_pads(np.array(ids, np.int64), grid_thw, merge_size)
+        ids += [CONTROL_IDS.vision_start_token_id, CONTROL_IDS.image_token_id, CONTROL_IDS.vision_end_token_id] + text
+    return expand_image_pads(np.array(ids, np.int64), grid_thw, merge_size, token_ids=CONTROL_IDS)
 
 
 def dropped_branch(cfg: VisionConfig, graph: dict[str, np.ndarray], grid_thw) -> dict:
@@ -74,12 +79,13 @@ def dropped_branch(cfg: VisionConfig, graph: dict[str, np.ndarray], grid_thw) ->
              "description": f"the compiled outputs packaged as a prefill payload with deepstack_features.{branch} "
                             "missing", "refused_by": "runtime.prefill.build_prefill_payload"}
     try:
-        build_prefill_payload(ids, graph["image_embeds"], features, grid_thw, k, cfg.spatial_merge_size)
+        build_prefill_payload(ids, graph["image_embeds"], features, grid_thw, k, cfg.spatial_merge_size,
+                              token_ids=CONTROL_IDS)
     except PrefillError as e:  # the intact payload must go through, or the control proves nothing
         return {**entry, "detected": False, "first_failing_stage": None, "error": f"intact payload refused: {e}"}
     try:
         build_prefill_payload(ids, graph["image_embeds"], features[:branch] + [None], grid_thw, k,
-                              cfg.spatial_merge_size)
+                              cfg.spatial_merge_size, token_ids=CONTROL_IDS)
     except PrefillError as e:
         return {**entry, "detected": True, "first_failing_stage": f"deepstack_merger_list.{branch}",
                 "error": str(e)}

@@ -23,13 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from emitter.atomic import write_atomic
-
-# Token ids of Qwen3-VL's tokenizer (transformers' Qwen3VLConfig defaults:
-# vision_start_token_id, vision_end_token_id, image_token_id, video_token_id).
-VISION_START = 151652
-VISION_END = 151653
-IMAGE_PAD = 151655
-VIDEO_PAD = 151656
+from emitter.text_config import TokenIds
 
 # mm_token_type_ids values transformers' processor gives (text 0, image 1, video 2).
 _TEXT, _IMAGE, _VIDEO = 0, 1, 2
@@ -114,16 +108,18 @@ def _as_features(x, name: str) -> np.ndarray:
 # --------------------------------------------------------------------------- prompt
 
 
-def expand_image_pads(input_ids, grid_thw, merge_size: int = 2) -> np.ndarray:
-    """Replace the single `<|image_pad|>` of each image with t*h*w/merge_size**2 of them.
+def expand_image_pads(input_ids, grid_thw, merge_size: int = 2, *, token_ids: TokenIds) -> np.ndarray:
+    """Replace the single `<|image_pad|>` of each image with t*h*w/merge_size**2 of them
+    (the ids are the checkpoint's, `token_ids`).
 
     Each pad must stand alone between `<|vision_start|>` and `<|vision_end|>` (the chat
     template's form); images are taken in prompt order. Other tokens (video pads too)
     are kept as they are."""
     ids = _as_ids(input_ids)
     grids = _as_grids(grid_thw, merge_size)
-    pads = np.flatnonzero(ids == IMAGE_PAD)
-    runs = [(s, e) for kind, s, e in _runs((ids == IMAGE_PAD).astype(np.int8)) if kind == 1]
+    pad = token_ids.image_token_id
+    pads = np.flatnonzero(ids == pad)
+    runs = [(s, e) for kind, s, e in _runs((ids == pad).astype(np.int8)) if kind == 1]
     for s, e in runs:
         if e - s > 1:
             raise PrefillError(f"input_ids: {e - s} adjacent <|image_pad|> tokens at {s}..{e - 1}; expected one per "
@@ -131,20 +127,20 @@ def expand_image_pads(input_ids, grid_thw, merge_size: int = 2) -> np.ndarray:
     if len(pads) != len(grids):
         raise PrefillError(f"input_ids: {len(pads)} <|image_pad|> token(s) but {len(grids)} image grid(s) given")
     for n, i in enumerate(pads.tolist()):
-        if i == 0 or ids[i - 1] != VISION_START or i + 1 == ids.size or ids[i + 1] != VISION_END:
+        if i == 0 or ids[i - 1] != token_ids.vision_start_token_id or i + 1 == ids.size or \
+                ids[i + 1] != token_ids.vision_end_token_id:
             raise PrefillError(f"input_ids: <|image_pad|> of image {n} at {i} is not wrapped as "
                                "<|vision_start|><|image_pad|><|vision_end|>")
     pieces, prev = [], 0
     for i, grid in zip(pads.tolist(), grids):
-        pieces += [ids[prev:i], np.full(merged_count(grid, merge_size), IMAGE_PAD, np.int64)]
+        pieces += [ids[prev:i], np.full(merged_count(grid, merge_size), pad, np.int64)]
         prev = i + 1
     pieces.append(ids[prev:])
     return np.concatenate(pieces)
 
 
-def mrope_position_ids(input_ids, grid_thw, merge_size: int = 2, *, video_grid_thw=None,
-                       attention_mask=None, image_token_id: int = IMAGE_PAD,
-                       video_token_id: int = VIDEO_PAD) -> tuple[np.ndarray, int]:
+def mrope_position_ids(input_ids, grid_thw, merge_size: int = 2, *, image_token_id: int, video_token_id: int,
+                       video_grid_thw=None, attention_mask=None) -> tuple[np.ndarray, int]:
     """M-RoPE position ids [3, S] int64 and the rope delta of one sequence, as transformers'
     `Qwen3VLModel.get_rope_index` computes them (with `mm_token_type_ids` as its processor
     makes them: image pad 1, video pad 2, everything else 0).
@@ -159,7 +155,7 @@ def mrope_position_ids(input_ids, grid_thw, merge_size: int = 2, *, video_grid_t
 
     With `attention_mask` [S] (1 keep, 0 pad), positions are computed over the kept
     tokens only and the masked slots hold 0, as in transformers. `image_token_id` /
-    `video_token_id`: the checkpoint's pad ids (config.json), when not Qwen3-VL's own.
+    `video_token_id`: the checkpoint's pad ids (config.json, `TokenIds`).
 
     Fails closed where transformers would silently misalign: every vision run must have
     exactly its grid's merged token count, and every grid must be used."""
@@ -292,8 +288,8 @@ def _checked_rows(ids, pad: int, token: str, embeds, grids, merge_size: int, wha
 
 
 def build_prefill_payload(input_ids, image_embeds, deepstack_features, grid_thw, num_deepstack_layers: int,
-                          merge_size: int = 2, *, video_embeds=None, video_deepstack_features=None,
-                          video_grid_thw=None) -> PrefillPayload:
+                          merge_size: int = 2, *, token_ids: TokenIds, video_embeds=None,
+                          video_deepstack_features=None, video_grid_thw=None) -> PrefillPayload:
     """Check and bundle an expanded prompt with the vision outputs of its images and videos.
 
     input_ids [S] (pads already expanded, see `expand_image_pads`; a video's as
@@ -305,26 +301,28 @@ def build_prefill_payload(input_ids, image_embeds, deepstack_features, grid_thw,
 
     With videos the payload's rows are the visual positions' (image and video pads) in
     prompt order: image rows at the image pads, video rows at the video pads, as
-    transformers' two masked scatters and its joint DeepStack rows place them. Raises
-    PrefillError on any inconsistency."""
+    transformers' two masked scatters and its joint DeepStack rows place them. The pad ids
+    are the checkpoint's (`token_ids`). Raises PrefillError on any inconsistency."""
     ids = _as_ids(input_ids)
+    image_pad, video_pad = token_ids.image_token_id, token_ids.video_token_id
+    pad_ids = dict(image_token_id=image_pad, video_token_id=video_pad)
     grids = _as_grids(grid_thw, merge_size)
     embeds = _as_features(image_embeds, "image_embeds")
-    image_positions = _checked_rows(ids, IMAGE_PAD, "<|image_pad|>", embeds, grids, merge_size, "image",
+    image_positions = _checked_rows(ids, image_pad, "<|image_pad|>", embeds, grids, merge_size, "image",
                                     "image_embeds")
     feats = _as_deepstack(deepstack_features, num_deepstack_layers, embeds)
     if video_embeds is None:
-        if (ids == VIDEO_PAD).any():
-            raise PrefillError(f"input_ids: <|video_pad|> at {int(np.flatnonzero(ids == VIDEO_PAD)[0])} but no "
+        if (ids == video_pad).any():
+            raise PrefillError(f"input_ids: <|video_pad|> at {int(np.flatnonzero(ids == video_pad)[0])} but no "
                                "video_embeds were given")
-        position_ids, rope_delta = mrope_position_ids(ids, grids, merge_size)  # checks each image's pad run
+        position_ids, rope_delta = mrope_position_ids(ids, grids, merge_size, **pad_ids)  # checks each pad run
         return PrefillPayload(input_ids=ids, visual_positions=image_positions, image_embeds=embeds,
                               deepstack=list(enumerate(feats)), position_ids=position_ids, rope_delta=rope_delta)
     video_grids = _as_grids(video_grid_thw, merge_size, "video")
     video = _as_features(video_embeds, "video_embeds")
     if video.shape[1:] != embeds.shape[1:]:
         raise PrefillError(f"video_embeds: width {video.shape[1]} differs from image_embeds' {embeds.shape[1]}")
-    video_positions = _checked_rows(ids, VIDEO_PAD, "<|video_pad|>", video, video_grids, merge_size, "video",
+    video_positions = _checked_rows(ids, video_pad, "<|video_pad|>", video, video_grids, merge_size, "video",
                                     "video_embeds")
     video_feats = _as_deepstack(video_deepstack_features, num_deepstack_layers, video)
     visual_positions = np.sort(np.concatenate([image_positions, video_positions]))
@@ -335,7 +333,7 @@ def build_prefill_payload(input_ids, image_embeds, deepstack_features, grid_thw,
         out[~is_video], out[is_video] = image_rows, video_rows
         return out
 
-    position_ids, rope_delta = mrope_position_ids(ids, grids, merge_size, video_grid_thw=video_grids)
+    position_ids, rope_delta = mrope_position_ids(ids, grids, merge_size, video_grid_thw=video_grids, **pad_ids)
     return PrefillPayload(input_ids=ids, visual_positions=visual_positions, image_embeds=joint(embeds, video),
                           deepstack=[(k, joint(a, b)) for k, (a, b) in enumerate(zip(feats, video_feats))],
                           position_ids=position_ids, rope_delta=rope_delta)

@@ -190,20 +190,25 @@ class VisionSession:
         (`PrefillPayload`): visual positions, embeddings, DeepStack features per decoder
         layer, M-RoPE ids. With `expand_pads`, a prompt holding one image pad per image is
         expanded first; video pads must come expanded as the processor writes them, with
-        their timestamps (`ChatTokenizer.prompt_ids`)."""
-        from .prefill import IMAGE_PAD, build_prefill_payload, expand_image_pads
+        their timestamps (`ChatTokenizer.prompt_ids`). The special-token ids are the
+        checkpoint's (config.json)."""
+        from emitter.text_config import load_token_ids
 
+        from .prefill import build_prefill_payload, expand_image_pads
+
+        token_ids = load_token_ids(self.model_dir)
         out = self.encode(images, names=names)
         ids = np.asarray(input_ids).reshape(-1)
-        if expand_pads and np.count_nonzero(ids == IMAGE_PAD) == len(out.grid_thw):
-            ids = expand_image_pads(ids, out.grid_thw, self.cfg.spatial_merge_size)
+        if expand_pads and np.count_nonzero(ids == token_ids.image_token_id) == len(out.grid_thw):
+            ids = expand_image_pads(ids, out.grid_thw, self.cfg.spatial_merge_size, token_ids=token_ids)
         video = {}
         if len(videos):
             v = self.encode_videos(videos)
             video = dict(video_embeds=v.image_embeds, video_deepstack_features=v.deepstack_features,
                          video_grid_thw=v.grid_thw)
         return build_prefill_payload(ids, out.image_embeds, out.deepstack_features, out.grid_thw,
-                                     len(self.cfg.deepstack_visual_indexes), self.cfg.spatial_merge_size, **video)
+                                     len(self.cfg.deepstack_visual_indexes), self.cfg.spatial_merge_size,
+                                     token_ids=token_ids, **video)
 
     def run_packed(self, pixel_values: np.ndarray, grid_thw, names=None) -> tuple[list[Call], dict[str, np.ndarray]]:
         """Images already processed, packed in order, one graph call per pack: every result

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,9 @@ import numpy as np
 from emitter.atomic import folder_atomic, write_atomic
 from emitter.config import ROPE_THETA, VisionConfig, weight_schema
 from emitter.policy import VIDEO_PREPROCESSOR_CONFIG
+from emitter.text_config import TokenIds
 from emitter.video_policy import DEFAULT_VIDEO_POLICY
 
-from .prefill import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 from .checkpoint import CONV_NAME, HF_PREFIX, INDEX_NAME, MLX_PREFIX
 from .mlx_quant import dequantize_mlx, pack_mlx
 
@@ -320,10 +321,7 @@ def _write_files(model_dir: Path, cfg: VisionConfig, seed: int, layout: str, dty
         "architectures": ["Qwen3VLForConditionalGeneration" if model_type == "qwen3_vl"
                           else "Qwen3VLMoeForConditionalGeneration"],
         "model_type": model_type,
-        "image_token_id": IMAGE_PAD,
-        "video_token_id": VIDEO_PAD,
-        "vision_start_token_id": VISION_START,
-        "vision_end_token_id": VISION_END,
+        **asdict(TokenIds()),  # as released: the ids a config.json naming none means
         "tie_word_embeddings": False,
         "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype],
         "text_config": _text_config(cfg),

@@ -16,10 +16,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+
+from emitter.text_config import TokenIds
 
 SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # transformers' clean_up_tokenization, in its order
@@ -162,22 +165,37 @@ class ChatTokenizer:
         add = not (bos and text.startswith(bos))
         return np.array(self.tokenizer.encode(text, add_special_tokens=add).ids, np.int64)
 
-    def prompt_ids(self, prompt: str, image_token_id: int, image_tokens=(), videos=()) -> np.ndarray:
+    def prompt_ids(self, prompt: str, token_ids: TokenIds, image_tokens=(), videos=()) -> np.ndarray:
         """Token ids of one user turn as Qwen3VLProcessor makes them: the images (each
         `image_tokens[i]` pads), then the videos, then `prompt`, rendered with the chat
         template. `videos`: per video, (timestamps of its temporal groups, merged tokens
-        per group); each video becomes its timestamped groups (`video_placeholder`)."""
-        return self.messages_ids(user_message(prompt, len(image_tokens), len(videos)), image_token_id, image_tokens,
+        per group); each video becomes its timestamped groups (`video_placeholder`).
+        `token_ids`: the checkpoint's special tokens (config.json)."""
+        return self.messages_ids(user_message(prompt, len(image_tokens), len(videos)), token_ids, image_tokens,
                                  videos)
 
-    def messages_ids(self, messages: list[dict], image_token_id: int, image_tokens=(), videos=()) -> np.ndarray:
+    def messages_ids(self, messages: list[dict], token_ids: TokenIds, image_tokens=(), videos=()) -> np.ndarray:
         """Token ids of a whole chat (`messages` as the template takes them, parts
         {"type": "image"}, {"type": "video"}, {"type": "text", "text": ...}), rendered with
         the generation prompt; images and videos counted as in `prompt_ids`, each kind in
         its order of appearance."""
         text = self.render(messages)
-        text = expand_video_text(text, [video_placeholder(times, tokens) for times, tokens in videos])
-        return expand_pads(self.encode(text), image_token_id, list(image_tokens))
+        strings = self.video_strings(token_ids)
+        text = expand_video_text(text, [video_placeholder(times, tokens, strings) for times, tokens in videos],
+                                 strings.pad)
+        return expand_pads(self.encode(text), token_ids.image_token_id, list(image_tokens))
+
+    def video_strings(self, token_ids: TokenIds) -> VideoStrings:
+        """The text of the video pad, vision start and vision end tokens: the tokenizer's
+        own tokens for the checkpoint's ids."""
+        def text(name: str) -> str:
+            token = self.tokenizer.id_to_token(getattr(token_ids, name))
+            if token is None:
+                raise TokenizerError(f"{self.model_dir / 'tokenizer.json'}: has no token {getattr(token_ids, name)} "
+                                     f"(config.json's {name}); expected the checkpoint's tokenizer")
+            return token
+
+        return VideoStrings(text("vision_start_token_id"), text("video_token_id"), text("vision_end_token_id"))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """As transformers decodes: tokenizers' decode, then its space clean-up when
@@ -198,23 +216,25 @@ def user_message(prompt: str, image_count: int, video_count: int = 0) -> list[di
              [{"type": "video"} for _ in range(video_count)] + [{"type": "text", "text": prompt}]}]
 
 
-# The strings Qwen3VLProcessor writes for a video (its defaults, used when the tokenizer
-# names none: Qwen's tokenizers do not).
-VIDEO_TOKEN, VISION_START_TOKEN, VISION_END_TOKEN = "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
+@dataclass(frozen=True)
+class VideoStrings:
+    """The text of the tokens a video's placeholder is made of (`ChatTokenizer.video_strings`)."""
+    start: str  # <|vision_start|> in Qwen's tokenizer
+    pad: str  # <|video_pad|>
+    end: str  # <|vision_end|>
 
 
-def video_placeholder(timestamps, group_tokens: int) -> str:
+def video_placeholder(timestamps, group_tokens: int, strings: VideoStrings) -> str:
     """What Qwen3VLProcessor writes in place of a video's pad token
     (`replace_video_token`): per temporal group, its time as `<{t:.1f} seconds>`, then
-    `<|vision_start|>`, the group's merged-token count of `<|video_pad|>`, `<|vision_end|>`."""
-    return "".join(f"<{t:.1f} seconds>{VISION_START_TOKEN}{VIDEO_TOKEN * group_tokens}{VISION_END_TOKEN}"
-                   for t in timestamps)
+    the vision start token, the group's merged-token count of video pads, the vision end."""
+    return "".join(f"<{t:.1f} seconds>{strings.start}{strings.pad * group_tokens}{strings.end}" for t in timestamps)
 
 
-def expand_video_text(text: str, placeholders: list[str]) -> str:
-    """Each `<|video_pad|>` of the rendered chat replaced by its video's placeholder, videos
-    in order (the processor's text replacement, before tokenizing)."""
-    pieces = text.split(VIDEO_TOKEN)
+def expand_video_text(text: str, placeholders: list[str], pad: str) -> str:
+    """Each video pad (`pad`, its text) of the rendered chat replaced by its video's
+    placeholder, videos in order (the processor's text replacement, before tokenizing)."""
+    pieces = text.split(pad)
     if len(pieces) - 1 != len(placeholders):
         raise TokenizerError(f"the rendered prompt holds {len(pieces) - 1} video pad token(s) but "
                              f"{len(placeholders)} video(s) were given; does the chat template write one per video?")

@@ -6,17 +6,25 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from runtime.prefill import (IMAGE_PAD, PAYLOAD_KEYS, VIDEO_PAD, VISION_END, VISION_START, PrefillError,
-                             add_deepstack, build_prefill_payload, expand_image_pads, load_payload, merged_count,
-                             mrope_position_ids, save_payload, scatter_image_embeds)
+from emitter.text_config import TokenIds
+from runtime import prefill
+from runtime.prefill import (PAYLOAD_KEYS, PrefillError, add_deepstack, load_payload, merged_count, save_payload,
+                             scatter_image_embeds)
 
 ROOT = Path(__file__).resolve().parents[1]
+IDS = TokenIds()  # the prompts here use Qwen's released ids: what a config.json that names none means
+VISION_START, VISION_END = IDS.vision_start_token_id, IDS.vision_end_token_id
+IMAGE_PAD, VIDEO_PAD = IDS.image_token_id, IDS.video_token_id
 VS, VE, PAD = VISION_START, VISION_END, IMAGE_PAD
+expand_image_pads = partial(prefill.expand_image_pads, token_ids=IDS)
+build_prefill_payload = partial(prefill.build_prefill_payload, token_ids=IDS)
+mrope_position_ids = partial(prefill.mrope_position_ids, image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD)
 
 
 def image(*, n=1):
@@ -55,6 +63,16 @@ def test_token_ids_match_transformers_config():
     cfg = transformers.Qwen3VLConfig()
     assert (cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id, cfg.video_token_id) == (
         VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+
+
+def test_no_token_id_of_qwens_in_the_runtime():
+    """The special-token ids come from the checkpoint (config.json, `TokenIds`): none of
+    Qwen's released ids is written into the runtime's code."""
+    import re
+    released = "|".join(str(i) for i in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD))
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "runtime").rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(rf"\b({released})\b", line)]
+    assert found == []
 
 
 def test_module_does_not_import_torch():

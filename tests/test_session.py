@@ -9,6 +9,7 @@ from PIL import Image
 
 from conftest import rel_l2
 from emitter.config import PRESETS
+from emitter.text_config import load_token_ids
 from runtime.processor import process_images
 from runtime.reference import Reference
 from runtime.session import VisionSession
@@ -70,16 +71,39 @@ def test_image_too_large_for_every_bucket_is_refused(tmp_path):
         small.encode(images(sizes=((96, 128),)), names=["big.png"])
 
 
-def test_prefill_payload_from_a_prompt(session):
-    from runtime.prefill import IMAGE_PAD, VISION_END, VISION_START
-    pictures = images(sizes=((64, 96), (100, 60)))
-    prompt = [1, 2, VISION_START, IMAGE_PAD, VISION_END, 3, VISION_START, IMAGE_PAD, VISION_END, 4]
-    payload = session.prefill(prompt, pictures)
+def prompt_with_images(ids, count: int) -> list[int]:
+    """Text tokens around `count` images in the chat template's form, with the checkpoint's ids."""
+    image = [ids.vision_start_token_id, ids.image_token_id, ids.vision_end_token_id]
+    return [1, 2] + [t for _ in range(count) for t in image + [3]] + [4]
+
+
+def check_payload(session, payload, pictures) -> None:
     out = session.encode(pictures)
     np.testing.assert_array_equal(payload.image_embeds, out.image_embeds)
     assert [layer for layer, _ in payload.deepstack] == [0, 1]
     assert len(payload.visual_positions) == len(out.image_embeds)
     assert payload.position_ids.shape == (3, len(payload.input_ids))
+
+
+def test_prefill_payload_from_a_prompt(session):
+    pictures = images(sizes=((64, 96), (100, 60)))
+    payload = session.prefill(prompt_with_images(load_token_ids(session.model_dir), 2), pictures)
+    check_payload(session, payload, pictures)
+
+
+def test_prefill_takes_the_checkpoints_own_token_ids(tmp_path):
+    """A random checkpoint with a language model has its tokenizer's ids, not Qwen's: the
+    prefill payload finds its pads by them (config.json's image_token_id and the rest)."""
+    from emitter.text_config import TEXT_PRESETS, TokenIds
+    from runtime.synthetic_text import write_generation_checkpoint
+    write_generation_checkpoint(tmp_path / "m", TINY, TEXT_PRESETS["tiny"], seed=4, processor_policy_dict=SMALL_POLICY)
+    ids = load_token_ids(tmp_path / "m")
+    assert ids.image_token_id != TokenIds().image_token_id
+    session = VisionSession(tmp_path / "m", buckets=(64, 128), cache_dir=tmp_path / "cache")
+    pictures = images(sizes=((64, 96),))
+    payload = session.prefill(prompt_with_images(ids, 1), pictures)
+    check_payload(session, payload, pictures)
+    assert (payload.input_ids[payload.visual_positions] == ids.image_token_id).all()
 
 
 def test_argument_bound_weights_give_the_same_result(session, tmp_path):

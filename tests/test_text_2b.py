@@ -33,7 +33,7 @@ def prompt(rng, n=60, image=(20, 36), grid=(1, 8, 8)):
     ids = rng.integers(0, 151000, n)
     ids[ids == IMAGE_ID] = 1
     ids[image[0]:image[1]] = IMAGE_ID
-    positions, _ = mrope_position_ids(ids, [grid], 2, image_token_id=IMAGE_ID)
+    positions, _ = mrope_position_ids(ids, [grid], 2, image_token_id=IMAGE_ID, video_token_id=IMAGE_ID + 1)
     return ids, positions, np.arange(*image)
 
 

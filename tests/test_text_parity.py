@@ -90,7 +90,8 @@ def prompt_inputs(gen, images):
     out = gen.vision.encode(images)
     image_id = gen.text.token_ids.image_token_id
     ids = expand_pads(ids, image_id, out.merged_counts(4))
-    positions, delta = mrope_position_ids(ids, out.grid_thw, 2, image_token_id=image_id)
+    positions, delta = mrope_position_ids(ids, out.grid_thw, 2, image_token_id=image_id,
+                                          video_token_id=gen.text.token_ids.video_token_id)
     return ids, out, positions, delta
 
 
@@ -108,7 +109,8 @@ def test_negative_controls_leave_tolerance(setup, control):
     _, ours, _ = greedy(gen.text, ids, positions, delta, 1, (), visual, out.image_embeds, deepstack)
     assert rel_l2(ours[0], logits[0]) > 100 * TOL
     # the same call with the real inputs is within tolerance
-    positions, delta = mrope_position_ids(ids, out.grid_thw, 2, image_token_id=gen.text.token_ids.image_token_id)
+    positions, delta = mrope_position_ids(ids, out.grid_thw, 2, image_token_id=gen.text.token_ids.image_token_id,
+                                          video_token_id=gen.text.token_ids.video_token_id)
     _, good, _ = greedy(gen.text, ids, positions, delta, 1, (), visual, out.image_embeds, out.deepstack_features)
     assert rel_l2(good[0], logits[0]) <= TOL
 

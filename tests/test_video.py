@@ -5,7 +5,6 @@ against Qwen3VLProcessor and get_rope_index; one-line errors for bad videos."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import av
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from emitter.config import PRESETS
+from emitter.text_config import load_token_ids
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy
 from runtime.video import VideoError, load_video, process_video, video_grid
 
@@ -401,10 +401,10 @@ def test_prompt_and_positions_match_transformers(tmp_path, answer_model, tiny_mo
     _, grids = process_images([image], policy)
     _, video_grids, decoded = process_videos(paths, video_policy)
     np.testing.assert_array_equal(video_grids, inputs["video_grid_thw"].numpy())
-    config = json.loads((answer_model / "config.json").read_text())
-    image_id, video_id = config["image_token_id"], config["video_token_id"]
+    token_ids = load_token_ids(answer_model)
+    image_id, video_id = token_ids.image_token_id, token_ids.video_token_id
     ids = ChatTokenizer(answer_model).prompt_ids(
-        prompt, image_id, [int(np.prod(g)) // 4 for g in grids],
+        prompt, token_ids, [int(np.prod(g)) // 4 for g in grids],
         [prompt_groups(v, g, video_policy) for v, g in zip(decoded, video_grids)])
     assert ids.tolist() == expected_ids.tolist()
     position_ids, delta = mrope_position_ids(ids, grids, video_grid_thw=video_grids, image_token_id=image_id,
@@ -418,8 +418,10 @@ def test_payload_places_image_and_video_rows_at_their_pads(tmp_path, tiny_model)
     DeepStack) is the image's or the video's own, at its pads in prompt order, as
     transformers' masked scatters and joint DeepStack rows place them."""
     from helpers import write_images
-    from runtime.prefill import IMAGE_PAD, VIDEO_PAD, VISION_END as VE, VISION_START as VS
     _, _, session = tiny_model
+    ids = load_token_ids(session.model_dir)
+    IMAGE_PAD, VIDEO_PAD, VE, VS = (ids.image_token_id, ids.video_token_id, ids.vision_end_token_id,
+                                    ids.vision_start_token_id)
     image = write_images(tmp_path, [(64, 64)])[0]
     video = write_video(tmp_path / "a.mp4", gradient_frames(8, 64, 96, seed=7), rate=4)  # 4 frames: 2 groups
     group = [VS] + [VIDEO_PAD] * 6 + [VE]
