@@ -101,12 +101,12 @@ class TextGraph:
     """One function's builder with the weights and KV cache bound (same globals, same order,
     in every function of the module)."""
 
-    def __init__(self, cfg: TextConfig, context: int, precision: str):
+    def __init__(self, cfg: TextConfig, context: int, precision: str, rows: int = 0):
         self.cfg, self.context, self.b = cfg, context, Builder(activations=activation_dtype(precision))
         self.inputs: dict[str, Value] = {}
         self.w = {s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype, key=s.name,
                                            scope=PARAMETER_SCOPE) for s in text_weights(cfg, precision)}
-        cache = (cfg.num_key_value_heads, context, cfg.head_dim)
+        cache = (rows,) * bool(rows) + (cfg.num_key_value_heads, context, cfg.head_dim)  # rows: one per sequence
         self.cache = [(self.b.state(f"layers.{n}.k_cache", cache), self.b.state(f"layers.{n}.v_cache", cache))
                       for n in range(cfg.num_hidden_layers)]
 
@@ -189,11 +189,13 @@ def causal_mask(b: Builder, s: int) -> Value:
 
 
 def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layers: int,
-                     precision: str = "f32") -> tuple[dict, list[str]]:
-    g = TextGraph(cfg, context, precision)
+                     precision: str = "f32", rows: int = 0) -> tuple[dict, list[str]]:
+    """prefill_<bucket>; with `rows`, over a KV cache of that many rows, the sequence's K/V
+    written into row `row` (an extra i32 argument) at slots 0..S-1 (text_batch.py)."""
+    g = TextGraph(cfg, context, precision, rows)
     b = g.b
-    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in prefill_inputs(cfg, bucket,
-                                                                                               deepstack_layers)}
+    arguments = prefill_inputs(cfg, bucket, deepstack_layers) + [("row", (), "i32")] * bool(rows)
+    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in arguments}
     d = cfg.hidden_size
     with b.stage("embed"):
         visual = b.compare("NE", inputs["visual"], b.constant(0, (bucket,), "i32"), hint="visual")
@@ -202,6 +204,12 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
     rest = (cfg.num_key_value_heads, context - bucket, cfg.head_dim)
 
     def attend(n, q, k, v, mask):
+        if rows:
+            for state, value in zip(g.cache[n], (k, v)):  # slots past S keep an old sequence's: decode masks them
+                update = b.reshape(value, (1, *value.shape), hint="row")
+                b.store_state(b.dynamic_update_slice(b.load_state(state), update, [inputs["row"], *[g.zero] * 3],
+                                                     hint="cache"), state)
+            return grouped_attention(b, q, [k], [v], mask)
         for state, value in zip(g.cache[n], (k, v)):  # a new sequence: the cache is rewritten whole
             whole = b.concatenate([value, b.constant(0.0, rest, hint="empty")], 1, hint="cache") if rest[1] else value
             b.store_state(whole, state)

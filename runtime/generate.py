@@ -100,8 +100,12 @@ class TextSession:
         release_mapped_pages(self.parameters)
         return self._context.modules[MODULE_NAME]
 
+    def _graph(self) -> str:
+        """The module's MLIR text (runtime/text_batch.py emits the batched one)."""
+        return emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision)
+
     def _build(self, cache: ArtifactCache, report):
-        graph = emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision)
+        graph = self._graph()
         fields = text_artifact_fields(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision,
                                       self.target, graph)
 
@@ -141,6 +145,14 @@ class TextSession:
                 deepstack_features=None) -> np.ndarray:
         """Run the prompt (ids [n], M-RoPE ids [3, n]; image embeds [M, D] and DeepStack
         features [K, M, D] at `visual_positions` [M]); the logits [vocab] of its last token."""
+        s, args = self.prefill_arguments(input_ids, position_ids, visual_positions, image_embeds, deepstack_features)
+        logits = self._logits(invoke(self.module[prefill_name(s)], *args))
+        self.length = int(np.asarray(input_ids).size)
+        return logits
+
+    def prefill_arguments(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
+                          deepstack_features=None) -> tuple[int, list[np.ndarray]]:
+        """`prefill`'s bucket and the arguments of its `prefill_<S>` call, in order."""
         ids = np.asarray(input_ids, np.int64).reshape(-1)
         n, d = ids.size, self.cfg.hidden_size
         self._check_ids(ids)
@@ -161,9 +173,7 @@ class TextSession:
         args = {"tokens": tokens, "visual": visual, "visual_embeds": embeds, "deepstack": deepstack,
                 "positions": positions, "last": np.array(n - 1, np.int32)}
         names = [name for name, _, _ in prefill_inputs(self.cfg, s, self.deepstack_layers)]
-        logits = self._logits(invoke(self.module[prefill_name(s)], *[args[name] for name in names]))
-        self.length = n
-        return logits
+        return s, [args[name] for name in names]
 
     def decode(self, token: int, rope_position: int) -> np.ndarray:
         """Feed one token (text position `self.length`, M-RoPE position `rope_position` on

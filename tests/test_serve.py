@@ -58,7 +58,7 @@ class Server:
         self.log = open(root / "server.log", "w+")
         self.process = subprocess.Popen(
             [QWEN3VL, "serve", "--model", self.model, "--port", str(self.port), "--cache-dir", self.cache, *SHAPE,
-             "--api-key", KEY, "--allowed-local-media-path", self.allowed, "--max-waiting", "3", "--max-media", "3",
+             "--api-key", KEY, "--allowed-local-media-path", self.allowed, "--max-batch", "4", "--max-waiting", "3", "--max-media", "3",
              "--max-body-mb", "1", "--threads", "2"], stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
@@ -120,11 +120,15 @@ def generate(server, prompt: str, images=(), steps: int = 8, *extra) -> dict:
     return json.loads(out.read_text())
 
 
+USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
 def chat(server, messages, stream=False, **kw):
     """(text, finish_reason, usage) of one completion, streamed or not."""
     if not stream:
         r = server.client.chat.completions.create(model="model", messages=messages, **kw)
-        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.model_dump()
+        usage = r.usage.model_dump()
+        return r.choices[0].message.content, r.choices[0].finish_reason, {k: usage[k] for k in USAGE}
     pieces, finish, usage = [], None, None
     for chunk in server.client.chat.completions.create(model="model", messages=messages, stream=True,
                                                        stream_options={"include_usage": True}, **kw):
@@ -133,7 +137,7 @@ def chat(server, messages, stream=False, **kw):
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
-    return "".join(pieces), finish, {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return "".join(pieces), finish, {k: usage[k] for k in USAGE}
 
 
 SHAPES = {"text": ("Say something.", 0), "one image": ("Describe the image.", 1), "two images": ("Compare them.", 2)}
@@ -239,10 +243,11 @@ def test_encoder_cache_hit_in_a_second_turn(server):
     assert server.metric("qwen3vl_encoder_cache_misses_total") == misses + 1
 
 
-def long_stream(server, messages=None):
-    """A streaming request that runs until its client goes: (response, its open client)."""
+def long_stream(server, messages=None, max_tokens=100000):
+    """A streaming request that runs until its client goes (or to the context's end, some
+    seconds): (response, its open client)."""
     client = httpx.Client(timeout=60)
-    body = {"messages": messages or [user("Go on.")], "max_tokens": 100000, "stream": True, "temperature": 0,
+    body = {"messages": messages or [user("Go on.")], "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "ignore_eos": True}
     request = client.build_request("POST", server.url + "/v1/chat/completions", json=body,
                                    headers={"Authorization": f"Bearer {KEY}"})
@@ -274,8 +279,8 @@ def test_disconnect_cancels_and_frees_the_engine(server):
 
 
 def test_queue_full_is_429_with_retry_after(server):
-    running = [long_stream(server)]
-    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 1)
+    running = [long_stream(server) for _ in range(4)]  # --max-batch 4: every row busy
+    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 4)
     waiting = []
     for _ in range(3):  # --max-waiting 3
         threading.Thread(target=lambda: waiting.append(long_stream(server)), daemon=True).start()
@@ -356,9 +361,44 @@ def test_api_key_required(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def corrupt_png(path: Path) -> str:
+    """A data URL of a PNG whose header reads but whose pixels do not decode."""
+    data = path.read_bytes()
+    return "data:image/png;base64," + base64.b64encode(data[:len(data) // 2]).decode()
+
+
+def test_batched_sequences_equal_their_solo_runs_and_a_failure_disturbs_none(server):
+    long = dict(max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+    sampled = dict(max_tokens=40, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    alone_long = chat(server, [user("Go on.")], **long)
+    alone_sampled = chat(server, [user("Tell a story.", server.images[:1])], **sampled)
+    steps = server.metric("qwen3vl_decode_batch_size_count")
+    single = server.metric("qwen3vl_decode_batch_size_bucket", '{le="1.0"}')
+    results = {}
+
+    def run(name, *args, **kw):
+        results[name] = chat(server, *args, **kw)
+
+    threads = [threading.Thread(target=run, args=("long", [user("Go on.")], True), kwargs=long),
+               threading.Thread(target=run, args=("sampled", [user("Tell a story.", server.images[:1])]),
+                                kwargs=sampled)]
+    for t in threads:
+        t.start()
+    bad = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": corrupt_png(server.images[1])}}, {"type": "text", "text": "x"}]}]}
+    r = server.post(bad)
+    for t in threads:
+        t.join(120)
+    assert r.status_code == 400 and "cannot decode image" in r.json()["error"]["message"], r.text
+    assert results["long"] == alone_long and results["sampled"] == alone_sampled
+    together = (server.metric("qwen3vl_decode_batch_size_count") - steps) - \
+        (server.metric("qwen3vl_decode_batch_size_bucket", '{le="1.0"}') - single)
+    assert together > 0  # some decode steps ran more than one sequence
+
+
 def test_sigterm_finishes_in_flight_and_exits_0(server):
     """Last: a streamed request in flight when SIGTERM arrives still completes; exit 0."""
-    response, client = long_stream(server, [user("Bye.")])
+    response, client = long_stream(server, [user("Bye.")], max_tokens=300)
     try:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")

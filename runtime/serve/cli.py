@@ -32,9 +32,8 @@ def positive(name: str, value: int) -> int:
 @click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (as for qwen3vl generate).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
-@click.option("--max-batch", type=int, default=1, show_default=True, metavar="N",
-              help="Sequences decoded at once. This engine decodes one at a time (the others wait in the "
-                   "queue); only 1 is accepted until the batched decode lands.")
+@click.option("--max-batch", type=int, default=4, show_default=True, metavar="N",
+              help="Sequences decoded together (KV-cache rows on the device); more requests wait in the queue.")
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
               help="Tokens the KV cache holds (prompt and answer).")
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
@@ -61,26 +60,25 @@ def serve_command(model, host, port, max_batch, context, buckets, precision, api
                   cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, grace):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
     is compiled and loaded before the first request is accepted."""
-    if max_batch != 1:
-        raise ValueError(f"--max-batch {max_batch}: this engine decodes one sequence at a time; expected 1")
-    for name, value in (("--max-waiting", max_waiting), ("--max-media", max_media),
+    for name, value in (("--max-batch", max_batch), ("--max-waiting", max_waiting), ("--max-media", max_media),
                         ("--max-body-mb", max_body_mb), ("--encoder-cache-mb", encoder_cache_mb)):
         positive(name, value)
     if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
-    server = build_server(model, host, port, context, prompt_buckets(buckets, context), precision, api_key,
+    server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
                           allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
                           max_body_mb, encoder_cache_mb, grace)  # bad input, failures: the group's one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
 
 
-def build_server(model, host, port, context, buckets, precision, api_key, allowed, cache_dir, threads, target,
+def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads, target,
                  max_waiting, max_media, max_body_mb, encoder_cache_mb, grace):
     """Everything loaded (text module, vision module, weights), then a uvicorn server."""
     import uvicorn
 
     from ..generate import Generator
+    from ..text_batch import BatchTextSession
     from .app import Limits, create_app
     from .encoder_cache import EncoderCache
     from .metrics import Metrics
@@ -91,6 +89,9 @@ def build_server(model, host, port, context, buckets, precision, api_key, allowe
 
     generator = Generator(model, buckets, context, target=target, cache_dir=cache_dir, precision=precision,
                           threads=threads, progress=say)
+    generator.text = BatchTextSession(model, max_batch, buckets=buckets, context=context,  # in place of the
+                                      deepstack_layers=generator.text.deepstack_layers,  # one-sequence module
+                                      **generator.options)
     generator.text.module  # noqa: B018 - compiled and loaded now, not at the first request
     generator.vision.artifact()
     metrics = Metrics()

@@ -1,11 +1,13 @@
-"""The engine: one thread that owns the model and runs the queued requests.
+"""The engine: one thread that owns the model and runs the queued requests, with
+continuous batching on the device.
 
-This engine is sequential: the text module holds one KV cache, so one sequence is
-decoded at a time, start to end, and the next waiting request is admitted the moment it
-ends (finished, stopped, failed or cancelled). A request whose client goes away is
-cancelled at the next decode step. Events go back to the request's asyncio queue:
-("start", prompt_tokens), ("delta", text, logprobs), ("done", finish_reason, usage) or
-("error", ApiError).
+The text module (runtime/text_batch.py) holds a KV cache of `--max-batch` rows. Between
+two decode steps the engine admits waiting requests into free rows (vision, then prefill
+into the row, then the first token); each step feeds every running row its last token in
+one `decode_batch` call. A sequence that finishes, stops, fails or whose client went away
+leaves its row at once, before the next step. Events go back to the request's asyncio
+queue: ("start", prompt_tokens), ("delta", text, logprobs), ("done", finish_reason,
+usage) or ("error", ApiError).
 """
 
 from __future__ import annotations
@@ -16,12 +18,33 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..chat import Media
-from ..generate import GenerateError, stream_tokens
+from ..generate import GenerateError
 from ..sampling import Sampler, SamplingParams
 from ..text_stream import TextStream
 from .errors import ApiError
 from .protocol import ChatRequest
+
+
+@dataclass
+class Sequence:
+    """A running request: its cache row, how far it is, how it chooses and writes tokens."""
+    job: "Job"
+    prompt: object  # chat.Prompt
+    row: int
+    max_new: int
+    sampler: Sampler
+    stream: TextStream
+    eos: tuple
+    length: int = 0  # cache slots filled: the next fed token's slot
+    count: int = 0  # tokens chosen
+    last: int = 0  # the last chosen token, fed at the next step
+    at: float = 0.0  # when it was chosen
+
+    def __post_init__(self):
+        self.length = int(self.prompt.ids.size)
 
 
 @dataclass
@@ -43,9 +66,11 @@ class Engine:
 
     def __init__(self, generator, metrics, encode, max_waiting: int):
         self.generator, self.metrics, self.encode, self.max_waiting = generator, metrics, encode, max_waiting
+        self.rows = generator.text.rows
         self.queue: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
-        self.waiting, self.current = 0, None
+        self.waiting = 0
+        self.running: dict[int, Sequence] = {}  # row -> its sequence; touched by the engine thread only
         self.thread = threading.Thread(target=self._loop, name="qwen3vl-engine", daemon=True)
         self.thread.start()
 
@@ -61,9 +86,8 @@ class Engine:
 
     def stop(self) -> None:
         """Cancel what waits and what runs; the thread ends after the current step."""
-        with self.lock:
-            if self.current is not None:
-                self.current.cancelled.set()
+        for seq in list(self.running.values()):
+            seq.job.cancelled.set()
         while True:
             try:
                 job = self.queue.get_nowait()
@@ -76,65 +100,97 @@ class Engine:
         self.thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while (job := self.queue.get()) is not None:
+        """Admit waiting requests into free rows, then one decode step for all running ones;
+        wait for work when nothing runs."""
+        while True:
+            if not self._admit():
+                return
+            if self.running:
+                self._guarded(list(self.running.values()), self._step)
+
+    def _admit(self) -> bool:
+        """Start waiting jobs while rows are free (blocking while nothing runs); False at stop."""
+        while len(self.running) < self.rows:
+            try:
+                job = self.queue.get(block=not self.running)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
             with self.lock:
                 self.waiting -= 1
                 self.metrics.waiting.set(self.waiting)
-                self.current = job
-            self.metrics.running.inc()
-            try:
-                outcome = self._run(job)
-            except ApiError as e:
-                outcome = "refused"
-                job.send("error", e)
-            except Exception as e:  # noqa: BLE001 - a request's fault never stops the engine
-                outcome = "failed"
-                job.send("error", _as_api_error(e))
-            finally:
-                self.metrics.running.dec()
-                with self.lock:
-                    self.current = None
-            self.metrics.requests.labels(outcome).inc()
+            row = min(set(range(self.rows)) - set(self.running))
+            self._guarded([job], lambda jobs: self._start(job, row))
+        return True
 
-    def _run(self, job: Job) -> str:
+    def _guarded(self, jobs, work) -> None:
+        """`work`; an exception ends `jobs` (their sequences) with an error, the engine goes on."""
+        try:
+            work(jobs)
+        except Exception as e:  # noqa: BLE001 - a request's fault never stops the engine
+            for item in jobs:
+                job = item.job if isinstance(item, Sequence) else item
+                job.send("error", e if isinstance(e, ApiError) else _as_api_error(e))
+                self._end(job, "refused" if isinstance(e, (ApiError, ValueError)) else "failed")
+
+    def _start(self, job: Job, row: int) -> None:
+        """Vision, then prefill into `row`, then the first token."""
         if job.cancelled.is_set():
-            return "cancelled"
+            self.metrics.requests.labels("cancelled").inc()
+            return
         gen, request = self.generator, job.request
         prompt = gen.prepare(request.messages, job.media, 1, encode=self.encode)
         room = gen.text.context - prompt.ids.size + 1
-        max_new = min(request.max_tokens or room, room)
+        seq = Sequence(job, prompt, row, min(request.max_tokens or room, room), Sampler(job.params, prompt.ids,
+                       gen.text.cfg.vocab_size), TextStream(gen.tokenizer, request.stop),
+                       () if request.ignore_eos else gen.tokenizer.eos_ids)
         job.send("start", int(prompt.ids.size))
         self.metrics.prompt_tokens.inc(int(prompt.ids.size))
-        return self._decode(job, prompt, max_new)
+        self.running[row] = seq
+        self.metrics.running.set(len(self.running))
+        self._advance(seq, gen.text.prefill_row(row, prompt))
 
-    def _decode(self, job: Job, prompt, max_new: int) -> str:
-        gen, request = self.generator, job.request
-        stream = TextStream(gen.tokenizer, request.stop)
-        sampler = Sampler(job.params, prompt.ids, gen.text.cfg.vocab_size)
-        tokens, last = 0, None
-        eos = () if request.ignore_eos else gen.tokenizer.eos_ids
-        steps = stream_tokens(gen.text, prompt, sampler, max_new, eos)
-        finish = "length"
-        try:
-            for token, logits in steps:
-                now = time.monotonic()
-                (self.metrics.per_token.observe(now - last) if last else self.metrics.ttft.observe(now - job.arrived))
-                last, tokens = now, tokens + 1
-                self.metrics.generated_tokens.inc()
-                if job.cancelled.is_set():
-                    return "cancelled"
-                piece = stream.add(token)
-                job.send("delta", piece, self._logprobs(job, logits, token) if request.logprobs else None)
-                if token in eos or stream.stopped:
-                    finish = "stop"
-                    break
-        finally:
-            steps.close()
-        job.send("delta", stream.flush(), None)
-        usage = {"prompt_tokens": int(prompt.ids.size), "completion_tokens": tokens,
-                 "total_tokens": int(prompt.ids.size) + tokens}
-        job.send("done", finish, usage)
-        return "finished"
+    def _step(self, sequences) -> None:
+        """One decode call: every running row fed its last token; free rows fed token 0."""
+        tokens, rope, slots = np.zeros(self.rows, np.int32), np.zeros(self.rows, np.int32), np.zeros(self.rows,
+                                                                                                     np.int32)
+        for seq in sequences:
+            tokens[seq.row], slots[seq.row] = seq.last, seq.length
+            rope[seq.row] = seq.length + seq.prompt.rope_delta
+        self.metrics.batch_size.observe(len(sequences))
+        logits = self.generator.text.decode_batch(tokens, rope, slots)
+        for seq in sequences:
+            seq.length += 1
+            self._advance(seq, logits[seq.row])
+
+    def _advance(self, seq: "Sequence", logits) -> None:
+        """Choose `seq`'s next token from `logits`, send it, and end the sequence when it is done
+        (or cancelled: its row is free before the next step)."""
+        job, request = seq.job, seq.job.request
+        if job.cancelled.is_set():
+            return self._end(seq, "cancelled")
+        token = seq.sampler.choose(logits)
+        now = time.monotonic()
+        (self.metrics.per_token.observe(now - seq.at) if seq.count else self.metrics.ttft.observe(now - job.arrived))
+        seq.at, seq.count, seq.last = now, seq.count + 1, token
+        self.metrics.generated_tokens.inc()
+        job.send("delta", seq.stream.add(token), self._logprobs(job, logits, token) if request.logprobs else None)
+        finish = "stop" if token in seq.eos or seq.stream.stopped else "length" if seq.count == seq.max_new else None
+        if finish:
+            job.send("delta", seq.stream.flush(), None)
+            job.send("done", finish, {"prompt_tokens": int(seq.prompt.ids.size), "completion_tokens": seq.count,
+                                      "total_tokens": int(seq.prompt.ids.size) + seq.count})
+            self._end(seq, "finished")
+
+    def _end(self, item, outcome: str) -> None:
+        """`item` (a sequence, or a job) out of its row, if it holds one; its outcome counted."""
+        job = item.job if isinstance(item, Sequence) else item
+        for row, seq in list(self.running.items()):
+            if seq.job is job:
+                del self.running[row]
+        self.metrics.running.set(len(self.running))
+        self.metrics.requests.labels(outcome).inc()
 
     def _logprobs(self, job: Job, logits, token: int) -> dict:
         """OpenAI's logprobs entry of the chosen token, with the top alternatives."""

@@ -1,0 +1,121 @@
+"""The language model for serving several sequences at once (continuous batching): one
+module whose KV cache has `rows` rows, one per sequence, over the same weights as
+emitter/text.py's module (same archive, scope `model`).
+
+prefill_<S>: prefill_<S>'s arguments (emitter/text.py) and `row` [] i32
+  -> logits [1, vocab] of token `last`; its K/V written into cache row `row`, slots 0..S-1.
+decode_batch:
+  tokens [R] i32, positions [3, R] i32, slots [R] i32 (lane i is cache row i; its token's
+  text position = its cache slot)
+  -> logits [R, vocab] f32; each lane's K/V written to its row at its slot, its attention
+  over that row's slots 0..slot. A lane with no sequence is fed anything (token 0, slot 0):
+  it writes only to its own free row, which the next prefill there overwrites.
+
+Every weight matmul (projections, MLP, lm_head) runs once for all R lanes, so a step reads
+the weights once; attention is per lane, over its own row.
+"""
+
+from __future__ import annotations
+
+from . import __version__
+from .attention import grouped_attention
+from .builder import Value
+from .config import PRECISION_NOTES
+from .module import function, render
+from .text import MODULE_NAME, TextGraph, check_text_shapes, prefill_function
+from .text_config import TextConfig
+
+DECODE_BATCH = "decode_batch"
+RESET = "reset"
+
+
+def decode_batch_inputs(rows: int) -> list[tuple[str, tuple, str]]:
+    return [("tokens", (rows,), "i32"), ("positions", (3, rows), "i32"), ("slots", (rows,), "i32")]
+
+
+def check_rows(rows) -> int:
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"--max-batch {rows!r}: expected a positive number of sequences")
+    return rows
+
+
+def decode_batch_function(cfg: TextConfig, context: int, rows: int, precision: str = "f32") -> tuple[dict, list]:
+    g = TextGraph(cfg, context, precision, rows)
+    b = g.b
+    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in decode_batch_inputs(rows)}
+    with b.stage("embed"):
+        x = g.embed(inputs["tokens"])
+    slots = [b.reshape(b.slice(inputs["slots"], (i,), (i + 1,)), (), hint="slot") for i in range(rows)]
+
+    def masks() -> list[Value]:  # per lane: its row's slots before its slot, then its own new token
+        keys = b.iota((1, context + 1), 1, hint="key")
+        own = b.compare("EQ", keys, b.constant(context, (1, context + 1), "i32"), hint="own")
+        out = []
+        for slot in slots:
+            seen = b.compare("LT", keys, b.broadcast_in_dim(slot, (1, context + 1), [], hint="slot"))
+            seen = b.select(own, own, seen, hint="seen")
+            out.append(b.select(seen, b.constant(0.0, (1, context + 1)), b.constant(float("-inf"), (1, context + 1)),
+                                hint="mask"))
+        return out
+
+    def lane(value: Value, i: int, axis: int) -> Value:
+        start, limit = [0] * len(value.shape), list(value.shape)
+        start[axis], limit[axis] = i, i + 1
+        return b.slice(value, tuple(start), tuple(limit), hint="lane")
+
+    def attend(n, q, k, v, lane_masks):
+        # As emitter/text.py's decode: attention reads the cache as loaded plus the new K/V,
+        # and the update is ordered after it (one barrier).
+        loaded = [b.load_state(state) for state in g.cache[n]]
+        row = lambda cache, i: b.reshape(lane(cache, i, 0), cache.shape[1:], hint="row")  # noqa: E731
+        contexts = [grouped_attention(b, lane(q, i, 0), [row(loaded[0], i), lane(k, i, 1)],
+                                      [row(loaded[1], i), lane(v, i, 1)], lane_masks[i]) for i in range(rows)]
+        context = contexts[0] if rows == 1 else b.concatenate(contexts, 0, hint="context")
+        *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
+        for state, cache, value in zip(g.cache[n], loaded, (k, v)):
+            for i in range(rows):
+                update = b.reshape(lane(value, i, 1), (1, value.shape[0], 1, value.shape[2]), hint="update")
+                index = b.constant(i, (), "i32", hint="row")
+                cache = b.dynamic_update_slice(cache, update, [index, g.zero, slots[i], g.zero], hint="cache")
+            b.store_state(cache, state)
+        return context
+
+    x = g.decoder(x, inputs["positions"], masks, attend)
+    return g.function(DECODE_BATCH, g.logits(x)), b.globals
+
+
+def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f32") -> tuple[dict, list]:
+    """`reset(fill [2 x layers] f32)`: each KV-cache global stored whole, global j with
+    `fill[j]` (zeros from the caller). Called once after loading. Until then every cache
+    global holds IREE's one shared zero buffer, and slot-wise updates of it write through
+    to all of them (IREE 3.13; emitter/text.py's prefill stores each layer's own whole
+    cache first, so its decode never sees this). One argument per global: values that
+    are equal would be merged into one buffer again."""
+    g = TextGraph(cfg, context, precision, rows)
+    b = g.b
+    states = [state for pair in g.cache for state in pair]
+    fill = g.argument("fill", (len(states),), "f32")
+    for j, state in enumerate(states):
+        value = b.reshape(b.slice(fill, (j,), (j + 1,)), (), hint="fill")
+        b.store_state(b.broadcast_in_dim(value, state[1].shape, [], hint="empty"), state)
+    return function(b, RESET, [("done", b.constant(0, (), "i32", hint="done"))]), b.globals
+
+
+def emit_batch_module(cfg: TextConfig, buckets, context: int, rows: int, deepstack_layers: int,
+                      precision: str = "f32") -> str:
+    """MLIR text of the batched module: `prefill_<S>` into a row for each bucket S, and
+    `decode_batch` over all rows (deterministic: same input, same bytes)."""
+    buckets, context = check_text_shapes(buckets, context)
+    rows = check_rows(rows)
+    functions, shared = [], None
+    for entry, globals_ in [prefill_function(cfg, s, context, deepstack_layers, precision, rows) for s in buckets] + \
+            [decode_batch_function(cfg, context, rows, precision), reset_function(cfg, context, rows, precision)]:
+        assert shared is None or globals_ == shared, "every entry reads the same globals"
+        functions.append(entry)
+        shared = globals_
+    header = (f"// Qwen3-VL language model, batched: {rows} KV-cache rows, prompt buckets "
+              f"{', '.join(map(str, buckets))}, context {context}, {deepstack_layers} DeepStack layers"
+              f"{PRECISION_NOTES[precision]}.\n"
+              f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
+              f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
+    return render(MODULE_NAME, header, shared, functions)

@@ -1,0 +1,50 @@
+"""The language model with a KV cache of `rows` rows (emitter/text_batch.py): a prompt is
+prefilled into a row, then `decode_batch` gives every row one new token in one call (the
+weights read once a step for all of them). The server's continuous batching runs on it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from emitter.text import prefill_name
+from emitter.text_batch import DECODE_BATCH, RESET, check_rows, emit_batch_module
+
+from .generate import GenerateError, TextSession
+from .iree_module import invoke
+
+
+class BatchTextSession(TextSession):
+    """`TextSession`'s module and weights, batched: rows 0..rows-1, one sequence each."""
+
+    def __init__(self, model_dir, rows: int, **options):
+        self.rows = check_rows(rows)
+        super().__init__(model_dir, **options)
+
+    def _graph(self) -> str:
+        return emit_batch_module(self.cfg, self.buckets, self.context, self.rows, self.deepstack_layers,
+                                 self.precision)
+
+    def _load(self):
+        """The module loaded, and its KV cache stored whole once (`reset`, emitter/text_batch.py)."""
+        module = super()._load()
+        invoke(module[RESET], np.zeros(2 * self.cfg.num_hidden_layers, np.float32))
+        return module
+
+    def prefill_row(self, row: int, prompt) -> np.ndarray:
+        """Prefill `prompt` (a `chat.Prompt`) into cache row `row`: the logits [vocab] of its
+        last token."""
+        s, args = self.prefill_arguments(prompt.ids, prompt.positions, prompt.visual, prompt.embeds,
+                                         prompt.deepstack)
+        return self._logits(invoke(self.module[prefill_name(s)], *args, np.array(row, np.int32)))
+
+    def decode_batch(self, tokens, rope_positions, slots) -> np.ndarray:
+        """One step for every row: row i is fed `tokens[i]` at text position (cache slot)
+        `slots[i]` and M-RoPE position `rope_positions[i]`; the logits [rows, vocab]."""
+        tokens = np.asarray(tokens, np.int32).reshape(self.rows)
+        slots = np.asarray(slots, np.int32).reshape(self.rows)
+        if slots.max() >= self.context:
+            raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
+        self._check_ids(tokens)
+        positions = np.repeat(np.asarray(rope_positions, np.int32).reshape(1, self.rows), 3, axis=0)
+        result = invoke(self.module[DECODE_BATCH], tokens, positions, slots)
+        return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(self.rows, -1)

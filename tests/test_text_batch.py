@@ -1,0 +1,92 @@
+"""The batched language model (emitter/text_batch.py, runtime/text_batch.py): sequences
+prefilled into rows and decoded together give, lane by lane, the one-sequence module's
+logits bit for bit; and the `reset` it runs after loading is needed (control)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from emitter.config import PRESETS
+from emitter.text_config import TEXT_PRESETS
+from runtime.chat import Prompt
+from runtime.generate import TextSession, stream_tokens
+from runtime.sampling import Sampler, SamplingParams
+from runtime.synthetic_text import write_generation_checkpoint
+from runtime.text_batch import BatchTextSession
+
+SHAPE = dict(buckets=(16,), context=48, deepstack_layers=3)
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    write_generation_checkpoint(root / "m", PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=4)
+    rng = np.random.default_rng(0)
+    prompts = []
+    for n, delta in ((5, 0), (11, 3), (2, -1)):  # text-only ids, M-RoPE positions shifted like images do
+        ids = rng.integers(0, TEXT_PRESETS["tiny"].vocab_size, n)
+        positions = np.repeat(np.arange(n)[None], 3, 0)
+        prompts.append(Prompt(ids, positions, delta))
+    return root / "m", root / "cache", prompts
+
+
+def solo_runs(model, cache, prompts):
+    text = TextSession(model, cache_dir=cache, **SHAPE)
+    runs = []
+    for p in prompts:
+        sampler = Sampler(SamplingParams(), p.ids, text.cfg.vocab_size)
+        runs.append(list(stream_tokens(text, p, sampler, STEPS)))
+    return runs
+
+
+def batched_runs(session, prompts, starts):
+    """Each prompt prefilled into its row at step `starts[i]`, then greedy steps for all."""
+    tokens = [[] for _ in prompts]
+    logits = [[] for _ in prompts]
+    length = [p.ids.size for p in prompts]
+    for step in range(max(starts) + STEPS):
+        for i, p in enumerate(prompts):
+            if starts[i] == step:
+                row = session.prefill_row(i, p)
+                logits[i].append(row)
+                tokens[i].append(int(np.argmax(row)))
+        live = [i for i in range(len(prompts)) if starts[i] <= step and len(tokens[i]) < STEPS]
+        if not live:
+            continue
+        feed = np.zeros(session.rows, np.int32)
+        slots = np.zeros(session.rows, np.int32)
+        rope = np.zeros(session.rows, np.int32)
+        for i in live:
+            feed[i], slots[i], rope[i] = tokens[i][-1], length[i], length[i] + prompts[i].rope_delta
+        out = session.decode_batch(feed, rope, slots)
+        for i in live:
+            length[i] += 1
+            logits[i].append(out[i])
+            tokens[i].append(int(np.argmax(out[i])))
+    return tokens, logits
+
+
+def test_batched_decode_equals_the_one_sequence_module(setup):
+    model, cache, prompts = setup
+    solo = solo_runs(model, cache, prompts)
+    session = BatchTextSession(model, 3, cache_dir=cache, **SHAPE)
+    tokens, logits = batched_runs(session, prompts, starts=[0, 2, 5])  # admitted between steps
+    for i, run in enumerate(solo):
+        assert tokens[i] == [t for t, _ in run]
+        for ours, (_, theirs) in zip(logits[i], run):
+            assert np.array_equal(ours, theirs)
+
+
+def test_without_reset_the_cache_updates_go_wrong(setup, monkeypatch):
+    """Control: the same module, not reset after loading, gives other logits after the
+    first step (IREE's shared zero buffer; see emitter/text_batch.reset_function)."""
+    model, cache, prompts = setup
+    solo = solo_runs(model, cache, prompts[:1])
+    monkeypatch.setattr(TextSession, "_load", TextSession._load)
+    monkeypatch.setattr(BatchTextSession, "_load", TextSession._load)
+    session = BatchTextSession(model, 3, cache_dir=cache, **SHAPE)
+    _, logits = batched_runs(session, prompts[:1], starts=[0])
+    assert np.array_equal(logits[0][0], solo[0][0][1])  # the prefill itself is right
+    assert not all(np.array_equal(ours, theirs) for ours, (_, theirs) in zip(logits[0][1:], solo[0][1:]))
