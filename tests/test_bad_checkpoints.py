@@ -1,4 +1,4 @@
-"""Checkpoint folders and configs that do not fit each other (issue 9), through the CLI as
+"""Checkpoint folders and configs that do not fit each other, through the CLI as
 a user meets them: each a one-line error naming what is wrong, a non-zero exit, before
 anything is compiled; and `random-checkpoint` writing a whole folder or nothing."""
 

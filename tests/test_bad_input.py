@@ -1,4 +1,4 @@
-"""Bad input and hostile conditions, as a careful user meets them (issue 9): each one a
+"""Bad input and hostile conditions, as a careful user meets them: each one a
 one-line error, a non-zero exit and nothing half-written; and no compile outliving
 the command that started it."""
 

@@ -3,25 +3,15 @@ layer, while the loaded cache was still to be read by the attention: docs/text.m
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 from emitter.text_config import TEXT_PRESETS
+from runtime import decode_profile as bench
 from runtime.compiler import compile_mlir
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_decode.py"
-
-
-def bench_decode():
-    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_decode_step_copies_no_whole_cache(tmp_path):
-    bench, context = bench_decode(), 512
+    context = 512
     cfg = replace(TEXT_PRESETS["tiny"], num_hidden_layers=2)
     vmfb, archive, profile = tmp_path / "decode.vmfb", tmp_path / "w.irpa", tmp_path / "decode.ireeprof"
     vmfb.write_bytes(compile_mlir(bench.decode_module(cfg, context, "f32")))

@@ -50,6 +50,7 @@ def hf_config(model) -> dict:
 # --------------------------------------------------------------------------- config
 
 
+@pytest.mark.parity
 def test_both_rope_spellings_and_tying(model):
     new = hf_config(model)
     old = json.loads(json.dumps(new))
@@ -138,6 +139,7 @@ def test_mlx_layout_quantized_text_weights(model, tmp_path):
 # --------------------------------------------------------------------------- tokenizer
 
 
+@pytest.mark.parity
 def test_template_matches_transformers(model):
     transformers = pytest.importorskip("transformers")
     ours = ChatTokenizer(model)
@@ -348,6 +350,7 @@ def test_text_module_compiles_at_long_contexts(preset, context, buckets):
     assert compile_mlir(emit_text_module(cfg, buckets, context, 3))
 
 
+@pytest.mark.parity
 def test_decode_space_clean_up_as_transformers(model, tmp_path):
     """tokenizer_config.json's clean_up_tokenization_spaces: transformers skips it for BPE
     unless forced; ours does the same."""

@@ -20,6 +20,7 @@ from emitter.config import HF_PREFIX, PRESETS
 from runtime.checkpoint import CONV_NAME, MLX_PREFIX, load_vision_weights
 from runtime.synthetic import DEFAULT_PROCESSOR, random_vision_weights
 
+pytestmark = pytest.mark.parity  # every test here checks against the reference
 mx = pytest.importorskip("mlx.core")
 
 TINY = PRESETS["tiny"]

@@ -76,6 +76,7 @@ def transformers_model(folder: Path, cfg, attn_implementation: str = "eager"):
     return hf.eval()
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_2b_widths_prefill_matches_transformers(tmp_path):
     import resource

@@ -21,6 +21,7 @@ from runtime.synthetic import DEFAULT_PROCESSOR
 from runtime.synthetic_text import write_generation_checkpoint
 from runtime.tokenizer import expand_pads, user_message
 
+pytestmark = pytest.mark.parity  # every test here checks against the reference
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -1,0 +1,68 @@
+"""One decode step of the language model, compiled alone and run with IREE's own tools:
+the module (`decode_module`), random weights for it (`write_archive`), a timed run
+(`step_ms`, `iree-benchmark-module`) and what its profile records (`copy_lengths`,
+`profile_report`, `iree-profile`). Used by benchmarks/bench_decode.py and the test that
+decode copies no whole KV cache (tests/test_decode_cache.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from emitter.module import render
+from emitter.text import MODULE_NAME, decode_function, text_weights
+
+TOOLS = Path(sys.executable).parent
+
+
+def decode_module(cfg, context: int, precision: str) -> str:
+    function, shared = decode_function(cfg, context, precision)
+    return render(MODULE_NAME, "", shared, [function])
+
+
+def write_archive(cfg, precision: str, path: Path) -> None:
+    import iree.runtime as rt
+    rng = np.random.default_rng(0)
+    weights = {}
+    for spec in text_weights(cfg, precision):
+        w = rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(0.02)
+        weights[spec.name] = w if spec.dtype == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)
+    rt.save_archive_file(weights, str(path))
+
+
+def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None) -> float:
+    """Mean ms of one decode step (token 5 at cache slot `slot`) over `repeats` calls."""
+    command = [str(TOOLS / "iree-benchmark-module"), "--device=local-task", f"--module={vmfb}",
+               f"--parameters=model={archive}", "--function=decode", "--input=1xi32=5",
+               f"--input=3x1xi32={slot},{slot},{slot}", f"--input=i32={slot}", f"--benchmark_min_time={repeats}x",
+               f"--task_topology_group_count={threads}", "--benchmark_format=json"]
+    if profile:
+        command += ["--device_profiling_mode=host-execution", f"--device_profiling_output={profile}"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    runs = json.loads(done.stdout[done.stdout.index("{"):])["benchmarks"]
+    return next(r["real_time"] for r in runs if r["run_type"] == "iteration")
+
+
+def copy_lengths(path: Path) -> list[int]:
+    """Bytes of each copy recorded in the profiled command buffers."""
+    commands = subprocess.run([str(TOOLS / "iree-profile"), "command", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    return [int(m) for m in re.findall(r"op=copy .*length=(\d+)", commands)]
+
+
+def profile_report(path: Path, steps: int, top: int = 8) -> list[str]:
+    """The top dispatches by time per step, and the copies in the step's command buffer."""
+    out = subprocess.run([str(TOOLS / "iree-profile"), "dispatch", "--format=jsonl", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    groups = sorted((r for r in rows if r.get("type") == "host_dispatch_group"), key=lambda r: -r["total_ns"])
+    lines = [f"    {r['total_ns'] / steps / 1e6:7.2f} ms/step  {r['key']}" for r in groups[:top]]
+    sizes = copy_lengths(path)
+    big = [s for s in sizes if s >= 1 << 20]
+    lines.append(f"    copies recorded: {len(sizes)}, of them >= 1 MiB: {len(big)} ({sum(big) / 2**20:.0f} MiB)")
+    return lines
