@@ -396,6 +396,40 @@ def test_batched_sequences_equal_their_solo_runs_and_a_failure_disturbs_none(ser
     assert together > 0  # some decode steps ran more than one sequence
 
 
+def resident_bytes(pid: int) -> int:
+    return next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")) * 1024
+
+
+def test_soak_60_requests_from_8_clients(server, solo):
+    """Every answer right, every row free after, resident memory back near its warm level."""
+    client = server.client.with_options(max_retries=20)  # 429s past --max-waiting are retried
+
+    def one(i):
+        shape = ["text", "one image", "two images"][i % 3]
+        prompt, n = SHAPES[shape]
+        r = client.chat.completions.create(model="model", messages=[user(prompt, server.images[:n])], max_tokens=8,
+                                           temperature=0)
+        return r.choices[0].message.content == solo[shape]["text"]
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(one, range(16)))  # warm-up
+        warm = resident_bytes(server.process.pid)
+        assert all(pool.map(one, range(60)))
+    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 0 and
+                    server.metric("qwen3vl_requests_waiting") == 0, 10)
+    after = resident_bytes(server.process.pid)
+    assert after < warm * 1.05 + (16 << 20), (warm, after)
+
+
+def test_generate_refuses_sampling_options_while_greedy(server):
+    run = subprocess.run([QWEN3VL, "generate", "--model", server.model, "--prompt", "x", "--top-k", "5"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.strip() == (
+        "error: --top-k: only applies when sampling; give --temperature above 0 (decoding is greedy: "
+        "generation_config.json does not set do_sample true)")
+
+
 def test_sigterm_finishes_in_flight_and_exits_0(server):
     """Last: a streamed request in flight when SIGTERM arrives still completes; exit 0."""
     response, client = long_stream(server, [user("Bye.")], max_tokens=300)
