@@ -14,6 +14,9 @@ from emitter.errors import command_errors
 from .generate import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
+# What bf16 means for the language model beyond the matmul weights (docs/text.md).
+TEXT_BF16_HELP = ("In the language model bf16 also stores the embedding table in bf16: the input embeddings "
+                  "are its rounded rows, as in transformers' bf16 model.")
 
 
 def _npy_bytes(array) -> bytes:
@@ -50,7 +53,7 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 @click.option("--save-logits", metavar="FILE.npy", help="Write the [new tokens, vocab] f32 logits of each step.")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help=PRECISION_HELP)
+              help=f"{PRECISION_HELP} {TEXT_BF16_HELP}")
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
               help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}).")
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",

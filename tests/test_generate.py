@@ -236,6 +236,13 @@ def test_generate_cli_json_and_logits(model, tmp_path):
     assert out.stdout == result["text"] + "\n"
 
 
+def test_precision_help_says_the_embedding_table_is_bf16_too():
+    """bf16 rounds the text model's embedding table (stored bf16, not a matmul operand):
+    `generate --help` says so beside the matmul-weight description."""
+    out = qwen3vl("generate", "--help")
+    assert out.returncode == 0 and "embedding table in bf16" in " ".join(out.stdout.split()), out.stdout
+
+
 def make_moe(folder):
     (folder / "config.json").write_text(json.dumps(dict(hf_config(folder), model_type="qwen3_vl_moe")))
 
