@@ -160,7 +160,7 @@ def _module_paths(module: str) -> tuple[str, ...]:
     return (module,)
 
 
-def _quant_settings(key: str, entry: TensorEntry, qconfig: QuantConfig | None,
+def quant_settings(key: str, entry: TensorEntry, qconfig: QuantConfig | None,
                     paths: tuple[str, ...], n_in: int) -> tuple[int, int]:
     """(bits, group_size) the config gives a stored quantized weight, checked to be usable."""
     if qconfig is None:
@@ -190,13 +190,28 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
 
 
-def _is_vision(name: str) -> bool:
-    return name.startswith(VISION_PREFIXES)
+@dataclass(frozen=True)
+class ModelPart:
+    """Which tensors of a checkpoint belong to one model part (the vision tower, the
+    language model): the name prefixes (and whole names) that mark them, and how errors
+    name the part."""
+    what: str
+    prefixes: tuple[str, ...]
+    names: tuple[str, ...] = ()
+
+    def holds(self, name: str) -> bool:
+        return name.startswith(self.prefixes) or name in self.names
+
+    def missing(self) -> str:
+        return f"no {self.what} (no tensor named {' / '.join(p + '*' for p in self.prefixes)}"
 
 
-def _add_entries(found: dict[str, TensorEntry], entries: dict[str, TensorEntry]) -> None:
+VISION = ModelPart("vision weights", VISION_PREFIXES)
+
+
+def _add_entries(found: dict[str, TensorEntry], entries: dict[str, TensorEntry], part: ModelPart) -> None:
     for name, entry in entries.items():
-        if not _is_vision(name):
+        if not part.holds(name):
             continue
         if name in found:
             raise CheckpointError(f"{name}: present in two shards ({found[name].file.name} and "
@@ -215,8 +230,10 @@ def _check_shard_name(name: str, shard, index_path: Path) -> None:
                               f"name inside {index_path.parent} (in {index_path})")
 
 
-def scan_vision_tensors(model_dir: str | Path) -> tuple[dict[str, TensorEntry], str]:
-    """Locate every vision tensor of a checkpoint folder without reading tensor data.
+def scan_tensors(model_dir: str | Path, part: ModelPart) -> tuple[dict[str, TensorEntry], str]:
+    """Locate every tensor of `part` in a checkpoint folder without reading tensor data:
+    through `model.safetensors.index.json` (every shard it names inside the folder, every
+    tensor where it says) or every `*.safetensors`; a tensor in two shards is an error.
 
     Returns (entries by stored name, a description of where they were looked for)."""
     model_dir = Path(model_dir)
@@ -235,11 +252,10 @@ def scan_vision_tensors(model_dir: str | Path) -> tuple[dict[str, TensorEntry], 
         by_shard: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             _check_shard_name(name, shard, index_path)
-            if _is_vision(name):
+            if part.holds(name):
                 by_shard.setdefault(shard, []).append(name)
         if not by_shard:
-            raise CheckpointError(f"{index_path}: no vision weights (no tensor named "
-                                  f"{' / '.join(p + '*' for p in VISION_PREFIXES)})")
+            raise CheckpointError(f"{index_path}: {part.missing()})")
         for shard, names in sorted(by_shard.items()):
             shard_path = model_dir / shard
             if not shard_path.is_file():
@@ -250,9 +266,9 @@ def scan_vision_tensors(model_dir: str | Path) -> tuple[dict[str, TensorEntry], 
                 if name not in entries:
                     raise CheckpointError(f"{name}: missing from {shard_path} (where {INDEX_NAME} "
                                           f"places it)")
-            # Every vision tensor a shard holds counts, listed in the index or not, so a
+            # Every tensor of the part a shard holds counts, listed in the index or not, so a
             # tensor stored in two opened shards is caught.
-            _add_entries(found, entries)
+            _add_entries(found, entries, part)
         for name, entry in found.items():
             mapped = weight_map.get(name)
             if mapped is not None and model_dir / str(mapped) != entry.file:
@@ -261,15 +277,18 @@ def scan_vision_tensors(model_dir: str | Path) -> tuple[dict[str, TensorEntry], 
         return found, str(index_path)
     files = _safetensors_files(model_dir)
     if not files:
-        raise CheckpointError(f"{model_dir}: no vision weights (no *.safetensors file)")
+        raise CheckpointError(f"{model_dir}: no {part.what} (no *.safetensors file)")
     for path in files:
-        _add_entries(found, read_safetensors_header(path))
+        _add_entries(found, read_safetensors_header(path), part)
     if not found:
-        raise CheckpointError(f"{model_dir}: no vision weights (no tensor named "
-                              f"{' / '.join(p + '*' for p in VISION_PREFIXES)} in "
-                              f"{', '.join(p.name for p in files)})")
+        raise CheckpointError(f"{model_dir}: {part.missing()} in {', '.join(p.name for p in files)})")
     where = str(files[0]) if len(files) == 1 else f"{model_dir}/*.safetensors"
     return found, where
+
+
+def scan_vision_tensors(model_dir: str | Path) -> tuple[dict[str, TensorEntry], str]:
+    """`scan_tensors` of the vision tower."""
+    return scan_tensors(model_dir, VISION)
 
 
 def _choose_prefix(found: dict[str, TensorEntry]) -> str:
@@ -333,7 +352,7 @@ def _quantized_layout(key: str, entry: TensorEntry, found: dict[str, TensorEntry
                               f"{module}.scales; expected U32) (in {entry.file})")
     out, n_in = shape
     paths = _module_paths(module)
-    bits, group_size = _quant_settings(key, entry, qconfig, paths, n_in)
+    bits, group_size = quant_settings(key, entry, qconfig, paths, n_in)
     scales_e, biases_e = found.get(module + ".scales"), found.get(module + ".biases")
     if scales_e is None:
         raise CheckpointError(f"{key}: quantized ({entry.dtype}) but {module}.scales is missing "

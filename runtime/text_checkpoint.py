@@ -18,7 +18,6 @@ IREE packs the weights from it at load, and then the mapped pages are let go.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
@@ -30,61 +29,32 @@ from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
 from . import checkpoint, mlx_quant
 from .archive import open_entries, sha256_range, stored_quantization, write_entries
-from .checkpoint import (INDEX_NAME, CheckpointError, TensorEntry, read_float_tensor, read_safetensors_header,
-                         read_uint32_tensor)
-from .mlx_quant import QUANT_BITS, QuantConfig, dequantize_mlx, quantization_config
+from .checkpoint import CheckpointError, TensorEntry, read_float_tensor, read_uint32_tensor
+from .mlx_quant import QuantConfig, dequantize_mlx, quantization_config
 
 # (prefix of the decoder's tensors, name of lm_head) per layout, in order of preference.
 LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_head.weight"))
 
 
-def _is_text(name: str) -> bool:
-    return any(name.startswith(prefix) or name == head for prefix, head in LAYOUTS)
+TEXT = checkpoint.ModelPart("language-model weights", tuple(prefix for prefix, _ in LAYOUTS),
+                           tuple(head for _, head in LAYOUTS))
 
 
 def scan_text_tensors(model_dir: Path) -> tuple[dict[str, TensorEntry], str]:
-    """Every text tensor of the folder (names to byte ranges), and where they were found."""
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a readable folder")
-    index_path = model_dir / INDEX_NAME
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            shards = sorted({str(f) for name, f in weight_map.items() if _is_text(name)})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index_path}: not a readable JSON index with a 'weight_map' ({e})") from None
-        files, where = [model_dir / s for s in shards if "/" not in s and s not in ("..", ".")], str(index_path)
-    else:
-        files = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
-        where = f"{model_dir}/*.safetensors"
-    found: dict[str, TensorEntry] = {}
-    for path in files:
-        if not path.is_file():
-            raise CheckpointError(f"{path}: shard missing (referenced by {where})")
-        for name, entry in read_safetensors_header(path).items():
-            if _is_text(name):
-                if name in found:
-                    raise CheckpointError(f"{name}: present in two shards ({found[name].file.name} and "
-                                          f"{path.name}) (in {model_dir})")
-                found[name] = entry
-    if not found:
-        raise CheckpointError(f"{model_dir}: no language-model weights (no tensor named {TEXT_PREFIX}* in {where})")
-    return found, where
+    """Every text tensor of the folder (names to byte ranges), and where they were found
+    (`checkpoint.scan_tensors`: the same index, shard and duplicate checks as the vision side)."""
+    return checkpoint.scan_tensors(model_dir, TEXT)
 
 
 def read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
                    qconfig: QuantConfig | None) -> np.ndarray:
-    """An MLX affine-quantized [out, in] weight dequantized to f32; bits and group size
-    from config.json's `quantization` (the module's own entry first), checked against the
-    stored shapes."""
+    """An MLX affine-quantized [out, in] weight dequantized to f32; bits, group size and mode
+    from config.json's `quantization` (the module's own entry first; `checkpoint.quant_settings`,
+    as the vision side checks them), checked against the stored shapes."""
     module = key[: -len(".weight")]
-    settings, source = qconfig.module((module,)) if qconfig else (None, "config.json")
-    bits, group = (settings or {}).get("bits"), (settings or {}).get("group_size")
-    scales_e, biases_e = found.get(module + ".scales"), found.get(module + ".biases")
     out, n_in = shape
-    if bits not in QUANT_BITS or not isinstance(group, int) or group <= 0 or n_in % group:
-        raise CheckpointError(f"{key}: quantized, but {source} gives no usable bits / group_size for it "
-                              f"(bits {bits!r}, group_size {group!r}) (in {entry.file})")
+    bits, group = checkpoint.quant_settings(key, entry, qconfig, (module,), n_in)
+    scales_e, biases_e = found.get(module + ".scales"), found.get(module + ".biases")
     if scales_e is None or biases_e is None:
         raise CheckpointError(f"{key}: quantized, but {module}.scales or .biases is missing (in {entry.file})")
     groups = (out, n_in // group)
@@ -115,6 +85,14 @@ def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, Tenso
     if len(layers) != cfg.num_hidden_layers:
         raise CheckpointError(f"text_config.num_hidden_layers = {cfg.num_hidden_layers} does not match the "
                               f"checkpoint, which holds {len(layers)} decoder layers (in {where})")
+    used = {key for key, _ in out.values()}
+    used |= {key[: -len("weight")] + part for key in used for part in ("scales", "biases")}
+    if cfg.tie_word_embeddings:
+        used.add(head)  # stored beside tied embeddings: transformers ties it away, so do we
+    unused = sorted(name for name in found if name not in used and not name.endswith(".inv_freq"))
+    if unused:
+        raise CheckpointError(f"{unused[0]}: a language-model tensor this config does not use"
+                              f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} (in {where})")
     return out, found
 
 
