@@ -1,0 +1,203 @@
+"""Drive `qwen3vl serve` with N concurrent streaming clients; report throughput and latency.
+
+Each client sends `--requests` streamed chat completions, one after another: one image
+(assets/demo.png, as a data: URL) and a short prompt, `--new` new tokens (`ignore_eos`, so
+every answer has exactly that many). Per concurrency: aggregate decode tokens/s (all
+completion tokens / the round's wall time), time to first token p50/p95 and per-token
+latency p50/p95 (a request's (last - first token time) / (tokens - 1)), and the decode
+batch sizes the server saw. The server runs with `--max-batch` = the largest concurrency.
+
+    .venv/bin/python benchmarks/bench_serve.py --preset tiny --concurrency 1 2 4 8
+    .venv/bin/python benchmarks/bench_serve.py --preset qwen3-vl-2b --precision bf16 --context 1024 \\
+        --json serve-2b-bf16.json
+
+A `--preset` writes a random checkpoint (with a language model) under `--work` on first
+use (the 2B one is 8.8 GB in f32); `--model DIR` uses a checkpoint folder instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import http.client
+import json
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
+
+
+def machine() -> dict:
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    import os
+    return {"cpu": fields.get("model name", platform.processor()), "cores": os.cpu_count()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    folder = Path(args.work) / f"{args.preset}-answer"
+    if not (folder / "config.json").is_file():
+        subprocess.run([QWEN3VL, "random-checkpoint", folder, "--preset", args.preset, "--with-text"], check=True)
+    return folder
+
+
+def start_server(args, model: Path, port: int) -> subprocess.Popen:
+    command = [QWEN3VL, "serve", "--model", model, "--port", str(port), "--max-batch", str(max(args.concurrency)),
+               "--max-waiting", "1000", "--context", str(args.context), "--precision", args.precision,
+               "--cache-dir", args.cache_dir]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    server = subprocess.Popen(command)
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"server exited with status {server.returncode}")
+        try:
+            if get(port, "/health")[0] == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(1)
+    server.kill()
+    raise SystemExit("server not ready in time")
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", path)
+    r = conn.getresponse()
+    return r.status, r.read().decode()
+
+
+def one_request(port: int, body: bytes) -> dict:
+    """One streamed completion: times of the request, of each content chunk, and usage."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise SystemExit(f"request failed: {response.status} {response.read()[:200]!r}")
+    times, usage = [], None
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            if choice["delta"].get("content") or choice.get("logprobs"):
+                times.append(time.perf_counter())
+    return {"start": start, "times": times, "tokens": usage["completion_tokens"]}
+
+
+def body(args) -> bytes:
+    image = base64.b64encode((ROOT / "assets" / "demo.png").read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+               {"type": "text", "text": "Describe the image."}]
+    return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": args.new, "stream": True,
+                       "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
+                       "logprobs": True}).encode()
+
+
+def batch_sizes(port: int) -> dict:
+    text = get(port, "/metrics")[1]
+    count = float(re.search(r"^qwen3vl_decode_batch_size_count (\S+)$", text, re.M).group(1))
+    total = float(re.search(r"^qwen3vl_decode_batch_size_sum (\S+)$", text, re.M).group(1))
+    return {"steps": count, "sequences": total}
+
+
+def percentile(values, q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def round_of(port: int, data: bytes, clients: int, requests: int) -> dict:
+    results, lock = [], threading.Lock()
+
+    def client():
+        for _ in range(requests):
+            r = one_request(port, data)
+            with lock:
+                results.append(r)
+
+    before = batch_sizes(port)
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    after = batch_sizes(port)
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["times"][0] - r["start"] for r in results]
+    per_token = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
+    steps = after["steps"] - before["steps"]
+    return {"concurrency": clients, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2), "ttft_p50_s": round(percentile(ttft, 0.5), 4),
+            "ttft_p95_s": round(percentile(ttft, 0.95), 4),
+            "per_token_p50_ms": round(1000 * percentile(per_token, 0.5), 2),
+            "per_token_p95_ms": round(1000 * percentile(per_token, 0.95), 2),
+            "mean_decode_batch": round((after["sequences"] - before["sequences"]) / steps, 2) if steps else 0.0}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", help="Checkpoint folder (with a language model).")
+    source.add_argument("--preset", default="tiny", help="A random checkpoint of this preset (default tiny).")
+    p.add_argument("--work", default="/tmp/qwen3vl-bench-serve", help="Where --preset checkpoints are written.")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "qwen3vl-iree"))
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--requests", type=int, default=2, help="Requests per client per round.")
+    p.add_argument("--new", type=int, default=64, help="New tokens per request.")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--startup-timeout", type=float, default=3600)
+    p.add_argument("--json", help="Write the report here.")
+    args = p.parse_args(argv)
+    model = checkpoint(args)
+    port = free_port()
+    server = start_server(args, model, port)
+    try:
+        data = body(args)
+        one_request(port, data)  # warm-up: the first call of each entry, the encoder cache
+        rounds = [round_of(port, data, c, args.requests) for c in args.concurrency]
+    finally:
+        server.terminate()
+        server.wait(60)
+    report = {"machine": machine(), "model": str(model), "precision": args.precision, "new_tokens": args.new,
+              "context": args.context, "rounds": rounds}
+    print(f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {model.name}, {args.precision}, "
+          f"{args.new} new tokens, one image")
+    print(f"{'clients':>7} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} {'ms/tok p50':>11} {'ms/tok p95':>11} "
+          f"{'batch':>6}")
+    for r in rounds:
+        print(f"{r['concurrency']:>7} {r['tokens_per_s']:>8} {r['ttft_p50_s']:>9} {r['ttft_p95_s']:>9} "
+              f"{r['per_token_p50_ms']:>11} {r['per_token_p95_ms']:>11} {r['mean_decode_batch']:>6}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
