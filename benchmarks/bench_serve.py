@@ -24,7 +24,6 @@ import json
 import platform
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import threading

@@ -6,89 +6,20 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from emitter.config import PRESETS
-from emitter.text_config import TEXT_PRESETS
-from runtime.synthetic import DEFAULT_PROCESSOR
-from runtime.synthetic_text import write_generation_checkpoint
+pytest.importorskip("openai")
+pytest.importorskip("httpx2")
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx2")  # the HTTP client the openai package uses
-
-QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
-SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
-KEY = "test-key"
-SHAPE = ["--context", "4096", "--prompt-bucket", "64", "--prompt-bucket", "256"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, root: Path):
-        self.root, self.model, self.cache = root, root / "model", root / "cache"
-        write_generation_checkpoint(self.model, PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
-                                    processor_policy_dict=SMALL_POLICY)
-        self.allowed = root / "allowed"
-        self.allowed.mkdir()
-        from PIL import Image
-        rng = np.random.default_rng(5)
-        self.images = []
-        for i, (h, w) in enumerate([(64, 96), (96, 64)]):
-            path = self.allowed / f"img{i}.png"
-            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-            self.images.append(path)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(root / "server.log", "w+")
-        self.process = subprocess.Popen(
-            [QWEN3VL, "serve", "--model", self.model, "--port", str(self.port), "--cache-dir", self.cache, *SHAPE,
-             "--api-key", KEY, "--allowed-local-media-path", self.allowed, "--max-batch", "4", "--max-waiting", "3", "--max-media", "3",
-             "--max-body-mb", "1", "--threads", "2"], stdout=self.log, stderr=subprocess.STDOUT)
-        self.wait_ready()
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
-
-    def wait_ready(self, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.output()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise AssertionError("server not ready: " + self.output())
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def post(self, body, headers=None, **kw):
-        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        return httpx.post(self.url + "/v1/chat/completions", content=data, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
-                                   **(headers or {})}, **kw)
-
-    def metric(self, name: str, labels: str = "") -> float:
-        text = httpx.get(self.url + "/metrics").text
-        match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
-        return float(match.group(1)) if match else 0.0
+from serve_helpers import (QWEN3VL, Server, chat, corrupt_png, generate, httpx,  # noqa: E402
+                           long_stream, resident_bytes, user, wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -98,46 +29,6 @@ def server(tmp_path_factory):
     if s.process.poll() is None:
         s.process.kill()
         s.process.wait()
-
-
-def data_url(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-
-
-def user(text: str, images=()) -> dict:
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in images] +
-            [{"type": "text", "text": text}]}
-
-
-def generate(server, prompt: str, images=(), steps: int = 8, *extra) -> dict:
-    out = server.root / "gen.json"
-    args = [QWEN3VL, "generate", "--model", server.model, "--prompt", prompt, "--max-new-tokens", str(steps),
-            "--cache-dir", server.cache, "--json", out, *SHAPE, *extra]
-    for image in images:
-        args += ["--image", image]
-    run = subprocess.run(args, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    return json.loads(out.read_text())
-
-
-USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
-
-
-def chat(server, messages, stream=False, **kw):
-    """(text, finish_reason, usage) of one completion, streamed or not."""
-    if not stream:
-        r = server.client.chat.completions.create(model="model", messages=messages, **kw)
-        usage = r.usage.model_dump()
-        return r.choices[0].message.content, r.choices[0].finish_reason, {k: usage[k] for k in USAGE}
-    pieces, finish, usage = [], None, None
-    for chunk in server.client.chat.completions.create(model="model", messages=messages, stream=True,
-                                                       stream_options={"include_usage": True}, **kw):
-        if chunk.usage:
-            usage = chunk.usage.model_dump()
-        for choice in chunk.choices:
-            pieces.append(choice.delta.content or "")
-            finish = choice.finish_reason or finish
-    return "".join(pieces), finish, {k: usage[k] for k in USAGE}
 
 
 SHAPES = {"text": ("Say something.", 0), "one image": ("Describe the image.", 1), "two images": ("Compare them.", 2)}
@@ -243,26 +134,6 @@ def test_encoder_cache_hit_in_a_second_turn(server):
     assert server.metric("qwen3vl_encoder_cache_misses_total") == misses + 1
 
 
-def long_stream(server, messages=None, max_tokens=100000):
-    """A streaming request that runs until its client goes (or to the context's end, some
-    seconds): (response, its open client)."""
-    client = httpx.Client(timeout=60)
-    body = {"messages": messages or [user("Go on.")], "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "ignore_eos": True}
-    request = client.build_request("POST", server.url + "/v1/chat/completions", json=body,
-                                   headers={"Authorization": f"Bearer {KEY}"})
-    return client.send(request, stream=True), client
-
-
-def wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_disconnect_cancels_and_frees_the_engine(server):
     cancelled = server.metric("qwen3vl_requests_total", '{outcome="cancelled"}')
     response, client = long_stream(server)
@@ -361,12 +232,6 @@ def test_api_key_required(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def corrupt_png(path: Path) -> str:
-    """A data URL of a PNG whose header reads but whose pixels do not decode."""
-    data = path.read_bytes()
-    return "data:image/png;base64," + base64.b64encode(data[:len(data) // 2]).decode()
-
-
 def test_batched_sequences_equal_their_solo_runs_and_a_failure_disturbs_none(server):
     long = dict(max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
     sampled = dict(max_tokens=40, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
@@ -394,10 +259,6 @@ def test_batched_sequences_equal_their_solo_runs_and_a_failure_disturbs_none(ser
     together = (server.metric("qwen3vl_decode_batch_size_count") - steps) - \
         (server.metric("qwen3vl_decode_batch_size_bucket", '{le="1.0"}') - single)
     assert together > 0  # some decode steps ran more than one sequence
-
-
-def resident_bytes(pid: int) -> int:
-    return next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")) * 1024
 
 
 def test_soak_60_requests_from_8_clients(server, solo):
