@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_variants import emit, variant, variant_name  # noqa: E402
 from emitter.config import PRESETS  # noqa: E402
 from iree.compiler.tools.binaries import find_tool  # noqa: E402
-from runtime.bench import shallower  # noqa: E402
-from runtime.compiler import compile_mlir  # noqa: E402
+from runtime.bench.vision import shallower  # noqa: E402
+from runtime.artifact.compiler import compile_mlir  # noqa: E402
 
 BENCHMARK_MODULE = Path(sys.executable).parent / "iree-benchmark-module"
 

@@ -24,10 +24,10 @@ WORKER = r"""
 import json, sys, tempfile, time
 import iree.runtime as rt
 rt.flags.parse_flags(*json.loads(sys.argv[1]))
-from runtime.bench import our_tower, processed_images, shallower
-from runtime.iree_module import device_config
-from runtime.packing import host_inputs
-from runtime.synthetic import random_vision_weights
+from runtime.bench.vision import our_tower, processed_images, shallower
+from runtime.artifact.iree_module import device_config
+from runtime.inputs.packing import host_inputs
+from runtime.checkpoints.synthetic import random_vision_weights
 from emitter.config import PRESETS
 preset, depth, bucket, images, precision = json.loads(sys.argv[2])
 cfg = shallower(PRESETS[preset], depth)

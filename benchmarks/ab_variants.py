@@ -21,13 +21,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runtime.bench import alternate, processed_images, ratio_figures, shallower, vision_flops  # noqa: E402
+from runtime.bench.vision import alternate, processed_images, ratio_figures, shallower, vision_flops  # noqa: E402
 from emitter import attention as forms, layers, vision  # noqa: E402
 from emitter.attention import key_ranges  # noqa: E402
 from emitter.config import PRESETS, weight_schema  # noqa: E402
-from runtime.compiler import compile_mlir  # noqa: E402
-from runtime.packing import host_inputs  # noqa: E402
-from runtime.synthetic import random_vision_weights  # noqa: E402
+from runtime.artifact.compiler import compile_mlir  # noqa: E402
+from runtime.inputs.packing import host_inputs  # noqa: E402
+from runtime.checkpoints.synthetic import random_vision_weights  # noqa: E402
 
 
 @contextmanager
@@ -303,9 +303,9 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import iree.runtime as rt
-    from runtime.checkpoint import weights_in_order
-    from runtime.iree_module import LoadedModule, device_config, parameters_module
-    from runtime.session import set_thread_count
+    from runtime.checkpoints.vision import weights_in_order
+    from runtime.artifact.iree_module import LoadedModule, device_config, parameters_module
+    from runtime.vision import set_thread_count
     from emitter.config import graph_weights
 
     cfg = shallower(PRESETS[args.preset], args.depth)

@@ -132,8 +132,8 @@ class Runner:
     """A compiled form, callable on the numpy inputs (per-segment: one call per image)."""
 
     def __init__(self, form, heads, n, d, sizes, chunk):
-        from runtime.compiler import compile_mlir
-        from runtime.iree_module import LoadedModule
+        from runtime.artifact.compiler import compile_mlir
+        from runtime.artifact.iree_module import LoadedModule
         self.form, self.sizes = form, sizes
         shapes = sorted(set(sizes)) if form == "per-segment" else [n]
         start = time.perf_counter()
@@ -185,7 +185,7 @@ def main(argv=None):
     p.add_argument("--peak-one", nargs=3, metavar=("FORM", "BUCKET", "IMAGES"), help=argparse.SUPPRESS)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from runtime.session import set_thread_count
+    from runtime.vision import set_thread_count
     set_thread_count(args.threads)
     h, d = args.heads, args.head_dim
     if args.peak_one:

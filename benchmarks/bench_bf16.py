@@ -1,7 +1,7 @@
 """bf16 against f32 on this machine, for the host target and for AVX2 (x86-64-v3): one
 vision block (bucket 256), one text decoder layer's 512-token prefill and decode step at
 Qwen3-VL-2B widths, every form timed
-alternating in one process (runtime/bf16_speed.py), then each form's resident memory after
+alternating in one process (runtime/bench/bf16.py), then each form's resident memory after
 load and one call, in a process of its own.
 
     .venv/bin/python benchmarks/bench_bf16.py [--rounds 9] [--json out.json]
@@ -24,15 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from emitter.identity import bf16_form, graph_precision  # noqa: E402
-from runtime import bf16_speed  # noqa: E402
-from runtime.session import set_thread_count  # noqa: E402
+from runtime.bench import bf16 as bf16_speed  # noqa: E402
+from runtime.vision import set_thread_count  # noqa: E402
 
 TARGETS = ("llvm-cpu", "llvm-cpu-x86-64-v3")
 MEMORY = """
 import os, sys
-from runtime import bf16_speed
-from runtime.iree_module import device_config
-from runtime.session import set_thread_count
+from runtime.bench import bf16 as bf16_speed
+from runtime.artifact.iree_module import device_config
+from runtime.vision import set_thread_count
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 set_thread_count(2)

@@ -22,8 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from emitter.text_config import TEXT_PRESETS
-from runtime.compiler import compile_mlir
-from runtime.decode_profile import decode_module, profile_report, step_ms, write_archive
+from runtime.artifact.compiler import compile_mlir
+from runtime.bench.decode_profile import decode_module, profile_report, step_ms, write_archive
 
 
 def main(argv=None) -> int:

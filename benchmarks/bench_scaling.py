@@ -26,7 +26,7 @@ from emitter.atomic import check_writable, write_atomic
 from emitter.cli import fail
 from emitter.config import load_model_config
 from emitter.attention import attention_form
-from runtime.bench import vision_flops
+from runtime.bench.vision import vision_flops
 
 
 def image_for(bucket: int, patch: int) -> tuple[int, int]:

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from emitter.text import text_weights  # noqa: E402
 from emitter.text_config import TEXT_PREFIX, TEXT_PRESETS  # noqa: E402
-from runtime.generate import TextSession  # noqa: E402
-from runtime.synthetic_text import write_text_model  # noqa: E402
+from runtime.text import TextSession  # noqa: E402
+from runtime.checkpoints.synthetic_text import write_text_model  # noqa: E402
 
 
 def memory_bandwidth_gbs(threads: int) -> dict:
@@ -176,7 +176,7 @@ def main() -> None:
     from torch_reference import import_torchvision
     import_torchvision()  # transformers imports torchvision: loadable beside torch+cpu
 
-    from runtime.session import set_thread_count
+    from runtime.vision import set_thread_count
     set_thread_count(args.threads)
     torch.set_num_threads(args.threads)
     cfg = TEXT_PRESETS[args.preset]

@@ -28,10 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.bench import parse_sizes, random_images, vision_flops  # noqa: E402
+from runtime.bench.vision import parse_sizes, random_images, vision_flops  # noqa: E402
 
 BIN = Path(sys.executable).parent
-# The glibc settings `runtime.iree_module.keep_freed_memory` makes in-process (the tunable
+# The glibc settings `runtime.artifact.iree_module.keep_freed_memory` makes in-process (the tunable
 # caps the mmap threshold at 32 MiB): freed transients are reused, not faulted in again.
 GLIBC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=2147483648:glibc.malloc.arena_max=1"
 

@@ -3,7 +3,7 @@ vision tower, parsed from a checkpoint's `preprocessor_config.json` (images,
 `ProcessorPolicy`) and `video_preprocessor_config.json` (videos, `VideoPolicy`).
 
 Pure Python (no numpy, no PIL): the emitter hashes `ProcessorPolicy.to_dict()` into
-an artifact's identity, and the runtime's `runtime.processor` applies it.
+an artifact's identity, and the runtime's `runtime.inputs.processor` applies it.
 
 Parsing follows what transformers' `Qwen2VLImageProcessorPil(**config)` does with the
 same dict, with one deliberate difference: the settings whose transformers class

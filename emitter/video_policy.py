@@ -6,7 +6,7 @@ Pure Python, like `emitter.policy`: the emitter hashes `VideoPolicy.to_dict()` i
 artifact's identity beside the image policy (the compiled graph depends on neither beyond
 the patch, temporal and merge sizes, which must equal the config's; the identity holds
 both so that a cached artifact always names the whole input contract it was built for),
-and `runtime.video` applies it.
+and `runtime.inputs.video` applies it.
 
 Parsing follows transformers' `Qwen3VLVideoProcessor`: the file is found where
 `AutoVideoProcessor` looks (`processor_config.json`'s `video_processor` object, else

@@ -9,8 +9,8 @@ import numpy as np
 from emitter.text import prefill_name
 from emitter.text_batch import DECODE_BATCH, RESET, check_rows, emit_batch_module
 
-from .generate import GenerateError, TextSession
-from .iree_module import invoke
+from runtime.text import GenerateError, TextSession
+from runtime.artifact.iree_module import invoke
 
 
 class BatchTextSession(TextSession):

@@ -14,9 +14,9 @@ sys.path.insert(0, str(TESTS))  # torch_reference, helpers
 
 from emitter.config import PRESETS, weight_schema  # noqa: E402
 from emitter.vision import emit_vision_module, result_names  # noqa: E402
-from runtime.compiler import compile_mlir  # noqa: E402
-from runtime.iree_module import LoadedModule  # noqa: E402
-from runtime.packing import host_inputs  # noqa: E402
+from runtime.artifact.compiler import compile_mlir  # noqa: E402
+from runtime.artifact.iree_module import LoadedModule  # noqa: E402
+from runtime.inputs.packing import host_inputs  # noqa: E402
 # Under `make test`, a skip whose reason require_references.ALLOWED_SKIPS does not name fails.
 from require_references import pytest_runtest_makereport  # noqa: E402,F401
 

@@ -20,7 +20,7 @@ from PIL import Image, ImageDraw, ImageFilter  # noqa: E402
 
 from emitter.config import PRESETS  # noqa: E402
 from emitter.policy import DEFAULT_POLICY  # noqa: E402
-from runtime.processor import process_image  # noqa: E402
+from runtime.inputs.processor import process_image  # noqa: E402
 from torch_reference import import_torchvision, load_state_dict, make_vision_model  # noqa: E402
 from torch_reference import random_vision_state_dict, run_vision_tower  # noqa: E402
 

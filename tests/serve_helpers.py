@@ -17,8 +17,8 @@ import numpy as np
 
 from emitter.config import PRESETS
 from emitter.text_config import TEXT_PRESETS
-from runtime.synthetic import DEFAULT_PROCESSOR
-from runtime.synthetic_text import write_generation_checkpoint
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
+from runtime.checkpoints.synthetic_text import write_generation_checkpoint
 
 import httpx2 as httpx  # the HTTP client the openai package uses
 import openai

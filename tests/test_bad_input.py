@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from emitter.atomic import WriteError, temp_prefix, write_atomic
 from emitter.config import PRESETS
-from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 BIN = Path(sys.executable).parent
 QWEN3VL, EMIT = str(BIN / "qwen3vl"), str(BIN / "emit-qwen3vl")

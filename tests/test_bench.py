@@ -18,7 +18,7 @@ ISSUE_KEYS = ("ours_s", "torch_s", "ratio", "gflops", "roof_gflops", "roof_fract
               "ratio_bf16", "roof_bf16_gflops", "roof_bf16_fraction")
 # Run the CLI with torch unimportable, as on an installed package without it.
 WITHOUT_TORCH = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
-                 "from runtime.cli import main; main()")
+                 "from runtime.commands.main import main; main()")
 
 
 def test_bench_both_precisions_and_end_to_end(tmp_path):

@@ -21,12 +21,12 @@ from emitter.identity import bf16_form, graph_precision
 from emitter.text import emit_text_module
 from emitter.text_config import TEXT_PRESETS
 from emitter.vision import emit_vision_module, result_names
-from runtime import bf16_speed
-from runtime.checkpoint import weights_in_order
-from runtime.compiler import compile_mlir
-from runtime.iree_module import LoadedModule
-from runtime.packing import host_inputs
-from runtime.session import set_thread_count
+from runtime.bench import bf16 as bf16_speed
+from runtime.checkpoints.vision import weights_in_order
+from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.iree_module import LoadedModule
+from runtime.inputs.packing import host_inputs
+from runtime.vision import set_thread_count
 
 AVX2 = "llvm-cpu-x86-64-v3"
 TINY = PRESETS["tiny"]
@@ -100,7 +100,7 @@ def test_bf16_is_not_scalar_bound_on_avx2():
 
 
 def test_run_says_so_and_uses_the_fast_form(tmp_path):
-    from runtime.synthetic import write_checkpoint
+    from runtime.checkpoints.synthetic import write_checkpoint
     write_checkpoint(tmp_path / "m", TINY, seed=3)
     out = {}
     for precision in ("f32", "bf16"):

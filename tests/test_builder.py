@@ -12,8 +12,8 @@ import pytest
 
 from emitter.builder import Builder, BuildError, TensorType, Value, float_literal
 from emitter.vision import render_module
-from runtime.compiler import compile_mlir
-from runtime.iree_module import LoadedModule
+from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.iree_module import LoadedModule
 
 RNG_SEED = 20240611
 

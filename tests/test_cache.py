@@ -15,11 +15,11 @@ from emitter.config import PRESETS
 from emitter.identity import vision_artifact_fields, artifact_identity
 from emitter.policy import DEFAULT_POLICY
 from emitter.vision import emit_vision_module
-from runtime.cache import ArtifactCache, CacheError, load_verified
-from runtime.compiler import compile_mlir
+from runtime.artifact.cache import ArtifactCache, CacheError, load_verified
+from runtime.artifact.compiler import compile_mlir
 
 TINY = PRESETS["tiny"]
-QWEN3VL = [sys.executable, "-c", "from runtime.cli import main; main()"]
+QWEN3VL = [sys.executable, "-c", "from runtime.commands.main import main; main()"]
 
 
 class CountingBuild:
@@ -138,8 +138,8 @@ CONCURRENT = textwrap.dedent("""
     from emitter.identity import vision_artifact_fields
     from emitter.policy import DEFAULT_POLICY
     from emitter.vision import emit_vision_module
-    from runtime.cache import ArtifactCache, load_verified
-    from runtime.compiler import compile_mlir
+    from runtime.artifact.cache import ArtifactCache, load_verified
+    from runtime.artifact.compiler import compile_mlir
     root, marker, ready, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
     fields = vision_artifact_fields(PRESETS["tiny"], 16, DEFAULT_POLICY)
     def build():
@@ -229,7 +229,7 @@ def test_cli_bad_input(tmp_path, args, needle):
 def test_cli_model_folder(tmp_path):
     """--model reads config.json and preprocessor_config.json (the policy is in the identity)."""
     import dataclasses
-    from runtime.synthetic import write_checkpoint
+    from runtime.checkpoints.synthetic import write_checkpoint
     policy = dataclasses.replace(DEFAULT_POLICY, max_pixels=512 * 512)
     write_checkpoint(tmp_path / "m", TINY, processor_policy_dict=policy.to_preprocessor_config())
     out = qwen3vl("build", "--model", str(tmp_path / "m"), "--bucket", "16", "--cache-dir",
@@ -273,7 +273,7 @@ def test_cli_rejection_is_reported_once(tmp_path):
 
 
 def test_cli_build_model_writes_the_weight_archive(tmp_path):
-    from runtime.synthetic import write_checkpoint
+    from runtime.checkpoints.synthetic import write_checkpoint
     write_checkpoint(tmp_path / "m", TINY)
     args = ("build", "--model", str(tmp_path / "m"), "--bucket", "16", "--cache-dir", str(tmp_path / "c"))
     first = qwen3vl(*args)

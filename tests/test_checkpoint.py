@@ -1,4 +1,4 @@
-"""Checkpoint loading (runtime.checkpoint) on synthetic folders (runtime.synthetic):
+"""Checkpoint loading (runtime.checkpoints.vision) on synthetic folders (runtime.checkpoints.synthetic):
 Hugging Face and MLX layouts, f32/bf16/f16, sharded or not, MLX affine quantization,
 text tensors never read, and every error a broken folder can raise."""
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from emitter.config import PRESETS, load_model_config, weight_schema
-from runtime import checkpoint as ck
-from runtime.checkpoint import CheckpointError, load_vision_weights, read_safetensors_header
-from runtime.mlx_quant import dequantize_mlx, pack_mlx, unpack_mlx
-from runtime.synthetic import (DEFAULT_PROCESSOR, quantize_mlx, round_to_dtype, write_checkpoint,
+from runtime.checkpoints import vision as ck
+from runtime.checkpoints.vision import CheckpointError, load_vision_weights, read_safetensors_header
+from runtime.checkpoints.mlx_quant import dequantize_mlx, pack_mlx, unpack_mlx
+from runtime.checkpoints.synthetic import (DEFAULT_PROCESSOR, quantize_mlx, round_to_dtype, write_checkpoint,
                                write_safetensors)
 
 CFG = PRESETS["tiny"]

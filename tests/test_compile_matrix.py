@@ -1,7 +1,7 @@
 """Every valid config compiles in every variant.
 
 Randomly drawn (seeded, so every run draws the same) valid vision configs, plus the one
-that once failed, each compiled the way the runtime compiles it: `runtime.build`'s
+that once failed, each compiled the way the runtime compiles it: `runtime.artifact.build`'s
 artifact module for the bucket ladder, one entry per bucket, plain (`encode_<B>`, what
 `qwen3vl run` builds) or diagnostics (`encode_<B>_diagnostics`, what `qwen3vl oracle`
 builds), weights as parameters, the llvm-cpu target's real flags, the real iree-compile;
@@ -33,10 +33,10 @@ from emitter.identity import DEFAULT_LADDER
 from emitter.policy import DEFAULT_POLICY
 from emitter.targets import DEFAULT_TARGET
 from emitter.vision import emit_vision_module, entry_name, render_module
-from runtime.build import DEFAULT_BINDING, BuildPlan, emit_and_compile
-from runtime.compiler import compile_mlir
-from runtime.iree_module import LoadedModule
-from runtime.packing import host_inputs
+from runtime.artifact.build import DEFAULT_BINDING, BuildPlan, emit_and_compile
+from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.iree_module import LoadedModule
+from runtime.inputs.packing import host_inputs
 
 SEED = 2026
 DRAWN = 5

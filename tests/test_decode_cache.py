@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from emitter.text_config import TEXT_PRESETS
-from runtime import decode_profile as bench
-from runtime.compiler import compile_mlir
+from runtime.bench import decode_profile as bench
+from runtime.artifact.compiler import compile_mlir
 
 
 def test_decode_step_copies_no_whole_cache(tmp_path):

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from conftest import rel_l2
 from helpers import write_images
 from emitter.config import PRESETS
-from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
 TINY = PRESETS["tiny"]
@@ -206,7 +206,7 @@ def test_bad_arguments_are_one_line(setup, tmp_path):
 def test_without_ray_installed(setup, tmp_path):
     """Ray made unimportable: local embed works, --ray-local says how to install it."""
     root, images, cache, reference = setup
-    code = "import sys; sys.modules['ray'] = None; from runtime.cli import main; main()"
+    code = "import sys; sys.modules['ray'] = None; from runtime.commands.main import main; main()"
     base = [sys.executable, "-c", code, "embed", "--model", str(root / "model"), images[0], *BUCKETS,
             "--cache-dir", cache, "--no-progress", "-o"]
     local = subprocess.run(base + [str(tmp_path / "a")], capture_output=True, text=True)

@@ -10,7 +10,7 @@ import pytest
 
 from emitter.config import PRESETS
 from emitter.vision import emit_vision_module
-from runtime.compiler import compile_mlir
+from runtime.artifact.compiler import compile_mlir
 
 BIN = Path(sys.executable).parent
 EMIT = str(BIN / "emit-qwen3vl")

@@ -18,13 +18,13 @@ from safetensors.numpy import load_file
 
 from conftest import rel_l2
 from emitter.config import PRESETS, graph_weights
-from runtime.archive import ArchiveError, open_archive, tensor_metadata, write_archive
-from runtime.session import VisionSession
-from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+from runtime.artifact.archive import ArchiveError, open_archive, tensor_metadata, write_archive
+from runtime.vision import VisionSession
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 TINY = PRESETS["tiny"]
 SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
-QWEN3VL = [sys.executable, "-c", "from runtime.cli import main; main()"]
+QWEN3VL = [sys.executable, "-c", "from runtime.commands.main import main; main()"]
 IREE_RUN_MODULE = Path(sys.executable).parent / "iree-run-module"
 BUCKETS = ("32", "64")
 
@@ -208,7 +208,7 @@ def test_write_archive_round_trip_bf16(tmp_path):
     arrays = [(s.name, rng.standard_normal(s.shape).astype(np.float32 if s.dtype == "f32" else ml_dtypes.bfloat16))
               for s in specs]
     write_archive(tmp_path / "w.irpa", arrays, TINY, "bf16")
-    from runtime.archive import entry_arrays
+    from runtime.artifact.archive import entry_arrays
     index = open_archive(tmp_path / "w.irpa", TINY, "bf16")
     for view, (_, array) in zip(entry_arrays(index, specs), arrays):
         assert view.dtype == array.dtype

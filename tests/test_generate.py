@@ -15,9 +15,9 @@ import pytest
 
 from emitter.config import ConfigError, PRESETS
 from emitter.text_config import TEXT_PRESETS, TextConfig, text_config_from_hf
-from runtime.synthetic import DEFAULT_PROCESSOR
-from runtime.synthetic_text import write_generation_checkpoint
-from runtime.tokenizer import ChatTokenizer, TokenizerError, expand_pads, user_message
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
+from runtime.checkpoints.synthetic_text import write_generation_checkpoint
+from runtime.inputs.tokenizer import ChatTokenizer, TokenizerError, expand_pads, user_message
 
 QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
 SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
@@ -104,9 +104,9 @@ def test_mlx_layout_quantized_text_weights(model, tmp_path):
     """mlx-vlm names (language_model.model.*, language_model.lm_head) with 4-bit affine
     projections load as the dequantized HF weights."""
     from safetensors.numpy import load_file
-    from runtime.checkpoint import dequantize_mlx
-    from runtime.synthetic import quantize_mlx, write_safetensors
-    from runtime.text_checkpoint import load_text_weights
+    from runtime.checkpoints.vision import dequantize_mlx
+    from runtime.checkpoints.synthetic import quantize_mlx, write_safetensors
+    from runtime.checkpoints.text import load_text_weights
 
     cfg = TEXT_PRESETS["tiny"]
     hf = load_text_weights(model, cfg)
@@ -351,7 +351,7 @@ def test_text_module_compiles_at_long_contexts(preset, context, buckets):
     "exceeded stack allocation limit" (a whole score row in one dispatch)."""
     import dataclasses
     from emitter.text import emit_text_module
-    from runtime.compiler import compile_mlir
+    from runtime.artifact.compiler import compile_mlir
 
     cfg = dataclasses.replace(TEXT_PRESETS[preset], num_hidden_layers=1)
     assert compile_mlir(emit_text_module(cfg, buckets, context, 3))
@@ -401,7 +401,7 @@ def test_image_larger_than_the_default_ladder(model, tmp_path):
 
 RESIDENT_PROBE = """
 import sys, numpy as np
-from runtime.generate import TextSession
+from runtime.text import TextSession
 def anon():  # bytes of this process's anonymous resident memory
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")) * 1024
 start = anon()
@@ -423,7 +423,7 @@ def test_text_weights_resident_once(tmp_path):
     import dataclasses
 
     from emitter.text import text_weights
-    from runtime.synthetic_text import write_text_model
+    from runtime.checkpoints.synthetic_text import write_text_model
 
     cfg = dataclasses.replace(TEXT_PRESETS["tiny"], vocab_size=32768, hidden_size=512, intermediate_size=2048,
                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,

@@ -10,7 +10,7 @@ import pytest
 
 from emitter.targets import TARGETS
 
-QWEN3VL = [sys.executable, "-c", "from runtime.cli import main; main()"]
+QWEN3VL = [sys.executable, "-c", "from runtime.commands.main import main; main()"]
 FORMATS = {"cuda-sm80": b"cuda-nvptx-fb", "rocm-gfx942": b"rocm-hsaco-fb", "vulkan-spirv": b"vulkan-spirv-fb"}
 
 

@@ -38,7 +38,7 @@ def test_plain_variant_matches_fixture_and_padding_is_finite(tiny_parity):
     weights, pixels, grid_thw, stages = tiny_parity
     bucket = 256
     module = compiled("tiny", bucket)
-    from runtime.packing import host_inputs
+    from runtime.inputs.packing import host_inputs
     from conftest import graph_weights
     raw = module(*host_inputs(pixels, [tuple(g) for g in grid_thw], TINY, bucket), *graph_weights(TINY, weights))
     assert all(np.isfinite(r).all() for r in raw), "padding rows must stay finite"
@@ -81,9 +81,9 @@ def test_parameter_bound_weights_match_fixture(tiny_parity):
     from conftest import graph_weights
     from emitter.config import graph_weights as weight_specs
     from emitter.vision import emit_vision_module, result_names
-    from runtime.compiler import compile_mlir
-    from runtime.iree_module import LoadedModule, parameters_module
-    from runtime.packing import host_inputs
+    from runtime.artifact.compiler import compile_mlir
+    from runtime.artifact.iree_module import LoadedModule, parameters_module
+    from runtime.inputs.packing import host_inputs
 
     weights, pixels, grid_thw, stages = tiny_parity
     config = rt.Config("local-task")
@@ -105,7 +105,7 @@ def test_2b_preset_parity_with_transformers_at_bucket_512():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from PIL import Image
-    from runtime.processor import process_images
+    from runtime.inputs.processor import process_images
     from torch_reference import random_vision_state_dict, run_vision_tower
 
     cfg = PRESETS["qwen3-vl-2b"]

@@ -22,8 +22,8 @@ import iree.runtime as rt
 from emitter.builder import Builder
 from emitter.layers import matmul
 from emitter.vision import render_functions
-from runtime.compiler import compile_mlir
-from runtime.iree_module import LoadedModule, device_config
+from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.iree_module import LoadedModule, device_config
 
 rows, keep = int(sys.argv[1]), sys.argv[2] == "keep"
 b = Builder()

@@ -19,9 +19,9 @@ import numpy as np
 from emitter.builder import Builder
 from emitter.layers import matmul
 from emitter.vision import render_functions
-from runtime.cli import terminated
-from runtime.compiler import compile_mlir
-from runtime.iree_module import LoadedModule
+from runtime.commands.main import terminated
+from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.iree_module import LoadedModule
 
 b = Builder()
 x = b.argument("x", (512, 512), "f32")
@@ -64,7 +64,7 @@ def test_sigterm_during_a_long_call_exits_at_once():
 
 FORKED = r"""
 import os, signal
-from runtime.iree_module import invoke
+from runtime.artifact.iree_module import invoke
 assert invoke(lambda: 1 + 1) == 2  # the parent's call thread is running
 pid = os.fork()
 if pid == 0:  # the thread did not survive the fork: the child starts its own
@@ -83,7 +83,7 @@ def test_a_forked_child_makes_its_own_calls():
 
 # --------------------------------------------------------------------------- Ctrl-C
 
-INTERRUPTED = WORKER.replace("from runtime.cli import terminated", "from emitter.errors import command_errors").replace(
+INTERRUPTED = WORKER.replace("from runtime.commands.main import terminated", "from emitter.errors import command_errors").replace(
     "signal.signal(signal.SIGTERM, terminated)\n", "").replace(
     "module(eye, np.int32(int(60 / per_step)))", "with command_errors():\n    module(eye, np.int32(int(60 / per_step)))")
 

@@ -12,8 +12,8 @@ from emitter.builder import Builder
 from emitter.config import PRESETS
 from emitter.attention import BLOCKWISE_FROM, MAX_QUERY_CHUNKS, attention_chunk, attention_form, key_ranges
 from emitter.vision import emit_vision_module, render_functions
-from runtime.compiler import compile_mlir
-from runtime.iree_module import LoadedModule
+from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.iree_module import LoadedModule
 
 TOLERANCE = 1e-5
 TINY = PRESETS["tiny"]
@@ -90,8 +90,8 @@ def test_blockwise_form_in_bf16_stays_close_to_transformers(bucket):
     from conftest import graph_weights
     from emitter.config import weight_schema
     from emitter.vision import result_names
-    from runtime.checkpoint import weights_in_order
-    from runtime.packing import host_inputs
+    from runtime.checkpoints.vision import weights_in_order
+    from runtime.inputs.packing import host_inputs
     grid_thw = np.array([[1, 12, 20], [1, 8, 20], [1, 4, 4]], np.int64)
     weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=5)
     flat = dict(zip([name for name, _ in weight_schema(TINY)], graph_weights(TINY, weights)))

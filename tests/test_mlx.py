@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from emitter.config import HF_PREFIX, PRESETS
-from runtime.checkpoint import CONV_NAME, MLX_PREFIX, load_vision_weights
-from runtime.synthetic import DEFAULT_PROCESSOR, random_vision_weights
+from runtime.checkpoints.vision import CONV_NAME, MLX_PREFIX, load_vision_weights
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, random_vision_weights
 
 pytestmark = pytest.mark.parity  # every test here checks against the reference
 mx = pytest.importorskip("mlx.core")
@@ -180,8 +180,8 @@ def test_mlx_vlm_checkpoint_dequantizes_exactly(mlx_vlm_checkpoint):
 def test_tower_matches_mlx_vlm(mlx_vlm_checkpoint, tmp_path):
     """The compiled graph on the mlx-vlm checkpoint against mlx-vlm's VisionModel (quantized
     matmuls, f32 activations) on the same pixels: main and DeepStack outputs."""
-    from runtime.processor import process_images
-    from runtime.session import VisionSession
+    from runtime.inputs.processor import process_images
+    from runtime.vision import VisionSession
 
     folder, model = mlx_vlm_checkpoint
     rng = np.random.default_rng(3)

@@ -21,9 +21,9 @@ import emitter.vision as vision
 from emitter.config import PRESETS
 from helpers import write_images
 from emitter.identity import artifact_identity
-from runtime.build import make_plan
-from runtime.oracle import DEFAULT_TOLERANCES, check_report, format_table, run_oracle
-from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+from runtime.artifact.build import make_plan
+from runtime.oracle.run import DEFAULT_TOLERANCES, check_report, format_table, run_oracle
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 TINY = PRESETS["tiny"]
 BUCKET = 64

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from emitter.config import PRESETS
 from helpers import write_images
 from emitter.vision import default_inspect_blocks
-from runtime.oracle import (CONTROL_KINDS, DEFAULT_TOLERANCES, REPORT_SCHEMA_VERSION, check_report, compare,
+from runtime.oracle.run import (CONTROL_KINDS, DEFAULT_TOLERANCES, REPORT_SCHEMA_VERSION, check_report, compare,
                             format_table, oracle_stage_names, run_oracle)
-from runtime.oracle_cli import oracle_command
-from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+from runtime.commands.oracle import oracle_command
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 TINY = PRESETS["tiny"]
 SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
@@ -122,7 +122,7 @@ def test_oracle_passes_with_table_in_graph_order_and_a_valid_report(setup, tmp_p
     assert zeroed["failing_stages"] == [f"deepstack_merger_list.0{s}" for s in (".norm", ".fc1", ".act", "")]
     dropped = controls["dropped_branch"]
     assert dropped["first_failing_stage"] == "deepstack_merger_list.1"
-    assert dropped["refused_by"] == "runtime.prefill.build_prefill_payload"
+    assert dropped["refused_by"] == "runtime.inputs.prefill.build_prefill_payload"
     assert dropped["error"].startswith("deepstack_features[1]: missing")
     assert "control    zeroed_branch:" in result.stdout and "NOT DETECTED" not in result.stdout
     assert all(c["rel_l2"] < 1e-5 for c in report["comparisons"])
@@ -163,7 +163,7 @@ def test_a_failing_stage_is_named_exits_1_and_the_report_is_still_written(setup,
 def test_reference_drift_upstream_is_told_apart_from_local_error(setup, monkeypatch):
     """A different position table in the reference: pos_embed is wrong (local); the blocks
     are right on the graph's own input, so their failures are inherited."""
-    import runtime.reference as reference
+    import runtime.oracle.reference as reference
 
     class Skewed(reference.Reference):
         def __init__(self, cfg, weights, dtype):
@@ -235,7 +235,7 @@ def test_missing_model_folder_and_image_are_one_line_errors(setup, tmp_path):
 # --------------------------------------------------------------------------- precision
 
 def test_tolerances_follow_the_precision_and_options_override_them():
-    from runtime.oracle_compare import tolerances
+    from runtime.oracle.compare import tolerances
     assert tolerances("f32") == DEFAULT_TOLERANCES["f32"]
     assert tolerances("bf16") == DEFAULT_TOLERANCES["bf16"]
     assert all(DEFAULT_TOLERANCES["bf16"][k] > DEFAULT_TOLERANCES["f32"][k] for k in DEFAULT_TOLERANCES["f32"])
@@ -297,7 +297,7 @@ def oracle_on_a_small_filesystem(setup, folder, mount: str, fill: int = 0):
     `folder` is a fresh tmpfs mounted with `mount` options, after `fill` bytes are written
     to it; afterwards, list what the folder holds."""
     report = folder / "r.json"
-    argv = [sys.executable, "-c", "from runtime.cli import main; main()", "oracle", "--model", setup["model"],
+    argv = [sys.executable, "-c", "from runtime.commands.main import main; main()", "oracle", "--model", setup["model"],
             *setup["images"], "--cache-dir", setup["cache"], "--bucket", BUCKET, "--report", str(report)]
     script = (f"mount -t tmpfs -o {mount} none {folder} || exit 99; "
               + (f"head -c {fill} /dev/zero > {folder}/fill; " if fill else "")

@@ -9,10 +9,10 @@ import pytest
 from conftest import rel_l2
 from emitter.config import PRESETS, ConfigError, graph_weights
 from emitter.vision import emit_vision_module, result_names
-from runtime.checkpoint import weights_in_order
-from runtime.compiler import compile_mlir
-from runtime.iree_module import LoadedModule
-from runtime.packing import host_inputs
+from runtime.checkpoints.vision import weights_in_order
+from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.iree_module import LoadedModule
+from runtime.inputs.packing import host_inputs
 
 TINY = PRESETS["tiny"]
 
@@ -50,8 +50,8 @@ def test_bf16_graph_is_close_to_transformers_f32(tiny_parity):
 def test_bf16_session_with_parameter_bound_weights(tmp_path):
     """bf16 weights served from the parameter archive (raw bytes, any dtype)."""
     from PIL import Image
-    from runtime.session import VisionSession
-    from runtime.synthetic import write_checkpoint
+    from runtime.vision import VisionSession
+    from runtime.checkpoints.synthetic import write_checkpoint
     import numpy as np
     write_checkpoint(tmp_path / "m", TINY, seed=3)
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8))

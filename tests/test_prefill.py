@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from emitter.text_config import TokenIds
-from runtime import prefill
-from runtime.prefill import (PAYLOAD_KEYS, PrefillError, add_deepstack, load_payload, merged_count, save_payload,
+from runtime.inputs import prefill
+from runtime.inputs.prefill import (PAYLOAD_KEYS, PrefillError, add_deepstack, load_payload, merged_count, save_payload,
                              scatter_image_embeds)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_no_token_id_of_qwens_in_the_runtime():
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, runtime.prefill; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = "import sys, runtime.inputs.prefill; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -1,4 +1,4 @@
-"""The image processor (runtime.processor) and its policy (emitter.policy).
+"""The image processor (runtime.inputs.processor) and its policy (emitter.policy).
 
 Torch-free: smart_resize, policy parsing and its errors, image errors (missing,
 corrupt, truncated, zero-size, aspect ratio 201), and a plain-numpy restatement of
@@ -20,7 +20,7 @@ from PIL import Image
 
 from emitter.policy import (DEFAULT_POLICY, PolicyError, ProcessorPolicy, load_policy,
                             smart_resize)
-from runtime.processor import (WIDE_MODES, ImageError, check_image_file, image_grid, process_image,
+from runtime.inputs.processor import (WIDE_MODES, ImageError, check_image_file, image_grid, process_image,
                                process_images)
 
 # What Qwen/Qwen3-VL-*/preprocessor_config.json holds (no resample, rescale, do_*).
@@ -241,7 +241,7 @@ def test_policy_mismatch_stops_build_before_compiling(tmp_path):
     import sys
     from pathlib import Path
     from emitter.config import PRESETS
-    from runtime.synthetic import write_checkpoint
+    from runtime.checkpoints.synthetic import write_checkpoint
     model = tmp_path / "model"
     write_checkpoint(model, PRESETS["tiny"])
     (model / "preprocessor_config.json").write_text(json.dumps({**RELEASED, "merge_size": 1}))
@@ -294,7 +294,7 @@ def _png_header(path, width, height):
 def test_grid_from_header_before_decoding(tmp_path):
     """A 144-megapixel image is sized from its header: the bucket check can refuse it
     before 1.8 GB are decoded (this file has no pixels at all: decoding it would fail)."""
-    from runtime.packing import PackingError, pack
+    from runtime.inputs.packing import PackingError, pack
     big = _png_header(tmp_path / "big.png", 12000, 12000)
     assert image_grid(big) == (1, 256, 256) == DEFAULT_POLICY.grid_thw(12000, 12000)
     with pytest.raises(PackingError, match="big.png"):
@@ -312,7 +312,7 @@ def test_run_says_what_a_bad_image_path_is(tmp_path):
     import sys
     from pathlib import Path
     from emitter.config import PRESETS
-    from runtime.synthetic import write_checkpoint
+    from runtime.checkpoints.synthetic import write_checkpoint
     model = tmp_path / "model"
     write_checkpoint(model, PRESETS["tiny"])
     os.mkfifo(tmp_path / "pipe.png")

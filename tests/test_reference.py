@@ -7,7 +7,7 @@ import pytest
 
 from conftest import rel_l2
 from emitter.config import PRESETS
-from runtime.reference import Reference
+from runtime.oracle.reference import Reference
 
 TINY = PRESETS["tiny"]
 

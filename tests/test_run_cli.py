@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 from conftest import rel_l2
 from helpers import write_images
 from emitter.config import PRESETS
-from runtime.checkpoint import load_vision_weights
-from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+from runtime.checkpoints.vision import load_vision_weights
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
 TINY = PRESETS["tiny"]
@@ -130,7 +130,7 @@ def test_a_compile_failure_is_one_line(tmp_path, monkeypatch):
     one line (the compiler's first error), status 1, no output file."""
     from click.testing import CliRunner
     import emitter.layers as layers
-    from runtime.cli import main
+    from runtime.commands.main import main
     monkeypatch.setattr(layers, "gelu_erf", lambda b, x: b._unary("stablehlo.no_such_op", x, "bogus"))
     write_checkpoint(tmp_path / "m", TINY, seed=1, processor_policy_dict=SMALL_POLICY)
     images = write_images(tmp_path, SIZES[:1])

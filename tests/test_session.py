@@ -10,10 +10,10 @@ from PIL import Image
 from conftest import rel_l2
 from emitter.config import PRESETS
 from emitter.text_config import load_token_ids
-from runtime.processor import process_images
-from runtime.reference import Reference
-from runtime.session import VisionSession
-from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+from runtime.inputs.processor import process_images
+from runtime.oracle.reference import Reference
+from runtime.vision import VisionSession
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 TINY = PRESETS["tiny"]
 SMALL_POLICY = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
@@ -32,7 +32,7 @@ def session(tmp_path_factory):
 
 
 def reference_output(session, pictures):
-    from runtime.checkpoint import load_vision_weights
+    from runtime.checkpoints.vision import load_vision_weights
     pixels, grids = process_images(pictures, session.policy)
     stages = Reference(TINY, load_vision_weights(session.model_dir, TINY)).run(pixels, grids)
     k = len(TINY.deepstack_visual_indexes)
@@ -95,7 +95,7 @@ def test_prefill_takes_the_checkpoints_own_token_ids(tmp_path):
     """A random checkpoint with a language model has its tokenizer's ids, not Qwen's: the
     prefill payload finds its pads by them (config.json's image_token_id and the rest)."""
     from emitter.text_config import TEXT_PRESETS, TokenIds
-    from runtime.synthetic_text import write_generation_checkpoint
+    from runtime.checkpoints.synthetic_text import write_generation_checkpoint
     write_generation_checkpoint(tmp_path / "m", TINY, TEXT_PRESETS["tiny"], seed=4, processor_policy_dict=SMALL_POLICY)
     ids = load_token_ids(tmp_path / "m")
     assert ids.image_token_id != TokenIds().image_token_id

@@ -21,8 +21,8 @@ import pytest
 
 from conftest import rel_l2
 from emitter.text_config import TEXT_PRESETS
-from runtime.prefill import mrope_position_ids
-from runtime.synthetic_text import write_text_model
+from runtime.inputs.prefill import mrope_position_ids
+from runtime.checkpoints.synthetic_text import write_text_model
 
 LAYERS = int(os.environ.get("QWEN3VL_TEXT_2B_LAYERS", "2"))
 IMAGE_ID = 151655
@@ -48,7 +48,7 @@ def ours_in_subprocess(folder: Path, inputs: Path, out: Path) -> dict:
 def ours_main(folder: str, inputs: str, out: str) -> None:
     import resource
 
-    from runtime.generate import TextSession
+    from runtime.text import TextSession
 
     x = np.load(inputs)
     session = TextSession(folder, buckets=(64,), context=64, deepstack_layers=LAYERS,

@@ -9,10 +9,10 @@ import pytest
 
 from emitter.config import PRESETS
 from emitter.text_config import TEXT_PRESETS
-from runtime.chat import Prompt
-from runtime.generate import TextSession, stream_tokens
+from runtime.inputs.chat import Prompt
+from runtime.text import TextSession, stream_tokens
 from runtime.sampling import Sampler, SamplingParams
-from runtime.synthetic_text import write_generation_checkpoint
+from runtime.checkpoints.synthetic_text import write_generation_checkpoint
 from runtime.text_batch import BatchTextSession
 
 SHAPE = dict(buckets=(16,), context=48, deepstack_layers=3)

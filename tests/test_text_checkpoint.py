@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from emitter.text_config import TEXT_PRESETS
-from runtime.checkpoint import INDEX_NAME, CheckpointError
-from runtime.synthetic import quantize_mlx, write_safetensors
-from runtime.synthetic_text import write_text_model
-from runtime.text_checkpoint import load_text_weights, text_entries
+from runtime.checkpoints.vision import INDEX_NAME, CheckpointError
+from runtime.checkpoints.synthetic import quantize_mlx, write_safetensors
+from runtime.checkpoints.synthetic_text import write_text_model
+from runtime.checkpoints.text import load_text_weights, text_entries
 
 CFG = replace(TEXT_PRESETS["tiny"], num_hidden_layers=1)
 

@@ -13,7 +13,7 @@ from emitter.builder import Builder, BuildError
 from emitter.attention import grouped_attention
 from emitter.layers import mrope_tables, rms_norm, silu
 from emitter.module import function as module_function, render
-from runtime.compiler import compile_mlir
+from runtime.artifact.compiler import compile_mlir
 
 
 def load(functions: list[dict], globals_=()) -> object:

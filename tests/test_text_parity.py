@@ -15,11 +15,11 @@ from conftest import rel_l2
 from helpers import write_images
 from emitter.config import PRESETS
 from emitter.text_config import TEXT_PRESETS
-from runtime.generate import Generator, greedy
-from runtime.prefill import mrope_position_ids
-from runtime.synthetic import DEFAULT_PROCESSOR
-from runtime.synthetic_text import write_generation_checkpoint
-from runtime.tokenizer import expand_pads, user_message
+from runtime.text import Generator, greedy
+from runtime.inputs.prefill import mrope_position_ids
+from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
+from runtime.checkpoints.synthetic_text import write_generation_checkpoint
+from runtime.inputs.tokenizer import expand_pads, user_message
 
 pytestmark = pytest.mark.parity  # every test here checks against the reference
 torch = pytest.importorskip("torch")

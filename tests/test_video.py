@@ -14,7 +14,7 @@ import pytest
 from emitter.config import PRESETS
 from emitter.text_config import load_token_ids
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy
-from runtime.video import VideoError, load_video, process_video, video_grid
+from runtime.inputs.video import VideoError, load_video, process_video, video_grid
 
 TINY = PRESETS["tiny"]
 SMALL_VIDEO = VideoPolicy(min_pixels=4096, max_pixels=4 * 64 * 64 * 8)  # tiny tests: small frames
@@ -168,15 +168,15 @@ def test_timestamps_are_the_processors(tmp_path):
 
 # --------------------------------------------------------------------------- the tower
 
-TINY_POLICY = {"size": {"shortest_edge": 4096, "longest_edge": 32768}}  # images (runtime.synthetic's defaults)
+TINY_POLICY = {"size": {"shortest_edge": 4096, "longest_edge": 32768}}  # images (runtime.checkpoints.synthetic's defaults)
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A random tiny checkpoint with SMALL_VIDEO as its video policy, its source weights,
     and a session over buckets 64 and 128."""
-    from runtime.session import VisionSession
-    from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+    from runtime.vision import VisionSession
+    from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
     folder = tmp_path_factory.mktemp("tiny-video")
     weights = write_checkpoint(folder / "m", TINY, seed=5, processor_policy_dict=dict(DEFAULT_PROCESSOR, **TINY_POLICY),
                                video_policy_dict=SMALL_VIDEO.to_config())
@@ -320,7 +320,7 @@ def test_bad_video_is_one_line_naming_the_file(tmp_path, case):
 @pytest.mark.parametrize("case", ["not a video", "zero frames", "unknown codec", "too long", "cut short"])
 def test_run_refuses_a_bad_video_before_writing_anything(tmp_path, case):
     """One line on stderr, exit 2, no output file and no cache entry."""
-    from runtime.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+    from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
     write_checkpoint(tmp_path / "m", TINY, seed=1, processor_policy_dict=dict(DEFAULT_PROCESSOR, **TINY_POLICY),
                      video_policy_dict=BOUNDED.to_config())
     make, message = BAD_VIDEOS[case]
@@ -341,8 +341,8 @@ def test_run_refuses_a_bad_video_before_writing_anything(tmp_path, case):
 def answer_model(tmp_path_factory):
     """A random tiny checkpoint with a language model, tokenizer and template."""
     from emitter.text_config import TEXT_PRESETS
-    from runtime.synthetic import DEFAULT_PROCESSOR
-    from runtime.synthetic_text import write_generation_checkpoint
+    from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
+    from runtime.checkpoints.synthetic_text import write_generation_checkpoint
     folder = tmp_path_factory.mktemp("answer") / "m"
     write_generation_checkpoint(folder, TINY, TEXT_PRESETS["tiny"], seed=3,
                                 processor_policy_dict=dict(DEFAULT_PROCESSOR, **TINY_POLICY))
@@ -362,10 +362,10 @@ def test_prompt_and_positions_match_transformers(tmp_path, answer_model, tiny_mo
     from transformers.video_utils import VideoMetadata
     from emitter.policy import load_policy
     from emitter.video_policy import load_video_policy
-    from runtime.prefill import mrope_position_ids
-    from runtime.processor import process_images
-    from runtime.tokenizer import ChatTokenizer
-    from runtime.video import process_videos, prompt_groups
+    from runtime.inputs.prefill import mrope_position_ids
+    from runtime.inputs.processor import process_images
+    from runtime.inputs.tokenizer import ChatTokenizer
+    from runtime.inputs.video import process_videos, prompt_groups
 
     policy, video_policy = load_policy(answer_model), load_video_policy(answer_model)
     assert video_policy == DEFAULT_VIDEO_POLICY
@@ -458,7 +458,7 @@ def test_generate_with_a_video_matches_transformers(tmp_path, answer_model):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.video_utils import VideoMetadata
     from emitter.policy import load_policy
-    from runtime.generate import Generator
+    from runtime.text import Generator
 
     steps, prompt = 6, "describe the picture"
     image = write_images(tmp_path, [(96, 64)])[0]

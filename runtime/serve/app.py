@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from ..chat import Media
-from ..sampling import SamplingError
-from .errors import ApiError
-from .media import MediaFolder
-from .protocol import parse_chat_request
-from .scheduler import Job
+from runtime.inputs.chat import Media
+from runtime.sampling import SamplingError
+from runtime.serve.errors import ApiError
+from runtime.serve.media import MediaFolder
+from runtime.serve.protocol import parse_chat_request
+from runtime.serve.scheduler import Job
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..chat import ProcessedMedia, Rows, encode_joint
+from runtime.inputs.chat import ProcessedMedia, Rows, encode_joint
 
 
 def media_key(medium: ProcessedMedia) -> str:

@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from .errors import ApiError
+from runtime.serve.errors import ApiError
 
 DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 SUFFIXES = {"image/png": ".png", "image/jpeg": ".jpg", "image/jpg": ".jpg", "image/webp": ".webp",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import ApiError
+from runtime.serve.errors import ApiError
 
 ROLES = ("system", "user", "assistant")
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}

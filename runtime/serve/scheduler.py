@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..chat import Media
-from ..generate import GenerateError
-from ..sampling import Sampler, SamplingParams
-from ..text_stream import TextStream
-from .errors import ApiError
-from .protocol import ChatRequest
+from runtime.inputs.chat import Media
+from runtime.text import GenerateError
+from runtime.sampling import Sampler, SamplingParams
+from runtime.inputs.text_stream import TextStream
+from runtime.serve.errors import ApiError
+from runtime.serve.protocol import ChatRequest
 
 
 @dataclass

@@ -1,0 +1,202 @@
+"""The weight archive (.irpa): the graph's weights exactly as it takes them (MLX weights
+dequantized, the patch-embed conv flattened to [hidden, patch_dim], matmul weights in
+bf16 under that precision), one entry per weight, keyed by its checkpoint name; read by
+the artifact module's globals under scope `model`.
+
+An archive is content-addressed: its identity hashes the checkpoint's stored vision
+tensors (bytes, dtypes, shapes), the quantization settings, the precision, the weight
+schema and the code that transforms them, so it is written once per checkpoint content
+and precision and reused from the cache. Each entry carries IREE's tensor metadata
+(`TENSORv0:{"type": "Tensor", "dtype", "shape"}`), which `open_archive` checks against
+the config before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import iree.runtime as rt
+
+from emitter.config import VisionConfig, graph_weights, weight_dtype
+from emitter.identity import weight_schema_fields
+
+from runtime.checkpoints import vision as checkpoint
+
+# Bump when what an archive holds changes in a way no other field records.
+ARCHIVE_FORMAT = 1
+METADATA_PREFIX = "TENSORv0:"
+DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16"}  # graph dtype -> IREE's metadata name
+ITEMSIZE = {"f32": 4, "bf16": 2}
+MADV_DONTNEED = 4  # Linux and macOS
+_CODE = (Path(checkpoint.__file__), Path(__file__))  # the host transforms
+
+
+class ArchiveError(ValueError):
+    """An archive that does not hold the graph's weights; the message names the tensor."""
+
+
+def sha256_range(path: Path, begin: int, end: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if end > begin:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                digest.update(memoryview(m)[begin:end])
+    return digest.hexdigest()
+
+
+def stored_quantization(model_dir: Path) -> dict:
+    """config.json's quantization blocks as written (how MLX tensors are dequantized)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: config[k] for k in ("quantization", "quantization_config") if isinstance(config, dict) and k in config}
+
+
+def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict:
+    """What decides an archive's bytes: every stored vision tensor (name, dtype, shape,
+    sha256 of its bytes), the quantization settings, the precision, the weight schema,
+    and the source of the code that transforms them. Reads the vision tensors once."""
+    found, _ = checkpoint.scan_vision_tensors(model_dir)
+    tensors = [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
+               for name, e in sorted(found.items())]
+    return {
+        "archive_format": ARCHIVE_FORMAT,
+        "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
+        "vision_config": cfg.to_dict(),
+        "weight_schema": weight_schema_fields(graph_weights(cfg, precision)),
+        "quantization": stored_quantization(Path(model_dir)),
+        "tensors": tensors,
+        "code_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in _CODE)).hexdigest(),
+    }
+
+
+def graph_arrays(model_dir, cfg: VisionConfig, precision: str = "f32") -> list[tuple[str, np.ndarray]]:
+    """(checkpoint name, array as the graph takes it) for every weight, in graph order."""
+    weights = checkpoint.weights_in_order(checkpoint.load_vision_weights(model_dir, cfg), cfg, precision)
+    return [(spec.name, array) for spec, array in zip(graph_weights(cfg, precision), weights)]
+
+
+def tensor_metadata(shape, dtype: str) -> str:
+    meta = {"type": "Tensor", "dtype": DTYPE_NAMES[dtype], "shape": list(shape)}
+    return METADATA_PREFIX + json.dumps(meta)
+
+
+def write_archive(path: str | os.PathLike, named_arrays, cfg: VisionConfig, precision: str = "f32") -> None:
+    """Write the vision graph's .irpa whole or not at all (see `write_entries`)."""
+    write_entries(path, named_arrays, graph_weights(cfg, precision))
+
+
+def write_entries(path: str | os.PathLike, named_arrays, specs) -> None:
+    """Write `(name, array)` pairs, one per weight spec in order, as an .irpa whole or not
+    at all (temp file beside it, fsync, rename). The arrays are referenced, not copied,
+    while IREE writes them."""
+    path = Path(path)
+    index = rt.ParameterIndex()
+    for spec, (name, array) in zip(specs, named_arrays):
+        assert spec.name == name, (spec.name, name)
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        index.add_buffer(name, flat, metadata=tensor_metadata(spec.shape, spec.dtype))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp.{os.getpid()}.", dir=path.parent)
+    os.close(fd)
+    try:
+        index.create_archive_file(tmp)
+        with open(tmp, "rb+") as f:
+            os.fchmod(f.fileno(), 0o644)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _entry_shape_dtype(entry) -> tuple[list | None, str | None]:
+    text = bytes(entry.metadata).decode("utf-8", "replace")
+    if not text.startswith(METADATA_PREFIX):
+        return None, None
+    try:
+        meta = json.loads(text[len(METADATA_PREFIX):])
+        return list(meta["shape"]), meta["dtype"]
+    except (ValueError, KeyError, TypeError):
+        return None, None
+
+
+def open_archive(path: str | os.PathLike, cfg: VisionConfig, precision: str = "f32") -> rt.ParameterIndex:
+    """The vision graph's archive, memory-mapped and checked (see `open_entries`)."""
+    return open_entries(path, graph_weights(cfg, precision))
+
+
+def open_entries(path: str | os.PathLike, specs) -> rt.ParameterIndex:
+    """The archive memory-mapped (not read) as an IREE parameter index, after checking that
+    it holds exactly the weights `specs` name: every name, shape, dtype and byte length.
+    ArchiveError naming the first tensor that does not match."""
+    index = rt.ParameterIndex()
+    try:
+        index.load(str(path), mmap=True)
+    except Exception as e:  # IREE raises ValueError/RuntimeError for a file it cannot parse
+        raise ArchiveError(f"{path}: not a readable IREE parameter archive ({str(e).splitlines()[0]})") from None
+    entries = dict(index.items())
+    for spec in specs:
+        entry = entries.pop(spec.name, None)
+        want = f"{DTYPE_NAMES[spec.dtype]} {list(spec.shape)}"
+        if entry is None:
+            raise ArchiveError(f"{spec.name}: missing from {path}; expected {want}")
+        shape, dtype = _entry_shape_dtype(entry)
+        if shape != list(spec.shape) or dtype != DTYPE_NAMES[spec.dtype]:
+            raise ArchiveError(f"{spec.name}: is {dtype} {shape} in {path}; expected {want}")
+        nbytes = int(np.prod(spec.shape)) * ITEMSIZE[spec.dtype]
+        if entry.length != nbytes:
+            raise ArchiveError(f"{spec.name}: holds {entry.length} bytes in {path}; expected {nbytes} ({want})")
+    if entries:
+        raise ArchiveError(f"{sorted(entries)[0]}: in {path} but not a weight of this config; "
+                           f"expected only the graph's {len(specs)} weights")
+    return index
+
+
+def entry_arrays(index: rt.ParameterIndex, specs) -> list[np.ndarray]:
+    """Read-only numpy views of the archive's entries for `specs` (graph weights), in order:
+    no copy, they read the mapped file."""
+    import ml_dtypes
+    entries = dict(index.items())
+    dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
+    return [np.asarray(entries[w.name].file_view).view(dtypes[w.dtype]).reshape(w.shape) for w in specs]
+
+
+def release_mapped_pages(index: rt.ParameterIndex) -> bool:
+    """Let the kernel drop the archive's pages from this process's resident memory, once the
+    module's initializer has packed the weights: `madvise(MADV_DONTNEED)` over the mapping.
+    The mapping is read-only and file-backed, so any page read later (the norms, biases and
+    position table the graph reads unpacked) faults back in from the file. False where the
+    call is not available."""
+    import ctypes
+    views = [np.asarray(entry.file_view) for _, entry in index.items()]
+    if not views:
+        return False
+    low = min(v.__array_interface__["data"][0] for v in views)
+    high = max(v.__array_interface__["data"][0] + v.nbytes for v in views)
+    start = low // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(high - start), MADV_DONTNEED) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress=None) -> Path:
+    """The archive for this checkpoint content and precision from the cache (its size and
+    sha256 checked against the manifest), written on a miss."""
+    report = progress or (lambda message: None)
+    fields = archive_fields(model_dir, cfg, precision)
+
+    def write(path: Path) -> None:
+        report(f"weights: writing {path.name} ({precision}) ...")
+        write_archive(path, graph_arrays(model_dir, cfg, precision), cfg, precision)
+
+    path, _ = cache.get_or_write(fields, "irpa", write, progress)
+    return path

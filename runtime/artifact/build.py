@@ -1,0 +1,124 @@
+"""`qwen3vl build`: resolve what to build, then compile the artifact module (one entry per
+bucket, `encode_<B>`) into the cache."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from emitter.config import VisionConfig, resolve_config
+from emitter.identity import DEFAULT_LADDER, artifact_identity, format_explanation, vision_artifact_fields
+from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
+from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy, load_video_policy
+from emitter.targets import DEFAULT_TARGET, target_flags
+from emitter.vision import check_binding, check_bucket, emit_artifact_module, parse_bucket
+
+# The runtime's artifacts read their weights from a parameter archive: IREE then packs
+# them for the matmuls once at load instead of on every call (docs/performance.md).
+DEFAULT_BINDING = "parameters"
+
+from runtime.artifact.cache import ArtifactCache
+from runtime.artifact.compiler import compile_mlir, resolve_precision
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    cfg: VisionConfig
+    title: str
+    policy: ProcessorPolicy
+    buckets: tuple[int, ...]
+    target: str
+    diagnostics: bool = False
+    inspect_blocks: tuple[int, ...] | None = None
+    precision: str = "f32"
+    weights: str = "arguments"
+    video_policy: VideoPolicy = DEFAULT_VIDEO_POLICY
+
+    def fields(self) -> dict:
+        """The identity fields of the artifact module for the whole bucket set."""
+        return vision_artifact_fields(self.cfg, self.buckets, self.policy, target=self.target,
+                                      diagnostics=self.diagnostics, inspect_blocks=self.inspect_blocks,
+                                      precision=self.precision, weights=self.weights,
+                                      video_policy=self.video_policy)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    buckets: tuple[int, ...]
+    identity: str
+    path: Path
+    built: bool
+    seconds: float
+
+
+def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,
+              diagnostics: bool = False, inspect_blocks=None, precision: str = "f32",
+              weights: str | None = None, progress=None) -> BuildPlan:
+    """Check every input before anything is compiled; ValueError naming the bad one. The
+    plan's precision is the target's form of the one asked (`compiler.resolve_precision`:
+    bf16 is built as bf16-f32 for a CPU without a bf16 dot product; `progress` hears so)."""
+    if model and not Path(model).is_dir():
+        raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
+                         f"(config.json, preprocessor_config.json, *.safetensors)")
+    cfg, title = resolve_config(model, preset_name)
+    if model:  # the config against the weights' headers, before anything is sized by it
+        from runtime.checkpoints.vision import check_checkpoint
+        check_checkpoint(model, cfg)
+    policy = load_policy(model, cfg) if model else DEFAULT_POLICY
+    video_policy = load_video_policy(model, cfg) if model else DEFAULT_VIDEO_POLICY
+    target = target or DEFAULT_TARGET
+    target_flags(target)
+    parsed = []
+    for text in buckets or DEFAULT_LADDER:
+        b = check_bucket(parse_bucket(text) if isinstance(text, str) else text, cfg)
+        if b not in parsed:
+            parsed.append(b)
+    parsed.sort()  # the artifact's bucket set; packing picks the smallest that holds
+    inspect = tuple(inspect_blocks) if inspect_blocks else None
+    if inspect is not None and not diagnostics:
+        raise ValueError(f"--inspect-block {inspect[0]}: needs --diagnostics (it picks which blocks' stages "
+                         f"the diagnostics variant returns)")
+    if inspect is not None:
+        bad = [i for i in inspect if not 0 <= i < cfg.depth]
+        if bad:
+            raise ValueError(f"--inspect-block {bad[0]}: expected a block index in [0, {cfg.depth})")
+    return BuildPlan(cfg, title, policy, tuple(parsed), target, bool(diagnostics), inspect,
+                     resolve_precision(precision, target, progress), check_binding(weights or DEFAULT_BINDING),
+                     video_policy)
+
+
+def emit_and_compile(plan: BuildPlan) -> bytes:
+    text = emit_artifact_module(plan.cfg, plan.buckets, diagnostics=plan.diagnostics,
+                                inspect_blocks=plan.inspect_blocks, title=plan.title, precision=plan.precision,
+                                weights=plan.weights)
+    return compile_mlir(text, plan.target)
+
+
+def build_artifact(plan: BuildPlan, cache: ArtifactCache,
+                   progress: Callable[[str], None] | None = None) -> BuildResult:
+    """The artifact module through the cache; `progress` hears when a compile starts and ends."""
+    report = progress or (lambda message: None)
+    fields = plan.fields()
+    identity = artifact_identity(fields)
+    buckets = " ".join(map(str, plan.buckets))
+
+    def emit() -> bytes:
+        report(f"buckets {buckets}: compiling {identity[:12]} ({plan.title}, {plan.target}) ...")
+        t0 = time.monotonic()
+        data = emit_and_compile(plan)
+        report(f"buckets {buckets}: compiled in {time.monotonic() - t0:.1f} s")
+        return data
+
+    start = time.monotonic()
+    path, built = cache.get_or_build(fields, emit, progress=report)
+    return BuildResult(plan.buckets, identity, path, built, time.monotonic() - start)
+
+
+def explain_plan(plan: BuildPlan, cache: ArtifactCache) -> str:
+    """The artifact's identity, whether the cache holds it, and the fields it hashes."""
+    fields = plan.fields()
+    path = cache.lookup(fields)
+    state = f"cached at {path}" if path else f"not cached in {cache.root}"
+    return f"buckets {' '.join(map(str, plan.buckets))}: {state}\n{format_explanation(fields)}"

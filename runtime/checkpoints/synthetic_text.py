@@ -1,0 +1,192 @@
+"""A random-weight Qwen3-VL checkpoint that can answer: the vision checkpoint of
+`synthetic.write_checkpoint` plus a whole language model, a byte-level BPE tokenizer
+trained on the spot (with Qwen's special tokens), a chat template and a generation
+config. Written without torch; transformers loads it as it loads a released one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from emitter.atomic import folder_atomic, write_atomic
+from emitter.config import VisionConfig
+from emitter.text import text_weights
+from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+
+from runtime.checkpoints.synthetic import check_new_folder, write_checkpoint, write_safetensors
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>")
+# Qwen3-VL's template, cut to what one user turn with images, videos and text needs.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string %}{{ message.content }}{%- else %}{%- for content in message.content %}"
+    "{%- if content.type == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif content.type == 'text' %}{{ content.text }}{%- endif %}{%- endfor %}{%- endif %}<|im_end|>\n"
+    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = ("the a image cat dog bird red green blue left right small large describe what is shown here "
+         "picture photo sky tree house road two three one and of in on with near far").split()
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE (the `tokenizers` library) trained on random sentences of WORDS:
+    the special tokens first (ids 0..6), then the 256 bytes, then merges up to vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(seed)
+    corpus = [" ".join(rng.choice(WORDS, 12)) + "." for _ in range(400)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+def random_text_weights(cfg: TextConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """f32 weights by Hugging Face name (see `random_text_tensors`)."""
+    return dict(random_text_tensors(cfg, seed))
+
+
+def random_text_tensors(cfg: TextConfig, seed: int = 0):
+    """(Hugging Face name, f32 weight) in `text_weights` order, drawn one at a time:
+    embeddings N(0, 1), projections N(0, 1/fan_in) (o_proj and down_proj at half gain),
+    RMSNorm weights 1 + 0.1 N(0, 1), so that the logits spread over several units and
+    greedy choices are well separated."""
+    rng = np.random.default_rng(seed)
+    for spec in text_weights(cfg):
+        z = rng.standard_normal(spec.shape, dtype=np.float32)
+        if spec.name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * z
+        elif spec.name.endswith("embed_tokens.weight"):
+            w = z
+        else:
+            gain = 0.5 if spec.name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            w = z * np.float32(gain / np.sqrt(spec.shape[1]))
+        yield spec.name, np.ascontiguousarray(w, np.float32)
+
+
+def write_text_model(folder, cfg: TextConfig, seed: int = 0, config: dict | None = None,
+                     shard_bytes: int = 1 << 30) -> None:
+    """A language-model-only checkpoint of random f32 weights (`random_text_tensors`) in a
+    new folder: shards of about `shard_bytes` with `model.safetensors.index.json`, and a
+    config.json (`config` on top of the text config and tying). Drawn and written a shard
+    at a time, so memory stays near one shard even at a full preset's size."""
+    from runtime.checkpoints.vision import INDEX_NAME
+
+    folder = Path(folder)
+    folder.mkdir()
+    weight_map, shard, size = {}, {}, 0
+
+    def flush():
+        name = f"model-{len(set(weight_map.values())):05d}.safetensors"
+        write_safetensors(folder / name, {k: ("F32", w.shape, memoryview(w).cast("B")) for k, w in shard.items()})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, w in random_text_tensors(cfg, seed):
+        shard[name] = w
+        size += w.nbytes
+        if size >= shard_bytes:
+            flush()
+            size = 0
+    if shard:
+        flush()
+    _write_json(folder / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
+    _write_json(folder / "config.json", {"model_type": "qwen3_vl", "tie_word_embeddings": cfg.tie_word_embeddings,
+                                         "text_config": cfg.to_hf_text_config(), **(config or {})})
+
+
+def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfig, seed: int = 0,
+                                processor_policy_dict: dict | None = None) -> None:
+    """Write the folder (new or empty; whole or not at all: built in a temp folder beside
+    it, then renamed). The text hidden size must be the vision tower's out_hidden_size."""
+    if text.hidden_size != vision.out_hidden_size:
+        raise ValueError(f"text hidden_size {text.hidden_size} != vision out_hidden_size {vision.out_hidden_size}")
+    model_dir = Path(model_dir)
+    check_new_folder(model_dir)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with folder_atomic(model_dir) as tmp:
+        write_checkpoint(tmp, vision, seed=seed, processor_policy_dict=processor_policy_dict)
+        _add_language_model(tmp, text, seed)
+
+
+def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> None:
+    """Tokenizer, template, generation config and the whole text model into a vision checkpoint."""
+    tokenizer = train_tokenizer(text.vocab_size, seed)
+    if tokenizer.get_vocab_size() > text.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {text.vocab_size}")
+    ids = {name: tokenizer.token_to_id(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+
+    from safetensors.numpy import load_file
+    stored = {name: a for name, a in load_file(str(model_dir / "model.safetensors")).items()
+              if not name.startswith(TEXT_PREFIX) and name != LM_HEAD}
+    _write_with_text(model_dir / "model.safetensors", stored, text, seed + 7)
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(ids, tie_word_embeddings=text.tie_word_embeddings, text_config=text.to_hf_text_config())
+    config["text_config"]["eos_token_id"] = eos[0]
+    _write_json(model_dir / "config.json", config)
+    write_atomic(model_dir / "tokenizer.json", tokenizer.to_str())
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 262144, "add_prefix_space": False})
+    write_atomic(model_dir / "chat_template.jinja", CHAT_TEMPLATE.encode())
+    _write_json(model_dir / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos[1],
+                                                       "do_sample": False})
+
+
+def _write_with_text(path: Path, stored: dict[str, np.ndarray], text: TextConfig, seed: int) -> None:
+    """One safetensors file: the `stored` tensors, then the random text weights, drawn and
+    written one at a time (a whole 2B preset never sits in memory). Inside the temp folder
+    that is renamed whole; written beside `path` and renamed over it, since `stored` may
+    have been read from it."""
+    entries = [(name, _tag(a), a.shape, a.nbytes) for name, a in stored.items()]
+    entries += [(s.name, "F32", s.shape, int(np.prod(s.shape)) * 4) for s in text_weights(text)]
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, tag, shape, nbytes in entries:
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    new = path.with_name(path.name + ".new")
+    with open(new, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for a in stored.values():
+            f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+        for _, w in random_text_tensors(text, seed):
+            f.write(memoryview(w.astype("<f4", copy=False)).cast("B"))
+    os.replace(new, path)
+
+
+def _tag(a: np.ndarray) -> str:
+    return {"float32": "F32", "float16": "F16", "uint32": "U32"}[str(a.dtype)]
+
+
+def _write_json(path: Path, value: dict) -> None:
+    write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
+
+
+def write_text_preset_checkpoint(folder, preset_name: str, layout: str = "hf", dtype: str = "f32", bits=None,
+                                 seed: int = 0) -> str:
+    """`qwen3vl random-checkpoint --with-text`: the vision and text presets of one name; a line saying what."""
+    from emitter.config import ConfigError, preset
+    from emitter.text_config import TEXT_PRESETS
+
+    if layout != "hf" or dtype != "f32" or bits:
+        raise ValueError("--with-text: writes the Hugging Face layout in f32 only (no --layout mlx, --dtype, --bits)")
+    if preset_name not in TEXT_PRESETS:
+        raise ConfigError(f"--preset {preset_name!r}: no language-model preset; expected one of "
+                          f"{', '.join(TEXT_PRESETS)}")
+    write_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name], seed=seed)
+    return f"wrote {folder} ({preset_name}, hf, f32, with a language model, tokenizer and chat template)"

@@ -1,0 +1,173 @@
+"""Read the language model's weights of a checkpoint folder as exact f32 numpy arrays,
+keyed by their Hugging Face names (`model.language_model.*`, `lm_head.weight`).
+
+Hugging Face layout (one `model.safetensors`, shards listed by
+`model.safetensors.index.json`, or several `*.safetensors`), f32, bf16 or f16 (widened
+exactly). MLX names (`language_model.model.*`, `language_model.lm_head.weight`, as
+mlx-vlm's sanitize writes them) too, affine-quantized or not (dequantized to f32 as the
+vision loader does: bits and group size from config.json's `quantization`). Only the
+text tensors' byte ranges are read. Every problem is a `CheckpointError` naming the tensor
+and the file.
+
+The session does not hold these arrays: `cached_text_archive` writes them once, in the
+dtypes the graph takes, as a weight archive (.irpa) in the artifact cache, keyed by the
+checkpoint's content like the vision archive (runtime/artifact/archive.py); the session maps it,
+IREE packs the weights from it at load, and then the mapped pages are let go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from emitter.config import weight_dtype
+from emitter.identity import weight_schema_fields
+from emitter.text import text_weights
+from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+
+from runtime.checkpoints import vision as checkpoint
+
+from runtime.checkpoints import mlx_quant
+from runtime.artifact.archive import open_entries, sha256_range, stored_quantization, write_entries
+from runtime.checkpoints.vision import CheckpointError, TensorEntry, read_float_tensor, read_uint32_tensor
+from runtime.checkpoints.mlx_quant import QuantConfig, dequantize_mlx, quantization_config
+
+# (prefix of the decoder's tensors, name of lm_head) per layout, in order of preference.
+LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_head.weight"))
+
+
+TEXT = checkpoint.ModelPart("language-model weights", tuple(prefix for prefix, _ in LAYOUTS),
+                           tuple(head for _, head in LAYOUTS))
+
+
+def scan_text_tensors(model_dir: Path) -> tuple[dict[str, TensorEntry], str]:
+    """Every text tensor of the folder (names to byte ranges), and where they were found
+    (`checkpoint.scan_tensors`: the same index, shard and duplicate checks as the vision side)."""
+    return checkpoint.scan_tensors(model_dir, TEXT)
+
+
+def read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
+                   qconfig: QuantConfig | None) -> np.ndarray:
+    """An MLX affine-quantized [out, in] weight dequantized to f32; bits, group size and mode
+    from config.json's `quantization` (the module's own entry first; `checkpoint.quant_settings`,
+    as the vision side checks them), checked against the stored shapes."""
+    module = key[: -len(".weight")]
+    out, n_in = shape
+    bits, group = checkpoint.quant_settings(key, entry, qconfig, (module,), n_in)
+    scales_e, biases_e = found.get(module + ".scales"), found.get(module + ".biases")
+    if scales_e is None or biases_e is None:
+        raise CheckpointError(f"{key}: quantized, but {module}.scales or .biases is missing (in {entry.file})")
+    groups = (out, n_in // group)
+    if entry.shape != (out, n_in * bits // 32) or scales_e.shape != groups or biases_e.shape != groups:
+        raise CheckpointError(f"{key}: stored shapes {list(entry.shape)}, {list(scales_e.shape)}, "
+                              f"{list(biases_e.shape)} do not pack a {list(shape)} weight at {bits} bits, group "
+                              f"{group} (in {entry.file})")
+    return dequantize_mlx(read_uint32_tensor(entry), read_float_tensor(scales_e), read_float_tensor(biases_e),
+                          bits, group)
+
+
+def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, TensorEntry]], dict[str, TensorEntry]]:
+    """Where each of the decoder's weights is stored, from the safetensors headers alone:
+    {Hugging Face name: (stored name, entry)} in `text_weights` order, and every text tensor
+    found. CheckpointError for a missing weight or a layer count that disagrees with the config."""
+    model_dir = Path(model_dir)
+    found, where = scan_text_tensors(model_dir)
+    prefix, head = next(((p, h) for p, h in LAYOUTS if p + "embed_tokens.weight" in found), LAYOUTS[0])
+    out = {}
+    for spec in text_weights(cfg):
+        key = head if spec.name == LM_HEAD else prefix + spec.name[len(TEXT_PREFIX):]
+        if key not in found:
+            hint = "; config.json says the embeddings are untied (tie_word_embeddings false)" if key == head else ""
+            raise CheckpointError(f"{key}: missing{hint} (in {where})")
+        out[spec.name] = (key, found[key])
+    stem = prefix + "layers."
+    layers = {n[len(stem):].split(".", 1)[0] for n in found if n.startswith(stem)}
+    if len(layers) != cfg.num_hidden_layers:
+        raise CheckpointError(f"text_config.num_hidden_layers = {cfg.num_hidden_layers} does not match the "
+                              f"checkpoint, which holds {len(layers)} decoder layers (in {where})")
+    used = {key for key, _ in out.values()}
+    used |= {key[: -len("weight")] + part for key in used for part in ("scales", "biases")}
+    if cfg.tie_word_embeddings:
+        used.add(head)  # stored beside tied embeddings: transformers ties it away, so do we
+    unused = sorted(name for name in found if name not in used and not name.endswith(".inv_freq"))
+    if unused:
+        raise CheckpointError(f"{unused[0]}: a language-model tensor this config does not use"
+                              f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} (in {where})")
+    return out, found
+
+
+def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
+    """The decoder's weights as f32 arrays, keyed by Hugging Face name in `text_weights`
+    order (lm_head absent when tied)."""
+    entries, found = text_entries(model_dir, cfg)
+    qconfig = quantization_config(Path(model_dir))
+    out = {}
+    for spec in text_weights(cfg):
+        key, entry = entries[spec.name]
+        if entry.dtype == "U32" or key[: -len("weight")] + "scales" in found:
+            w = read_quantized(key, entry, found, spec.shape, qconfig)
+        else:
+            w = read_float_tensor(entry)
+        if w.shape != spec.shape:
+            raise CheckpointError(f"{key}: unexpected shape {list(w.shape)} (expected {list(spec.shape)}) "
+                                  f"(in {entry.file})")
+        if not np.isfinite(w).all():
+            raise CheckpointError(f"{key}: non-finite values (in {entry.file})")
+        out[spec.name] = w
+    return out
+
+
+def text_weights_in_order(weights: dict[str, np.ndarray], cfg: TextConfig, precision: str = "f32") -> list:
+    """(name, array) in graph order, each in the dtype the graph takes (bf16: round to nearest
+    even). Takes the arrays out of `weights` as it goes, so an f32 array is freed once its
+    bf16 copy is made."""
+    import ml_dtypes
+    return [(s.name, weights.pop(s.name) if s.dtype == "f32" else weights.pop(s.name).astype(ml_dtypes.bfloat16))
+            for s in text_weights(cfg, precision)]
+
+
+# Bump when what a text archive holds changes in a way no other field records.
+TEXT_ARCHIVE_FORMAT = 1
+_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(__file__))  # the host transforms
+
+
+def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> dict:
+    """What decides a text archive's bytes: every stored text tensor (name, dtype, shape,
+    sha256 of its bytes), the quantization settings, the config, the precision, the weight
+    schema and the source of the code that transforms them. Reads the text tensors once."""
+    found, _ = scan_text_tensors(Path(model_dir))
+    return {
+        "kind": "qwen3vl-text-weights",
+        "archive_format": TEXT_ARCHIVE_FORMAT,
+        "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
+        "text_config": cfg.to_dict(),
+        "weight_schema": weight_schema_fields(text_weights(cfg, precision)),
+        "quantization": stored_quantization(Path(model_dir)),
+        "tensors": [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
+                    for name, e in sorted(found.items())],
+        "code_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in _CODE)).hexdigest(),
+    }
+
+
+def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progress=None) -> Path:
+    """The text archive for this checkpoint content and precision from the cache (size and
+    sha256 checked against the manifest), written on a miss: the checkpoint is read, checked
+    and converted only then."""
+    report = progress or (lambda message: None)
+
+    def write(path: Path) -> None:
+        arrays = text_weights_in_order(load_text_weights(model_dir, cfg), cfg, precision)  # checked first
+        size = sum(a.nbytes for _, a in arrays) / 1e9
+        report(f"text weights: writing {path.name} ({precision}, {size:.2f} GB) ...")
+        write_entries(path, arrays, text_weights(cfg, precision))
+
+    path, _ = cache.get_or_write(text_archive_fields(model_dir, cfg, precision), "irpa", write, progress)
+    return path
+
+
+def open_text_archive(path, cfg: TextConfig, precision: str = "f32"):
+    """The text archive memory-mapped as an IREE parameter index, checked to hold exactly
+    the graph's weights (ArchiveError naming the first that does not)."""
+    return open_entries(path, text_weights(cfg, precision))

@@ -1,0 +1,471 @@
+"""Read the vision-tower weights of a checkpoint folder as exact f32 numpy arrays.
+
+Two layouts are understood:
+
+* Hugging Face: tensors named `model.visual.*` (some checkpoints store `visual.*`),
+  one `model.safetensors` or shards listed by `model.safetensors.index.json`, or
+  several `*.safetensors` without an index (their headers are scanned).
+* MLX (mlx-vlm conversions): tensors named `vision_tower.*` with the same suffixes,
+  the patch-embed conv stored channels-last [h, T, P, P, C], and linears (or the
+  position table) optionally affine-quantized (`mlx_quant`), with the bits and group
+  size that config.json's `quantization` block gives each module (global, or a
+  per-module entry as mlx-lm / mlx-vlm write them): the stored shapes must agree.
+
+Only the vision tensors are read, and every one the checkpoint holds must be one the
+config uses (a `depth` smaller than the checkpoint's is an error, not a silent cut).
+Index entries must name files inside the folder. With an index, only the shards
+holding vision tensors are opened; within a shard only the vision tensors' byte
+ranges are read, so a large checkpoint's text weights are never loaded. bf16 and f16
+are widened to f32 exactly. Every problem is a `CheckpointError` whose one-line
+message names the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from emitter.config import CONV_WEIGHT, HF_PREFIX, VisionConfig, graph_weights, weight_schema
+
+from runtime.checkpoints.mlx_quant import QUANT_BITS, QuantConfig, dequantize_mlx, quantization_config
+
+MLX_PREFIX = "vision_tower."
+VISION_PREFIXES = (HF_PREFIX, "visual.", MLX_PREFIX)  # in order of preference
+INDEX_NAME = "model.safetensors.index.json"
+CONV_NAME = CONV_WEIGHT[len(HF_PREFIX):]  # the suffix every layout shares
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the vision weights cannot be read from; the message names tensor and file."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes lie: file, dtype, shape and absolute byte range."""
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+# --------------------------------------------------------------------------- safetensors
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors header (8-byte little-endian length, then JSON); no tensor data is read."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path}: not a safetensors file (header length {n} does not fit "
+                                      f"the file's {size} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
+    base = 8 + n
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = str(info["dtype"])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{name}: malformed header entry {info!r} (in {path})") from None
+        if not 0 <= begin <= end or base + end > size:
+            raise CheckpointError(f"{name}: byte range [{begin}, {end}) lies outside the data "
+                                  f"({size - base} bytes) (in {path})")
+        entries[name] = TensorEntry(name, path, dtype, shape, base + begin, base + end)
+    return entries
+
+
+def _read_raw(entry: TensorEntry) -> bytes:
+    """The tensor's bytes, read with one seek and one read (nothing else of the file)."""
+    try:
+        with open(entry.file, "rb") as f:
+            f.seek(entry.begin)
+            data = f.read(entry.end - entry.begin)
+    except OSError as e:
+        raise CheckpointError(f"{entry.name}: cannot read ({e.strerror or e}) (in {entry.file})") from None
+    if len(data) != entry.end - entry.begin:
+        raise CheckpointError(f"{entry.name}: file is truncated (in {entry.file})")
+    return data
+
+
+def _check_size(entry: TensorEntry) -> None:
+    count = int(np.prod(entry.shape, dtype=np.int64))
+    want = count * _ITEMSIZE[entry.dtype]
+    if entry.end - entry.begin != want:
+        raise CheckpointError(f"{entry.name}: holds {entry.end - entry.begin} bytes but {entry.dtype} "
+                              f"{list(entry.shape)} needs {want} (in {entry.file})")
+
+
+def _check_float(entry: TensorEntry) -> None:
+    if entry.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{entry.name}: unsupported dtype {entry.dtype} (expected one of "
+                              f"{', '.join(FLOAT_DTYPES)}) (in {entry.file})")
+
+
+def read_float_tensor(entry: TensorEntry) -> np.ndarray:
+    """A F32, F16 or BF16 tensor widened exactly to f32 (a new, writable array)."""
+    _check_float(entry)
+    _check_size(entry)
+    raw = _read_raw(entry)
+    if entry.dtype == "F32":
+        out = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    elif entry.dtype == "F16":
+        out = np.frombuffer(raw, dtype="<f2").astype(np.float32)
+    else:  # bf16 is the top half of an f32: shifting the bits up is exact
+        out = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    return out.reshape(entry.shape)
+
+
+def read_uint32_tensor(entry: TensorEntry) -> np.ndarray:
+    if entry.dtype != "U32":
+        raise CheckpointError(f"{entry.name}: unsupported dtype {entry.dtype} for a quantized weight "
+                              f"(expected U32) (in {entry.file})")
+    _check_size(entry)
+    return np.frombuffer(_read_raw(entry), dtype="<u4").astype(np.uint32).reshape(entry.shape)
+
+
+# --------------------------------------------------------------------------- MLX settings
+
+def _module_paths(module: str) -> tuple[str, ...]:
+    """A module's stored path and its other spellings, as config entries may key it."""
+    for prefix in VISION_PREFIXES:
+        if module.startswith(prefix):
+            rest = module[len(prefix):]
+            return (module, *(p + rest for p in VISION_PREFIXES if p != prefix))
+    return (module,)
+
+
+def quant_settings(key: str, entry: TensorEntry, qconfig: QuantConfig | None,
+                    paths: tuple[str, ...], n_in: int) -> tuple[int, int]:
+    """(bits, group_size) the config gives a stored quantized weight, checked to be usable."""
+    if qconfig is None:
+        raise CheckpointError(f"{key}: quantized ({entry.dtype}) but {entry.file.parent / 'config.json'} has "
+                              f"no 'quantization' block giving bits and group_size (as mlx-vlm writes it)")
+    settings, source = qconfig.module(paths)
+    if settings is None:
+        raise CheckpointError(f"{key}: quantized ({entry.dtype}) but {source} is false (unquantized) "
+                              f"(in {entry.file})")
+    mode = settings.get("mode", "affine")
+    if mode != "affine":
+        raise CheckpointError(f"{key}: quantization mode {mode!r} ({source}) is not supported; "
+                              f"expected 'affine' (in {entry.file})")
+    bits, group_size = settings.get("bits"), settings.get("group_size")
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in QUANT_BITS:
+        raise CheckpointError(f"{key}: {source} gives bits {bits!r}; expected one of "
+                              f"{', '.join(map(str, QUANT_BITS))}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0 or n_in % group_size:
+        raise CheckpointError(f"{key}: {source} gives group_size {group_size!r}; expected a positive "
+                              f"divisor of the weight's {n_in} inputs")
+    return bits, group_size
+
+
+# --------------------------------------------------------------------------- folder scan
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    return sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """Which tensors of a checkpoint belong to one model part (the vision tower, the
+    language model): the name prefixes (and whole names) that mark them, and how errors
+    name the part."""
+    what: str
+    prefixes: tuple[str, ...]
+    names: tuple[str, ...] = ()
+
+    def holds(self, name: str) -> bool:
+        return name.startswith(self.prefixes) or name in self.names
+
+    def missing(self) -> str:
+        return f"no {self.what} (no tensor named {' / '.join(p + '*' for p in self.prefixes)}"
+
+
+VISION = ModelPart("vision weights", VISION_PREFIXES)
+
+
+def _add_entries(found: dict[str, TensorEntry], entries: dict[str, TensorEntry], part: ModelPart) -> None:
+    for name, entry in entries.items():
+        if not part.holds(name):
+            continue
+        if name in found:
+            raise CheckpointError(f"{name}: present in two shards ({found[name].file.name} and "
+                                  f"{entry.file.name}) (in {entry.file.parent})")
+        found[name] = entry
+
+
+def _check_shard_name(name: str, shard, index_path: Path) -> None:
+    """An index entry names a file inside the model folder (symlinks allowed, as in a hub
+    cache), never an absolute path or one that climbs out with `..`."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{name}: shard {shard!r} is not a file name (in {index_path})")
+    parts = Path(shard).parts
+    if Path(shard).is_absolute() or ".." in parts:
+        raise CheckpointError(f"{name}: shard {shard!r} lies outside the model folder; expected a file "
+                              f"name inside {index_path.parent} (in {index_path})")
+
+
+def scan_tensors(model_dir: str | Path, part: ModelPart) -> tuple[dict[str, TensorEntry], str]:
+    """Locate every tensor of `part` in a checkpoint folder without reading tensor data:
+    through `model.safetensors.index.json` (every shard it names inside the folder, every
+    tensor where it says) or every `*.safetensors`; a tensor in two shards is an error.
+
+    Returns (entries by stored name, a description of where they were looked for)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a readable folder")
+    index_path = model_dir / INDEX_NAME
+    found: dict[str, TensorEntry] = {}
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{index_path}: not a readable JSON index ({e})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: no 'weight_map' object")
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            _check_shard_name(name, shard, index_path)
+            if part.holds(name):
+                by_shard.setdefault(shard, []).append(name)
+        if not by_shard:
+            raise CheckpointError(f"{index_path}: {part.missing()})")
+        for shard, names in sorted(by_shard.items()):
+            shard_path = model_dir / shard
+            if not shard_path.is_file():
+                raise CheckpointError(f"{names[0]}: its shard {shard} is missing "
+                                      f"(referenced by {index_path})")
+            entries = read_safetensors_header(shard_path)
+            for name in names:
+                if name not in entries:
+                    raise CheckpointError(f"{name}: missing from {shard_path} (where {INDEX_NAME} "
+                                          f"places it)")
+            # Every tensor of the part a shard holds counts, listed in the index or not, so a
+            # tensor stored in two opened shards is caught.
+            _add_entries(found, entries, part)
+        for name, entry in found.items():
+            mapped = weight_map.get(name)
+            if mapped is not None and model_dir / str(mapped) != entry.file:
+                raise CheckpointError(f"{name}: present in two shards ({mapped} per the index and "
+                                      f"{entry.file.name}) (in {model_dir})")
+        return found, str(index_path)
+    files = _safetensors_files(model_dir)
+    if not files:
+        raise CheckpointError(f"{model_dir}: no {part.what} (no *.safetensors file)")
+    for path in files:
+        _add_entries(found, read_safetensors_header(path), part)
+    if not found:
+        raise CheckpointError(f"{model_dir}: {part.missing()} in {', '.join(p.name for p in files)})")
+    where = str(files[0]) if len(files) == 1 else f"{model_dir}/*.safetensors"
+    return found, where
+
+
+def scan_vision_tensors(model_dir: str | Path) -> tuple[dict[str, TensorEntry], str]:
+    """`scan_tensors` of the vision tower."""
+    return scan_tensors(model_dir, VISION)
+
+
+def _choose_prefix(found: dict[str, TensorEntry]) -> str:
+    for prefix in VISION_PREFIXES:
+        if prefix + CONV_NAME in found:
+            return prefix
+    for prefix in VISION_PREFIXES:
+        if any(name.startswith(prefix) for name in found):
+            return prefix
+    raise AssertionError("unreachable: found holds only vision names")
+
+
+# --------------------------------------------------------------------------- matching
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """One graph weight as the checkpoint stores it, checked from the headers alone:
+    `quant` is (bits, group_size, scales entry, biases entry) for an MLX-quantized one."""
+    hf_name: str
+    shape: tuple[int, ...]  # the graph's
+    entry: TensorEntry
+    quant: tuple[int, int, TensorEntry, TensorEntry] | None = None
+
+
+def _indexed_count(found: dict[str, TensorEntry], stem: str) -> int:
+    """1 + the largest k of the tensors named `{stem}{k}.*` (0 if none)."""
+    ks = [name[len(stem):].split(".", 1)[0] for name in found if name.startswith(stem)]
+    return 1 + max((int(k) for k in ks if k.isdigit()), default=-1)
+
+
+def check_structure(found: dict[str, TensorEntry], prefix: str, cfg: VisionConfig, where: str) -> None:
+    """The config's block and DeepStack-merger counts against the tensors the checkpoint
+    holds; names only, so a wild `depth` fails before anything is built per block."""
+    blocks = _indexed_count(found, prefix + "blocks.")
+    if cfg.depth != blocks:
+        raise CheckpointError(f"config.json: vision_config.depth = {cfg.depth}, but the checkpoint holds {blocks} "
+                              f"blocks ({prefix}blocks.0-{blocks - 1} in {where})")
+    mergers = _indexed_count(found, prefix + "deepstack_merger_list.")
+    taps = len(cfg.deepstack_visual_indexes)
+    if taps != mergers:
+        raise CheckpointError(f"config.json: vision_config.deepstack_visual_indexes = "
+                              f"{list(cfg.deepstack_visual_indexes)} names {taps} DeepStack blocks, but the "
+                              f"checkpoint holds {mergers} DeepStack mergers ({prefix}deepstack_merger_list.* "
+                              f"in {where})")
+
+
+def _is_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry]) -> bool:
+    return entry.dtype == "U32" or (key.endswith(".weight") and key[:-7] + ".scales" in found)
+
+
+def _quantized_layout(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
+                      qconfig: QuantConfig | None) -> tuple[int, int, TensorEntry, TensorEntry]:
+    """An MLX affine-quantized weight's stored shapes checked against the bits and group
+    size the config gives its module (never guessed from the shapes)."""
+    module = key[: -len(".weight")] if key.endswith(".weight") else key
+    if len(shape) != 2:
+        raise CheckpointError(f"{key}: quantized, but only 2-D weights can be (expected "
+                              f"{list(shape)}) (in {entry.file})")
+    if entry.dtype != "U32":
+        raise CheckpointError(f"{key}: unsupported dtype {entry.dtype} for a quantized weight (it has "
+                              f"{module}.scales; expected U32) (in {entry.file})")
+    out, n_in = shape
+    paths = _module_paths(module)
+    bits, group_size = quant_settings(key, entry, qconfig, paths, n_in)
+    scales_e, biases_e = found.get(module + ".scales"), found.get(module + ".biases")
+    if scales_e is None:
+        raise CheckpointError(f"{key}: quantized ({entry.dtype}) but {module}.scales is missing "
+                              f"(in {entry.file})")
+    if biases_e is None:
+        raise CheckpointError(f"{key}: quantized but {module}.biases is missing (in {entry.file})")
+    if (n_in * bits) % 32 or entry.shape != (out, n_in * bits // 32):
+        raise CheckpointError(f"{key}: stored shape {list(entry.shape)}, but {bits}-bit codes for a "
+                              f"{list(shape)} weight pack into [{out}, {n_in * bits / 32:g}] uint32 "
+                              f"(bits {bits} from {qconfig.module(paths)[1]}) (in {entry.file})")
+    groups = (out, n_in // group_size)
+    for e in (scales_e, biases_e):
+        _check_float(e)
+        if e.shape != groups:
+            raise CheckpointError(f"{e.name}: stored shape {list(e.shape)}, but group_size {group_size} "
+                                  f"over a {list(shape)} weight needs {list(groups)} (in {e.file})")
+    return bits, group_size, scales_e, biases_e
+
+
+def _conv_layouts(cfg: VisionConfig) -> dict[tuple[int, ...], str]:
+    """The stored shapes the patch-embed conv may take, each with its layout."""
+    h, c, t, p, _ = cfg.conv_shape
+    return {cfg.conv_shape: "hf", (h, t, p, p, c): "channels-last", (h, cfg.patch_dim): "flat"}
+
+
+def _stored_weight(hf_name: str, shape: tuple[int, ...], prefix: str, found: dict[str, TensorEntry],
+                   qconfig: QuantConfig | None, cfg: VisionConfig, where: str) -> StoredWeight:
+    key = prefix + hf_name[len(HF_PREFIX):]
+    entry = found.get(key)
+    if entry is None:
+        raise CheckpointError(f"{key}: missing (in {where})")
+    if hf_name == CONV_WEIGHT:
+        _check_float(entry)
+        if entry.shape not in _conv_layouts(cfg):
+            hf_shape, mlx_shape = list(_conv_layouts(cfg))[:2]
+            raise CheckpointError(f"{key}: unexpected shape {list(entry.shape)} (expected {list(hf_shape)}, or "
+                                  f"{list(mlx_shape)} channels-last) (in {entry.file})")
+        return StoredWeight(hf_name, shape, entry)
+    if _is_quantized(key, entry, found):
+        return StoredWeight(hf_name, shape, entry, _quantized_layout(key, entry, found, shape, qconfig))
+    paths = _module_paths(key[: -len(".weight")]) if key.endswith(".weight") else ()
+    if paths and qconfig is not None and qconfig.names_module(paths):
+        raise CheckpointError(f"{key}: stored unquantized ({entry.dtype}), but {qconfig.module(paths)[1]} "
+                              f"gives it quantization settings (in {entry.file})")
+    _check_float(entry)
+    if entry.shape != shape:
+        raise CheckpointError(f"{key}: unexpected shape {list(entry.shape)} (expected {list(shape)}) "
+                              f"(in {entry.file})")
+    return StoredWeight(hf_name, shape, entry)
+
+
+def _check_all_used(found: dict[str, TensorEntry], used: set[str]) -> None:
+    """Every vision tensor the checkpoint holds is one the config reads."""
+    unused = sorted(set(found) - used)
+    if unused:
+        first = found[unused[0]]
+        raise CheckpointError(f"{first.name}: a vision tensor the config does not use ({len(unused)} unused "
+                              f"in all); config.json does not match the checkpoint (in {first.file})")
+
+
+def check_checkpoint(model_dir: str | Path, cfg: VisionConfig) -> list[StoredWeight]:
+    """Match `cfg` against the vision tensors of a checkpoint folder, from the safetensors
+    headers (and index) alone, no tensor data read: block and DeepStack-merger counts
+    first (so a wild `depth` fails before anything is built per block), then every graph
+    weight present with a usable dtype and shape (each quantized one against the bits and
+    group size config.json's `quantization` gives it), and no vision tensor left unused.
+    Returns the graph weights in `weight_schema(cfg)` order."""
+    model_dir = Path(model_dir)
+    found, where = scan_vision_tensors(model_dir)
+    prefix = _choose_prefix(found)
+    check_structure(found, prefix, cfg, where)
+    qconfig = quantization_config(model_dir)
+    stored = [_stored_weight(name, shape, prefix, found, qconfig, cfg, where) for name, shape in weight_schema(cfg)]
+    used = {s.entry.name for s in stored} | {e.name for s in stored if s.quant for e in s.quant[2:]}
+    _check_all_used(found, used)
+    return stored
+
+
+# --------------------------------------------------------------------------- loading
+
+def _read_stored(s: StoredWeight, cfg: VisionConfig) -> np.ndarray:
+    """One graph weight as exact f32: widened or dequantized, the conv reordered to
+    (C, T, P, P) and flattened, finiteness checked."""
+    if s.quant:
+        bits, group_size, scales_e, biases_e = s.quant
+        packed = read_uint32_tensor(s.entry)
+        scales, biases = read_float_tensor(scales_e), read_float_tensor(biases_e)
+        for arr, e in ((scales, scales_e), (biases, biases_e)):
+            if not np.isfinite(arr).all():
+                raise CheckpointError(f"{e.name}: non-finite values (in {e.file})")
+        w = dequantize_mlx(packed, scales, biases, bits, group_size)
+    else:
+        w = read_float_tensor(s.entry)
+        if s.hf_name == CONV_WEIGHT and _conv_layouts(cfg)[w.shape] == "channels-last":
+            w = w.transpose(0, 4, 1, 2, 3)  # [h, T, P, P, C] -> [h, C, T, P, P]
+        w = w.reshape(s.shape)
+    if not np.isfinite(w).all():
+        bad = int(np.size(w) - np.count_nonzero(np.isfinite(w)))
+        raise CheckpointError(f"{s.entry.name}: {bad} non-finite values (in {s.entry.file})")
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def load_vision_weights(model_dir: str | Path, cfg: VisionConfig) -> dict[str, np.ndarray]:
+    """The graph's weight arguments as f32 arrays, keyed by their Hugging Face names in
+    `weight_schema(cfg)` order; the patch-embed conv flattened to [hidden, patch_dim] in
+    (C, T, P, P) order. Everything `check_checkpoint` checks is checked before any tensor
+    data is read."""
+    return {s.hf_name: _read_stored(s, cfg) for s in check_checkpoint(model_dir, cfg)}
+
+
+def weights_in_order(weights: dict[str, np.ndarray], cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
+    """The arrays of `load_vision_weights` as the graph's ordered weight arguments, each
+    in the dtype the graph takes under `precision` (bf16: round to nearest even)."""
+    import ml_dtypes
+    return [weights[w.name] if w.dtype == "f32" else weights[w.name].astype(ml_dtypes.bfloat16)
+            for w in graph_weights(cfg, precision)]

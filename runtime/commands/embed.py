@@ -1,0 +1,61 @@
+"""`qwen3vl embed`: a collection of images to feature shards, locally or on Ray Data."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from emitter.config import PRECISION_HELP
+from emitter.errors import EXIT_FAILED, command_errors
+
+from runtime.jobs.embed import FORMATS
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+SOME_FAILED = EXIT_FAILED  # exit status when an image could not be embedded (recorded in the index)
+
+
+@click.command("embed", context_settings=CONTEXT)
+@click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("-o", "--output", "out_dir", required=True, metavar="OUT_DIR",
+              help="Folder for shard-NNNNN.safetensors and index.json (created if missing; a rerun resumes).")
+@click.option("--batch", type=int, default=16, show_default=True, metavar="N",
+              help="Images per engine call and per shard.")
+@click.option("--ray-local", type=int, metavar="N", help="Run on Ray Data: start a local cluster with N workers.")
+@click.option("--ray", "ray_address", metavar="ADDRESS", help="Run on Ray Data: join the cluster at ADDRESS.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="native", show_default=True,
+              help="native: image_embeds and deepstack_features; vllm: image_embeds [tokens, out_hidden x (1 + K)], "
+                   "main then each DeepStack feature, as vLLM takes Qwen3-VL's precomputed embeddings.")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help=PRECISION_HELP)
+@click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
+              help="Buckets to pack into (repeatable; default 64 128 256 512); a larger image fails.")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder (with Ray: every node must see it).")
+@click.option("--threads", type=int, metavar="N",
+              help="IREE worker threads per session (default: one per core locally, 1 per Ray actor).")
+@click.option("--retry-failed", is_flag=True, help="Try again the images the index records as failed.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, precision, buckets, target, cache_dir,
+                  threads, retry_failed, no_progress):
+    """Embed INPUT... (image files, folders of images searched recursively, or .txt files
+    listing image paths) into OUT_DIR/shard-NNNNN.safetensors (image_embeds,
+    deepstack_features, grid_thw; rows in image order) and OUT_DIR/index.json (per image:
+    shard, first row, rows, grid_thw; or the one-line reason it failed).
+
+    A rerun skips the images already in the index. An image that cannot be read or fits
+    no bucket is recorded as failed and the job goes on; the exit status is 1 when any
+    image of INPUT... failed."""
+    from runtime.jobs.embed import embed
+
+    def say(message: str) -> None:
+        click.echo(message, err=True)
+
+    with command_errors():  # a Ray failure (EngineError) keeps the shards and index written so far
+        summary = embed(model, inputs, out_dir, batch, fmt, precision, buckets or None, target, cache_dir, threads,
+                        ray_local, ray_address, retry_failed, say, progress_bar=not no_progress)
+    click.echo(summary.line())
+    if summary.failed:
+        say(f"error: {summary.failed} images failed (reasons in {summary.index})")
+        sys.exit(SOME_FAILED)

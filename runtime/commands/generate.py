@@ -1,0 +1,108 @@
+"""`qwen3vl generate`: images and a prompt in, the greedy answer streamed to stdout."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import click
+
+from emitter.config import PRECISION_HELP
+from emitter.errors import command_errors
+
+from runtime.text import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+# What bf16 means for the language model beyond the matmul weights (docs/text.md).
+TEXT_BF16_HELP = ("In the language model bf16 also stores the embedding table in bf16: the input embeddings "
+                  "are its rounded rows, as in transformers' bf16 model.")
+
+
+def _npy_bytes(array) -> bytes:
+    import numpy as np
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(array, np.float32))
+    return buffer.getvalue()
+
+
+def sampling_options(defaults, temperature, top_p, top_k, seed):
+    """The checkpoint's sampling settings with the command's options; an option that
+    only applies to sampling while decoding greedily is an error, not ignored."""
+    from runtime.sampling import SamplingError
+
+    params = defaults.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    given = [name for name, value in (("--top-p", top_p), ("--top-k", top_k), ("--seed", seed)) if value is not None]
+    if given and not params.do_sample:
+        raise SamplingError(f"{given[0]}: only applies when sampling; give --temperature above 0 (decoding is "
+                            "greedy: generation_config.json does not set do_sample true)")
+    return params
+
+
+@click.command("generate", context_settings=CONTEXT)
+@click.option("--model", required=True, metavar="DIR",
+              help="Checkpoint folder (config.json, *.safetensors, tokenizer.json, a chat template).")
+@click.option("--image", "images", multiple=True, metavar="PATH", help="An image, in prompt order (repeatable).")
+@click.option("--video", "videos", multiple=True, metavar="PATH",
+              help="A video, after the images, in prompt order (repeatable; see qwen3vl run --video).")
+@click.option("--prompt", required=True, metavar="TEXT", help="The user message's text (after the images and videos).")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, metavar="N",
+              help="Stop after N new tokens (or at an EOS id of generation_config.json).")
+@click.option("--json", "json_path", metavar="FILE",
+              help="Write {prompt_tokens, tokens, text, seconds: {vision, prefill, decode}} here.")
+@click.option("--save-logits", metavar="FILE.npy", help="Write the [new tokens, vocab] f32 logits of each step.")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help=f"{PRECISION_HELP} {TEXT_BF16_HELP}")
+@click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
+              help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}).")
+@click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
+              help="Tokens the KV cache holds (prompt and answer).")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
+@click.option("--temperature", type=float, metavar="T",
+              help="0: greedy; > 0: sample at this temperature (default: generation_config.json's do_sample and "
+                   "temperature, greedy when it sets none).")
+@click.option("--top-p", type=float, metavar="P", help="Nucleus sampling mass (default: generation_config.json's).")
+@click.option("--top-k", type=int, metavar="K", help="Sample among the K likeliest, 0 for all (default: "
+                                                      "generation_config.json's, else 50).")
+@click.option("--seed", type=int, metavar="N", help="Seed of the sampler (same seed, same answer).")
+def generate_command(model, images, videos, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision,
+                     buckets, context, target, threads, temperature, top_p, top_k, seed):
+    """Answer one user message (the images in order, the videos, then the prompt), greedily or
+    sampled as generation_config.json and the sampling options say, with the checkpoint's
+    tokenizer and chat template; the text streams to stdout."""
+    from emitter.atomic import write_atomic
+
+    from runtime.text import Generator
+    from runtime.jobs.outputs import check_output_paths
+    from runtime.inputs.tokenizer import check_utf8
+
+    def say(message: str) -> None:
+        click.echo(message, err=True)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    with command_errors():
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
+        check_utf8(prompt, "--prompt")
+        check_output_paths({"--json": json_path, "--save-logits": save_logits}, model, [*images, *videos])
+        for path in images:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise ValueError(f"--image {path}: cannot read ({e.strerror or e}); expected an image file") from None
+        generator = Generator(model, buckets or DEFAULT_PROMPT_BUCKETS, context, target=target, cache_dir=cache_dir,
+                              precision=precision, threads=threads, progress=say)
+        sampling = sampling_options(generator.sampling, temperature, top_p, top_k, seed)
+        result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream, videos=list(videos),
+                                    sampling=sampling)
+        stream("\n")
+        if save_logits:
+            write_atomic(save_logits, _npy_bytes(result.logits))
+        if json_path:
+            write_atomic(json_path, json.dumps(result.to_json(), indent=1) + "\n")

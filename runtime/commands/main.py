@@ -1,0 +1,179 @@
+"""`qwen3vl`: the command-line entry point (presets, build, run, oracle, random-checkpoint)."""
+
+from __future__ import annotations
+
+import signal
+
+import click
+
+from emitter.config import PRECISION_HELP
+from emitter.errors import command_errors
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def terminated(signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C: a running iree-compile is killed, temp files removed."""
+    click.echo("error: terminated (SIGTERM)", err=True)
+    raise SystemExit(128 + signum)
+
+
+class OneLineErrors(click.Group):
+    """The `qwen3vl` group: every subcommand's failures, Ctrl-C included, are one `error:`
+    line with the exit status of `emitter.errors` (not click's "Aborted!")."""
+
+    def invoke(self, ctx):
+        with command_errors():
+            return super().invoke(ctx)
+
+
+@click.group(cls=OneLineErrors, context_settings=CONTEXT)
+def main():
+    """Compile and run the Qwen3-VL vision tower with IREE."""
+    signal.signal(signal.SIGTERM, terminated)
+
+
+@main.command()
+def presets():
+    """List the named configs."""
+    from emitter.config import PRESETS
+    click.echo(f"{'name':<20} {'depth':>5} {'hidden':>6} {'out_hidden':>10}  deepstack")
+    for name, cfg in PRESETS.items():
+        ds = ",".join(str(i) for i in cfg.deepstack_visual_indexes)
+        click.echo(f"{name:<20} {cfg.depth:>5} {cfg.hidden_size:>6} {cfg.out_hidden_size:>10}  {ds}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", metavar="DIR", help="Checkpoint folder (config.json, preprocessor_config.json).")
+@click.option("--preset", "preset_name", metavar="NAME", help="A named config (see `qwen3vl presets`).")
+@click.option("--bucket", "buckets", multiple=True, metavar="N",
+              help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder (default $QWEN3VL_CACHE_DIR, "
+                                                  "else the user cache folder).")
+@click.option("--diagnostics", is_flag=True, help="Build the diagnostics variant (named intermediate stages).")
+@click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
+              help="With --diagnostics: a block whose inner stages to return (repeatable).")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help=PRECISION_HELP)
+@click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
+              help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
+                   "faster) or function arguments (packed on every call).")
+@click.option("--explain", is_flag=True,
+              help="Print the artifact's identity, cache state and hashed fields; compile nothing.")
+def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, precision, weights, explain):
+    """Compile the artifact module (one entry per asked bucket) into the cache, and with --model
+    write its weight archive there too (hits redo nothing)."""
+    from runtime.artifact.build import build_artifact, explain_plan, make_plan
+    from runtime.artifact.cache import ArtifactCache
+
+    if not model and not preset_name:
+        raise ValueError("--model DIR or --preset NAME: give one")
+    plan = make_plan(model, preset_name, buckets, target, diagnostics, inspect_blocks, precision, weights)
+    cache = ArtifactCache(cache_dir)
+    if explain:
+        click.echo(explain_plan(plan, cache), nl=False)
+        return
+    cache.ensure_root()
+    r = build_artifact(plan, cache, progress=say)
+    click.echo(f"buckets {','.join(map(str, r.buckets))}  {r.identity[:12]}  {'built' if r.built else 'hit':<5} "
+               f"{r.seconds:7.2f} s  {r.path}")
+    if model and plan.weights == "parameters":  # the weight archive the module reads
+        from runtime.artifact.archive import cached_archive
+        click.echo(f"weights  {cached_archive(model, plan.cfg, plan.precision, cache, progress=say)}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
+@click.argument("images", nargs=-1, metavar="[IMAGE]...")
+@click.option("--video", "videos", multiple=True, metavar="FILE",
+              help="A video file (any container and codec PyAV decodes; repeatable), sampled and processed as "
+                   "video_preprocessor_config.json says.")
+@click.option("-o", "--output", metavar="FILE",
+              help="Write image_embeds, deepstack_features and grid_thw here (safetensors); with --video also "
+                   "video_embeds, video_deepstack_features and video_grid_thw.")
+@click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
+              help="Buckets to pack into (repeatable; default 64 128 256 512).")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
+@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help=PRECISION_HELP)
+@click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
+              help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
+                   "faster) or function arguments (packed on every call).")
+@click.option("--dump-inputs", metavar="DIR",
+              help="Write each call's inputs as DIR/<NN>/<name>.npy with DIR/<NN>/call.json (see `qwen3vl export`).")
+def run(model, images, videos, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
+    """Encode images and videos: merged embeddings and the DeepStack features, images in
+    order, then videos in order."""
+    from runtime.jobs.run import run_images
+
+    click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say,
+                          precision=precision, weights=weights, dump_inputs=dump_inputs, videos=videos))
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
+@click.option("-o", "--output", required=True, metavar="OUT", help="Folder to write (created if missing).")
+@click.option("--bucket", "buckets", multiple=True, metavar="N",
+              help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help=PRECISION_HELP)
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--name", metavar="NAME", help="File stem of the vmfb and irpa (default: the model folder's name).")
+@click.option("--diagnostics", is_flag=True,
+              help="Entries encode_<B>_diagnostics: the outputs, then the named intermediate stages.")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
+def export(model, output, buckets, precision, target, name, diagnostics, cache_dir):
+    """Write OUT/NAME.vmfb (one entry per bucket), OUT/NAME.irpa (the weights), OUT/abi.json and
+    OUT/README.txt: a folder IREE's own iree-run-module runs."""
+    from runtime.artifact.export import export as export_folder
+
+    click.echo(export_folder(model, output, buckets, precision, target, cache_dir, name, diagnostics,
+                             progress=say))
+
+
+@main.command("random-checkpoint", context_settings=CONTEXT)
+@click.argument("folder", metavar="DIR")
+@click.option("--preset", "preset_name", default="tiny", show_default=True, metavar="NAME")
+@click.option("--layout", type=click.Choice(["hf", "mlx"]), default="hf", show_default=True)
+@click.option("--dtype", type=click.Choice(["f32", "bf16", "f16"]), default="f32", show_default=True)
+@click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="MLX affine quantization.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--with-text", is_flag=True,
+              help="Also a whole random language model, a byte-level BPE tokenizer and a chat template "
+                   "(for `qwen3vl generate`; HF layout, f32).")
+def random_checkpoint(folder, preset_name, layout, dtype, bits, seed, with_text):
+    """Write a deterministic random-weight checkpoint folder (for demos and tests).
+
+    DIR must be new or empty; the folder is written whole or not at all."""
+    from emitter.config import preset
+    from runtime.checkpoints.synthetic import write_checkpoint
+
+    cfg = preset(preset_name)
+    if with_text:
+        from runtime.checkpoints.synthetic_text import write_text_preset_checkpoint
+        click.echo(write_text_preset_checkpoint(folder, preset_name, layout, dtype, bits, seed))
+        return
+    write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None)
+    click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
+
+
+from runtime.commands.oracle import oracle_command  # noqa: E402
+from runtime.commands.generate import generate_command  # noqa: E402
+from runtime.commands.embed import embed_command  # noqa: E402
+from runtime.commands.serve import serve_command  # noqa: E402
+from runtime.commands.bench import bench_command  # noqa: E402
+
+main.add_command(oracle_command)
+main.add_command(generate_command)
+main.add_command(embed_command)
+main.add_command(serve_command)
+main.add_command(bench_command)
+
+

@@ -1,0 +1,106 @@
+"""`qwen3vl serve`: the OpenAI-compatible chat server (see docs/serve.md)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import click
+
+from emitter.config import PRECISION_HELP
+
+from runtime.text import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def prompt_buckets(buckets, context: int) -> tuple[int, ...]:
+    """The asked buckets, else the default ones that fit the context (the context itself
+    when none does)."""
+    if buckets:
+        return tuple(buckets)
+    return tuple(b for b in DEFAULT_PROMPT_BUCKETS if b <= context) or (context,)
+
+
+def positive(name: str, value: int) -> int:
+    if value < 1:
+        raise ValueError(f"{name} {value}: expected 1 or more")
+    return value
+
+
+@click.command("serve", context_settings=CONTEXT)
+@click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (as for qwen3vl generate).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
+@click.option("--max-batch", type=int, default=4, show_default=True, metavar="N",
+              help="Sequences decoded together (KV-cache rows on the device); more requests wait in the queue.")
+@click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
+              help="Tokens the KV cache holds (prompt and answer).")
+@click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
+              help="Prefill bucket in tokens (repeatable; default those of 128 512 2048 within the context).")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
+              help=PRECISION_HELP)
+@click.option("--api-key", metavar="KEY", envvar="QWEN3VL_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/ (or $QWEN3VL_API_KEY).")
+@click.option("--allowed-local-media-path", metavar="DIR",
+              help="Accept file:// image and video URLs, only for files under DIR (symlinks resolved).")
+@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
+@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
+@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@click.option("--max-waiting", type=int, default=16, show_default=True, metavar="N",
+              help="Requests that may wait for the engine; more get 429 with Retry-After.")
+@click.option("--max-media", type=int, default=8, show_default=True, metavar="N",
+              help="Images and videos per request.")
+@click.option("--max-body-mb", type=int, default=32, show_default=True, metavar="MB", help="Request body limit.")
+@click.option("--encoder-cache-mb", type=int, default=512, show_default=True, metavar="MB",
+              help="Bytes of image/video embeddings kept for reuse (LRU).")
+@click.option("--grace", type=float, default=10.0, show_default=True, metavar="S",
+              help="On SIGTERM: seconds to let requests in flight finish before cancelling them.")
+def serve_command(model, host, port, max_batch, context, buckets, precision, api_key, allowed_local_media_path,
+                  cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, grace):
+    """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
+    is compiled and loaded before the first request is accepted."""
+    for name, value in (("--max-batch", max_batch), ("--max-waiting", max_waiting), ("--max-media", max_media),
+                        ("--max-body-mb", max_body_mb), ("--encoder-cache-mb", encoder_cache_mb)):
+        positive(name, value)
+    if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
+        raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
+    server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
+                          allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
+                          max_body_mb, encoder_cache_mb, grace)  # bad input, failures: the group's one line
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
+    server.run()
+
+
+def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads, target,
+                 max_waiting, max_media, max_body_mb, encoder_cache_mb, grace):
+    """Everything loaded (text module, vision module, weights), then a uvicorn server."""
+    import uvicorn
+
+    from runtime.text import Generator
+    from runtime.text_batch import BatchTextSession
+    from runtime.serve.app import Limits, create_app
+    from runtime.serve.encoder_cache import EncoderCache
+    from runtime.serve.metrics import Metrics
+    from runtime.serve.scheduler import Engine
+
+    def say(message: str) -> None:
+        click.echo(message, err=True)
+
+    generator = Generator(model, buckets, context, target=target, cache_dir=cache_dir, precision=precision,
+                          threads=threads, progress=say)
+    generator.text = BatchTextSession(model, max_batch, buckets=buckets, context=context,  # in place of the
+                                      deepstack_layers=generator.text.deepstack_layers,  # one-sequence module
+                                      **generator.options)
+    generator.text.module  # noqa: B018 - compiled and loaded now, not at the first request
+    generator.vision.artifact()
+    metrics = Metrics()
+    encoder = EncoderCache(generator.vision_for, encoder_cache_mb << 20, metrics)
+    engine = Engine(generator, metrics, encoder, max_waiting)
+    limits = Limits(api_key, allowed, max_body_mb << 20, max_media)
+    model_id = Path(model).resolve().name
+    url = f"http://{host}:{port}/v1"
+    app = create_app(generator, engine, metrics, model_id, limits,
+                     on_ready=lambda: say(f"qwen3vl serve: {model_id} ready at {url}"))
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
+    return uvicorn.Server(config)

@@ -1,0 +1,2 @@
+"""Jobs over many inputs: `qwen3vl run` and `qwen3vl embed` (local or on Ray Data), and the checks of what
+they write."""

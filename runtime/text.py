@@ -1,0 +1,361 @@
+"""Image(s) and prompt in, answer out: the Qwen3-VL language model on IREE.
+
+- `TextSession`: the language model of a checkpoint folder, compiled once into one module
+  (`prefill_<S>` per prompt bucket and `decode`, see emitter/text.py) from the artifact
+  cache; weights read from a memory-mapped archive in the cache (packed by IREE at load,
+  then the mapped pages let go: no host copy stays); the KV cache lives in the module's
+  globals, on the device, between calls. Only the logits row of each call comes back to
+  the host.
+- `Generator`: the whole model: tokenizer and chat template (runtime/inputs/tokenizer.py), the
+  vision session for the images, M-RoPE positions (runtime/inputs/prefill.py, runtime/inputs/chat.py),
+  greedy or sampled decoding (runtime/sampling.py; generation_config.json's settings).
+
+    from runtime.text import Generator
+    gen = Generator("path/to/checkpoint")
+    result = gen.generate("Describe the image.", images=["a.jpg"], max_new_tokens=64)
+    result.text, result.tokens, result.logits  # logits [new tokens, vocab] f32
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import iree.runtime as rt
+
+from emitter.identity import artifact_identity, text_artifact_fields
+from emitter.targets import DEFAULT_TARGET
+from emitter.text import DECODE, MODULE_NAME, check_text_shapes, emit_text_module, prefill_inputs, prefill_name
+from emitter.text_config import load_text_config
+
+from runtime.artifact.archive import release_mapped_pages
+from runtime.artifact.cache import ArtifactCache, load_verified
+from runtime.artifact.compiler import compile_mlir, resolve_precision
+from runtime.artifact.iree_module import device_config, invoke, parameters_module
+from runtime.jobs.outputs import check_finite
+from runtime.sampling import Sampler, SamplingParams, generation_defaults
+from runtime.inputs.text_stream import TextStream
+from runtime.checkpoints.text import cached_text_archive, open_text_archive, text_entries
+
+DEFAULT_PROMPT_BUCKETS = (128, 512, 2048)
+DEFAULT_CONTEXT = 4096
+
+
+class GenerateError(ValueError):
+    """A request the model cannot serve (prompt too long, bad token id); one line."""
+
+
+class TextSession:
+    """The language model of `model_dir` on an IREE device; `prefill` then `decode` calls
+    share one KV cache (a new `prefill` starts a new sequence). The module is compiled
+    (or found in the cache) and loaded on the first call."""
+
+    def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
+                 deepstack_layers: int = 0, target: str | None = None, cache_dir=None, precision: str = "f32",
+                 progress=None, config: rt.Config | None = None):
+        self.cfg, self.token_ids = load_text_config(model_dir)
+        self.buckets, self.context = check_text_shapes(list(buckets), context)
+        self.cfg.check_context(self.context)
+        self.target = target or DEFAULT_TARGET
+        self.progress = progress or (lambda message: None)
+        self.deepstack_layers = deepstack_layers
+        self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 without a bf16 dot
+        text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
+        self.model_dir, self.seconds = Path(model_dir), {}
+        self.cache = ArtifactCache(cache_dir)
+        self.config = config or device_config(self.target)
+        self._module = None
+        self.length = 0  # tokens in the KV cache
+
+    @property
+    def module(self):
+        """The compiled module (built through the cache and loaded on first use), over the
+        weight archive (written into the cache on first use of this checkpoint content)."""
+        if self._module is None:
+            self.parameters = self._timed("load", self._open_weights)
+            self.vmfb_path = self._timed("build", lambda: self._build(self.cache, self.progress))
+            self._module = self._timed("upload", self._load)
+        return self._module
+
+    def _timed(self, name: str, fn):
+        start = time.perf_counter()
+        result = fn()
+        self.seconds[name] = time.perf_counter() - start
+        return result
+
+    def _open_weights(self) -> rt.ParameterIndex:
+        """The weight archive from the cache (written on a miss), memory-mapped and checked."""
+        self.archive_path = cached_text_archive(self.model_dir, self.cfg, self.precision, self.cache, self.progress)
+        return open_text_archive(self.archive_path, self.cfg, self.precision)
+
+    def _load(self):
+        """Load the module over the archive; IREE packs the weights now, after which the
+        archive's mapped pages are let go (pages read later fault back from the file)."""
+        self._context = rt.SystemContext(config=self.config)
+        self._context.add_vm_module(parameters_module(self.config, self.parameters))
+        self._vmfb = load_verified(self.vmfb_path)  # the module maps this buffer: keep it alive
+        self._context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, self._vmfb))
+        release_mapped_pages(self.parameters)
+        return self._context.modules[MODULE_NAME]
+
+    def _graph(self) -> str:
+        """The module's MLIR text (runtime/text_batch.py emits the batched one)."""
+        return emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision)
+
+    def _build(self, cache: ArtifactCache, report):
+        graph = self._graph()
+        fields = text_artifact_fields(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision,
+                                      self.target, graph)
+
+        def emit() -> bytes:
+            report(f"text model: compiling {artifact_identity(fields)[:12]} (prompt buckets "
+                   f"{', '.join(map(str, self.buckets))}, context {self.context}) ...")
+            t0 = time.monotonic()
+            data = compile_mlir(graph, self.target)
+            report(f"text model: compiled in {time.monotonic() - t0:.1f} s")
+            return data
+
+        path, _ = cache.get_or_build(fields, emit, progress=report)
+        return path
+
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A prompt and answer this session can hold; GenerateError (before any compile) if not."""
+        self.bucket_for(prompt_tokens)
+        if prompt_tokens + max_new_tokens - 1 > self.context:
+            raise GenerateError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens: more than the "
+                                f"context of {self.context} tokens (--context)")
+
+    def bucket_for(self, n: int) -> int:
+        for bucket in self.buckets:
+            if n <= bucket:
+                return bucket
+        raise GenerateError(f"prompt of {n} tokens: longer than the largest prefill bucket ({self.buckets[-1]}); "
+                            "give a shorter prompt or smaller images")
+
+    def _logits(self, result) -> np.ndarray:
+        """A call's logits row on the host; ValueError if any is NaN or inf (no token is
+        chosen from an overflowed row)."""
+        logits = np.array(result.to_host(), dtype=np.float32, copy=True).reshape(-1)
+        check_finite("logits", logits, "the language model")
+        return logits
+
+    def prefill(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
+                deepstack_features=None) -> np.ndarray:
+        """Run the prompt (ids [n], M-RoPE ids [3, n]; image embeds [M, D] and DeepStack
+        features [K, M, D] at `visual_positions` [M]); the logits [vocab] of its last token."""
+        s, args = self.prefill_arguments(input_ids, position_ids, visual_positions, image_embeds, deepstack_features)
+        logits = self._logits(invoke(self.module[prefill_name(s)], *args))
+        self.length = int(np.asarray(input_ids).size)
+        return logits
+
+    def prefill_arguments(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
+                          deepstack_features=None) -> tuple[int, list[np.ndarray]]:
+        """`prefill`'s bucket and the arguments of its `prefill_<S>` call, in order."""
+        ids = np.asarray(input_ids, np.int64).reshape(-1)
+        n, d = ids.size, self.cfg.hidden_size
+        self._check_ids(ids)
+        s = self.bucket_for(n)
+        tokens = np.zeros(s, np.int32)
+        tokens[:n] = ids
+        visual = np.zeros(s, np.int32)
+        embeds = np.zeros((s, d), np.float32)
+        deepstack = np.zeros((self.deepstack_layers, s, d), np.float32)
+        if visual_positions is not None and len(visual_positions):
+            rows = np.asarray(visual_positions, np.int64)
+            visual[rows] = 1
+            embeds[rows] = image_embeds
+            if deepstack_features is not None:
+                deepstack[:, rows] = np.asarray(deepstack_features)[:self.deepstack_layers]
+        positions = np.zeros((3, s), np.int32)
+        positions[:, :n] = position_ids
+        args = {"tokens": tokens, "visual": visual, "visual_embeds": embeds, "deepstack": deepstack,
+                "positions": positions, "last": np.array(n - 1, np.int32)}
+        names = [name for name, _, _ in prefill_inputs(self.cfg, s, self.deepstack_layers)]
+        return s, [args[name] for name in names]
+
+    def decode(self, token: int, rope_position: int) -> np.ndarray:
+        """Feed one token (text position `self.length`, M-RoPE position `rope_position` on
+        all three rows); the logits [vocab] of the next."""
+        if self.length >= self.context:
+            raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
+        self._check_ids(np.array([token]))
+        positions = np.full((3, 1), rope_position, np.int32)
+        logits = self._logits(invoke(self.module[DECODE], np.array([token], np.int32), positions,
+                                     np.array(self.length, np.int32)))
+        self.length += 1
+        return logits
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+        if bad.size:
+            raise GenerateError(f"token id {int(bad[0])}: outside the vocabulary [0, {self.cfg.vocab_size})")
+
+
+@dataclass
+class Generation:
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    logits: np.ndarray  # [new tokens, vocab] f32: the logits each new token was chosen from
+    seconds: dict[str, float] = field(default_factory=dict)  # vision, prefill, decode; build: compile or load
+    input_ids: np.ndarray | None = None  # the prompt's token ids, image pads expanded
+
+    def to_json(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
+                "seconds": {k: round(v, 4) for k, v in self.seconds.items()}}
+
+
+def stream_tokens(text: TextSession, prompt, sampler, max_new_tokens: int, eos_ids=()):
+    """Prefill `prompt` (a `chat.Prompt`), then one token per decode step until an EOS id
+    or `max_new_tokens`: yields (token, logits), the logits the model gave (the sampler
+    chose from them after its penalties and warpers). Closing the generator early leaves
+    the KV cache to the next prefill."""
+    text.check_request(prompt.ids.size, max_new_tokens)
+    logits = text.prefill(prompt.ids, prompt.positions, prompt.visual, prompt.embeds, prompt.deepstack)
+    for step in range(1, max_new_tokens + 1):
+        token = sampler.choose(logits)
+        yield token, logits
+        if token in eos_ids or step == max_new_tokens:
+            return
+        logits = text.decode(token, text.length + prompt.rope_delta)
+
+
+def run_tokens(text: TextSession, prompt, sampler, max_new_tokens: int, eos_ids=(), on_token=None):
+    """`stream_tokens` to the end: (tokens, logits [steps, vocab], seconds {prefill,
+    decode}); `on_token(id)` hears each new token as it is chosen."""
+    start = time.perf_counter()
+    tokens, rows, seconds = [], [], {}
+    for token, logits in stream_tokens(text, prompt, sampler, max_new_tokens, eos_ids):
+        if not tokens:
+            seconds["prefill"] = time.perf_counter() - start
+            start = time.perf_counter()
+        tokens.append(token)
+        rows.append(logits)
+        if on_token:
+            on_token(token)
+    seconds["decode"] = time.perf_counter() - start
+    vocab = text.cfg.vocab_size
+    return tokens, np.stack(rows) if rows else np.zeros((0, vocab), np.float32), seconds
+
+
+def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_tokens: int, eos_ids=(),
+           visual_positions=None, image_embeds=None, deepstack_features=None, on_token=None,
+           repetition_penalty: float = 1.0):
+    """Prefill, then greedy decoding (`run_tokens`), the choice made after the repetition
+    penalty as transformers' RepetitionPenaltyLogitsProcessor makes it."""
+    from runtime.inputs.chat import Prompt
+
+    ids = np.asarray(input_ids).reshape(-1)
+    prompt = Prompt(ids, position_ids, rope_delta, visual_positions, image_embeds, deepstack_features)
+    sampler = Sampler(SamplingParams(repetition_penalty=repetition_penalty), ids, text.cfg.vocab_size)
+    return run_tokens(text, prompt, sampler, max_new_tokens, eos_ids, on_token)
+
+
+class Generator:
+    """The whole Qwen3-VL of a checkpoint folder on IREE: images and a prompt in, greedy
+    tokens and text out. The vision session is opened on the first request with images."""
+
+    def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
+                 target: str | None = None, cache_dir=None, precision: str = "f32", threads: int | None = None,
+                 progress=None):
+        from emitter.config import load_model_config
+        from emitter.policy import load_policy
+        from emitter.video_policy import load_video_policy
+
+        from runtime.vision import set_thread_count
+        from runtime.inputs.tokenizer import ChatTokenizer
+
+        if threads is not None:
+            set_thread_count(threads)
+        self.model_dir = Path(model_dir)
+        self.vision_cfg = load_model_config(model_dir)
+        self.tokenizer = ChatTokenizer(model_dir)
+        self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
+        self.text = TextSession(model_dir, buckets, context, len(self.vision_cfg.deepstack_visual_indexes),
+                                **self.options)
+        self._vision = None
+        self.policy = load_policy(model_dir, self.vision_cfg)
+        self.video_policy = load_video_policy(model_dir, self.vision_cfg)
+        self.sampling = generation_defaults(model_dir)  # greedy unless do_sample, as transformers
+
+    @property
+    def vision(self):
+        """The vision session (the default bucket ladder, or the one `vision_for` chose)."""
+        if self._vision is None:
+            self._vision = self.vision_for(0)
+        return self._vision
+
+    def vision_for(self, patches: int):
+        """A vision session with a bucket that holds an image of `patches` patches: the
+        default ladder, plus the next power of two when an image is larger than its top."""
+        from emitter.identity import DEFAULT_LADDER
+
+        from runtime.vision import VisionSession
+
+        buckets = tuple(DEFAULT_LADDER)
+        if patches > buckets[-1]:
+            buckets += (1 << (patches - 1).bit_length(),)
+        if self._vision is None or self._vision.buckets[-1] < patches:
+            self._vision = VisionSession(self.model_dir, buckets=buckets, **self.options)
+        return self._vision
+
+    def prepare(self, messages, media=(), max_new_tokens: int = 1, encode=None):
+        """The `chat.Prompt` of `messages` (media: `chat.Media` in prompt order), checked
+        against the context before any compile; `encode(processed)` gives each medium's
+        rows (default: one tower call for all, `chat.encode_joint`). Its `seconds` hold
+        vision (processing and encoding) and build (compiling or loading)."""
+        from runtime.inputs.chat import build_prompt, encode_joint, image_tokens, process_media, prompt_ids
+
+        try:  # sized from the image headers: a too-large image is refused before it is decoded
+            self.text.bucket_for(image_tokens(media, self.policy, self.vision_cfg.merge_unit))
+        except GenerateError as e:
+            raise GenerateError(f"the images alone: {e}") from None
+
+        seconds = {"vision": 0.0, "build": 0.0}
+        start = time.perf_counter()
+        processed = process_media(media, self.policy, self.video_policy, self.vision_cfg.merge_unit)
+        seconds["vision"] = time.perf_counter() - start
+        ids = prompt_ids(self.tokenizer, self.text.token_ids, messages, processed)
+        self.text.check_request(ids.size, max_new_tokens)  # before any compile
+        rows = None
+        if processed:
+            if encode is None:
+                vision = self.vision_for(max(m.patches for m in processed))
+                seconds["build"] += _timed(vision.artifact)  # compiled or loaded outside the clock
+                encode = lambda items: encode_joint(self.vision_for, items)  # noqa: E731
+            start = time.perf_counter()
+            rows = encode(processed)
+            seconds["vision"] += time.perf_counter() - start
+        seconds["build"] += _timed(lambda: self.text.module)  # likewise
+        prompt = build_prompt(ids, self.text.token_ids, self.vision_cfg.spatial_merge_size, processed, rows)
+        prompt.seconds = seconds
+        return prompt
+
+    def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None, videos=(),
+                 sampling: SamplingParams | None = None) -> Generation:
+        """The answer to one user message (the images in order, then the videos, then
+        `prompt`), greedy or sampled as `sampling` says (default: generation_config.json's);
+        `on_text(piece)` hears the answer's text as it grows."""
+        from runtime.inputs.chat import Media
+        from runtime.inputs.tokenizer import user_message
+
+        if max_new_tokens < 1:
+            raise GenerateError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
+        media = [Media("image", p) for p in images] + [Media("video", v) for v in videos]
+        chat = self.prepare(user_message(prompt, len(images), len(videos)), media, max_new_tokens)
+        streamer = TextStream(self.tokenizer, emit=on_text) if on_text else None
+        sampler = Sampler(sampling or self.sampling, chat.ids, self.text.cfg.vocab_size)
+        tokens, logits, timing = run_tokens(self.text, chat, sampler, max_new_tokens, self.tokenizer.eos_ids,
+                                            streamer)
+        if streamer:
+            streamer.flush()
+        seconds = dict(chat.seconds, **timing)
+        return Generation(int(chat.ids.size), tokens, self.tokenizer.decode(tokens), logits, seconds, chat.ids)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
