@@ -266,15 +266,23 @@ def emit_text_module(cfg: TextConfig, buckets, context: int, deepstack_layers: i
     """MLIR text of the language-model module: `prefill_<S>` for each bucket S and `decode`,
     over shared weight globals and KV-cache globals (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
+    entries = [prefill_function(cfg, s, context, deepstack_layers, precision) for s in buckets] + \
+        [decode_function(cfg, context, precision)]
+    name = "Qwen3-VL language model" + (f" ({title})" if title else "")
+    return render_text_module(cfg, name, entries, buckets, context, deepstack_layers, precision)
+
+
+def render_text_module(cfg: TextConfig, name: str, entries, buckets, context: int, deepstack_layers: int,
+                       precision: str) -> str:
+    """The language-model module of `entries` ((function, globals) pairs, every one over the
+    same globals) under a header naming it `name` and its shapes."""
     functions, shared = [], None
-    for entry, globals_ in [prefill_function(cfg, s, context, deepstack_layers, precision) for s in buckets] + \
-            [decode_function(cfg, context, precision)]:
+    for entry, globals_ in entries:
         assert shared is None or globals_ == shared, "every entry reads the same globals"
         functions.append(entry)
         shared = globals_
-    header = (f"// Qwen3-VL language model{' (' + title + ')' if title else ''}, prompt buckets "
-              f"{', '.join(map(str, buckets))}, context {context}, {deepstack_layers} DeepStack layers"
-              f"{PRECISION_NOTES[precision]}.\n"
+    header = (f"// {name}, prompt buckets {', '.join(map(str, buckets))}, context {context}, "
+              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
               f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
     return render(MODULE_NAME, header, shared, functions)

@@ -17,12 +17,10 @@ the weights once; attention is per lane, over its own row.
 
 from __future__ import annotations
 
-from . import __version__
 from .attention import grouped_attention
 from .builder import Value
-from .config import PRECISION_NOTES
-from .module import function, render
-from .text import MODULE_NAME, TextGraph, check_text_shapes, prefill_function
+from .module import function
+from .text import TextGraph, check_text_shapes, prefill_function, render_text_module
 from .text_config import TextConfig
 
 DECODE_BATCH = "decode_batch"
@@ -107,15 +105,7 @@ def emit_batch_module(cfg: TextConfig, buckets, context: int, rows: int, deepsta
     `decode_batch` over all rows (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     rows = check_rows(rows)
-    functions, shared = [], None
-    for entry, globals_ in [prefill_function(cfg, s, context, deepstack_layers, precision, rows) for s in buckets] + \
-            [decode_batch_function(cfg, context, rows, precision), reset_function(cfg, context, rows, precision)]:
-        assert shared is None or globals_ == shared, "every entry reads the same globals"
-        functions.append(entry)
-        shared = globals_
-    header = (f"// Qwen3-VL language model, batched: {rows} KV-cache rows, prompt buckets "
-              f"{', '.join(map(str, buckets))}, context {context}, {deepstack_layers} DeepStack layers"
-              f"{PRECISION_NOTES[precision]}.\n"
-              f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
-              f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
-    return render(MODULE_NAME, header, shared, functions)
+    entries = [prefill_function(cfg, s, context, deepstack_layers, precision, rows) for s in buckets] + \
+        [decode_batch_function(cfg, context, rows, precision), reset_function(cfg, context, rows, precision)]
+    return render_text_module(cfg, f"Qwen3-VL language model, batched: {rows} KV-cache rows", entries, buckets,
+                              context, deepstack_layers, precision)
