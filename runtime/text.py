@@ -25,15 +25,16 @@ from pathlib import Path
 import numpy as np
 import iree.runtime as rt
 
-from emitter.identity import artifact_identity, text_artifact_fields
+from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.text import DECODE, MODULE_NAME, check_text_shapes, emit_text_module, prefill_inputs, prefill_name
 from emitter.text_config import load_text_config
 
 from runtime.artifact.archive import release_mapped_pages
+from runtime.artifact.build import compiled_module
 from runtime.artifact.cache import ArtifactCache, load_verified
-from runtime.artifact.compiler import compile_mlir, resolve_precision
-from runtime.artifact.iree_module import device_config, invoke, parameters_module
+from runtime.artifact.compiler import resolve_precision
+from runtime.artifact.iree_module import LoadedModule, device_config, invoke, parameters_module
 from runtime.jobs.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
@@ -74,16 +75,10 @@ class TextSession:
         """The compiled module (built through the cache and loaded on first use), over the
         weight archive (written into the cache on first use of this checkpoint content)."""
         if self._module is None:
-            self.parameters = self._timed("load", self._open_weights)
-            self.vmfb_path = self._timed("build", lambda: self._build(self.cache, self.progress))
-            self._module = self._timed("upload", self._load)
+            self.parameters, self.seconds["load"] = timed(self._open_weights)
+            self.vmfb_path, self.seconds["build"] = timed(self._build)
+            self._module, self.seconds["upload"] = timed(self._load)
         return self._module
-
-    def _timed(self, name: str, fn):
-        start = time.perf_counter()
-        result = fn()
-        self.seconds[name] = time.perf_counter() - start
-        return result
 
     def _open_weights(self) -> rt.ParameterIndex:
         """The weight archive from the cache (written on a miss), memory-mapped and checked."""
@@ -91,33 +86,25 @@ class TextSession:
         return open_text_archive(self.archive_path, self.cfg, self.precision)
 
     def _load(self):
-        """Load the module over the archive; IREE packs the weights now, after which the
-        archive's mapped pages are let go (pages read later fault back from the file)."""
-        self._context = rt.SystemContext(config=self.config)
-        self._context.add_vm_module(parameters_module(self.config, self.parameters))
-        self._vmfb = load_verified(self.vmfb_path)  # the module maps this buffer: keep it alive
-        self._context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, self._vmfb))
+        """Load the module over the archive (`LoadedModule`: out of memory is one line); IREE
+        packs the weights now, after which the archive's mapped pages are let go (pages read
+        later fault back from the file)."""
+        self._loaded = LoadedModule(load_verified(self.vmfb_path), config=self.config, function=None,
+                                    module_name=MODULE_NAME, modules=[parameters_module(self.config, self.parameters)])
         release_mapped_pages(self.parameters)
-        return self._context.modules[MODULE_NAME]
+        return self._loaded.module
 
     def _graph(self) -> str:
         """The module's MLIR text (runtime/text_batch.py emits the batched one)."""
         return emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision)
 
-    def _build(self, cache: ArtifactCache, report):
+    def _build(self):
+        """The module's vmfb through the artifact cache (`build.compiled_module`)."""
         graph = self._graph()
         fields = text_artifact_fields(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision,
                                       self.target, graph)
-
-        def emit() -> bytes:
-            report(f"text model: compiling {artifact_identity(fields)[:12]} (prompt buckets "
-                   f"{', '.join(map(str, self.buckets))}, context {self.context}) ...")
-            t0 = time.monotonic()
-            data = compile_mlir(graph, self.target)
-            report(f"text model: compiled in {time.monotonic() - t0:.1f} s")
-            return data
-
-        path, _ = cache.get_or_build(fields, emit, progress=report)
+        detail = f"prompt buckets {', '.join(map(str, self.buckets))}, context {self.context}"
+        path, _ = compiled_module(self.cache, fields, lambda: graph, self.target, "text model", detail, self.progress)
         return path
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -323,12 +310,12 @@ class Generator:
         if processed:
             if encode is None:
                 vision = self.vision_for(max(m.patches for m in processed))
-                seconds["build"] += _timed(vision.artifact)  # compiled or loaded outside the clock
+                seconds["build"] += timed(vision.artifact)[1]  # compiled or loaded outside the clock
                 encode = lambda items: encode_joint(self.vision_for, items)  # noqa: E731
             start = time.perf_counter()
             rows = encode(processed)
             seconds["vision"] += time.perf_counter() - start
-        seconds["build"] += _timed(lambda: self.text.module)  # likewise
+        seconds["build"] += timed(lambda: self.text.module)[1]  # likewise
         prompt = build_prompt(ids, self.text.token_ids, self.vision_cfg.spatial_merge_size, processed, rows)
         prompt.seconds = seconds
         return prompt
@@ -355,7 +342,8 @@ class Generator:
         return Generation(int(chat.ids.size), tokens, self.tokenizer.decode(tokens), logits, seconds, chat.ids)
 
 
-def _timed(fn) -> float:
+def timed(fn) -> tuple:
+    """(fn(), the seconds it took)."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    result = fn()
+    return result, time.perf_counter() - start

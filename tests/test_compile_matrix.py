@@ -33,7 +33,7 @@ from emitter.identity import DEFAULT_LADDER
 from emitter.policy import DEFAULT_POLICY
 from emitter.targets import DEFAULT_TARGET
 from emitter.vision import emit_vision_module, entry_name, render_module
-from runtime.artifact.build import DEFAULT_BINDING, BuildPlan, emit_and_compile
+from runtime.artifact.build import DEFAULT_BINDING, BuildPlan, emit_graph
 from runtime.artifact.compiler import compile_mlir
 from runtime.artifact.iree_module import LoadedModule
 from runtime.inputs.packing import host_inputs
@@ -91,6 +91,10 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def compile_plan(plan: BuildPlan) -> bytes:
+    return compile_mlir(emit_graph(plan), plan.target)
+
+
 @pytest.fixture(scope="module")
 def artifacts(request):
     """(name, precision, variant) -> the future of its compiled artifact. Every selected case is
@@ -99,7 +103,7 @@ def artifacts(request):
     selected = [tuple(item.callspec.params[k] for k in ("name", "precision", "variant"))
                 for item in request.session.items if item.originalname == "test_config_compiles_in_every_variant"]
     with ThreadPoolExecutor(max_workers=cores()) as pool:
-        yield {case: pool.submit(emit_and_compile, artifact_plan(CONFIGS[case[0]], *case[1:])) for case in selected}
+        yield {case: pool.submit(compile_plan, artifact_plan(CONFIGS[case[0]], *case[1:])) for case in selected}
         pool.shutdown(cancel_futures=True)
 
 

@@ -89,31 +89,39 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
                      video_policy)
 
 
-def emit_and_compile(plan: BuildPlan) -> bytes:
-    text = emit_artifact_module(plan.cfg, plan.buckets, diagnostics=plan.diagnostics,
+def emit_graph(plan: BuildPlan) -> str:
+    return emit_artifact_module(plan.cfg, plan.buckets, diagnostics=plan.diagnostics,
                                 inspect_blocks=plan.inspect_blocks, title=plan.title, precision=plan.precision,
                                 weights=plan.weights)
-    return compile_mlir(text, plan.target)
+
+
+def compiled_module(cache: ArtifactCache, fields: dict, graph: Callable[[], str], target: str, label: str,
+                    detail: str, progress: Callable[[str], None] | None = None) -> tuple[Path, bool]:
+    """(the vmfb of `fields` in the cache, whether it was compiled now): on a miss, under the
+    cache's lock, `graph()`'s MLIR compiled for `target`; `progress` hears `label: compiling
+    <identity> (detail) ...` and the time it took. Both models' modules are built here."""
+    report = progress or (lambda message: None)
+    identity = artifact_identity(fields)
+
+    def emit() -> bytes:
+        report(f"{label}: compiling {identity[:12]} ({detail}) ...")
+        t0 = time.monotonic()
+        data = compile_mlir(graph(), target)
+        report(f"{label}: compiled in {time.monotonic() - t0:.1f} s")
+        return data
+
+    return cache.get_or_build(fields, emit, progress=report)
 
 
 def build_artifact(plan: BuildPlan, cache: ArtifactCache,
                    progress: Callable[[str], None] | None = None) -> BuildResult:
-    """The artifact module through the cache; `progress` hears when a compile starts and ends."""
-    report = progress or (lambda message: None)
+    """The vision artifact module through the cache; `progress` hears when a compile starts and ends."""
     fields = plan.fields()
-    identity = artifact_identity(fields)
-    buckets = " ".join(map(str, plan.buckets))
-
-    def emit() -> bytes:
-        report(f"buckets {buckets}: compiling {identity[:12]} ({plan.title}, {plan.target}) ...")
-        t0 = time.monotonic()
-        data = emit_and_compile(plan)
-        report(f"buckets {buckets}: compiled in {time.monotonic() - t0:.1f} s")
-        return data
-
     start = time.monotonic()
-    path, built = cache.get_or_build(fields, emit, progress=report)
-    return BuildResult(plan.buckets, identity, path, built, time.monotonic() - start)
+    path, built = compiled_module(cache, fields, lambda: emit_graph(plan), plan.target,
+                                  f"buckets {' '.join(map(str, plan.buckets))}", f"{plan.title}, {plan.target}",
+                                  progress)
+    return BuildResult(plan.buckets, artifact_identity(fields), path, built, time.monotonic() - start)
 
 
 def explain_plan(plan: BuildPlan, cache: ArtifactCache) -> str:
