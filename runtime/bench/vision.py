@@ -109,7 +109,7 @@ def import_transformers_tower():
         importlib.import_module("torch")
     except ImportError:
         return "torch is not installed"
-    harness = Path(__file__).resolve().parent.parent / "tests"
+    harness = Path(__file__).resolve().parents[2] / "tests"
     if (harness / "torch_reference.py").is_file() and str(harness) not in sys.path:
         sys.path.append(str(harness))
         try:
