@@ -4,14 +4,16 @@ emitter/text.py's module (same archive, scope `model`).
 
 prefill_<S>: prefill_<S>'s arguments (emitter/text.py) and `row` [] i32
   -> logits [1, vocab] of token `last`; its K/V written into cache row `row`, slots 0..S-1.
-decode_batch:
-  tokens [R] i32, positions [3, R] i32, slots [R] i32 (lane i is cache row i; its token's
-  text position = its cache slot)
-  -> logits [R, vocab] f32; each lane's K/V written to its row at its slot, its attention
-  over that row's slots 0..slot. A lane with no sequence is fed anything (token 0, slot 0):
-  it writes only to its own free row, which the next prefill there overwrites.
+decode_batch_<B> for B in 1, 2, 4, ... below R, and R (`lane_counts`):
+  tokens [B] i32, positions [3, B] i32, slots [B] i32, rows [B] i32 (lane i: a sequence in
+  cache row rows[i]; its token's text position = its cache slot; rows distinct)
+  -> logits [B, vocab] f32; each lane's K/V written to its row at its slot, its attention
+  over that row's slots 0..slot. The runtime calls the smallest B that holds the running
+  sequences; a spare lane is given a free row and slot 0 (the next prefill there
+  overwrites what it writes).
+reset: see `reset_function`.
 
-Every weight matmul (projections, MLP, lm_head) runs once for all R lanes, so a step reads
+Every weight matmul (projections, MLP, lm_head) runs once for all B lanes, so a step reads
 the weights once; attention is per lane, over its own row.
 """
 
@@ -27,8 +29,19 @@ DECODE_BATCH = "decode_batch"
 RESET = "reset"
 
 
-def decode_batch_inputs(rows: int) -> list[tuple[str, tuple, str]]:
-    return [("tokens", (rows,), "i32"), ("positions", (3, rows), "i32"), ("slots", (rows,), "i32")]
+def decode_batch_inputs(lanes: int) -> list[tuple[str, tuple, str]]:
+    return [("tokens", (lanes,), "i32"), ("positions", (3, lanes), "i32"), ("slots", (lanes,), "i32"),
+            ("rows", (lanes,), "i32")]
+
+
+def decode_name(lanes: int) -> str:
+    return f"{DECODE_BATCH}_{lanes}"
+
+
+def lane_counts(rows: int) -> list[int]:
+    """The decode entries a module of `rows` rows has: 1, 2, 4, ... below `rows`, and `rows`."""
+    counts = [1 << i for i in range(rows.bit_length()) if 1 << i < rows]
+    return counts + [rows]
 
 
 def check_rows(rows) -> int:
@@ -37,13 +50,20 @@ def check_rows(rows) -> int:
     return rows
 
 
-def decode_batch_function(cfg: TextConfig, context: int, rows: int, precision: str = "f32") -> tuple[dict, list]:
+def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int,
+                          precision: str = "f32") -> tuple[dict, list]:
+    """decode_batch_<lanes> over a cache of `rows` rows: lane i reads and writes row `rows[i]`."""
     g = TextGraph(cfg, context, precision, rows)
     b = g.b
-    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in decode_batch_inputs(rows)}
+    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in decode_batch_inputs(lanes)}
     with b.stage("embed"):
         x = g.embed(inputs["tokens"])
-    slots = [b.reshape(b.slice(inputs["slots"], (i,), (i + 1,)), (), hint="slot") for i in range(rows)]
+
+    def scalar(name: str, i: int) -> Value:
+        return b.reshape(b.slice(inputs[name], (i,), (i + 1,)), (), hint=name[:-1])
+
+    slots = [scalar("slots", i) for i in range(lanes)]
+    cache_rows = [scalar("rows", i) for i in range(lanes)]
 
     def masks() -> list[Value]:  # per lane: its row's slots before its slot, then its own new token
         keys = b.iota((1, context + 1), 1, hint="key")
@@ -61,25 +81,28 @@ def decode_batch_function(cfg: TextConfig, context: int, rows: int, precision: s
         start[axis], limit[axis] = i, i + 1
         return b.slice(value, tuple(start), tuple(limit), hint="lane")
 
+    def row(cache: Value, i: int) -> Value:
+        picked = b.dynamic_slice(cache, [cache_rows[i], g.zero, g.zero, g.zero], (1, *cache.shape[1:]), hint="row")
+        return b.reshape(picked, cache.shape[1:], hint="row")
+
     def attend(n, q, k, v, lane_masks):
         # As emitter/text.py's decode: attention reads the cache as loaded plus the new K/V,
         # and the update is ordered after it (one barrier).
         loaded = [b.load_state(state) for state in g.cache[n]]
-        row = lambda cache, i: b.reshape(lane(cache, i, 0), cache.shape[1:], hint="row")  # noqa: E731
         contexts = [grouped_attention(b, lane(q, i, 0), [row(loaded[0], i), lane(k, i, 1)],
-                                      [row(loaded[1], i), lane(v, i, 1)], lane_masks[i]) for i in range(rows)]
-        context = contexts[0] if rows == 1 else b.concatenate(contexts, 0, hint="context")
+                                      [row(loaded[1], i), lane(v, i, 1)], lane_masks[i]) for i in range(lanes)]
+        context = contexts[0] if lanes == 1 else b.concatenate(contexts, 0, hint="context")
         *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
         for state, cache, value in zip(g.cache[n], loaded, (k, v)):
-            for i in range(rows):
+            for i in range(lanes):
                 update = b.reshape(lane(value, i, 1), (1, value.shape[0], 1, value.shape[2]), hint="update")
-                index = b.constant(i, (), "i32", hint="row")
-                cache = b.dynamic_update_slice(cache, update, [index, g.zero, slots[i], g.zero], hint="cache")
+                cache = b.dynamic_update_slice(cache, update, [cache_rows[i], g.zero, slots[i], g.zero],
+                                               hint="cache")
             b.store_state(cache, state)
         return context
 
     x = g.decoder(x, inputs["positions"], masks, attend)
-    return g.function(DECODE_BATCH, g.logits(x)), b.globals
+    return g.function(decode_name(lanes), g.logits(x)), b.globals
 
 
 def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f32") -> tuple[dict, list]:
@@ -101,11 +124,12 @@ def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f
 
 def emit_batch_module(cfg: TextConfig, buckets, context: int, rows: int, deepstack_layers: int,
                       precision: str = "f32") -> str:
-    """MLIR text of the batched module: `prefill_<S>` into a row for each bucket S, and
-    `decode_batch` over all rows (deterministic: same input, same bytes)."""
+    """MLIR text of the batched module: `prefill_<S>` into a row for each bucket S,
+    `decode_batch_<B>` for each lane count B, and `reset` (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     rows = check_rows(rows)
     entries = [prefill_function(cfg, s, context, deepstack_layers, precision, rows) for s in buckets] + \
-        [decode_batch_function(cfg, context, rows, precision), reset_function(cfg, context, rows, precision)]
+        [decode_batch_function(cfg, context, rows, n, precision) for n in lane_counts(rows)] + \
+        [reset_function(cfg, context, rows, precision)]
     return render_text_module(cfg, f"Qwen3-VL language model, batched: {rows} KV-cache rows", entries, buckets,
                               context, deepstack_layers, precision)

@@ -41,38 +41,35 @@ def solo_runs(model, cache, prompts):
     return runs
 
 
-def batched_runs(session, prompts, starts):
-    """Each prompt prefilled into its row at step `starts[i]`, then greedy steps for all."""
+def batched_runs(session, prompts, starts, rows):
+    """Prompt i prefilled into cache row `rows[i]` at step `starts[i]`, then greedy steps for
+    all that run (the decode entry of 1, 2 or 4 lanes, as many as run)."""
     tokens = [[] for _ in prompts]
     logits = [[] for _ in prompts]
     length = [p.ids.size for p in prompts]
     for step in range(max(starts) + STEPS):
         for i, p in enumerate(prompts):
             if starts[i] == step:
-                row = session.prefill_row(i, p)
+                row = session.prefill_row(rows[i], p)
                 logits[i].append(row)
                 tokens[i].append(int(np.argmax(row)))
         live = [i for i in range(len(prompts)) if starts[i] <= step and len(tokens[i]) < STEPS]
         if not live:
             continue
-        feed = np.zeros(session.rows, np.int32)
-        slots = np.zeros(session.rows, np.int32)
-        rope = np.zeros(session.rows, np.int32)
-        for i in live:
-            feed[i], slots[i], rope[i] = tokens[i][-1], length[i], length[i] + prompts[i].rope_delta
-        out = session.decode_batch(feed, rope, slots)
-        for i in live:
+        out = session.decode_batch([rows[i] for i in live], [tokens[i][-1] for i in live],
+                                   [length[i] + prompts[i].rope_delta for i in live], [length[i] for i in live])
+        for i, row in zip(live, out):
             length[i] += 1
-            logits[i].append(out[i])
-            tokens[i].append(int(np.argmax(out[i])))
+            logits[i].append(row)
+            tokens[i].append(int(np.argmax(row)))
     return tokens, logits
 
 
 def test_batched_decode_equals_the_one_sequence_module(setup):
     model, cache, prompts = setup
     solo = solo_runs(model, cache, prompts)
-    session = BatchTextSession(model, 3, cache_dir=cache, **SHAPE)
-    tokens, logits = batched_runs(session, prompts, starts=[0, 2, 5])  # admitted between steps
+    session = BatchTextSession(model, 4, cache_dir=cache, **SHAPE)
+    tokens, logits = batched_runs(session, prompts, starts=[0, 2, 5], rows=[2, 0, 3])  # admitted between steps
     for i, run in enumerate(solo):
         assert tokens[i] == [t for t, _ in run]
         for ours, (_, theirs) in zip(logits[i], run):
@@ -86,7 +83,7 @@ def test_without_reset_the_cache_updates_go_wrong(setup, monkeypatch):
     solo = solo_runs(model, cache, prompts[:1])
     monkeypatch.setattr(TextSession, "_load", TextSession._load)
     monkeypatch.setattr(BatchTextSession, "_load", TextSession._load)
-    session = BatchTextSession(model, 3, cache_dir=cache, **SHAPE)
-    _, logits = batched_runs(session, prompts[:1], starts=[0])
+    session = BatchTextSession(model, 4, cache_dir=cache, **SHAPE)
+    _, logits = batched_runs(session, prompts[:1], starts=[0], rows=[1])
     assert np.array_equal(logits[0][0], solo[0][0][1])  # the prefill itself is right
     assert not all(np.array_equal(ours, theirs) for ours, (_, theirs) in zip(logits[0][1:], solo[0][1:]))

@@ -152,17 +152,14 @@ class Engine:
         self._advance(seq, gen.text.prefill_row(row, prompt))
 
     def _step(self, sequences) -> None:
-        """One decode call: every running row fed its last token; free rows fed token 0."""
-        tokens, rope, slots = np.zeros(self.rows, np.int32), np.zeros(self.rows, np.int32), np.zeros(self.rows,
-                                                                                                     np.int32)
-        for seq in sequences:
-            tokens[seq.row], slots[seq.row] = seq.last, seq.length
-            rope[seq.row] = seq.length + seq.prompt.rope_delta
+        """One decode call for the running sequences, each fed its last token."""
         self.metrics.batch_size.observe(len(sequences))
-        logits = self.generator.text.decode_batch(tokens, rope, slots)
-        for seq in sequences:
+        logits = self.generator.text.decode_batch([seq.row for seq in sequences], [seq.last for seq in sequences],
+                                                  [seq.length + seq.prompt.rope_delta for seq in sequences],
+                                                  [seq.length for seq in sequences])
+        for seq, row in zip(sequences, logits):
             seq.length += 1
-            self._advance(seq, logits[seq.row])
+            self._advance(seq, row)
 
     def _advance(self, seq: "Sequence", logits) -> None:
         """Choose `seq`'s next token from `logits`, send it, and end the sequence when it is done
