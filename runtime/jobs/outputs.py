@@ -18,7 +18,7 @@ def check_output_path(path, model, inputs=(), flag: str = "-o") -> Path:
     target = check_writable(path, flag)
     for source in inputs:
         if Path(source).resolve() == target:
-            raise ValueError(f"{flag} {path}: is the input {source}; choose another file")
+            raise ValueError(f"{flag} {path}: is the input image or video {source}; choose another file")
     if model and target.parent == Path(model).resolve() and (target.exists() or target.suffix == ".safetensors"):
         raise ValueError(f"{flag} {path}: would write into the checkpoint folder {model} "
                          f"({'replacing its file' if target.exists() else 'as a weight file'}); choose another folder")
