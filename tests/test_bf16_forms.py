@@ -86,17 +86,23 @@ def test_bf16_f32_is_f32_math_on_bf16_weights(tiny_parity):
         assert 1e-5 < rel_l2(outputs["bf16-f32"][name], outputs["exact"][name]) < 2e-2, name
 
 
+# bf16 as built against f32, fastest of the rounds, alternating. Quiet, on an Intel Xeon's
+# AVX2 code: x1.07-1.14 (docs/performance.md); beside a compile and a server on 2 cores it
+# reached x1.53. IREE's scalar bf16 loop is x6.5 on the decode step and ~x50 on a matmul.
+SCALAR_BOUND = 3.0
+
+
 def test_bf16_is_not_scalar_bound_on_avx2():
     """A vision block and a text decode step at 2B widths, compiled for AVX2, timed here
-    alternating: bf16 (as built: bf16-f32) within 1.5x of f32. The control, bf16 x bf16
-    operands compiled for AVX2 (IREE's scalar loop), must fail that bound, or the check
+    alternating: bf16 (as built: bf16-f32) within SCALAR_BOUND of f32. The control, bf16 x
+    bf16 operands compiled for AVX2 (IREE's scalar loop), must fail that bound, or the check
     could not tell."""
     set_thread_count(2)
-    times = bf16_speed.measure(AVX2, ["f32", graph_precision("bf16", AVX2)], rounds=5)
-    control = bf16_speed.measure(AVX2, ["f32", "bf16"], rounds=2, graphs=("decode",))["decode"]
+    times = bf16_speed.measure(AVX2, ["f32", graph_precision("bf16", AVX2)], rounds=7)
+    control = bf16_speed.measure(AVX2, ["f32", "bf16"], rounds=3, graphs=("decode",))["decode"]
     for graph, t in times.items():
-        assert t["bf16-f32"] / t["f32"] <= 1.5, (graph, t)
-    assert control["bf16"] / control["f32"] > 1.5, control
+        assert t["bf16-f32"] / t["f32"] <= SCALAR_BOUND, (graph, t)
+    assert control["bf16"] / control["f32"] > SCALAR_BOUND, control
 
 
 def test_run_says_so_and_uses_the_fast_form(tmp_path):

@@ -278,7 +278,7 @@ def test_ray_failed_images_recorded_and_resume(setup, tmp_path, cluster):
     # a listed shard deleted: its images are embedded again
     (out / "shard-00003.safetensors").unlink()
     result = embed(setup, out, "--ray", cluster, "--batch", "2", inputs=[str(listing)])
-    assert "2 images are listed in shards no longer there" in result.stderr and "skipping 7 images" in result.stderr
+    assert "2 images are listed in shards missing or damaged" in result.stderr and "skipping 7 images" in result.stderr
     assert "embedded 2 images" in result.stdout
     assert_rows_equal_run(embedded_rows(out), reference, images)
     result = embed(setup, out, "--ray", cluster, "--batch", "2", "--retry-failed", inputs=[str(listing)])

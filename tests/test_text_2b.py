@@ -109,3 +109,74 @@ def test_2b_widths_prefill_matches_transformers(tmp_path):
                                       "transformers": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}}))
     assert error <= TOL, error
     assert control > 100 * TOL, control  # the control: the comparison can fail
+
+
+# ----------------------------------------------------------------------------- decode steps
+
+DECODE_LAYERS = 4
+DECODE_STEPS = 6
+
+
+def decode_config():
+    """2B widths, 4 layers, lm_head untied from the embeddings (as the 8B and 32B configs
+    have it), a 32768-token vocabulary (the widths are the 2B preset's; the vocabulary only
+    sizes the two tables, and keeps the checkpoint at 0.8 GB instead of 3.3)."""
+    return dataclasses.replace(TEXT_PRESETS["qwen3-vl-2b"], num_hidden_layers=DECODE_LAYERS, vocab_size=32768,
+                               tie_word_embeddings=False)
+
+
+def ours_decode_main(folder: str, inputs: str, out: str) -> None:
+    """Our prefill then DECODE_STEPS greedy decode steps: every step's logits and token."""
+    from runtime.text import TextSession
+
+    x = np.load(inputs)
+    session = TextSession(folder, buckets=(64,), context=128, cache_dir=Path(folder).parent / "cache")
+    logits = [session.prefill(x["ids"], x["positions"])]
+    tokens = []
+    for step in range(DECODE_STEPS):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits.append(session.decode(tokens[-1], x["ids"].size + step))
+    np.savez(out, logits=np.stack(logits), tokens=np.array(tokens))
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+def test_2b_widths_decode_steps_match_transformers(tmp_path):
+    """Prefill and each greedy decode step (the KV cache on the device, the untied lm_head)
+    against transformers' model with its own KV cache: every step's logits within 1e-5, the
+    same tokens."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+    cfg = decode_config()
+    folder = tmp_path / "m"
+    write_text_model(folder, cfg, seed=7)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)
+    positions = np.broadcast_to(np.arange(ids.size), (3, ids.size)).copy()
+    np.savez(tmp_path / "inputs.npz", ids=ids, positions=positions)
+    code = (f"import test_text_2b as t; t.ours_decode_main({str(folder)!r}, {str(tmp_path / 'inputs.npz')!r}, "
+            f"{str(tmp_path / 'ours.npz')!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent)
+    ours = dict(np.load(tmp_path / "ours.npz"))
+
+    from safetensors.torch import load_file
+    hf = transformers_model(folder, cfg)
+    head = next(load_file(s)["lm_head.weight"] for s in sorted(folder.glob("*.safetensors"))
+                if "lm_head.weight" in load_file(s))
+    expected, tokens = [], []
+    with torch.inference_mode():
+        out = hf(input_ids=torch.from_numpy(ids)[None], position_ids=torch.from_numpy(positions)[:, None],
+                 use_cache=True)
+        expected.append((out.last_hidden_state[0, -1] @ head.T).numpy())
+        for step in range(DECODE_STEPS):
+            tokens.append(int(np.argmax(expected[-1])))
+            position = torch.full((3, 1, 1), ids.size + step)
+            out = hf(input_ids=torch.tensor([[tokens[-1]]]), position_ids=position,
+                     past_key_values=out.past_key_values, use_cache=True)
+            expected.append((out.last_hidden_state[0, -1] @ head.T).numpy())
+    errors = [rel_l2(a, e) for a, e in zip(ours["logits"], expected)]
+    print(json.dumps({"layers": DECODE_LAYERS, "steps": DECODE_STEPS, "relL2": errors}))
+    assert list(ours["tokens"]) == tokens
+    assert max(errors) <= TOL, errors
+    shifted = rel_l2(ours["logits"][2], expected[1])  # the control: a step off by one is far off
+    assert shifted > 100 * TOL, shifted
