@@ -35,7 +35,7 @@ from runtime.artifact.build import compiled_module
 from runtime.artifact.cache import ArtifactCache, load_verified
 from runtime.artifact.compiler import resolve_precision
 from runtime.artifact.iree_module import LoadedModule, device_config, invoke, parameters_module
-from runtime.jobs.outputs import check_finite
+from runtime.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.checkpoints.text import cached_text_archive, open_text_archive, text_entries

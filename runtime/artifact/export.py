@@ -25,7 +25,7 @@ from emitter.vision import entry_name, vision_function
 from runtime.artifact.archive import cached_archive, open_archive
 from runtime.artifact.build import BuildPlan, build_artifact, make_plan
 from runtime.artifact.cache import ArtifactCache
-from runtime.jobs.outputs import check_output_folder
+from runtime.outputs import check_output_folder
 
 ABI_FORMAT = 1
 MODULE_NAME = "qwen3vl_vision"

@@ -36,8 +36,11 @@ def keep_freed_memory() -> None:
     every call faulted in every page again. At bucket 16384 that was 310 million page
     faults and 40% of the CPU time in the kernel (docs/performance.md, "Large inputs");
     at 512 nothing is that large and the time is unchanged. One arena, because `invoke`
-    calls from a helper thread and a thread's own arena mmaps anything over 64 MiB."""
-    if platform.libc_ver()[0] != "glibc":
+    calls from a helper thread and a thread's own arena mmaps anything over 64 MiB.
+    A host process that manages its own allocator (a server, a Ray worker) sets
+    QWEN3VL_KEEP_FREED_MEMORY=0 to leave malloc as it is (docs/design.md, "Process-wide
+    settings")."""
+    if platform.libc_ver()[0] != "glibc" or os.environ.get("QWEN3VL_KEEP_FREED_MEMORY", "1") == "0":
         return
     libc = ctypes.CDLL(None)
     libc.mallopt(M_ARENA_MAX, 1)  # every thread in the main heap (a thread's own arena mmaps over 64 MiB)

@@ -75,7 +75,7 @@ def generate_command(model, images, videos, prompt, max_new_tokens, json_path, s
     from emitter.atomic import write_atomic
 
     from runtime.text import Generator
-    from runtime.jobs.outputs import check_output_paths
+    from runtime.outputs import check_output_paths
     from runtime.inputs.tokenizer import check_utf8
 
     def say(message: str) -> None:

@@ -1,2 +1,1 @@
-"""Jobs over many inputs: `qwen3vl run` and `qwen3vl embed` (local or on Ray Data), and the checks of what
-they write."""
+"""Jobs over many inputs: `qwen3vl run` and `qwen3vl embed` (local or on Ray Data)."""

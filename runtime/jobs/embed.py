@@ -32,7 +32,7 @@ from emitter.errors import one_line_error as one_line
 from emitter.identity import DEFAULT_LADDER
 
 from runtime.jobs.embed_engine import Embedded, SessionSpec, local_engine
-from runtime.jobs.outputs import check_output_folder
+from runtime.outputs import check_output_folder
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 LIST_SUFFIX = ".txt"

@@ -18,7 +18,7 @@ from emitter.vision import largest_buffer_bytes
 from emitter.identity import DEFAULT_LADDER
 
 from runtime.artifact.build import make_plan
-from runtime.jobs.outputs import check_finite, check_output_path
+from runtime.outputs import check_finite, check_output_path
 from runtime.inputs.packing import pack
 from runtime.inputs.processor import check_image_file, image_grid, process_images
 from runtime.vision import VisionOutput, VisionSession

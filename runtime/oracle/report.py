@@ -127,8 +127,8 @@ def format_table(report: dict) -> str:
 
 def check_report_path(path, model=None, images=()) -> None:
     """Before any work, ValueError unless `path` can take the report (see
-    `runtime.jobs.outputs.check_output_path`: writable now, not an input)."""
-    from runtime.jobs.outputs import check_output_path
+    `runtime.outputs.check_output_path`: writable now, not an input)."""
+    from runtime.outputs import check_output_path
     check_output_path(path, model, images, "--report")
 
 
