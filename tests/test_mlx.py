@@ -194,3 +194,39 @@ def test_tower_matches_mlx_vlm(mlx_vlm_checkpoint, tmp_path):
     errors = [rel_l2(ours.image_embeds, np.array(embeds))]
     errors += [rel_l2(ours.deepstack_features[k], np.array(d)) for k, d in enumerate(deepstack)]
     assert max(errors) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_text_weights_equal_mx_dequantize(tmp_path, bits):
+    """The language model's weights quantized by mx.quantize in mlx-vlm's layout
+    (`language_model.model.*`, `language_model.lm_head`), written by MLX, load bit for bit
+    equal to mx.dequantize (the text reader shares the vision side's dequantization)."""
+    from emitter.text_config import LM_HEAD, TEXT_PREFIX, TEXT_PRESETS
+    from runtime.checkpoints.synthetic_text import random_text_tensors
+    from runtime.checkpoints.text import load_text_weights
+
+    from dataclasses import replace
+    cfg = replace(TEXT_PRESETS["tiny"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, mrope_section=(4, 2, 2))  # widths MLX's groups divide
+    folder = tmp_path / "m"
+    folder.mkdir()
+    arrays, quantized = {}, {}
+    for name, w in random_text_tensors(cfg, seed=3):
+        stored = "language_model.lm_head.weight" if name == LM_HEAD else \
+            "language_model.model." + name[len(TEXT_PREFIX):]
+        if w.ndim != 2:
+            arrays[stored] = mx.array(w)
+            continue
+        packed, scales, biases = mx.quantize(mx.array(w), group_size=32, bits=bits)
+        module = stored[:-len(".weight")]
+        arrays.update({stored: packed, module + ".scales": scales, module + ".biases": biases})
+        quantized[name] = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
+    mx.save_safetensors(str(folder / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_vl", "tie_word_embeddings": cfg.tie_word_embeddings,
+        "text_config": cfg.to_hf_text_config(), "quantization": {"group_size": 32, "bits": bits}}))
+    weights = load_text_weights(folder, cfg)
+    assert quantized and set(quantized) <= set(weights)
+    for name, expected in quantized.items():
+        theirs = np.array(expected, dtype=np.float32)
+        np.testing.assert_array_equal(weights[name].view(np.uint32), theirs.view(np.uint32), err_msg=name)

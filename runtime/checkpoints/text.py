@@ -38,8 +38,9 @@ from runtime.checkpoints.mlx_quant import QuantConfig, dequantize_mlx, quantizat
 LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_head.weight"))
 
 
-TEXT = checkpoint.ModelPart("language-model weights", tuple(prefix for prefix, _ in LAYOUTS),
-                           tuple(head for _, head in LAYOUTS))
+# lm_head by the module, so that an MLX-quantized head's .scales and .biases come with it.
+TEXT = checkpoint.ModelPart("language-model weights", tuple(prefix for prefix, _ in LAYOUTS) +
+                           tuple(head[: -len("weight")] for _, head in LAYOUTS))
 
 
 def scan_text_tensors(model_dir: Path) -> tuple[dict[str, TensorEntry], str]:
