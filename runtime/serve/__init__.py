@@ -6,5 +6,6 @@
 - `scheduler`: the engine thread that runs requests on the model.
 - `encoder_cache`: the tower's rows of media already seen (LRU in bytes).
 - `metrics`: Prometheus metrics.
-- `cli`: the `qwen3vl serve` command.
+
+The `qwen3vl serve` command itself is runtime/commands/serve.py.
 """
