@@ -18,8 +18,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from runtime.inputs.chat import Media
 from runtime.text import GenerateError
 from runtime.sampling import Sampler, SamplingParams
@@ -71,6 +69,7 @@ class Engine:
         self.lock = threading.Lock()
         self.waiting = 0
         self.running: dict[int, Sequence] = {}  # row -> its sequence; touched by the engine thread only
+        self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="qwen3vl-engine", daemon=True)
         self.thread.start()
 
@@ -86,8 +85,7 @@ class Engine:
 
     def stop(self) -> None:
         """Cancel what waits and what runs; the thread ends after the current step."""
-        for seq in list(self.running.values()):
-            seq.job.cancelled.set()
+        self.stopping = True  # the engine thread cancels its running sequences at their next token
         while True:
             try:
                 job = self.queue.get_nowait()
@@ -165,7 +163,9 @@ class Engine:
         """Choose `seq`'s next token from `logits`, send it, and end the sequence when it is done
         (or cancelled: its row is free before the next step)."""
         job, request = seq.job, seq.job.request
-        if job.cancelled.is_set():
+        if job.cancelled.is_set() or self.stopping:
+            if self.stopping:
+                job.send("error", ApiError("server shutting down", status=503, code="shutting_down"))
             return self._end(seq, "cancelled")
         token = seq.sampler.choose(logits)
         now = time.monotonic()
