@@ -1,0 +1,511 @@
+"""Side by side with llama.cpp on this CPU: the same random Qwen3-VL checkpoint, both sides
+timed alternately in one sitting, on the same thread count.
+
+What it does (every step reused on a rerun; nothing of llama.cpp lands in the repository):
+1. llama.cpp from a registry package's source: `pip download --no-binary :all: --no-deps
+   llama-cpp-python==VERSION` (the sdist vendors ggml-org/llama.cpp with its converter and
+   tools/mtmd), extracted into --work-dir (default ~/.cache/qwen3vl-iree/llamacpp) and built
+   with cmake (Release, -DGGML_NATIVE=ON, CPU only): llama-bench, llama-mtmd-cli,
+   llama-quantize.
+2. One random checkpoint (`qwen3vl random-checkpoint --preset P --with-text`), converted with
+   llama.cpp's own convert_hf_to_gguf.py (run with this venv's python; gguf-py comes from the
+   sdist): text f32, bf16, q8_0, and Q4_K_M by llama-quantize from f32; projector
+   (--mmproj) f32 and f16. The random tokenizer's pre-tokenizer hash is unknown to the
+   converter: the extracted copy is patched to map an unknown hash to `qwen2` (said in
+   the output).
+3. Rounds, the side that goes first alternating between rounds, per precision pair
+   (ours f32 / llama.cpp f32, ours bf16 / llama.cpp bf16 text + f16 projector; llama.cpp's
+   Q8_0 and Q4_K_M alone, ours not available):
+   - vision per image (256x256, 512x512, 1024x1024 noise PNGs): llama-mtmd-cli's encode time
+     ("slice encoded in" / "batch encoding done in", preprocessing excluded; the text model
+     loaded beside it is the Q4_K_M one) against one `VisionSession` call on the same image
+     (`out.seconds["run"]`: packing and the call, preprocessing excluded), after a warm-up
+     call, in a child process;
+   - prefill tokens/s at 512 tokens and decode ms/token over 64 tokens: `llama-bench -p 512
+     -n 64 -r 1` against a `TextSession` (bucket 512, context 576) in a child process
+     (prefill of 512 random ids, then 64 greedy decode steps, after a warm-up);
+   - one answer, one 256x256 image + a short prompt, 16 new tokens, context 4096:
+     `llama-mtmd-cli -c 4096 -n 16 --ignore-eos` against `qwen3vl generate --context 4096
+     --max-new-tokens 16`: time to first token (llama.cpp: encode + prompt eval; ours:
+     vision incl. preprocessing + prefill, from --json), decode ms/token at context 4096,
+     and the peak RSS of the process (os.wait4's ru_maxrss).
+   Before the rounds each of our child processes runs once untimed, so every IREE module is
+   compiled into the artifact cache outside the clock (and iree-compile's memory is not in
+   a measured RSS).
+4. Prints a table of medians (the best round in brackets where there are several), with
+   `lscpu`'s model name and flags, the load average before and after, and writes --json.
+
+    .venv/bin/python benchmarks/bench_llamacpp.py --json llamacpp.json          # 2B, 2 rounds
+    .venv/bin/python benchmarks/bench_llamacpp.py --preset tiny --rounds 1      # a quick check
+
+Figures are ratios from one sitting; llama.cpp's threads synchronise after every op, so a
+busy machine hurts it more than us: quote the load average with them. This is a
+benchmark, not a test; nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+QWEN3VL = str(Path(PYTHON).with_name("qwen3vl"))
+VERSION = "0.3.36"
+TOOLS = ("llama-bench", "llama-mtmd-cli", "llama-quantize")
+PATCH_MARK = "patched by qwen3vl-iree benchmarks/bench_llamacpp.py: unknown hash -> qwen2"
+PATCH_OLD = ('            raise NotImplementedError("BPE pre-tokenizer was not recognized - '
+             'update get_vocab_base_pre()")')
+IMAGE_SIZES = (256, 512, 1024)
+PROMPT = "Describe the image."
+PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
+QUANT_NOTE = "not available (issue 27 item 2 blocked)"
+NO_REPACK_NOTE = ("llama.cpp's quantized text models run with --no-repack (llama-bench --repack 0): with repacking "
+                  "on, this VM (amx flags in /proc/cpuinfo) dies in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
+                  "SIGSEGV at warm-up); f32/bf16 text is not repacked either way")
+# (row, ours' precision or None, llama.cpp text GGUF, llama.cpp projector GGUF)
+PAIRS = (("f32", "f32", "text-f32", "mmproj-f32"), ("bf16", "bf16", "text-bf16", "mmproj-f16"),
+         ("q8_0", None, "text-q8_0", "mmproj-f16"), ("q4_k_m", None, "text-q4_k_m", "mmproj-f16"))
+
+
+# --- llama.cpp from the sdist -------------------------------------------------------------
+
+def run_logged(cmd, log: Path, cwd=None, env=None) -> None:
+    """Run `cmd` with its output appended to `log`; on failure raise with the log's tail."""
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(map(str, cmd))}\n")
+        out.flush()
+        rc = subprocess.call([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+    if rc:
+        raise SystemExit(f"error: {cmd[0]} exited {rc}; last lines of {log}:\n" + "".join(open(log).readlines()[-20:]))
+
+
+def fetch_source(work: Path, version: str) -> Path:
+    """The sdist's vendored llama.cpp, downloaded and extracted once into `work`."""
+    src = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if (src / "convert_hf_to_gguf.py").exists():
+        return src
+    sdist = work / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        run_logged([PYTHON, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                    f"llama-cpp-python=={version}", "-d", work], work / "download.log")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work, filter="data")
+    return src
+
+
+def patch_converter(src: Path) -> str:
+    """Map an unknown BPE pre-tokenizer hash to `qwen2` in the extracted converter (the
+    random tokenizer's hash is in no list); idempotent. Returns what was done, in words."""
+    base = src / "conversion" / "base.py"
+    text = base.read_text()
+    if PATCH_MARK not in text:
+        if text.count(PATCH_OLD) != 1:
+            raise SystemExit(f"error: {base}: the unknown-pre-tokenizer raise was not found once; cannot patch")
+        base.write_text(text.replace(PATCH_OLD, f'            res = "qwen2"  # {PATCH_MARK}'))
+    return f"converter patched at run time ({base.relative_to(src)}): an unknown BPE pre-tokenizer hash -> qwen2"
+
+
+def build_tools(src: Path, build: Path, jobs: int) -> Path:
+    """llama.cpp's CPU tools (TOOLS), built once with cmake (Release, GGML_NATIVE);
+    returns the folder holding them."""
+    bindir = build / "bin"
+    if all((bindir / t).exists() for t in TOOLS):
+        return bindir
+    log = build.parent / "build.log"
+    run_logged(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                "-DLLAMA_BUILD_APP=OFF"], log)
+    run_logged(["cmake", "--build", build, "-j", str(jobs), "--target", *TOOLS], log)
+    return bindir
+
+
+# --- the checkpoint and its GGUF forms ------------------------------------------------------
+
+def write_checkpoint(work: Path, preset: str) -> Path:
+    """The random checkpoint both sides read (written once per preset)."""
+    folder = work / "models" / f"{preset}-hf"
+    if not (folder / "config.json").exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        run_logged([QWEN3VL, "random-checkpoint", folder, "--preset", preset, "--with-text"], work / "convert.log")
+    return folder
+
+
+def convert_all(src: Path, bindir: Path, ckpt: Path, out: Path, log: Path) -> dict[str, Path]:
+    """Every GGUF file the rounds use, by name (see PAIRS); each written once."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
+    files = {}
+    for name, args in (("text-f32", ["--outtype", "f32"]), ("text-bf16", ["--outtype", "bf16"]),
+                       ("text-q8_0", ["--outtype", "q8_0"]), ("mmproj-f32", ["--mmproj", "--outtype", "f32"]),
+                       ("mmproj-f16", ["--mmproj", "--outtype", "f16"])):
+        files[name] = out / f"{name}.gguf"
+        if not files[name].exists():
+            tmp = out / f"{name}.tmp.gguf"
+            run_logged([PYTHON, src / "convert_hf_to_gguf.py", ckpt, *args, "--outfile", tmp], log, env=env)
+            tmp.rename(files[name])
+    files["text-q4_k_m"] = out / "text-q4_k_m.gguf"
+    if not files["text-q4_k_m"].exists():
+        tmp = out / "text-q4_k_m.tmp.gguf"
+        run_logged([bindir / "llama-quantize", files["text-f32"], tmp, "Q4_K_M", "2"], log)
+        tmp.rename(files["text-q4_k_m"])
+    return files
+
+
+def write_images(folder: Path, sizes=IMAGE_SIZES) -> dict[int, Path]:
+    """Square RGB noise PNGs (seeded), one per size."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    images = {}
+    for size in sizes:
+        images[size] = folder / f"noise-{size}.png"
+        if not images[size].exists():
+            pixels = np.random.default_rng(size).integers(0, 256, (size, size, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(images[size])
+    return images
+
+
+# --- one timed process ---------------------------------------------------------------------
+
+def timed_process(cmd, env=None) -> tuple[str, float, int]:
+    """Run `cmd` to the end: (its stdout and stderr, wall seconds, peak RSS in bytes of the
+    process, from os.wait4). A failure raises with the output's tail."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=env, text=True, errors="replace")
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise RuntimeError(f"{Path(str(cmd[0])).name} exited {proc.returncode}:\n{output[-3000:]}")
+    return output, seconds, usage.ru_maxrss * 1024
+
+
+def find_float(pattern: str, text: str, group: int = 1) -> float | None:
+    """The last match's `group` of `pattern` in `text` as a float, or None."""
+    matches = list(re.finditer(pattern, text))
+    return float(matches[-1].group(group)) if matches else None
+
+
+# --- llama.cpp's side ----------------------------------------------------------------------
+
+def llama_mtmd(bindir: Path, text: Path, mmproj: Path, image: Path, threads: int, n_predict: int,
+               repack: bool = True, context: int = ANSWER_CONTEXT) -> dict:
+    """One llama-mtmd-cli run (greedy, EOS ignored): image encode ms, prompt eval ms and
+    tokens (the image's and the text's), decode ms per token, peak RSS. `repack=False`:
+    --no-repack (no AMX or other repacked weight buffers, see NO_REPACK_NOTE)."""
+    out, wall, rss = timed_process([bindir / "llama-mtmd-cli", "-m", text, "--mmproj", mmproj, "--image", image,
+                                    "-p", PROMPT, "-n", n_predict, "-t", threads, "--temp", "0", "-c", context,
+                                    "--ignore-eos", "--perf", "-lv", 4, *([] if repack else ["--no-repack"])])
+    encode = find_float(r"slice encoded in (\d+) ms", out) or find_float(r"batch encoding done in (\d+) ms", out)
+    prompt_ms = find_float(r"prompt eval time =\s*([\d.]+) ms", out)
+    prompt_tokens = find_float(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", out)
+    eval_ms = find_float(r"\beval time =\s*([\d.]+) ms /\s*\d+ runs", out)
+    runs = find_float(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs", out)
+    if encode is None or prompt_ms is None:
+        raise RuntimeError(f"llama-mtmd-cli: no encode or prompt-eval time in its output:\n{out[-3000:]}")
+    return {"encode_s": encode / 1e3, "ttft_s": (encode + prompt_ms) / 1e3, "prompt_tokens": prompt_tokens,
+            "decode_ms_token": eval_ms / runs if runs else None, "decode_steps": runs, "peak_rss_gb": rss / 1e9,
+            "wall_s": wall}
+
+
+def llama_bench(bindir: Path, gguf: Path, threads: int, repack: bool = True) -> dict:
+    """One llama-bench run (-p PREFILL -n DECODE -r 1): prefill tokens/s, decode ms/token,
+    and the model's size, parameters and bits per weight as llama-bench reports them."""
+    out, _, _ = timed_process([bindir / "llama-bench", "-m", gguf, "-t", threads, "-p", PREFILL, "-n", DECODE,
+                               "-r", 1, "-o", "json", *([] if repack else ["--repack", 0])])
+    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+    prefill = next(r for r in rows if r["n_prompt"] == PREFILL and r["n_gen"] == 0)
+    decode = next(r for r in rows if r["n_gen"] == DECODE and r["n_prompt"] == 0)
+    return {"prefill_tok_s": prefill["avg_ts"], "decode_ms_token": 1e3 / decode["avg_ts"],
+            "model_gb": prefill["model_size"] / 1e9, "params": prefill["model_n_params"],
+            "bits_per_weight": prefill["model_size"] * 8 / prefill["model_n_params"]}
+
+
+# --- our side: child processes of this script -----------------------------------------------
+
+def child(kind: str, options: dict) -> dict:
+    """Run `kind` ("vision" or "text") of this script in a child process; its result."""
+    out, wall, rss = timed_process([PYTHON, __file__, "_child", kind, json.dumps(options)],
+                                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    line = next(l for l in reversed(out.splitlines()) if l.startswith("RESULT "))
+    return dict(json.loads(line[len("RESULT "):]), wall_s=wall, peak_rss_gb=rss / 1e9)
+
+
+def child_vision(options: dict) -> dict:
+    """In the child: one VisionSession whose one bucket is the image's patch count, a
+    warm-up call, then one timed call: seconds of out.seconds["run"], the grid, and the
+    form bf16 was built as. One image per process, as llama-mtmd-cli runs it."""
+    from emitter.identity import bf16_form
+    from emitter.targets import DEFAULT_TARGET
+    from runtime.vision import VisionSession, set_thread_count
+
+    set_thread_count(options["threads"])
+    size, path = options["image"]
+    session = VisionSession(options["model"], buckets=((size // 16) ** 2,), precision=options["precision"])
+    session.artifact()
+    session.encode([path])  # warm-up
+    out = session.encode([path])
+    return {"seconds": out.seconds["run"], "grid": out.grid_thw[0].tolist(), "built_as": session.plan.precision,
+            "bf16_form": bf16_form(DEFAULT_TARGET)}
+
+
+def child_text(options: dict) -> dict:
+    """In the child: one TextSession (bucket PREFILL, context PREFILL + DECODE), a warm-up,
+    then prefill of PREFILL random ids and DECODE - 1 greedy decode steps."""
+    import numpy as np
+
+    from runtime.text import TextSession
+    from runtime.vision import set_thread_count
+
+    set_thread_count(options["threads"])
+    session = TextSession(options["model"], buckets=(PREFILL,), context=PREFILL + DECODE,
+                          precision=options["precision"])
+    session.module
+    ids = np.random.default_rng(0).integers(0, session.cfg.vocab_size, PREFILL)
+    positions = np.broadcast_to(np.arange(PREFILL), (3, PREFILL))
+    session.prefill(ids, positions)  # warm-up
+    session.decode(1, session.length)
+    start = time.perf_counter()
+    logits = session.prefill(ids, positions)
+    prefill = time.perf_counter() - start
+    token = int(np.argmax(logits))
+    start = time.perf_counter()
+    for _ in range(DECODE - 1):
+        token = int(np.argmax(session.decode(token, session.length)))
+    decode = (time.perf_counter() - start) / (DECODE - 1)
+    return {"prefill_tok_s": PREFILL / prefill, "decode_ms_token": decode * 1e3, "built_as": session.precision}
+
+
+def ours_answer(model: Path, image: Path, precision: str, threads: int, tmp: Path) -> dict:
+    """`qwen3vl generate` in a child process (one image, PROMPT, ANSWER_TOKENS new tokens,
+    context ANSWER_CONTEXT): time to first token (vision + prefill of its --json), decode
+    ms/token, peak RSS."""
+    report = tmp / f"answer-{precision}.json"
+    _, wall, rss = timed_process([QWEN3VL, "generate", "--model", model, "--image", image, "--prompt", PROMPT,
+                                  "--max-new-tokens", ANSWER_TOKENS, "--context", ANSWER_CONTEXT,
+                                  "--precision", precision, "--threads", threads, "--json", report])
+    data = json.loads(report.read_text())
+    seconds, steps = data["seconds"], len(data["tokens"]) - 1
+    return {"ttft_s": seconds["vision"] + seconds["prefill"], "prompt_tokens": data["prompt_tokens"],
+            "decode_ms_token": seconds["decode"] / steps * 1e3 if steps else None, "decode_steps": steps,
+            "peak_rss_gb": rss / 1e9, "wall_s": wall}
+
+
+# --- the sitting ---------------------------------------------------------------------------
+
+def machine() -> dict:
+    """lscpu's model name and flags, the core count, and the load average now."""
+    info = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True)
+                .stdout.splitlines() if ":" in line)
+    return {"cpu": info.get("Model name", "").strip(), "flags": info.get("Flags", "").split(),
+            "cores": os.cpu_count(), "load_average": os.getloadavg()}
+
+
+def warm_ours(model: Path, images: dict, precisions, threads: int, tmp: Path, sizes=IMAGE_SIZES) -> dict:
+    """Each of our child runs once, untimed: every module compiled (or found) in the cache.
+    Returns each run's result (or error), by step."""
+    seconds = {}
+    for precision in precisions:
+        options = {"model": str(model), "precision": precision, "threads": threads}
+        for size, path in ((s, p) for s, p in images.items() if s in sizes):
+            image = dict(options, image=[size, str(path)])
+            seconds[f"vision-{size}-{precision}"] = attempt(lambda: child("vision", image))
+        seconds[f"text-{precision}"] = attempt(lambda: child("text", options))
+        small = images[min(images)]
+        seconds[f"answer-{precision}"] = attempt(lambda: ours_answer(model, small, precision, threads, tmp))
+        print(f"  ours {precision}: compiled or found in the cache ({seconds})", flush=True)
+    return seconds
+
+
+def attempt(run) -> dict:
+    """`run()`, or {"error": ...} when its process failed (e.g. killed for memory)."""
+    try:
+        return run()
+    except RuntimeError as e:
+        print(f"  failed: {str(e)[:300]}", flush=True)
+        return {"error": str(e)[-2000:]}
+
+
+def one_round(first: str, row, model: Path, images: dict, files: dict, bindir: Path, threads: int,
+              tmp: Path, sizes=IMAGE_SIZES) -> dict:
+    """One round of one precision row: vision, text, answer, each side in turn (`first`
+    goes first). Ours is skipped when the row has no precision of ours, and for images
+    not in `sizes` (recorded as an error saying so)."""
+    name, precision, text, mmproj = row
+    options = {"model": str(model), "precision": precision, "threads": threads}
+    small = images[min(images)]
+    sides = {f"vision_{s}": {
+        "ours": lambda s=s, p=p: (child("vision", dict(options, image=[s, str(p)])) if s in sizes
+                                  else {"error": f"{s}x{s} not run on our side (--ours-vision-sizes)"}),
+        "llama": lambda p=p: llama_mtmd(bindir, files["text-q4_k_m"], files[mmproj], p, threads, 1, repack=False)}
+        for s, p in images.items()}
+    sides.update({
+        "text": {"ours": lambda: child("text", options),
+                 "llama": lambda: llama_bench(bindir, files[text], threads, repack=precision is not None)},
+        "answer": {"ours": lambda: ours_answer(model, small, precision, threads, tmp),
+                   "llama": lambda: llama_mtmd(bindir, files[text], files[mmproj], small, threads, ANSWER_TOKENS,
+                                               repack=precision is not None)},
+    })
+    order = ("ours", "llama") if first == "ours" else ("llama", "ours")
+    result = {}
+    for task, runs in sides.items():
+        if precision is None and task.startswith("vision"):
+            continue  # the quantized rows' projector is the bf16 row's f16 one
+        for side in order:
+            if side == "ours" and precision is None:
+                continue
+            result.setdefault(task, {})[side] = attempt(runs[side])
+            print(f"  {name} {task} {side}: done", flush=True)
+    return result
+
+
+def median_best(values, higher_is_better: bool = False) -> dict | None:
+    """Median and best (min, or max for a rate) of the rounds' values; None if none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    best = max(values) if higher_is_better else min(values)
+    return {"median": statistics.median(values), "best": best, "n": len(values)}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Per row and figure, ours and llama.cpp's median and best over the rounds."""
+    figures = {
+        "vision_s": lambda r, side, size: (r[f"vision_{size}"][side]["seconds"] if side == "ours"
+                                           else r[f"vision_{size}"][side]["encode_s"]),
+        "prefill_tok_s": lambda r, side, _: r["text"][side]["prefill_tok_s"],
+        "decode_ms_token": lambda r, side, _: r["text"][side]["decode_ms_token"],
+        "ttft_s": lambda r, side, _: r["answer"][side]["ttft_s"],
+        "decode_ms_token_ctx4096": lambda r, side, _: r["answer"][side]["decode_ms_token"],
+        "peak_rss_gb": lambda r, side, _: r["answer"][side]["peak_rss_gb"],
+    }
+    out = {}
+    for name, *_ in PAIRS:
+        runs = [r[name] for r in rounds if name in r]
+        if not runs:
+            continue
+        row = {}
+        for figure, get in figures.items():
+            for size in ([str(s) for s in IMAGE_SIZES] if figure == "vision_s" else [None]):
+                key = f"{figure}_{size}" if size else figure
+                for side in ("ours", "llama"):
+                    try:
+                        row.setdefault(key, {})[side] = median_best([get(r, side, size) for r in runs],
+                                                                    figure == "prefill_tok_s")
+                    except (KeyError, TypeError):
+                        row.setdefault(key, {})[side] = None
+        out[name] = row
+    return out
+
+
+def ratio(figure: str, ours: float, llama: float) -> str:
+    """"x N" with N > 1 when ours is better (faster, or less memory)."""
+    better = ours / llama if figure == "prefill_tok_s" else llama / ours
+    return f"x{better:.2f}"
+
+
+def table(summary: dict, bits: dict) -> str:
+    """Markdown: one line per row and figure, medians (best), and ours' advantage."""
+    lines = ["| bits (ours / llama.cpp) | figure | ours | llama.cpp | ours better by |", "|---|---|---|---|---|"]
+    for name, row in summary.items():
+        for key, sides in row.items():
+            if sides["llama"] is None:
+                continue
+            llama, ours = sides["llama"], sides["ours"]
+            fmt = lambda v: f"{v['median']:.3g}" + (f" ({v['best']:.3g})" if v["n"] > 1 else "")  # noqa: E731
+            ours_text = fmt(ours) if ours else QUANT_NOTE
+            better = ratio(key, ours["median"], llama["median"]) if ours else "-"
+            lines.append(f"| {bits[name]} | {key} | {ours_text} | {fmt(llama)} | {better} |")
+    return "\n".join(lines)
+
+
+def bits_labels(rounds: list[dict]) -> dict:
+    """Row name -> "ours bits / llama.cpp bits" (llama.cpp's as llama-bench reports them)."""
+    form = next((v["ours"]["built_as"] for r in rounds for k, v in r.get("bf16", {}).items()
+                 if k.startswith("vision") and "built_as" in v.get("ours", {})), "?")
+    ours = {"f32": "f32 (32)", "bf16": f"bf16 (16, built as {form})", "q8_0": "-", "q4_k_m": "-"}
+    labels = {}
+    for name, *_ in PAIRS:
+        bench = next((r[name]["text"]["llama"] for r in rounds if name in r and "text" in r[name]), None)
+        lbpw = f"{bench['bits_per_weight']:.2f} bpw" if bench else "?"
+        labels[name] = f"{ours[name]} / {name.upper()} ({lbpw})"
+    return labels
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        result = {"vision": child_vision, "text": child_text}[sys.argv[2]](json.loads(sys.argv[3]))
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-vl-2b")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", nargs="+", default=[r[0] for r in PAIRS], choices=[r[0] for r in PAIRS])
+    p.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "qwen3vl-iree" / "llamacpp")
+    p.add_argument("--version", default=VERSION, help="llama-cpp-python sdist version")
+    p.add_argument("--jobs", type=int, default=os.cpu_count(), help="build jobs")
+    p.add_argument("--json", type=Path, metavar="FILE")
+    p.add_argument("--ours-vision-sizes", type=int, nargs="+", default=list(IMAGE_SIZES),
+                   help="images our side encodes (e.g. leave out one that does not fit in memory)")
+    p.add_argument("--skip-warm", action="store_true",
+                   help="skip the untimed run of our children (only when every module is already in the cache)")
+    args = p.parse_args()
+
+    work = args.work_dir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    src = fetch_source(work, args.version)
+    patched = patch_converter(src)
+    print(patched, flush=True)
+    bindir = build_tools(src, work / f"build-{args.version}", args.jobs)
+    print(f"llama.cpp tools: {bindir}", flush=True)
+    model = write_checkpoint(work, args.preset)
+    files = convert_all(src, bindir, model, work / "gguf" / args.preset, work / "convert.log")
+    images = write_images(work / "images")
+    prepared = time.perf_counter() - start
+    rows = [r for r in PAIRS if r[0] in args.rows]
+    tmp = work / "runs"
+    tmp.mkdir(exist_ok=True)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
+              "preset": args.preset, "threads": args.threads, "llama_cpp": f"llama-cpp-python {args.version} sdist",
+              "converter_patch": patched, "llama_repack": NO_REPACK_NOTE, "machine_before": machine(),
+              "prepare_s": prepared,
+              "commit": subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
+                                       capture_output=True, text=True).stdout.strip(),
+              "gguf_gb": {n: f.stat().st_size / 1e9 for n, f in files.items()}}
+    if not args.skip_warm:
+        report["ours_warm"] = warm_ours(model, images, [r[1] for r in rows if r[1]], args.threads, tmp,
+                                        args.ours_vision_sizes)
+    report["rounds"] = []
+    for i in range(args.rounds):
+        first = "ours" if i % 2 == 0 else "llama"
+        print(f"round {i + 1}/{args.rounds} ({first} first), load {os.getloadavg()}", flush=True)
+        report["rounds"].append({r[0]: one_round(first, r, model, images, files, bindir, args.threads, tmp,
+                                                 args.ours_vision_sizes) for r in rows})
+    report["machine_after"] = machine()
+    report["summary"] = summarize(report["rounds"])
+    report["table"] = table(report["summary"], bits_labels(report["rounds"]))
+    m = report["machine_before"]
+    print(f"\n{m['cpu']}, {m['cores']} cores, load {m['load_average']} -> {report['machine_after']['load_average']}")
+    print(f"flags: {' '.join(m['flags'])}\n{patched}\n{NO_REPACK_NOTE}\n")
+    print(report["table"])
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
