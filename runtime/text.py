@@ -38,7 +38,8 @@ from runtime.artifact.iree_module import LoadedModule, device_config, invoke, pa
 from runtime.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
-from runtime.checkpoints.text import cached_text_archive, open_text_archive, text_entries
+from runtime.artifact.archive import cached_text_archive, open_text_archive
+from runtime.checkpoints.text import text_entries
 
 DEFAULT_PROMPT_BUCKETS = (128, 512, 2048)
 DEFAULT_CONTEXT = 4096

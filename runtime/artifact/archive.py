@@ -1,10 +1,11 @@
-"""The weight archive (.irpa): the graph's weights exactly as it takes them (MLX weights
-dequantized, the patch-embed conv flattened to [hidden, patch_dim], matmul weights in
-bf16 under that precision), one entry per weight, keyed by its checkpoint name; read by
-the artifact module's globals under scope `model`.
+"""The weight archive (.irpa), of the vision tower and of the language model alike: the
+graph's weights exactly as it takes them (MLX weights dequantized, the patch-embed conv
+flattened to [hidden, patch_dim], matmul weights in bf16 under the bf16 precisions), one
+entry per weight, keyed by its checkpoint name; read by the module's globals under scope
+`model`.
 
-An archive is content-addressed: its identity hashes the checkpoint's stored vision
-tensors (bytes, dtypes, shapes), the quantization settings, the precision, the weight
+An archive is content-addressed: its identity hashes the checkpoint's stored tensors of
+the part (bytes, dtypes, shapes), the quantization settings, the precision, the weight
 schema and the code that transforms them, so it is written once per checkpoint content
 and precision and reused from the cache. Each entry carries IREE's tensor metadata
 (`TENSORv0:{"type": "Tensor", "dtype", "shape"}`), which `open_archive` checks against
@@ -24,9 +25,11 @@ import numpy as np
 import iree.runtime as rt
 
 from emitter.config import VisionConfig, graph_weights, weight_dtype
+from emitter.text import text_weights
+from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
-from runtime.checkpoints import vision as checkpoint
+from runtime.checkpoints import mlx_quant, text as text_checkpoint, vision as checkpoint
 
 # Bump when what an archive holds changes in a way no other field records.
 ARCHIVE_FORMAT = 1
@@ -59,22 +62,26 @@ def stored_quantization(model_dir: Path) -> dict:
     return {k: config[k] for k in ("quantization", "quantization_config") if isinstance(config, dict) and k in config}
 
 
-def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict:
-    """What decides an archive's bytes: every stored vision tensor (name, dtype, shape,
-    sha256 of its bytes), the quantization settings, the precision, the weight schema,
-    and the source of the code that transforms them. Reads the vision tensors once."""
-    found, _ = checkpoint.scan_vision_tensors(model_dir)
-    tensors = [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
-               for name, e in sorted(found.items())]
+def content_fields(model_dir, found: dict, specs, precision: str, code) -> dict:
+    """What decides either model's archive bytes beside its config: every stored tensor of
+    the part (`found`: name, dtype, shape, sha256 of its bytes), the quantization settings,
+    the weight dtype, the weight schema of `specs`, and the source of the `code` that
+    transforms them."""
     return {
-        "archive_format": ARCHIVE_FORMAT,
         "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
-        "vision_config": cfg.to_dict(),
-        "weight_schema": weight_schema_fields(graph_weights(cfg, precision)),
+        "weight_schema": weight_schema_fields(specs),
         "quantization": stored_quantization(Path(model_dir)),
-        "tensors": tensors,
-        "code_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in _CODE)).hexdigest(),
+        "tensors": [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
+                    for name, e in sorted(found.items())],
+        "code_sha256": hashlib.sha256(b"".join(Path(p).read_bytes() for p in code)).hexdigest(),
     }
+
+
+def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict:
+    """What decides the vision archive's bytes (`content_fields`). Reads the vision tensors once."""
+    found, _ = checkpoint.scan_vision_tensors(model_dir)
+    return {"archive_format": ARCHIVE_FORMAT, "vision_config": cfg.to_dict(),
+            **content_fields(model_dir, found, graph_weights(cfg, precision), precision, _CODE)}
 
 
 def graph_arrays(model_dir, cfg: VisionConfig, precision: str = "f32") -> list[tuple[str, np.ndarray]]:
@@ -188,15 +195,54 @@ def release_mapped_pages(index: rt.ParameterIndex) -> bool:
         return False
 
 
-def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress=None) -> Path:
-    """The archive for this checkpoint content and precision from the cache (its size and
-    sha256 checked against the manifest), written on a miss."""
+def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: str, progress=None) -> Path:
+    """The archive of `fields` from the cache (its size and sha256 checked against the
+    manifest), written on a miss from `arrays()` ((name, array) pairs in `specs` order: the
+    checkpoint is read, checked and converted only then). Both models' archives."""
     report = progress or (lambda message: None)
-    fields = archive_fields(model_dir, cfg, precision)
 
     def write(path: Path) -> None:
-        report(f"weights: writing {path.name} ({precision}) ...")
-        write_archive(path, graph_arrays(model_dir, cfg, precision), cfg, precision)
+        named = arrays()
+        report(f"{label}: writing {path.name} ({precision}, {sum(a.nbytes for _, a in named) / 1e9:.2f} GB) ...")
+        write_entries(path, named, specs)
 
     path, _ = cache.get_or_write(fields, "irpa", write, progress)
     return path
+
+
+def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress=None) -> Path:
+    """The vision archive for this checkpoint content and precision (`cached_entries`)."""
+    return cached_entries(cache, archive_fields(model_dir, cfg, precision), graph_weights(cfg, precision),
+                          lambda: graph_arrays(model_dir, cfg, precision), "weights", precision, progress)
+
+
+# --------------------------------------------------------------------------- the language model's
+
+# Bump when what a text archive holds changes in a way no other field records.
+TEXT_ARCHIVE_FORMAT = 1
+_TEXT_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(text_checkpoint.__file__), Path(__file__))
+
+
+def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> dict:
+    """What decides a text archive's bytes: every stored text tensor (name, dtype, shape,
+    sha256 of its bytes), the quantization settings, the config, the precision, the weight
+    schema and the source of the code that transforms them. Reads the text tensors once."""
+    found, _ = text_checkpoint.scan_text_tensors(Path(model_dir))
+    return {"kind": "qwen3vl-text-weights", "archive_format": TEXT_ARCHIVE_FORMAT, "text_config": cfg.to_dict(),
+            **content_fields(model_dir, found, text_weights(cfg, precision), precision, _TEXT_CODE)}
+
+
+def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progress=None) -> Path:
+    """The text archive for this checkpoint content and precision from the cache (size and
+    sha256 checked against the manifest), written on a miss: the checkpoint is read, checked
+    and converted only then."""
+    return cached_entries(cache, text_archive_fields(model_dir, cfg, precision), text_weights(cfg, precision),
+                          lambda: text_checkpoint.text_weights_in_order(text_checkpoint.load_text_weights(model_dir, cfg), cfg,
+                                                                         precision),
+                          "text weights", precision, progress)
+
+
+def open_text_archive(path, cfg: TextConfig, precision: str = "f32"):
+    """The text archive memory-mapped as an IREE parameter index, checked to hold exactly
+    the graph's weights (ArchiveError naming the first that does not)."""
+    return open_entries(path, text_weights(cfg, precision))

@@ -9,7 +9,7 @@ vision loader does: bits and group size from config.json's `quantization`). Only
 text tensors' byte ranges are read. Every problem is a `CheckpointError` naming the tensor
 and the file.
 
-The session does not hold these arrays: `cached_text_archive` writes them once, in the
+The session does not hold these arrays: `artifact.archive.cached_text_archive` writes them once, in the
 dtypes the graph takes, as a weight archive (.irpa) in the artifact cache, keyed by the
 checkpoint's content like the vision archive (runtime/artifact/archive.py); the session maps it,
 IREE packs the weights from it at load, and then the mapped pages are let go.
@@ -17,20 +17,14 @@ IREE packs the weights from it at load, and then the mapped pages are let go.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 
-from emitter.config import weight_dtype
-from emitter.identity import weight_schema_fields
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
 from runtime.checkpoints import vision as checkpoint
-
-from runtime.checkpoints import mlx_quant
-from runtime.artifact.archive import open_entries, sha256_range, stored_quantization, write_entries
 from runtime.checkpoints.vision import CheckpointError, TensorEntry, read_float_tensor, read_uint32_tensor
 from runtime.checkpoints.mlx_quant import QuantConfig, dequantize_mlx, quantization_config
 
@@ -127,48 +121,3 @@ def text_weights_in_order(weights: dict[str, np.ndarray], cfg: TextConfig, preci
     import ml_dtypes
     return [(s.name, weights.pop(s.name) if s.dtype == "f32" else weights.pop(s.name).astype(ml_dtypes.bfloat16))
             for s in text_weights(cfg, precision)]
-
-
-# Bump when what a text archive holds changes in a way no other field records.
-TEXT_ARCHIVE_FORMAT = 1
-_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(__file__))  # the host transforms
-
-
-def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> dict:
-    """What decides a text archive's bytes: every stored text tensor (name, dtype, shape,
-    sha256 of its bytes), the quantization settings, the config, the precision, the weight
-    schema and the source of the code that transforms them. Reads the text tensors once."""
-    found, _ = scan_text_tensors(Path(model_dir))
-    return {
-        "kind": "qwen3vl-text-weights",
-        "archive_format": TEXT_ARCHIVE_FORMAT,
-        "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
-        "text_config": cfg.to_dict(),
-        "weight_schema": weight_schema_fields(text_weights(cfg, precision)),
-        "quantization": stored_quantization(Path(model_dir)),
-        "tensors": [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
-                    for name, e in sorted(found.items())],
-        "code_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in _CODE)).hexdigest(),
-    }
-
-
-def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progress=None) -> Path:
-    """The text archive for this checkpoint content and precision from the cache (size and
-    sha256 checked against the manifest), written on a miss: the checkpoint is read, checked
-    and converted only then."""
-    report = progress or (lambda message: None)
-
-    def write(path: Path) -> None:
-        arrays = text_weights_in_order(load_text_weights(model_dir, cfg), cfg, precision)  # checked first
-        size = sum(a.nbytes for _, a in arrays) / 1e9
-        report(f"text weights: writing {path.name} ({precision}, {size:.2f} GB) ...")
-        write_entries(path, arrays, text_weights(cfg, precision))
-
-    path, _ = cache.get_or_write(text_archive_fields(model_dir, cfg, precision), "irpa", write, progress)
-    return path
-
-
-def open_text_archive(path, cfg: TextConfig, precision: str = "f32"):
-    """The text archive memory-mapped as an IREE parameter index, checked to hold exactly
-    the graph's weights (ArchiveError naming the first that does not)."""
-    return open_entries(path, text_weights(cfg, precision))
