@@ -19,8 +19,8 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
    - vision per image (256x256, 512x512, 1024x1024 noise PNGs): llama-mtmd-cli's encode time
      ("slice encoded in" / "batch encoding done in", preprocessing excluded; the text model
      loaded beside it is the Q4_K_M one) against one `VisionSession` call on the same image
-     (`out.seconds["run"]`: packing and the call, preprocessing excluded), after a warm-up
-     call, in a child process;
+     (`out.seconds["run"]`: packing and the call, preprocessing excluded; bucket = the
+     image's patches), after a warm-up call; one image per process on both sides;
    - prefill tokens/s at 512 tokens and decode ms/token over 64 tokens: `llama-bench -p 512
      -n 64 -r 1` against a `TextSession` (bucket 512, context 576) in a child process
      (prefill of 512 random ids, then 64 greedy decode steps, after a warm-up);
@@ -29,6 +29,9 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
      --max-new-tokens 16`: time to first token (llama.cpp: encode + prompt eval; ours:
      vision incl. preprocessing + prefill, from --json), decode ms/token at context 4096,
      and the peak RSS of the process (os.wait4's ru_maxrss).
+   llama.cpp's quantized rows run with --no-repack (NO_REPACK_NOTE: its AMX path dies on a
+   VM that advertises amx). A process that fails (e.g. killed for memory) is recorded as
+   an error and the round goes on.
    Before the rounds each of our child processes runs once untimed, so every IREE module is
    compiled into the artifact cache outside the clock (and iree-compile's memory is not in
    a measured RSS).
@@ -68,6 +71,7 @@ IMAGE_SIZES = (256, 512, 1024)
 PROMPT = "Describe the image."
 PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
 QUANT_NOTE = "not available (issue 27 item 2 blocked)"
+QUANTIZED = ("q8_0", "q4_k_m")  # rows with no precision of ours
 NO_REPACK_NOTE = ("llama.cpp's quantized text models run with --no-repack (llama-bench --repack 0): with repacking "
                   "on, this VM (amx flags in /proc/cpuinfo) dies in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
                   "SIGSEGV at warm-up); f32/bf16 text is not repacked either way")
@@ -426,7 +430,7 @@ def table(summary: dict, bits: dict) -> str:
                 continue
             llama, ours = sides["llama"], sides["ours"]
             fmt = lambda v: f"{v['median']:.3g}" + (f" ({v['best']:.3g})" if v["n"] > 1 else "")  # noqa: E731
-            ours_text = fmt(ours) if ours else QUANT_NOTE
+            ours_text = fmt(ours) if ours else (QUANT_NOTE if name in QUANTIZED else "failed or not run (see --json)")
             better = ratio(key, ours["median"], llama["median"]) if ours else "-"
             lines.append(f"| {bits[name]} | {key} | {ours_text} | {fmt(llama)} | {better} |")
     return "\n".join(lines)
