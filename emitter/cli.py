@@ -36,7 +36,7 @@ def write_stdout(text: str) -> None:
 @click.option("--precision", type=click.Choice(list(PRECISIONS)), default="f32", show_default=True,
               help="f32; bf16: matmul weights and operands in bf16, f32 accumulation, norms and softmax; "
                    "bf16-f32: bf16 weights widened to f32 inside each matmul (what `qwen3vl` builds for bf16 "
-                   "on a CPU without a bf16 dot product).")
+                   "on a CPU without a double-rate bf16 dot product).")
 @click.option("--weights", type=click.Choice(["arguments", "parameters"]), default="arguments", show_default=True,
               help="Weights as function arguments, or as globals read from a parameter archive (scope `model`).")
 @click.option("--explain", is_flag=True,

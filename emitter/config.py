@@ -214,10 +214,11 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 
 # precision -> (the matmul weights' dtype, the dtype of the activations fed to the matmuls).
 # Accumulation, norms and softmax stay f32 under every precision. "bf16" runs the matmuls
-# on bf16 operands (fast where the CPU has a bf16 dot product: avx512_bf16, AMX, Arm bf16);
-# "bf16-f32" keeps the weights in bf16 (half the bytes) and widens them to f32 inside each
-# matmul, for CPUs without one, where IREE 3.13 lowers a bf16 x bf16 matmul to scalar code
-# (~50x slower than f32 on AVX2; docs/performance.md, "bf16 without a bf16 dot product").
+# on bf16 operands (fast where the bf16 dot product runs at twice the f32 rate: AMD Zen 4/5,
+# Arm bf16); "bf16-f32" keeps the weights in bf16 (half the bytes) and widens them to f32
+# inside each matmul, for the other CPUs: Intel's single-rate AVX-512 BF16, and AVX2, where
+# IREE 3.13 lowers a bf16 x bf16 matmul to scalar code (~50x slower than f32;
+# docs/performance.md, "bf16 on every CPU").
 # Users ask for "f32" or "bf16"; `identity.graph_precision` picks the bf16 form for a target.
 PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32")}
 USER_PRECISIONS = ("f32", "bf16")
@@ -225,8 +226,8 @@ PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weig
 # The parameter scope every module's weight globals are read from (keys: checkpoint names).
 PARAMETER_SCOPE = "model"
 PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulation, ~1e-3 error; operands in bf16 "
-                  "where the CPU has a bf16 dot product, else widened to f32 in the matmul (bf16-f32, said in one "
-                  "line). f32 is exact.")
+                  "where the CPU's bf16 dot product runs at twice the f32 rate, else widened to f32 in the matmul "
+                  "(bf16-f32, said in one line). f32 is exact.")
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
@@ -254,7 +255,8 @@ def weight_dtype(precision: str) -> str:
 def activation_dtype(precision: str) -> str | None:
     """The dtype of a matmul's activations under `precision`, or None where they take each
     matmul's weight dtype (f32 and bf16); a graph's `Builder(activations=...)`."""
-    return "f32" if precision == "bf16-f32" else None
+    weights, activations = PRECISIONS[check_precision(precision)]
+    return None if activations == weights else activations
 
 
 def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:

@@ -228,8 +228,8 @@ def explain_identity(cfg: VisionConfig, bucket, diagnostics: bool = False, inspe
         policy = load_policy(model_dir, cfg) if model_dir else DEFAULT_POLICY
     video_policy = load_video_policy(model_dir, cfg) if model_dir else None
     fields = vision_artifact_fields(cfg, bucket, policy, target=target, diagnostics=diagnostics,
-                             inspect_blocks=inspect_blocks, precision=precision, weights=weights,
-                             video_policy=video_policy)
+                                    inspect_blocks=inspect_blocks, precision=precision, weights=weights,
+                                    video_policy=video_policy)
     return format_explanation(fields)
 
 

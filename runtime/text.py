@@ -63,7 +63,7 @@ class TextSession:
         self.target = target or DEFAULT_TARGET
         self.progress = progress or (lambda message: None)
         self.deepstack_layers = deepstack_layers
-        self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 without a bf16 dot
+        self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 unless bf16 dots pay
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         self.model_dir, self.seconds = Path(model_dir), {}
         self.cache = ArtifactCache(cache_dir)

@@ -1,5 +1,5 @@
 """`qwen3vl build`: resolve what to build, then compile the artifact module (one entry per
-bucket, `encode_<B>`) into the cache."""
+bucket, `encode_<B>`) into the cache; `compiled_module` builds the language model's module too."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
               weights: str | None = None, progress=None) -> BuildPlan:
     """Check every input before anything is compiled; ValueError naming the bad one. The
     plan's precision is the target's form of the one asked (`compiler.resolve_precision`:
-    bf16 is built as bf16-f32 for a CPU without a bf16 dot product; `progress` hears so)."""
+    bf16 is built as bf16-f32 for a CPU without a double-rate bf16 dot product; `progress` hears so)."""
     if model and not Path(model).is_dir():
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
                          f"(config.json, preprocessor_config.json, *.safetensors)")

@@ -106,8 +106,9 @@ def measure_roof(config, threads: int, sizes=DEFAULT_SIZES, forms=None, repeats:
     """{precision: {"gflops": best, "by": "<library> <n>", "all": {contender: GFLOP/s}}} for
     each precision in `forms` ({precision asked: the graph precision it is built as}; default
     f32 and bf16 as asked): only those, so an f32 bench times no bf16 matmul. IREE's contender
-    runs the graph precision (bf16-f32 on a CPU without a bf16 dot product, where IREE's bf16
-    x bf16 matmul is scalar). `config`: the IREE runtime config the caller runs on."""
+    runs the graph precision (bf16-f32 on a CPU without a double-rate bf16 dot product; with
+    none at all, IREE's bf16 x bf16 matmul is scalar). `config`: the IREE runtime config the
+    caller runs on."""
     forms = forms or {"f32": "f32", "bf16": "bf16"}
     contenders = {precision: {} for precision in forms}
     for n in sizes:

@@ -325,7 +325,7 @@ def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, 
     config = device_config("llvm-cpu")  # as a session makes it (glibc keeps freed transients)
     merged = len(pixels) // cfg.merge_unit
     programs, figures = {}, {}
-    # Our bf16 in the host's form (bf16-f32 without a bf16 dot product), as the commands run it.
+    # Our bf16 in the host's form (`emitter.identity.bf16_form`), as the commands run it.
     forms = {precision: resolve_precision(precision, "llvm-cpu", print) for precision in precisions}
     figures["graph_precisions"] = forms
     for precision in precisions:

@@ -181,7 +181,7 @@ def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None 
         "artifact": artifact,
         "device": device,
         "precision": precision,
-        "graph_precision": plan.precision,  # bf16 is built as bf16-f32 on a CPU without a bf16 dot product
+        "graph_precision": plan.precision,  # bf16 is built as bf16-f32 unless the CPU has a double-rate bf16 dot product
         "reference": {"dtype": reference_dtype, "module": "runtime.oracle.reference"},
         "tolerances": {**tol, "rule": PASS_RULE, "defaults": DEFAULT_TOLERANCES[precision]},
         "inspect_blocks": list(inspect),
