@@ -57,10 +57,14 @@ def check_output_folder(path, model, flag: str = "-o") -> Path:
     return folder
 
 
+class NonFiniteError(ValueError):
+    """A model's output holds NaN or inf: the model overflowed, not the input's fault."""
+
+
 def check_finite(name: str, value: np.ndarray, cause: str) -> None:
     """NaN or inf in an output means the model overflowed: ValueError naming the output,
     how many values, and `cause` (what overflowed)."""
     bad = value.size - int(np.count_nonzero(np.isfinite(value)))
     if bad:
-        raise ValueError(f"output {name}: {bad} of {value.size} values are NaN or inf; {cause} overflowed f32 "
+        raise NonFiniteError(f"output {name}: {bad} of {value.size} values are NaN or inf; {cause} overflowed f32 "
                          f"(check the checkpoint's weights)")

@@ -166,6 +166,8 @@ class TextSession:
     def decode(self, token: int, rope_position: int) -> np.ndarray:
         """Feed one token (text position `self.length`, M-RoPE position `rope_position` on
         all three rows); the logits [vocab] of the next."""
+        if self.length == 0:  # also what keeps IREE's shared zero buffer out of the cache (text_batch.reset)
+            raise GenerateError("decode: no prompt prefilled yet; call prefill first")
         if self.length >= self.context:
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(np.array([token]))
@@ -294,13 +296,9 @@ class Generator:
         against the context before any compile; `encode(processed)` gives each medium's
         rows (default: one tower call for all, `chat.encode_joint`). Its `seconds` hold
         vision (processing and encoding) and build (compiling or loading)."""
-        from runtime.inputs.chat import build_prompt, encode_joint, image_tokens, process_media, prompt_ids
+        from runtime.inputs.chat import build_prompt, encode_joint, process_media, prompt_ids
 
-        try:  # sized from the image headers: a too-large image is refused before it is decoded
-            self.text.bucket_for(image_tokens(media, self.policy, self.vision_cfg.merge_unit))
-        except GenerateError as e:
-            raise GenerateError(f"the images alone: {e}") from None
-
+        self.check_prompt(messages, media, max_new_tokens)
         seconds = {"vision": 0.0, "build": 0.0}
         start = time.perf_counter()
         processed = process_media(media, self.policy, self.video_policy, self.vision_cfg.merge_unit)
@@ -320,6 +318,22 @@ class Generator:
         prompt = build_prompt(ids, self.text.token_ids, self.vision_cfg.spatial_merge_size, processed, rows)
         prompt.seconds = seconds
         return prompt
+
+    def check_prompt(self, messages, media=(), max_new_tokens: int = 1) -> None:
+        """Refuse (GenerateError) a chat the context cannot hold, from the text and the image
+        headers alone: nothing decoded, encoded or compiled. A video's tokens are known only
+        once its frames are decoded (`prepare` checks again then)."""
+        from runtime.inputs.chat import image_tokens
+
+        counts = [image_tokens([m], self.policy, self.vision_cfg.merge_unit) for m in media if m.kind == "image"]
+        try:  # a too-large image is refused before its prompt is even rendered
+            self.text.bucket_for(sum(counts))
+        except GenerateError as e:
+            raise GenerateError(f"the images alone: {e}") from None
+        if any(m.kind == "video" for m in media):
+            return
+        ids = self.tokenizer.messages_ids(messages, self.text.token_ids, counts)
+        self.text.check_request(ids.size, max_new_tokens)
 
     def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None, videos=(),
                  sampling: SamplingParams | None = None) -> Generation:

@@ -36,10 +36,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, root: Path):
-        self.root, self.model, self.cache = root, root / "model", root / "cache"
-        write_generation_checkpoint(self.model, PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
-                                    processor_policy_dict=SMALL_POLICY)
+    def __init__(self, root: Path, model: Path | None = None, cache: Path | None = None):
+        """A server over the tiny checkpoint (written under `root`), or over `model`."""
+        self.root, self.model, self.cache = root, model or root / "model", cache or root / "cache"
+        if model is None:
+            write_generation_checkpoint(self.model, PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
+                                        processor_policy_dict=SMALL_POLICY)
         self.allowed = root / "allowed"
         self.allowed.mkdir()
         from PIL import Image

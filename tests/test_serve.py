@@ -210,6 +210,9 @@ def bad_cases(server):
         "too many images": ({"messages": [user("x", [server.images[0]] * 4)]}, 400, "messages", "more than the 3"),
         "body too large": ({"messages": [user("x" * (1 << 20))]}, 413, None, "more than the 1048576"),
         "prompt over the context": ({"messages": [user("a b " * 3000)]}, 400, "messages", "prompt of \\d+ tokens"),
+        "prompt over the context, image undecodable": (  # refused from the header: decoding would fail
+            {"messages": [image_part(corrupt_png(server.images[0])), user("a b " * 3000)]}, 400, "messages",
+            "prompt of \\d+ tokens: longer than the largest"),
     }
 
 
@@ -259,6 +262,51 @@ def test_batched_sequences_equal_their_solo_runs_and_a_failure_disturbs_none(ser
     together = (server.metric("qwen3vl_decode_batch_size_count") - steps) - \
         (server.metric("qwen3vl_decode_batch_size_bucket", '{le="1.0"}') - single)
     assert together > 0  # some decode steps ran more than one sequence
+
+
+def test_a_sequence_overflowing_mid_decode_fails_alone(server, tmp_path):
+    """A lane whose logits turn NaN in a batched decode step ends with OpenAI's error object
+    (500, model_overflow); the sequence decoding beside it goes on, equal to its run alone."""
+    import shutil
+    from types import SimpleNamespace
+
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(server.model, model)
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)  # finite weights that overflow on one token only
+    embed = next(k for k in tensors if k.endswith("embed_tokens.weight"))
+    norm = next(k for k in tensors if k.endswith("layers.0.input_layernorm.weight"))
+    tensors[embed][:, 0] = 0.0  # channel 0 zero in every token's embedding,
+    save_file(tensors, weights)
+    first = generate(SimpleNamespace(model=model, root=tmp_path, cache=server.cache), "Say something.", steps=3)["tokens"]
+    tensors[embed][first[2]] = np.eye(1, tensors[embed].shape[1])  # but the 3rd answer token's, which
+    tensors[norm][0] = 3e38  # the first norm scales past f32 (text prompts only: image rows would too)
+    save_file(tensors, weights)
+    poisoned = Server(tmp_path, model, server.cache)
+    try:
+        other = dict(max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+        alone = chat(poisoned, [user("Go on.")], **other)
+        results = {}
+        beside = threading.Thread(target=lambda: results.update(b=chat(poisoned, [user("Go on.")], **other)))
+        beside.start()
+        assert wait_for(lambda: poisoned.metric("qwen3vl_requests_running") == 1, 30)
+        response, client = long_stream(poisoned, [user("Say something.")], max_tokens=8)
+        try:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        finally:
+            response.close(), client.close()
+        beside.join(120)
+        pieces = [e["choices"][0]["delta"].get("content") for e in events if e.get("choices")]
+        error = events[-1]["error"]
+        assert len([p for p in pieces if p]) >= 2, events  # it decoded, then failed
+        assert error["code"] == "model_overflow" and "NaN or inf" in error["message"], error
+        assert results["b"] == alone
+        assert wait_for(lambda: poisoned.metric("qwen3vl_requests_running") == 0, 10)
+        assert poisoned.metric("qwen3vl_requests_total", '{outcome="failed"}') == 1
+    finally:
+        poisoned.process.kill()
 
 
 def test_soak_60_requests_from_8_clients(server, solo):

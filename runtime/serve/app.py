@@ -24,7 +24,7 @@ from runtime.sampling import SamplingError
 from runtime.serve.errors import ApiError
 from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import parse_chat_request
-from runtime.serve.scheduler import Job
+from runtime.serve.scheduler import Job, as_api_error
 
 
 @dataclass
@@ -87,6 +87,7 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
         body = await read_json(request, limits.max_body_bytes)
         job, folder = make_job(body, generator, model_id, limits)
         try:
+            await refuse_early(generator, job)
             engine.submit(job)
             first = await next_event(job, request)
         except BaseException:
@@ -142,6 +143,16 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
         folder.close()
         raise
     return Job(request, params, media, asyncio.get_running_loop()), folder
+
+
+async def refuse_early(generator, job: Job) -> None:
+    """A prompt the context cannot hold, or an image whose header is not one, refused
+    before the job queues: from the text and the image headers, nothing decoded (a
+    video's tokens are counted once its frames are, in the engine)."""
+    try:
+        await asyncio.to_thread(generator.check_prompt, job.request.messages, job.media)
+    except ValueError as e:
+        raise as_api_error(e) from None
 
 
 async def next_event(job: Job, request: Request | None):

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from runtime.inputs.chat import Media
+from runtime.outputs import NonFiniteError, check_finite
 from runtime.text import GenerateError
 from runtime.sampling import Sampler, SamplingParams
 from runtime.inputs.text_stream import TextStream
@@ -127,10 +128,11 @@ class Engine:
         try:
             work(jobs)
         except Exception as e:  # noqa: BLE001 - a request's fault never stops the engine
+            error = e if isinstance(e, ApiError) else as_api_error(e)
             for item in jobs:
                 job = item.job if isinstance(item, Sequence) else item
-                job.send("error", e if isinstance(e, ApiError) else _as_api_error(e))
-                self._end(job, "refused" if isinstance(e, (ApiError, ValueError)) else "failed")
+                job.send("error", error)
+                self._end(job, "refused" if error.status < 500 else "failed")
 
     def _start(self, job: Job, row: int) -> None:
         """Vision, then prefill into `row`, then the first token."""
@@ -157,7 +159,7 @@ class Engine:
                                                   [seq.length for seq in sequences])
         for seq, row in zip(sequences, logits):
             seq.length += 1
-            self._advance(seq, row)
+            self._guarded([seq], lambda _: self._advance(seq, row))  # one lane's fault ends it alone
 
     def _advance(self, seq: "Sequence", logits) -> None:
         """Choose `seq`'s next token from `logits`, send it, and end the sequence when it is done
@@ -167,6 +169,7 @@ class Engine:
             if self.stopping:
                 job.send("error", ApiError("server shutting down", status=503, code="shutting_down"))
             return self._end(seq, "cancelled")
+        check_finite("logits", logits, "the language model")  # no token from an overflowed row
         token = seq.sampler.choose(logits)
         now = time.monotonic()
         (self.metrics.per_token.observe(now - seq.at) if seq.count else self.metrics.ttft.observe(now - job.arrived))
@@ -199,11 +202,13 @@ class Engine:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def _as_api_error(e: Exception) -> ApiError:
+def as_api_error(e: Exception) -> ApiError:
     """A failure inside a request as a 400 (its input) or 500 (anything else), one line."""
     message = " ".join(str(e).split()) or type(e).__name__
     if isinstance(e, GenerateError) and ("context" in message or "bucket" in message):
         return ApiError(message, "messages", code="context_length_exceeded")
+    if isinstance(e, NonFiniteError):
+        return ApiError(message, status=500, code="model_overflow")
     if isinstance(e, ValueError):
         return ApiError(message, "messages")
     return ApiError(f"internal error: {type(e).__name__}: {message}", status=500, code="internal_error")
