@@ -2,10 +2,16 @@
 
 Each client sends `--requests` streamed chat completions, one after another: one image
 (assets/demo.png, as a data: URL) and a short prompt, `--new` new tokens (`ignore_eos`, so
-every answer has exactly that many). Per concurrency: aggregate decode tokens/s (all
-completion tokens / the round's wall time), time to first token p50/p95 and per-token
-latency p50/p95 (a request's (last - first token time) / (tokens - 1)), and the decode
-batch sizes the server saw. The server runs with `--max-batch` = the largest concurrency.
+every answer has exactly that many). `--prompts distinct` (the default) numbers each
+request's text, so no two prompts are equal; `same` sends one prompt throughout. Per
+concurrency:
+- decode tokens/s: the tokens the decode steps gave / the seconds spent in them, from the
+  server's metrics (what batching buys: a step reads the weights once for all sequences);
+- output tokens/s: all completion tokens / the round's wall time (prefills included);
+- time to first token p50/p95, and per-token latency p50/p95 (a request's (last - first
+  token time) / (tokens - 1), other requests' prefills included);
+- the mean decode batch the server saw.
+The server runs with `--max-batch` = the largest concurrency.
 
     .venv/bin/python benchmarks/bench_serve.py --preset tiny --concurrency 1 2 4 8
     .venv/bin/python benchmarks/bench_serve.py --preset qwen3-vl-2b --precision bf16 --context 1024 \\
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import base64
 import http.client
+import itertools
 import json
 import platform
 import re
@@ -108,10 +115,11 @@ def one_request(port: int, body: bytes) -> dict:
     return {"start": start, "times": times, "tokens": usage["completion_tokens"]}
 
 
-def body(args) -> bytes:
+def body(args, number: int = 0) -> bytes:
     image = base64.b64encode((ROOT / "assets" / "demo.png").read_bytes()).decode()
+    text = "Describe the image." + (f" This is request {number}." if args.prompts == "distinct" else "")
     content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-               {"type": "text", "text": "Describe the image."}]
+               {"type": "text", "text": text}]
     return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": args.new, "stream": True,
                        "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
                        "logprobs": True}).encode()
@@ -119,9 +127,9 @@ def body(args) -> bytes:
 
 def batch_sizes(port: int) -> dict:
     text = get(port, "/metrics")[1]
-    count = float(re.search(r"^qwen3vl_decode_batch_size_count (\S+)$", text, re.M).group(1))
-    total = float(re.search(r"^qwen3vl_decode_batch_size_sum (\S+)$", text, re.M).group(1))
-    return {"steps": count, "sequences": total}
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+    return {"steps": value("qwen3vl_decode_batch_size_count"), "sequences": value("qwen3vl_decode_batch_size_sum"),
+            "step_seconds": value("qwen3vl_decode_step_seconds_sum")}
 
 
 def percentile(values, q: float) -> float:
@@ -129,11 +137,14 @@ def percentile(values, q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def round_of(port: int, data: bytes, clients: int, requests: int) -> dict:
+def round_of(port: int, bodies, clients: int, requests: int) -> dict:
+    """One round: `clients` clients, `requests` each, the next body of `bodies` per request."""
     results, lock = [], threading.Lock()
 
     def client():
         for _ in range(requests):
+            with lock:
+                data = next(bodies)
             r = one_request(port, data)
             with lock:
                 results.append(r)
@@ -150,13 +161,16 @@ def round_of(port: int, data: bytes, clients: int, requests: int) -> dict:
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["times"][0] - r["start"] for r in results]
     per_token = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
-    steps = after["steps"] - before["steps"]
+    steps, decoded = after["steps"] - before["steps"], after["sequences"] - before["sequences"]
+    step_seconds = after["step_seconds"] - before["step_seconds"]
     return {"concurrency": clients, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 2), "ttft_p50_s": round(percentile(ttft, 0.5), 4),
+            "tokens_per_s": round(tokens / wall, 2),
+            "decode_tokens_per_s": round(decoded / step_seconds, 2) if step_seconds else 0.0,
+            "ttft_p50_s": round(percentile(ttft, 0.5), 4),
             "ttft_p95_s": round(percentile(ttft, 0.95), 4),
             "per_token_p50_ms": round(1000 * percentile(per_token, 0.5), 2),
             "per_token_p95_ms": round(1000 * percentile(per_token, 0.95), 2),
-            "mean_decode_batch": round((after["sequences"] - before["sequences"]) / steps, 2) if steps else 0.0}
+            "mean_decode_batch": round(decoded / steps, 2) if steps else 0.0}
 
 
 def main(argv=None) -> None:
@@ -170,6 +184,8 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--requests", type=int, default=2, help="Requests per client per round.")
     p.add_argument("--new", type=int, default=64, help="New tokens per request.")
+    p.add_argument("--prompts", choices=["distinct", "same"], default="distinct",
+                   help="Number each request's text (default), or send one prompt throughout.")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--threads", type=int)
     p.add_argument("--startup-timeout", type=float, default=3600)
@@ -179,21 +195,22 @@ def main(argv=None) -> None:
     port = free_port()
     server = start_server(args, model, port)
     try:
-        data = body(args)
-        one_request(port, data)  # warm-up: the first call of each entry, the encoder cache
-        rounds = [round_of(port, data, c, args.requests) for c in args.concurrency]
+        bodies = (body(args, i) for i in itertools.count())
+        one_request(port, next(bodies))  # warm-up: the first call of each entry, the encoder cache
+        rounds = [round_of(port, bodies, c, args.requests) for c in args.concurrency]
     finally:
         server.terminate()
         server.wait(60)
     report = {"machine": machine(), "model": str(model), "precision": args.precision, "new_tokens": args.new,
-              "context": args.context, "rounds": rounds}
+              "context": args.context, "prompts": args.prompts, "rounds": rounds}
     print(f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {model.name}, {args.precision}, "
-          f"{args.new} new tokens, one image")
-    print(f"{'clients':>7} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} {'ms/tok p50':>11} {'ms/tok p95':>11} "
-          f"{'batch':>6}")
+          f"{args.new} new tokens, one image, {args.prompts} prompts")
+    print(f"{'clients':>7} {'decode tok/s':>12} {'output tok/s':>12} {'ttft p50':>9} {'ttft p95':>9} "
+          f"{'ms/tok p50':>11} {'ms/tok p95':>11} {'batch':>6}")
     for r in rounds:
-        print(f"{r['concurrency']:>7} {r['tokens_per_s']:>8} {r['ttft_p50_s']:>9} {r['ttft_p95_s']:>9} "
-              f"{r['per_token_p50_ms']:>11} {r['per_token_p95_ms']:>11} {r['mean_decode_batch']:>6}")
+        print(f"{r['concurrency']:>7} {r['decode_tokens_per_s']:>12} {r['tokens_per_s']:>12} {r['ttft_p50_s']:>9} "
+              f"{r['ttft_p95_s']:>9} {r['per_token_p50_ms']:>11} {r['per_token_p95_ms']:>11} "
+              f"{r['mean_decode_batch']:>6}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 

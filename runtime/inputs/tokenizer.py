@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -197,6 +199,18 @@ class ChatTokenizer:
 
         return VideoStrings(text("vision_start_token_id"), text("video_token_id"), text("vision_end_token_id"))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs `bytes`): a byte-level BPE
+        token maps its characters back through GPT-2's byte table, so a token holding part
+        of a character gives that part, not U+FFFD; an added (special) token its text."""
+        token = self.tokenizer.id_to_token(int(token_id))
+        if token is None:
+            return b""
+        table = _byte_decoder() if type(self.tokenizer.decoder).__name__ == "ByteLevel" else {}
+        if int(token_id) in self.tokenizer.get_added_tokens_decoder() or any(c not in table for c in token):
+            return token.encode("utf-8")
+        return bytes(table[c] for c in token)
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """As transformers decodes: tokenizers' decode, then its space clean-up when
         tokenizer_config.json asks for it (which transformers skips for BPE models unless
@@ -257,3 +271,13 @@ def expand_pads(ids: np.ndarray, image_token_id: int, counts: list[int]) -> np.n
         prev = i + 1
     pieces.append(ids[prev:])
     return np.concatenate(pieces)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (what tokenizers' ByteLevel uses): each of the 256 bytes
+    as one printable character, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = [b for b in range(256) if b not in printable]
+    chars = printable + [256 + i for i in range(len(extra))]
+    return {chr(c): b for c, b in zip(chars, printable + extra)}

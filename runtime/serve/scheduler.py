@@ -154,12 +154,14 @@ class Engine:
     def _step(self, sequences) -> None:
         """One decode call for the running sequences, each fed its last token."""
         self.metrics.batch_size.observe(len(sequences))
+        start = time.perf_counter()
         logits = self.generator.text.decode_batch([seq.row for seq in sequences], [seq.last for seq in sequences],
                                                   [seq.length + seq.prompt.rope_delta for seq in sequences],
                                                   [seq.length for seq in sequences])
         for seq, row in zip(sequences, logits):
             seq.length += 1
             self._guarded([seq], lambda _: self._advance(seq, row))  # one lane's fault ends it alone
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
 
     def _advance(self, seq: "Sequence", logits) -> None:
         """Choose `seq`'s next token from `logits`, send it, and end the sequence when it is done
@@ -198,8 +200,9 @@ class Engine:
         return dict(self._token(token, chosen), top_logprobs=[self._token(i, lp) for i, lp in top])
 
     def _token(self, token: int, logprob: float) -> dict:
-        text = self.generator.tokenizer.decode([token], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        tokenizer = self.generator.tokenizer
+        return {"token": tokenizer.decode([token], skip_special_tokens=False), "logprob": logprob,
+                "bytes": list(tokenizer.token_bytes(token))}
 
 
 def as_api_error(e: Exception) -> ApiError:
