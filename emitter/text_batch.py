@@ -6,11 +6,15 @@ prefill_<S>: prefill_<S>'s arguments (emitter/text.py) and `row` [] i32
   -> logits [1, vocab] of token `last`; its K/V written into cache row `row`, slots 0..S-1.
 decode_batch_<B> for B in 1, 2, 4, ... below R, and R (`lane_counts`):
   tokens [B] i32, positions [3, B] i32, slots [B] i32, rows [B] i32 (lane i: a sequence in
-  cache row rows[i]; its token's text position = its cache slot; rows distinct)
+  cache row rows[i]; its token's text position = its cache slot; rows distinct, or a lane
+  repeating another's inputs whole)
   -> logits [B, vocab] f32; each lane's K/V written to its row at its slot, its attention
   over that row's slots 0..slot. The runtime calls the smallest B that holds the running
-  sequences; a spare lane is given a free row and slot 0 (the next prefill there
-  overwrites what it writes).
+  sequences; a spare lane repeats lane 0 (the same K/V written twice), so no row that is
+  not running is touched.
+copy_prompt_<S> for each bucket S: source [] i32, target [] i32 -> done [] i32; slots
+  0..S-1 of every layer's cache row `source` copied into row `target` (a prompt already
+  prefilled, shared with a new sequence: the prompt cache, runtime/serve/scheduler.py).
 reset: see `reset_function`.
 
 Every weight matmul (projections, MLP, lm_head) runs once for all B lanes, so a step reads
@@ -27,6 +31,7 @@ from .text_config import TextConfig
 
 DECODE_BATCH = "decode_batch"
 RESET = "reset"
+COPY_PROMPT = "copy_prompt"
 
 
 def decode_batch_inputs(lanes: int) -> list[tuple[str, tuple, str]]:
@@ -36,6 +41,10 @@ def decode_batch_inputs(lanes: int) -> list[tuple[str, tuple, str]]:
 
 def decode_name(lanes: int) -> str:
     return f"{DECODE_BATCH}_{lanes}"
+
+
+def copy_name(bucket: int) -> str:
+    return f"{COPY_PROMPT}_{bucket}"
 
 
 def lane_counts(rows: int) -> list[int]:
@@ -105,6 +114,21 @@ def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int,
     return g.function(decode_name(lanes), g.logits(x)), b.globals
 
 
+def copy_prompt_function(cfg: TextConfig, bucket: int, context: int, rows: int,
+                         precision: str = "f32") -> tuple[dict, list]:
+    """copy_prompt_<bucket>: the first `bucket` slots of cache row `source` into row `target`."""
+    g = TextGraph(cfg, context, precision, rows)
+    b = g.b
+    source, target = g.argument("source", (), "i32"), g.argument("target", (), "i32")
+    zero = b.constant(0, (), "i32", hint="zero")
+    for state in (state for pair in g.cache for state in pair):
+        cache = b.load_state(state)
+        prompt = b.dynamic_slice(cache, [source, zero, zero, zero], (1, cache.shape[1], bucket, cache.shape[3]),
+                                 hint="prompt")
+        b.store_state(b.dynamic_update_slice(cache, prompt, [target, zero, zero, zero], hint="cache"), state)
+    return function(b, copy_name(bucket), [("done", b.constant(0, (), "i32", hint="done"))]), b.globals
+
+
 def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f32") -> tuple[dict, list]:
     """`reset(fill [2 x layers] f32)`: each KV-cache global stored whole, global j with
     `fill[j]` (zeros from the caller). Called once after loading. Until then every cache
@@ -124,12 +148,14 @@ def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f
 
 def emit_batch_module(cfg: TextConfig, buckets, context: int, rows: int, deepstack_layers: int,
                       precision: str = "f32") -> str:
-    """MLIR text of the batched module: `prefill_<S>` into a row for each bucket S,
-    `decode_batch_<B>` for each lane count B, and `reset` (deterministic: same input, same bytes)."""
+    """MLIR text of the batched module: `prefill_<S>` into a row and `copy_prompt_<S>` for
+    each bucket S, `decode_batch_<B>` for each lane count B, and `reset` (deterministic:
+    same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     rows = check_rows(rows)
     entries = [prefill_function(cfg, s, context, deepstack_layers, precision, rows) for s in buckets] + \
         [decode_batch_function(cfg, context, rows, n, precision) for n in lane_counts(rows)] + \
+        [copy_prompt_function(cfg, s, context, rows, precision) for s in buckets] + \
         [reset_function(cfg, context, rows, precision)]
     return render_text_module(cfg, f"Qwen3-VL language model, batched: {rows} KV-cache rows", entries, buckets,
                               context, deepstack_layers, precision)

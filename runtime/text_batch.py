@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from emitter.text import prefill_name
-from emitter.text_batch import RESET, check_rows, decode_name, emit_batch_module, lane_counts
+from emitter.text_batch import RESET, check_rows, copy_name, decode_name, emit_batch_module, lane_counts
 
 from runtime.text import GenerateError, TextSession
 from runtime.artifact.iree_module import invoke
@@ -37,21 +37,26 @@ class BatchTextSession(TextSession):
                                          prompt.deepstack)
         return self._logits(invoke(self.module[prefill_name(s)], *args, np.array(row, np.int32)))
 
+    def copy_prompt(self, source: int, target: int, length: int) -> None:
+        """Cache row `source`'s first `length` slots (a prompt prefilled there) into row
+        `target`: what prefilling the same prompt into `target` would have written."""
+        invoke(self.module[copy_name(self.bucket_for(length))], np.array(source, np.int32),
+               np.array(target, np.int32))
+
     def decode_batch(self, rows, tokens, rope_positions, slots) -> np.ndarray:
         """One step for the sequences in cache rows `rows` (distinct): row rows[i] is fed
         `tokens[i]` at text position (cache slot) `slots[i]` and M-RoPE position
         `rope_positions[i]`; their logits [len(rows), vocab]. Runs the smallest
-        `decode_batch_<B>` that holds them; spare lanes get free rows, token 0, slot 0."""
+        `decode_batch_<B>` that holds them; spare lanes repeat lane 0 (its write, twice), so
+        rows not in `rows` keep what they hold."""
         n = len(rows)
         lanes = next(b for b in lane_counts(self.rows) if b >= n)
-        spare = [r for r in range(self.rows) if r not in set(rows)][:lanes - n]
         pad = lambda values: np.concatenate([np.asarray(values, np.int32).reshape(n),  # noqa: E731
-                                             np.zeros(lanes - n, np.int32)])
-        tokens, slots, rope = pad(tokens), pad(slots), pad(rope_positions)
+                                             np.repeat(np.asarray(values, np.int32).reshape(n)[:1], lanes - n)])
+        tokens, slots, rope, rows = pad(tokens), pad(slots), pad(rope_positions), pad(rows)
         if slots.max() >= self.context:
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(tokens)
         positions = np.repeat(rope.reshape(1, lanes), 3, axis=0)
-        rows = np.array(list(rows) + spare, np.int32)
         result = invoke(self.module[decode_name(lanes)], tokens, positions, slots, rows)
         return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]

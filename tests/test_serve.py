@@ -155,6 +155,40 @@ def test_encoder_cache_hit_in_a_second_turn(server):
     assert server.metric("qwen3vl_encoder_cache_misses_total") == misses + 1
 
 
+def test_prompt_cache_is_exact(server, solo, tmp_path):
+    """A prompt a cache row already holds is not prefilled again (the row reused when idle,
+    copied when running) and the answers stay generate's; an image of the same size with
+    other pixels is no hit."""
+    prompt, n = SHAPES["one image"]
+    hits = lambda: server.metric("qwen3vl_prompt_cache_hits_total")  # noqa: E731
+    before = hits()
+    same_as_generate(chat(server, [user(prompt, server.images[:n])], max_tokens=8, temperature=0), solo["one image"])
+    same_as_generate(chat(server, [user(prompt, server.images[:n])], max_tokens=8, temperature=0), solo["one image"])
+    assert hits() >= before + 1
+    results = [None, None]
+
+    def run(i):
+        results[i] = chat(server, [user(prompt, server.images[:n])], i == 1, max_tokens=8, temperature=0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    before = hits()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for result in results:
+        same_as_generate(result, solo["one image"])
+    assert hits() == before + 2  # one from the idle row, one copied from the running one
+    from PIL import Image
+    other = tmp_path / "other.png"
+    pixels = np.asarray(Image.open(server.images[0]))
+    Image.fromarray(255 - pixels).save(other)
+    before = hits()
+    same_as_generate(chat(server, [user(prompt, [other])], max_tokens=8, temperature=0),
+                     generate(server, prompt, [other]))
+    assert hits() == before
+
+
 def test_disconnect_cancels_and_frees_the_engine(server):
     cancelled = server.metric("qwen3vl_requests_total", '{outcome="cancelled"}')
     response, client = long_stream(server)

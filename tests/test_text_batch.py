@@ -87,3 +87,22 @@ def test_without_reset_the_cache_updates_go_wrong(setup, monkeypatch):
     _, logits = batched_runs(session, prompts[:1], starts=[0], rows=[1])
     assert np.array_equal(logits[0][0], solo[0][0][1])  # the prefill itself is right
     assert not all(np.array_equal(ours, theirs) for ours, (_, theirs) in zip(logits[0][1:], solo[0][1:]))
+
+
+def test_a_copied_prompt_decodes_as_its_prefill(setup):
+    """`copy_prompt` gives a row what prefilling the same prompt there gives (decoded bit for
+    bit as the one-sequence module), and steps with a spare lane leave idle rows as they were."""
+    model, cache, prompts = setup
+    solo = solo_runs(model, cache, prompts[1:2])[0]
+    session = BatchTextSession(model, 4, cache_dir=cache, **SHAPE)
+    prompt = prompts[1]
+    first = session.prefill_row(3, prompt)  # idle in row 3 while three others decode:
+    batched_runs(session, prompts, starts=[0, 0, 0], rows=[0, 1, 2])  # the 4-lane entry, one spare lane
+    session.copy_prompt(3, 0, prompt.ids.size)  # over the other prompt row 0 held
+    assert np.array_equal(first, solo[0][1])
+    for row in (3, 0):
+        token, length = int(np.argmax(first)), prompt.ids.size
+        for step in range(1, STEPS):
+            out = session.decode_batch([row], [token], [length + prompt.rope_delta], [length])[0]
+            assert np.array_equal(out, solo[step][1]), (row, step)
+            token, length = int(np.argmax(out)), length + 1

@@ -54,10 +54,13 @@ def positive(name: str, value: int) -> int:
 @click.option("--max-body-mb", type=int, default=32, show_default=True, metavar="MB", help="Request body limit.")
 @click.option("--encoder-cache-mb", type=int, default=512, show_default=True, metavar="MB",
               help="Bytes of image/video embeddings kept for reuse (LRU).")
+@click.option("--prompt-cache/--no-prompt-cache", default=True, show_default=True,
+              help="Start a request whose prompt a KV-cache row already holds (same text, same images) from "
+                   "that row, without prefilling it again (exact: the same cache and logits).")
 @click.option("--grace", type=float, default=10.0, show_default=True, metavar="S",
               help="On SIGTERM: seconds to let requests in flight finish before cancelling them.")
 def serve_command(model, host, port, max_batch, context, buckets, precision, api_key, allowed_local_media_path,
-                  cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, grace):
+                  cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
     is compiled and loaded before the first request is accepted."""
     for name, value in (("--max-batch", max_batch), ("--max-waiting", max_waiting), ("--max-media", max_media),
@@ -67,13 +70,13 @@ def serve_command(model, host, port, max_batch, context, buckets, precision, api
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
                           allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
-                          max_body_mb, encoder_cache_mb, grace)  # bad input, failures: the group's one line
+                          max_body_mb, encoder_cache_mb, prompt_cache, grace)  # bad input, failures: the group's one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
 
 
 def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads, target,
-                 max_waiting, max_media, max_body_mb, encoder_cache_mb, grace):
+                 max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace):
     """Everything loaded (text module, vision module, weights), then a uvicorn server."""
     import uvicorn
 
@@ -96,7 +99,7 @@ def build_server(model, host, port, max_batch, context, buckets, precision, api_
     generator.vision.artifact()
     metrics = Metrics()
     encoder = EncoderCache(generator.vision_for, encoder_cache_mb << 20, metrics)
-    engine = Engine(generator, metrics, encoder, max_waiting)
+    engine = Engine(generator, metrics, encoder, max_waiting, prompt_cache)
     limits = Limits(api_key, allowed, max_body_mb << 20, max_media)
     model_id = Path(model).resolve().name
     url = f"http://{host}:{port}/v1"

@@ -23,6 +23,8 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.step_seconds = Histogram("qwen3vl_decode_step_seconds", "Each decode step: one device call for the "
                                       "running sequences and their tokens chosen", buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_cache_hits = Counter("qwen3vl_prompt_cache_hits", "Prompts not prefilled: a cache row held "
+                                         "the same prompt", registry=r)
         self.encoder_hits = Counter("qwen3vl_encoder_cache_hits", "Images/videos served from the encoder cache",
                                     registry=r)
         self.encoder_misses = Counter("qwen3vl_encoder_cache_misses", "Images/videos run through the tower",

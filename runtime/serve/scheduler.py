@@ -2,10 +2,16 @@
 continuous batching on the device.
 
 The text module (runtime/text_batch.py) holds a KV cache of `--max-batch` rows. Between
-two decode steps the engine admits waiting requests into free rows (vision, then prefill
-into the row, then the first token); each step feeds every running row its last token in
+two decode steps the engine admits waiting requests into free rows (vision, then the
+prompt prefilled into the row or found in the prompt cache, then the first token); each step feeds every running row its last token in
 one `decode_batch` call. A sequence that finishes, stops, fails or whose client went away
-leaves its row at once, before the next step. Events go back to the request's asyncio
+leaves its row at once, before the next step.
+
+The prompt cache: a row keeps the prompt last prefilled into it (slots 0..n-1; decoding
+writes only past them) and that prefill's logits, running or not. A request whose prompt
+is the same (ids, positions and visual rows, bit for bit) takes that row if it is free, or
+has the prompt copied into a free row (`copy_prompt`), and starts from the kept logits: the
+same cache and logits a prefill would give, at no prefill cost. Events go back to the request's asyncio
 queue: ("start", prompt_tokens), ("delta", text, logprobs), ("done", finish_reason,
 usage) or ("error", ApiError).
 """
@@ -13,10 +19,13 @@ usage) or ("error", ApiError).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from runtime.inputs.chat import Media
 from runtime.outputs import NonFiniteError, check_finite
@@ -63,9 +72,12 @@ class Job:
 class Engine:
     """`submit(job)` queues a request (429 past `max_waiting`); the engine thread runs them."""
 
-    def __init__(self, generator, metrics, encode, max_waiting: int):
+    def __init__(self, generator, metrics, encode, max_waiting: int, prompt_cache: bool = True):
         self.generator, self.metrics, self.encode, self.max_waiting = generator, metrics, encode, max_waiting
         self.rows = generator.text.rows
+        self.prompt_cache = prompt_cache
+        self.prompts: dict[int, tuple[bytes, np.ndarray]] = {}  # row -> (prompt key, its prefill's logits)
+        self.used = [0.0] * self.rows  # when each row was last given a sequence
         self.queue: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.waiting = 0
@@ -119,8 +131,7 @@ class Engine:
             with self.lock:
                 self.waiting -= 1
                 self.metrics.waiting.set(self.waiting)
-            row = min(set(range(self.rows)) - set(self.running))
-            self._guarded([job], lambda jobs: self._start(job, row))
+            self._guarded([job], lambda jobs: self._start(job))
         return True
 
     def _guarded(self, jobs, work) -> None:
@@ -134,13 +145,15 @@ class Engine:
                 job.send("error", error)
                 self._end(job, "refused" if error.status < 500 else "failed")
 
-    def _start(self, job: Job, row: int) -> None:
-        """Vision, then prefill into `row`, then the first token."""
+    def _start(self, job: Job) -> None:
+        """Vision, then the prompt into a free row (prefilled, or from the prompt cache), then
+        the first token."""
         if job.cancelled.is_set():
             self.metrics.requests.labels("cancelled").inc()
             return
         gen, request = self.generator, job.request
         prompt = gen.prepare(request.messages, job.media, 1, encode=self.encode)
+        row, logits = self._place(prompt)
         room = gen.text.context - prompt.ids.size + 1
         seq = Sequence(job, prompt, row, min(request.max_tokens or room, room), Sampler(job.params, prompt.ids,
                        gen.text.cfg.vocab_size), TextStream(gen.tokenizer, request.stop),
@@ -149,7 +162,32 @@ class Engine:
         self.metrics.prompt_tokens.inc(int(prompt.ids.size))
         self.running[row] = seq
         self.metrics.running.set(len(self.running))
-        self._advance(seq, gen.text.prefill_row(row, prompt))
+        self._advance(seq, logits.copy())
+
+    def _place(self, prompt) -> tuple[int, np.ndarray]:
+        """A free row holding `prompt` and the logits of its last token: a row that already
+        holds it, a copy of one that does, or a prefill. Free rows that keep no prompt are
+        taken first, then the least recently used."""
+        text, free = self.generator.text, [r for r in range(self.rows) if r not in self.running]
+        key = prompt_key(prompt) if self.prompt_cache else None
+        held = [r for r, (k, _) in self.prompts.items() if k == key] if key else []
+        row = next((r for r in held if r in free), None)
+        if row is not None:
+            logits = self.prompts[row][1]
+        else:
+            row = min(free, key=lambda r: (r in self.prompts, self.used[r]))
+            self.prompts.pop(row, None)  # its slots are about to be rewritten
+            if held:
+                text.copy_prompt(held[0], row, int(prompt.ids.size))
+                logits = self.prompts[held[0]][1]
+            else:
+                logits = text.prefill_row(row, prompt)
+        if held:
+            self.metrics.prompt_cache_hits.inc()
+        if key:
+            self.prompts[row] = (key, logits)
+        self.used[row] = time.monotonic()
+        return row, logits
 
     def _step(self, sequences) -> None:
         """One decode call for the running sequences, each fed its last token."""
@@ -203,6 +241,19 @@ class Engine:
         tokenizer = self.generator.tokenizer
         return {"token": tokenizer.decode([token], skip_special_tokens=False), "logprob": logprob,
                 "bytes": list(tokenizer.token_bytes(token))}
+
+
+def prompt_key(prompt) -> bytes:
+    """A digest of everything a prefill reads: ids, M-RoPE positions, visual rows and
+    their embeddings (two prompts with the same key fill a cache row identically)."""
+    digest = hashlib.blake2b(digest_size=32)
+    for part in (prompt.ids, prompt.positions, np.int64(prompt.rope_delta), prompt.visual, prompt.embeds,
+                 prompt.deepstack):
+        if part is not None:
+            data = np.ascontiguousarray(part)
+            digest.update(f"{data.dtype}{data.shape}".encode())
+            digest.update(data.tobytes())
+    return digest.digest()
 
 
 def as_api_error(e: Exception) -> ApiError:
