@@ -36,8 +36,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, root: Path, model: Path | None = None, cache: Path | None = None):
-        """A server over the tiny checkpoint (written under `root`), or over `model`."""
+    def __init__(self, root: Path, model: Path | None = None, cache: Path | None = None, extra=()):
+        """A server over the tiny checkpoint (written under `root`), or over `model`; `extra`
+        options appended."""
         self.root, self.model, self.cache = root, model or root / "model", cache or root / "cache"
         if model is None:
             write_generation_checkpoint(self.model, PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
@@ -57,7 +58,7 @@ class Server:
         self.process = subprocess.Popen(
             [QWEN3VL, "serve", "--model", self.model, "--port", str(self.port), "--cache-dir", self.cache, *SHAPE,
              "--api-key", KEY, "--allowed-local-media-path", self.allowed, "--max-batch", "4", "--max-waiting", "3", "--max-media", "3",
-             "--max-body-mb", "1", "--threads", "2"], stdout=self.log, stderr=subprocess.STDOUT)
+             "--max-body-mb", "1", "--threads", "2", *extra], stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
 

@@ -321,7 +321,8 @@ def test_batched_sequences_equal_their_solo_runs_and_a_failure_disturbs_none(ser
 
 def test_a_sequence_overflowing_mid_decode_fails_alone(server, tmp_path):
     """A lane whose logits turn NaN in a batched decode step ends with OpenAI's error object
-    (500, model_overflow); the sequence decoding beside it goes on, equal to its run alone."""
+    (500, model_overflow); the sequence decoding beside it goes on, equal to its run alone.
+    (This server also runs with --no-prompt-cache.)"""
     import shutil
     from types import SimpleNamespace
 
@@ -339,7 +340,7 @@ def test_a_sequence_overflowing_mid_decode_fails_alone(server, tmp_path):
     tensors[embed][first[2]] = np.eye(1, tensors[embed].shape[1])  # but the 3rd answer token's, which
     tensors[norm][0] = 3e38  # the first norm scales past f32 (text prompts only: image rows would too)
     save_file(tensors, weights)
-    poisoned = Server(tmp_path, model, server.cache)
+    poisoned = Server(tmp_path, model, server.cache, ["--no-prompt-cache"])
     try:
         other = dict(max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
         alone = chat(poisoned, [user("Go on.")], **other)
@@ -358,6 +359,7 @@ def test_a_sequence_overflowing_mid_decode_fails_alone(server, tmp_path):
         assert len([p for p in pieces if p]) >= 2, events  # it decoded, then failed
         assert error["code"] == "model_overflow" and "NaN or inf" in error["message"], error
         assert results["b"] == alone
+        assert poisoned.metric("qwen3vl_prompt_cache_hits_total") == 0  # --no-prompt-cache: "Go on." prefilled twice
         assert wait_for(lambda: poisoned.metric("qwen3vl_requests_running") == 0, 10)
         assert poisoned.metric("qwen3vl_requests_total", '{outcome="failed"}') == 1
     finally:
