@@ -12,9 +12,12 @@ prefill_<S> (prompt padded to S tokens; S <= context):
   positions     [3, S] i32     (t, h, w) M-RoPE position ids
   last          [] i32         index of the last real token
   -> logits [1, vocab] f32 of token `last`; K and V of rows 0..S-1 written to cache slots 0..S-1.
-decode:
+decode, and decode_<L> for each shorter span L (`attention_spans`):
   token [1] i32, positions [3, 1] i32, slot [] i32 (its cache slot = its text position)
   -> logits [1, vocab] f32; its K and V written to cache slot `slot`, attention over 0..slot.
+  `decode` attends over the whole cache (slots past `slot` masked), `decode_<L>` over its
+  first L slots only (slot <= L): a step reads L slots of each layer's cache, not the
+  context's, so a short chat in a long context decodes as fast as in a short one.
 
 Per layer (transformers' Qwen3VLTextDecoderLayer): h = x + o(attn(rope(q_norm(q(n1))),
 rope(k_norm(k(n1))), v(n1))), n1 = rms(x); y = h + down(silu(gate(n2)) * up(n2)),
@@ -33,6 +36,7 @@ from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
 MODULE_NAME = "qwen3vl_text"
 DECODE = "decode"
+SHORTEST_SPAN = 512  # the shortest attention span a decode function has
 MATMUL_SUFFIXES = ("proj.weight", "embed_tokens.weight", LM_HEAD)
 
 
@@ -42,6 +46,45 @@ class TextShapeError(ValueError):
 
 def prefill_name(bucket: int) -> str:
     return f"prefill_{bucket}"
+
+
+def attention_spans(context: int) -> tuple[int, ...]:
+    """The cache spans a decode step may attend over: 512, 1024, ... below the context,
+    then the context."""
+    spans, span = [], SHORTEST_SPAN
+    while span < context:
+        spans.append(span)
+        span *= 2
+    return (*spans, context)
+
+
+def span_for(slot: int, context: int) -> int:
+    """The shortest span that holds cache slots 0..slot-1."""
+    return next(span for span in attention_spans(context) if span >= slot)
+
+
+def decode_name(span: int, context: int) -> str:
+    return DECODE if span == context else f"{DECODE}_{span}"
+
+
+def cache_span(b: Builder, cache: Value, span: int, axis: int) -> Value:
+    """The first `span` slots of a KV cache along its slot `axis` (the whole cache when
+    that is all of it), copied out behind a barrier: fused into the attention's data-tiling
+    pack, the slice became one vector op too large for IREE 3.13's CPU codegen."""
+    if span == cache.shape[axis]:
+        return cache
+    limit = list(cache.shape)
+    limit[axis] = span
+    return b.optimization_barriers([b.slice(cache, (0,) * cache.rank, tuple(limit), hint="span")], hint="span")[0]
+
+
+def span_mask(b: Builder, slot: Value, span: int) -> Value:
+    """Additive [1, span + 1]: the span's slots before `slot`, then the new token's own."""
+    keys = b.iota((1, span + 1), 1, hint="key")
+    seen = b.compare("LT", keys, b.broadcast_in_dim(slot, (1, span + 1), [], hint="slot"))
+    own = b.compare("EQ", keys, b.constant(span, (1, span + 1), "i32"), hint="own")
+    seen = b.select(own, own, seen, hint="seen")
+    return b.select(seen, b.constant(0.0, (1, span + 1)), b.constant(float("-inf"), (1, span + 1)), hint="mask")
 
 
 def check_text_shapes(buckets, context: int) -> tuple[tuple[int, ...], int]:
@@ -228,20 +271,15 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
     return g.function(prefill_name(bucket), g.logits(row)), b.globals
 
 
-def decode_function(cfg: TextConfig, context: int, precision: str = "f32") -> tuple[dict, list[str]]:
+def decode_function(cfg: TextConfig, context: int, precision: str = "f32",
+                    span: int | None = None) -> tuple[dict, list[str]]:
+    """`decode` (span None: the whole cache) or `decode_<span>`."""
+    span = span or context
     g = TextGraph(cfg, context, precision)
     b = g.b
     inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in DECODE_INPUTS}
     with b.stage("embed"):
         x = g.embed(inputs["token"])
-
-    def mask():  # keys: the cache's slots before `slot`, then the new token's own
-        keys = b.iota((1, context + 1), 1, hint="key")
-        seen = b.compare("LT", keys, b.broadcast_in_dim(inputs["slot"], (1, context + 1), [], hint="slot"))
-        own = b.compare("EQ", keys, b.constant(context, (1, context + 1), "i32"), hint="own")
-        seen = b.select(own, own, seen, hint="seen")
-        return b.select(seen, b.constant(0.0, (1, context + 1)), b.constant(float("-inf"), (1, context + 1)),
-                        hint="mask")
 
     def attend(n, q, k, v, mask):
         # Attention reads the cache as loaded plus the new K/V as a second block, never the
@@ -250,24 +288,26 @@ def decode_function(cfg: TextConfig, context: int, precision: str = "f32") -> tu
         # context): while the loaded value was still to be read, IREE copied each whole cache
         # before updating it (2 x 16 MB per layer per token at 2B widths and 4096 slots).
         loaded = [b.load_state(state) for state in g.cache[n]]
-        context = grouped_attention(b, q, [loaded[0], k], [loaded[1], v], mask)
+        keys, values = (cache_span(b, cache, span, 1) for cache in loaded)
+        context = grouped_attention(b, q, [keys, k], [values, v], mask)
         *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
         for state, cache, value in zip(g.cache[n], loaded, (k, v)):
             b.store_state(b.dynamic_update_slice(cache, value, [g.zero, inputs["slot"], g.zero], hint="cache"),
                           state)
         return context
 
-    x = g.decoder(x, inputs["positions"], mask, attend)
-    return g.function(DECODE, g.logits(x)), b.globals
+    x = g.decoder(x, inputs["positions"], lambda: span_mask(b, inputs["slot"], span), attend)
+    return g.function(decode_name(span, context), g.logits(x)), b.globals
 
 
 def emit_text_module(cfg: TextConfig, buckets, context: int, deepstack_layers: int, precision: str = "f32",
                      title: str = "") -> str:
-    """MLIR text of the language-model module: `prefill_<S>` for each bucket S and `decode`,
-    over shared weight globals and KV-cache globals (deterministic: same input, same bytes)."""
+    """MLIR text of the language-model module: `prefill_<S>` for each bucket S, `decode`
+    and `decode_<L>` for each shorter span L, over shared weight globals and KV-cache
+    globals (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     entries = [prefill_function(cfg, s, context, deepstack_layers, precision) for s in buckets] + \
-        [decode_function(cfg, context, precision)]
+        [decode_function(cfg, context, precision, span) for span in attention_spans(context)]
     name = "Qwen3-VL language model" + (f" ({title})" if title else "")
     return render_text_module(cfg, name, entries, buckets, context, deepstack_layers, precision)
 

@@ -4,13 +4,15 @@ emitter/text.py's module (same archive, scope `model`).
 
 prefill_<S>: prefill_<S>'s arguments (emitter/text.py) and `row` [] i32
   -> logits [1, vocab] of token `last`; its K/V written into cache row `row`, slots 0..S-1.
-decode_batch_<B> for B in 1, 2, 4, ... below R, and R (`lane_counts`):
+decode_batch_<B> for B in 1, 2, 4, ... below R, and R (`lane_counts`), and
+decode_batch_<B>_<L> for each shorter attention span L (emitter/text.py's decode_<L>):
   tokens [B] i32, positions [3, B] i32, slots [B] i32, rows [B] i32 (lane i: a sequence in
   cache row rows[i]; its token's text position = its cache slot; rows distinct, or a lane
   repeating another's inputs whole)
   -> logits [B, vocab] f32; each lane's K/V written to its row at its slot, its attention
-  over that row's slots 0..slot. The runtime calls the smallest B that holds the running
-  sequences; a spare lane repeats lane 0 (the same K/V written twice), so no row that is
+  over that row's slots 0..slot (read from the row's first L slots, every slot <= L). The
+  runtime calls the smallest B that holds the running sequences and the shortest L that
+  holds the longest; a spare lane repeats lane 0 (the same K/V written twice), so no row that is
   not running is touched.
 copy_prompt_<S> for each bucket S: source [] i32, target [] i32 -> done [] i32; slots
   0..S-1 of every layer's cache row `source` copied into row `target` (a prompt already
@@ -26,7 +28,7 @@ from __future__ import annotations
 from .attention import grouped_attention
 from .builder import Value
 from .module import function
-from .text import TextGraph, check_text_shapes, prefill_function, render_text_module
+from .text import TextGraph, attention_spans, check_text_shapes, prefill_function, render_text_module, span_mask
 from .text_config import TextConfig
 
 DECODE_BATCH = "decode_batch"
@@ -39,8 +41,8 @@ def decode_batch_inputs(lanes: int) -> list[tuple[str, tuple, str]]:
             ("rows", (lanes,), "i32")]
 
 
-def decode_name(lanes: int) -> str:
-    return f"{DECODE_BATCH}_{lanes}"
+def decode_name(lanes: int, span: int, context: int) -> str:
+    return f"{DECODE_BATCH}_{lanes}" + (f"_{span}" if span != context else "")
 
 
 def copy_name(bucket: int) -> str:
@@ -59,9 +61,11 @@ def check_rows(rows) -> int:
     return rows
 
 
-def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int,
-                          precision: str = "f32") -> tuple[dict, list]:
-    """decode_batch_<lanes> over a cache of `rows` rows: lane i reads and writes row `rows[i]`."""
+def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int, precision: str = "f32",
+                          span: int | None = None) -> tuple[dict, list]:
+    """decode_batch_<lanes>[_<span>] over a cache of `rows` rows: lane i reads and writes
+    row `rows[i]`, attending over its first `span` slots (default: all)."""
+    span = span or context
     g = TextGraph(cfg, context, precision, rows)
     b = g.b
     inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in decode_batch_inputs(lanes)}
@@ -75,15 +79,7 @@ def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int,
     cache_rows = [scalar("rows", i) for i in range(lanes)]
 
     def masks() -> list[Value]:  # per lane: its row's slots before its slot, then its own new token
-        keys = b.iota((1, context + 1), 1, hint="key")
-        own = b.compare("EQ", keys, b.constant(context, (1, context + 1), "i32"), hint="own")
-        out = []
-        for slot in slots:
-            seen = b.compare("LT", keys, b.broadcast_in_dim(slot, (1, context + 1), [], hint="slot"))
-            seen = b.select(own, own, seen, hint="seen")
-            out.append(b.select(seen, b.constant(0.0, (1, context + 1)), b.constant(float("-inf"), (1, context + 1)),
-                                hint="mask"))
-        return out
+        return [span_mask(b, slot, span) for slot in slots]
 
     def lane(value: Value, i: int, axis: int) -> Value:
         start, limit = [0] * len(value.shape), list(value.shape)
@@ -91,8 +87,10 @@ def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int,
         return b.slice(value, tuple(start), tuple(limit), hint="lane")
 
     def row(cache: Value, i: int) -> Value:
-        picked = b.dynamic_slice(cache, [cache_rows[i], g.zero, g.zero, g.zero], (1, *cache.shape[1:]), hint="row")
-        return b.reshape(picked, cache.shape[1:], hint="row")
+        shape = (cache.shape[1], span, cache.shape[3])
+        picked = b.reshape(b.dynamic_slice(cache, [cache_rows[i], g.zero, g.zero, g.zero], (1, *shape), hint="row"),
+                           shape, hint="row")
+        return picked if span == context else b.optimization_barriers([picked], hint="span")[0]  # see cache_span
 
     def attend(n, q, k, v, lane_masks):
         # As emitter/text.py's decode: attention reads the cache as loaded plus the new K/V,
@@ -111,7 +109,7 @@ def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int,
         return context
 
     x = g.decoder(x, inputs["positions"], masks, attend)
-    return g.function(decode_name(lanes), g.logits(x)), b.globals
+    return g.function(decode_name(lanes, span, context), g.logits(x)), b.globals
 
 
 def copy_prompt_function(cfg: TextConfig, bucket: int, context: int, rows: int,
@@ -149,12 +147,13 @@ def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f
 def emit_batch_module(cfg: TextConfig, buckets, context: int, rows: int, deepstack_layers: int,
                       precision: str = "f32") -> str:
     """MLIR text of the batched module: `prefill_<S>` into a row and `copy_prompt_<S>` for
-    each bucket S, `decode_batch_<B>` for each lane count B, and `reset` (deterministic:
-    same input, same bytes)."""
+    each bucket S, `decode_batch_<B>[_<L>]` for each lane count B and span L, and `reset`
+    (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     rows = check_rows(rows)
     entries = [prefill_function(cfg, s, context, deepstack_layers, precision, rows) for s in buckets] + \
-        [decode_batch_function(cfg, context, rows, n, precision) for n in lane_counts(rows)] + \
+        [decode_batch_function(cfg, context, rows, n, precision, span) for span in attention_spans(context)
+         for n in lane_counts(rows)] + \
         [copy_prompt_function(cfg, s, context, rows, precision) for s in buckets] + \
         [reset_function(cfg, context, rows, precision)]
     return render_text_module(cfg, f"Qwen3-VL language model, batched: {rows} KV-cache rows", entries, buckets,

@@ -27,7 +27,8 @@ import iree.runtime as rt
 
 from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
-from emitter.text import DECODE, MODULE_NAME, check_text_shapes, emit_text_module, prefill_inputs, prefill_name
+from emitter.text import (MODULE_NAME, check_text_shapes, decode_name, emit_text_module, prefill_inputs,
+                          prefill_name, span_for)
 from emitter.text_config import load_text_config
 
 from runtime.artifact.archive import release_mapped_pages
@@ -172,7 +173,8 @@ class TextSession:
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(np.array([token]))
         positions = np.full((3, 1), rope_position, np.int32)
-        logits = self._logits(invoke(self.module[DECODE], np.array([token], np.int32), positions,
+        name = decode_name(span_for(self.length, self.context), self.context)  # the cache's filled span only
+        logits = self._logits(invoke(self.module[name], np.array([token], np.int32), positions,
                                      np.array(self.length, np.int32)))
         self.length += 1
         return logits

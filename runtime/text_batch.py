@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from emitter.text import prefill_name
+from emitter.text import prefill_name, span_for
 from emitter.text_batch import RESET, check_rows, copy_name, decode_name, emit_batch_module, lane_counts
 
 from runtime.text import GenerateError, TextSession
@@ -47,7 +47,8 @@ class BatchTextSession(TextSession):
         """One step for the sequences in cache rows `rows` (distinct): row rows[i] is fed
         `tokens[i]` at text position (cache slot) `slots[i]` and M-RoPE position
         `rope_positions[i]`; their logits [len(rows), vocab]. Runs the smallest
-        `decode_batch_<B>` that holds them; spare lanes repeat lane 0 (its write, twice), so
+        `decode_batch_<B>` that holds them, over the shortest span that holds the longest
+        (bit for bit what the one-sequence module gives each, tested); spare lanes repeat lane 0 (its write, twice), so
         rows not in `rows` keep what they hold."""
         n = len(rows)
         lanes = next(b for b in lane_counts(self.rows) if b >= n)
@@ -58,5 +59,6 @@ class BatchTextSession(TextSession):
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(tokens)
         positions = np.repeat(rope.reshape(1, lanes), 3, axis=0)
-        result = invoke(self.module[decode_name(lanes)], tokens, positions, slots, rows)
+        span = span_for(int(slots.max()), self.context)  # the filled span of the longest
+        result = invoke(self.module[decode_name(lanes, span, self.context)], tokens, positions, slots, rows)
         return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]

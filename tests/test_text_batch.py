@@ -106,3 +106,23 @@ def test_a_copied_prompt_decodes_as_its_prefill(setup):
             out = session.decode_batch([row], [token], [length + prompt.rope_delta], [length])[0]
             assert np.array_equal(out, solo[step][1]), (row, step)
             token, length = int(np.argmax(out)), length + 1
+
+
+def test_lanes_of_different_spans_equal_their_solo_runs(setup):
+    """A short sequence decoded beside a long one attends over the long one's span (1024
+    slots) where alone it attends over 512: its logits are still the one-sequence
+    module's bit for bit (the masked slots add exact zeros), and so are the long one's."""
+    model, cache, _ = setup
+    shape = dict(buckets=(16, 640), context=1024, deepstack_layers=3)
+    rng = np.random.default_rng(1)
+    prompts = [Prompt(ids, np.repeat(np.arange(ids.size)[None], 3, 0), 0)
+               for ids in (rng.integers(0, TEXT_PRESETS["tiny"].vocab_size, n) for n in (600, 5))]
+    text = TextSession(model, cache_dir=cache, **shape)
+    solo = [list(stream_tokens(text, p, Sampler(SamplingParams(), p.ids, text.cfg.vocab_size), STEPS))
+            for p in prompts]
+    session = BatchTextSession(model, 2, cache_dir=cache, **shape)
+    tokens, logits = batched_runs(session, prompts, starts=[0, 0], rows=[0, 1])
+    for i, run in enumerate(solo):
+        assert tokens[i] == [t for t, _ in run]
+        for ours, (_, theirs) in zip(logits[i], run):
+            assert np.array_equal(ours, theirs), i
