@@ -12,8 +12,8 @@ decode_batch_<B>_<L> for each shorter attention span L (emitter/text.py's decode
   -> logits [B, vocab] f32; each lane's K/V written to its row at its slot, its attention
   over that row's slots 0..slot (read from the row's first L slots, every slot <= L). The
   runtime calls the smallest B that holds the running sequences and the shortest L that
-  holds the longest; a spare lane repeats lane 0 (the same K/V written twice), so no row that is
-  not running is touched.
+  holds the longest; a spare lane repeats lane 0 (the same K/V written twice), so no row
+  that is not running is touched.
 copy_prompt_<S> for each bucket S: source [] i32, target [] i32 -> done [] i32; slots
   0..S-1 of every layer's cache row `source` copied into row `target` (a prompt already
   prefilled, shared with a new sequence: the prompt cache, runtime/serve/scheduler.py).

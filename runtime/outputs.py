@@ -62,9 +62,9 @@ class NonFiniteError(ValueError):
 
 
 def check_finite(name: str, value: np.ndarray, cause: str) -> None:
-    """NaN or inf in an output means the model overflowed: ValueError naming the output,
-    how many values, and `cause` (what overflowed)."""
+    """NaN or inf in an output means the model overflowed: NonFiniteError (a ValueError)
+    naming the output, how many values, and `cause` (what overflowed)."""
     bad = value.size - int(np.count_nonzero(np.isfinite(value)))
     if bad:
-        raise NonFiniteError(f"output {name}: {bad} of {value.size} values are NaN or inf; {cause} overflowed f32 "
-                         f"(check the checkpoint's weights)")
+        raise NonFiniteError(f"output {name}: {bad} of {value.size} values are NaN or inf; {cause} overflowed "
+                             f"f32 (check the checkpoint's weights)")

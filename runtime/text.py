@@ -295,12 +295,12 @@ class Generator:
 
     def prepare(self, messages, media=(), max_new_tokens: int = 1, encode=None):
         """The `chat.Prompt` of `messages` (media: `chat.Media` in prompt order), checked
-        against the context before any compile; `encode(processed)` gives each medium's
+        against the context before any compile (callers refuse what `check_prompt` can tell
+        before decoding anything); `encode(processed)` gives each medium's
         rows (default: one tower call for all, `chat.encode_joint`). Its `seconds` hold
         vision (processing and encoding) and build (compiling or loading)."""
         from runtime.inputs.chat import build_prompt, encode_joint, process_media, prompt_ids
 
-        self.check_prompt(messages, media, max_new_tokens)
         seconds = {"vision": 0.0, "build": 0.0}
         start = time.perf_counter()
         processed = process_media(media, self.policy, self.video_policy, self.vision_cfg.merge_unit)
@@ -348,7 +348,9 @@ class Generator:
         if max_new_tokens < 1:
             raise GenerateError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
         media = [Media("image", p) for p in images] + [Media("video", v) for v in videos]
-        chat = self.prepare(user_message(prompt, len(images), len(videos)), media, max_new_tokens)
+        messages = user_message(prompt, len(images), len(videos))
+        self.check_prompt(messages, media, max_new_tokens)  # before any image is decoded
+        chat = self.prepare(messages, media, max_new_tokens)
         streamer = TextStream(self.tokenizer, emit=on_text) if on_text else None
         sampler = Sampler(sampling or self.sampling, chat.ids, self.text.cfg.vocab_size)
         tokens, logits, timing = run_tokens(self.text, chat, sampler, max_new_tokens, self.tokenizer.eos_ids,

@@ -336,7 +336,8 @@ def test_a_sequence_overflowing_mid_decode_fails_alone(server, tmp_path):
     norm = next(k for k in tensors if k.endswith("layers.0.input_layernorm.weight"))
     tensors[embed][:, 0] = 0.0  # channel 0 zero in every token's embedding,
     save_file(tensors, weights)
-    first = generate(SimpleNamespace(model=model, root=tmp_path, cache=server.cache), "Say something.", steps=3)["tokens"]
+    solo = SimpleNamespace(model=model, root=tmp_path, cache=server.cache)
+    first = generate(solo, "Say something.", steps=3)["tokens"]
     tensors[embed][first[2]] = np.eye(1, tensors[embed].shape[1])  # but the 3rd answer token's, which
     tensors[norm][0] = 3e38  # the first norm scales past f32 (text prompts only: image rows would too)
     save_file(tensors, weights)

@@ -60,7 +60,8 @@ def positive(name: str, value: int) -> int:
 @click.option("--grace", type=float, default=10.0, show_default=True, metavar="S",
               help="On SIGTERM: seconds to let requests in flight finish before cancelling them.")
 def serve_command(model, host, port, max_batch, context, buckets, precision, api_key, allowed_local_media_path,
-                  cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace):
+                  cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
+                  grace):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
     is compiled and loaded before the first request is accepted."""
     for name, value in (("--max-batch", max_batch), ("--max-waiting", max_waiting), ("--max-media", max_media),
@@ -70,7 +71,7 @@ def serve_command(model, host, port, max_batch, context, buckets, precision, api
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
                           allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
-                          max_body_mb, encoder_cache_mb, prompt_cache, grace)  # bad input, failures: the group's one line
+                          max_body_mb, encoder_cache_mb, prompt_cache, grace)  # bad input, failures: one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
 

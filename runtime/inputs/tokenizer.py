@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import functools
-
 import json
 from dataclasses import dataclass
 from datetime import datetime

@@ -3,17 +3,19 @@ continuous batching on the device.
 
 The text module (runtime/text_batch.py) holds a KV cache of `--max-batch` rows. Between
 two decode steps the engine admits waiting requests into free rows (vision, then the
-prompt prefilled into the row or found in the prompt cache, then the first token); each step feeds every running row its last token in
-one `decode_batch` call. A sequence that finishes, stops, fails or whose client went away
-leaves its row at once, before the next step.
+prompt prefilled into the row or found in the prompt cache, then the first token); each
+step feeds every running row its last token in one `decode_batch` call. A sequence that
+finishes, stops, fails or whose client went away leaves its row at once, before the next
+step. (The HTTP side has refused a prompt the context cannot hold before it queued.)
 
 The prompt cache: a row keeps the prompt last prefilled into it (slots 0..n-1; decoding
 writes only past them) and that prefill's logits, running or not. A request whose prompt
 is the same (ids, positions and visual rows, bit for bit) takes that row if it is free, or
 has the prompt copied into a free row (`copy_prompt`), and starts from the kept logits: the
-same cache and logits a prefill would give, at no prefill cost. Events go back to the request's asyncio
-queue: ("start", prompt_tokens), ("delta", text, logprobs), ("done", finish_reason,
-usage) or ("error", ApiError).
+same cache and logits a prefill would give, at no prefill cost.
+
+Events go back to the request's asyncio queue: ("start", prompt_tokens), ("delta", text,
+logprobs), ("done", finish_reason, usage) or ("error", ApiError).
 """
 
 from __future__ import annotations
