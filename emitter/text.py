@@ -1,9 +1,14 @@
-"""The Qwen3-VL language model as one module: `prefill_<S>` per prompt bucket S and
-`decode`, over the same weight globals (a parameter archive, scope `model`, keys the
-checkpoint names) and the same KV cache, mutable globals that stay on the device
-between calls (`[kv_heads, context, head_dim]` per layer, K and V).
+"""The Qwen3-VL language model as one module: `prefill_<S>` per prompt bucket S, the later
+chunks of a long prompt (`prefill_<C>_<L>`) and `decode`, over the same weight globals (a
+parameter archive, scope `model`, keys the checkpoint names) and the same KV cache, mutable
+globals that stay on the device between calls (`[kv_heads, slots, head_dim]` per layer, K
+and V; `cache_slots`: the context rounded up to a whole chunk).
 
-prefill_<S> (prompt padded to S tokens; S <= context):
+A prompt of n tokens runs as chunks (`prefill_chunks`): one `prefill_<S>` when it fits the
+largest bucket C, else chunks of C tokens, the first a `prefill_<C>` and each later one a
+`prefill_<C>_<L>` at its start slot, attending over the cache the earlier chunks wrote.
+
+prefill_<S> (a prompt's first chunk, padded to S tokens; S <= slots):
   tokens        [S] i32        token ids (image pads included)
   visual        [S] i32        1 at the image-pad positions, else 0
   visual_embeds [S, D] f32     the image embeddings at those rows (zeros elsewhere)
@@ -12,6 +17,11 @@ prefill_<S> (prompt padded to S tokens; S <= context):
   positions     [3, S] i32     (t, h, w) M-RoPE position ids
   last          [] i32         index of the last real token
   -> logits [1, vocab] f32 of token `last`; K and V of rows 0..S-1 written to cache slots 0..S-1.
+prefill_<C>_<L> (a later chunk of C = the largest bucket, for each span L >= C), the same
+  arguments and `start` [] i32 (the chunk's first slot, a multiple of C, at most L):
+  -> logits of token `last` of the chunk; K and V of its rows written to slots start..start+C-1,
+  each row attending over the cache's slots 0..start-1 (read from its first L) and the
+  chunk's rows up to its own.
 decode, and decode_<L> for each shorter span L (`attention_spans`):
   token [1] i32, positions [3, 1] i32, slot [] i32 (its cache slot = its text position)
   -> logits [1, vocab] f32; its K and V written to cache slot `slot`, attention over 0..slot.
@@ -25,6 +35,8 @@ n2 = rms(h). Then the final RMSNorm and lm_head (the embedding table when tied).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from . import __version__
 from .builder import Builder, Value
@@ -44,8 +56,43 @@ class TextShapeError(ValueError):
     """A prompt bucket or context the graph cannot be built for."""
 
 
-def prefill_name(bucket: int) -> str:
-    return f"prefill_{bucket}"
+def prefill_name(bucket: int, span: int | None = None) -> str:
+    """`prefill_<bucket>` (a first chunk), or `prefill_<bucket>_<span>` (a later one)."""
+    return f"prefill_{bucket}" + (f"_{span}" if span else "")
+
+
+def cache_slots(context: int, buckets) -> int:
+    """The KV cache's slots: the context rounded up to a whole chunk (the largest bucket),
+    so that a prompt's last chunk, padded, is written inside the cache."""
+    chunk = max(buckets)
+    return -(-context // chunk) * chunk
+
+
+def chunk_spans(buckets, slots: int) -> tuple[int, ...]:
+    """The spans a later chunk may attend over: those of `attention_spans` at least a chunk."""
+    return tuple(span for span in attention_spans(slots) if span >= max(buckets))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start: int  # its first cache slot (= text position)
+    size: int  # the function's rows (the bucket; real rows: min(size, n - start))
+    span: int | None  # None: a first chunk (`prefill_<size>`); else `prefill_<size>_<span>`
+
+    @property
+    def name(self) -> str:
+        return prefill_name(self.size, self.span)
+
+
+def prefill_chunks(n: int, buckets, slots: int) -> list[Chunk]:
+    """The calls that prefill a prompt of n tokens: the smallest bucket that holds it, or
+    chunks of the largest bucket C (each later chunk over the shortest span that holds the
+    slots before it)."""
+    buckets = sorted(buckets)
+    if n <= buckets[-1]:
+        return [Chunk(0, next(b for b in buckets if b >= n), None)]
+    c = buckets[-1]
+    return [Chunk(start, c, span_for(start, slots) if start else None) for start in range(0, n, c)]
 
 
 def attention_spans(context: int) -> tuple[int, ...]:
@@ -157,6 +204,18 @@ class TextGraph:
         self.inputs[name] = self.b.argument(name, shape, dtype)
         return self.inputs[name]
 
+    def prefix(self, cache: Value, span: int, row: Value | None = None) -> Value:
+        """The first `span` slots of a loaded layer cache, [kv_heads, span, head_dim]: of row
+        `row` when the cache has rows (copied out behind a barrier unless it is the whole
+        row: see `cache_span`)."""
+        if row is None:
+            return cache_span(self.b, cache, span, 1)
+        b, shape = self.b, (cache.shape[1], span, cache.shape[3])
+        zero = b.constant(0, (), "i32", hint="zero")
+        picked = b.reshape(b.dynamic_slice(cache, [row, zero, zero, zero], (1, *shape), hint="row"), shape,
+                           hint="row")
+        return picked if span == cache.shape[2] else b.optimization_barriers([picked], hint="span")[0]
+
     def layer_weights(self, n: int) -> dict:
         prefix = f"{TEXT_PREFIX}layers.{n}."
         return {k[len(prefix):]: v for k, v in self.w.items() if k.startswith(prefix)}
@@ -231,13 +290,29 @@ def causal_mask(b: Builder, s: int) -> Value:
                     b.constant(float("-inf"), (s, s), hint="neg_inf"), hint="mask")
 
 
+def chunk_mask(b: Builder, start: Value, span: int, s: int) -> Value:
+    """Additive [S, span + S] of a later chunk: the span's slots before `start`, then the
+    chunk's own rows causally."""
+    shape = (s, span + s)
+    rows, cols = b.iota(shape, 0, hint="query"), b.iota(shape, 1, hint="key")
+    cached = b.compare("LT", cols, b.broadcast_in_dim(start, shape, [], hint="start"), hint="cached")
+    own = b.subtract(cols, b.constant(span, shape, "i32"), hint="own_key")
+    causal = b.compare("LE", own, rows, hint="causal")
+    seen = b.select(b.compare("LT", cols, b.constant(span, shape, "i32")), cached, causal, hint="seen")
+    return b.select(seen, b.constant(0.0, shape, hint="zero"), b.constant(float("-inf"), shape, hint="neg_inf"),
+                    hint="mask")
+
+
 def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layers: int,
-                     precision: str = "f32", rows: int = 0) -> tuple[dict, list[str]]:
-    """prefill_<bucket>; with `rows`, over a KV cache of that many rows, the sequence's K/V
-    written into row `row` (an extra i32 argument) at slots 0..S-1 (text_batch.py)."""
+                     precision: str = "f32", rows: int = 0, span: int | None = None) -> tuple[dict, list[str]]:
+    """prefill_<bucket> (a first chunk), or with `span` prefill_<bucket>_<span> (a later
+    chunk, at an extra i32 argument `start`); with `rows`, over a KV cache of that many rows,
+    the sequence's K/V written into row `row` (an extra i32 argument; text_batch.py).
+    `context` is the cache's slots."""
     g = TextGraph(cfg, context, precision, rows)
     b = g.b
-    arguments = prefill_inputs(cfg, bucket, deepstack_layers) + [("row", (), "i32")] * bool(rows)
+    arguments = prefill_inputs(cfg, bucket, deepstack_layers) + [("start", (), "i32")] * bool(span) + \
+        [("row", (), "i32")] * bool(rows)
     inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in arguments}
     d = cfg.hidden_size
     with b.stage("embed"):
@@ -246,7 +321,7 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
         x = b.select(visual, inputs["visual_embeds"], g.embed(inputs["tokens"]), hint="inputs_embeds")
     rest = (cfg.num_key_value_heads, context - bucket, cfg.head_dim)
 
-    def attend(n, q, k, v, mask):
+    def first(n, q, k, v, mask):
         if rows:
             for state, value in zip(g.cache[n], (k, v)):  # slots past S keep an old sequence's: decode masks them
                 update = b.reshape(value, (1, *value.shape), hint="row")
@@ -258,6 +333,21 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
             b.store_state(whole, state)
         return grouped_attention(b, q, [k], [v], mask)
 
+    def later(n, q, k, v, mask):
+        # As decode: the cache as loaded (its first `span` slots, of row `row`) plus the
+        # chunk's own K/V as a second block; the update ordered after the attention.
+        loaded = [b.load_state(state) for state in g.cache[n]]
+        keys, values = (g.prefix(cache, span, inputs.get("row")) for cache in loaded)
+        context_ = grouped_attention(b, q, [keys, k], [values, v], mask)
+        *loaded, context_ = b.optimization_barriers([*loaded, context_], hint="attended")
+        at = [g.zero, inputs["start"], g.zero]
+        for state, cache, value in zip(g.cache[n], loaded, (k, v)):
+            if rows:
+                value = b.reshape(value, (1, *value.shape), hint="row")
+            b.store_state(b.dynamic_update_slice(cache, value, [inputs["row"], *at] if rows else at, hint="cache"),
+                          state)
+        return context_
+
     def deepstack(n, x):
         if n >= deepstack_layers:
             return x
@@ -265,10 +355,11 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
             feature = b.reshape(b.slice(inputs["deepstack"], (n, 0, 0), (n + 1, bucket, d)), (bucket, d))
             return b.add(x, feature, hint="deepstack")  # zero off the visual rows: x + 0 = x
 
-    x = g.decoder(x, inputs["positions"], lambda: causal_mask(b, bucket), attend, deepstack)
+    make_mask = (lambda: chunk_mask(b, inputs["start"], span, bucket)) if span else lambda: causal_mask(b, bucket)
+    x = g.decoder(x, inputs["positions"], make_mask, later if span else first, deepstack)
     with b.stage("last"):
         row = b.dynamic_slice(x, [inputs["last"], g.zero], (1, d), hint="last")
-    return g.function(prefill_name(bucket), g.logits(row)), b.globals
+    return g.function(prefill_name(bucket, span), g.logits(row)), b.globals
 
 
 def decode_function(cfg: TextConfig, context: int, precision: str = "f32",
@@ -302,12 +393,16 @@ def decode_function(cfg: TextConfig, context: int, precision: str = "f32",
 
 def emit_text_module(cfg: TextConfig, buckets, context: int, deepstack_layers: int, precision: str = "f32",
                      title: str = "") -> str:
-    """MLIR text of the language-model module: `prefill_<S>` for each bucket S, `decode`
-    and `decode_<L>` for each shorter span L, over shared weight globals and KV-cache
-    globals (deterministic: same input, same bytes)."""
+    """MLIR text of the language-model module: `prefill_<S>` for each bucket S,
+    `prefill_<C>_<L>` for each chunk span L, `decode` and `decode_<L>` for each shorter
+    span L, over shared weight globals and KV-cache globals of `cache_slots` slots
+    (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
-    entries = [prefill_function(cfg, s, context, deepstack_layers, precision) for s in buckets] + \
-        [decode_function(cfg, context, precision, span) for span in attention_spans(context)]
+    slots = cache_slots(context, buckets)
+    entries = [prefill_function(cfg, s, slots, deepstack_layers, precision) for s in buckets] + \
+        [prefill_function(cfg, buckets[-1], slots, deepstack_layers, precision, span=span)
+         for span in chunk_spans(buckets, slots)] + \
+        [decode_function(cfg, slots, precision, span) for span in attention_spans(slots)]
     name = "Qwen3-VL language model" + (f" ({title})" if title else "")
     return render_text_module(cfg, name, entries, buckets, context, deepstack_layers, precision)
 

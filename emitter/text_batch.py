@@ -2,8 +2,9 @@
 module whose KV cache has `rows` rows, one per sequence, over the same weights as
 emitter/text.py's module (same archive, scope `model`).
 
-prefill_<S>: prefill_<S>'s arguments (emitter/text.py) and `row` [] i32
-  -> logits [1, vocab] of token `last`; its K/V written into cache row `row`, slots 0..S-1.
+prefill_<S> and prefill_<C>_<L>: emitter/text.py's arguments and `row` [] i32
+  -> logits [1, vocab] of token `last`; the chunk's K/V written into cache row `row` (a
+  first chunk at slots 0..S-1, a later one at start..start+C-1, attending over the row).
 decode_batch_<B> for B in 1, 2, 4, ... below R, and R (`lane_counts`), and
 decode_batch_<B>_<L> for each shorter attention span L (emitter/text.py's decode_<L>):
   tokens [B] i32, positions [3, B] i32, slots [B] i32, rows [B] i32 (lane i: a sequence in
@@ -14,8 +15,8 @@ decode_batch_<B>_<L> for each shorter attention span L (emitter/text.py's decode
   runtime calls the smallest B that holds the running sequences and the shortest L that
   holds the longest; a spare lane repeats lane 0 (the same K/V written twice), so no row
   that is not running is touched.
-copy_prompt_<S> for each bucket S: source [] i32, target [] i32 -> done [] i32; slots
-  0..S-1 of every layer's cache row `source` copied into row `target` (a prompt already
+copy_prompt_<L> for each span L: source [] i32, target [] i32 -> done [] i32; slots
+  0..L-1 of every layer's cache row `source` copied into row `target` (a prompt already
   prefilled, shared with a new sequence: the prompt cache, runtime/serve/scheduler.py).
 reset: see `reset_function`.
 
@@ -28,7 +29,8 @@ from __future__ import annotations
 from .attention import grouped_attention
 from .builder import Value
 from .module import function
-from .text import TextGraph, attention_spans, check_text_shapes, prefill_function, render_text_module, span_mask
+from .text import (TextGraph, attention_spans, cache_slots, check_text_shapes, chunk_spans, prefill_function,
+                   render_text_module, span_mask)
 from .text_config import TextConfig
 
 DECODE_BATCH = "decode_batch"
@@ -87,10 +89,7 @@ def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int, 
         return b.slice(value, tuple(start), tuple(limit), hint="lane")
 
     def row(cache: Value, i: int) -> Value:
-        shape = (cache.shape[1], span, cache.shape[3])
-        picked = b.reshape(b.dynamic_slice(cache, [cache_rows[i], g.zero, g.zero, g.zero], (1, *shape), hint="row"),
-                           shape, hint="row")
-        return picked if span == context else b.optimization_barriers([picked], hint="span")[0]  # see cache_span
+        return g.prefix(cache, span, cache_rows[i])
 
     def attend(n, q, k, v, lane_masks):
         # As emitter/text.py's decode: attention reads the cache as loaded plus the new K/V,
@@ -146,15 +145,19 @@ def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f
 
 def emit_batch_module(cfg: TextConfig, buckets, context: int, rows: int, deepstack_layers: int,
                       precision: str = "f32") -> str:
-    """MLIR text of the batched module: `prefill_<S>` into a row and `copy_prompt_<S>` for
-    each bucket S, `decode_batch_<B>[_<L>]` for each lane count B and span L, and `reset`
-    (deterministic: same input, same bytes)."""
+    """MLIR text of the batched module: `prefill_<S>` into a row for each bucket S and
+    `prefill_<C>_<L>` for each chunk span L (emitter/text.py), `copy_prompt_<L>` and
+    `decode_batch_<B>[_<L>]` for each lane count B and span L, and `reset`, over a cache of
+    `cache_slots` slots a row (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     rows = check_rows(rows)
-    entries = [prefill_function(cfg, s, context, deepstack_layers, precision, rows) for s in buckets] + \
-        [decode_batch_function(cfg, context, rows, n, precision, span) for span in attention_spans(context)
+    slots = cache_slots(context, buckets)
+    entries = [prefill_function(cfg, s, slots, deepstack_layers, precision, rows) for s in buckets] + \
+        [prefill_function(cfg, buckets[-1], slots, deepstack_layers, precision, rows, span)
+         for span in chunk_spans(buckets, slots)] + \
+        [decode_batch_function(cfg, slots, rows, n, precision, span) for span in attention_spans(slots)
          for n in lane_counts(rows)] + \
-        [copy_prompt_function(cfg, s, context, rows, precision) for s in buckets] + \
-        [reset_function(cfg, context, rows, precision)]
+        [copy_prompt_function(cfg, span, slots, rows, precision) for span in attention_spans(slots)] + \
+        [reset_function(cfg, slots, rows, precision)]
     return render_text_module(cfg, f"Qwen3-VL language model, batched: {rows} KV-cache rows", entries, buckets,
                               context, deepstack_layers, precision)

@@ -1,7 +1,8 @@
 """Image(s) and prompt in, answer out: the Qwen3-VL language model on IREE.
 
 - `TextSession`: the language model of a checkpoint folder, compiled once into one module
-  (`prefill_<S>` per prompt bucket and `decode`, see emitter/text.py) from the artifact
+  (`prefill_<S>` per prompt bucket, the later chunks of a longer prompt, and `decode`, see
+  emitter/text.py) from the artifact
   cache; weights read from a memory-mapped archive in the cache (packed by IREE at load,
   then the mapped pages let go: no host copy stays); the KV cache lives in the module's
   globals, on the device, between calls. Only the logits row of each call comes back to
@@ -27,8 +28,8 @@ import iree.runtime as rt
 
 from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
-from emitter.text import (MODULE_NAME, check_text_shapes, decode_name, emit_text_module, prefill_inputs,
-                          prefill_name, span_for)
+from emitter.text import (MODULE_NAME, cache_slots, check_text_shapes, decode_name, emit_text_module,
+                          prefill_chunks, prefill_inputs, span_for)
 from emitter.text_config import load_text_config
 
 from runtime.artifact.archive import release_mapped_pages
@@ -42,7 +43,7 @@ from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
 from runtime.checkpoints.text import text_entries
 
-DEFAULT_PROMPT_BUCKETS = (128, 512, 2048)
+DEFAULT_PROMPT_BUCKETS = (128, 512)  # a longer prompt runs in chunks of the largest
 DEFAULT_CONTEXT = 4096
 
 
@@ -111,17 +112,17 @@ class TextSession:
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """A prompt and answer this session can hold; GenerateError (before any compile) if not."""
-        self.bucket_for(prompt_tokens)
+        if prompt_tokens > self.context:
+            raise GenerateError(f"prompt of {prompt_tokens} tokens: longer than the context of {self.context} "
+                                "tokens (--context); give a shorter prompt or smaller images")
         if prompt_tokens + max_new_tokens - 1 > self.context:
             raise GenerateError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens: more than the "
                                 f"context of {self.context} tokens (--context)")
 
-    def bucket_for(self, n: int) -> int:
-        for bucket in self.buckets:
-            if n <= bucket:
-                return bucket
-        raise GenerateError(f"prompt of {n} tokens: longer than the largest prefill bucket ({self.buckets[-1]}); "
-                            "give a shorter prompt or smaller images")
+    @property
+    def slots(self) -> int:
+        """The KV cache's slots (the context rounded up to a whole chunk)."""
+        return cache_slots(self.context, self.buckets)
 
     def _logits(self, result) -> np.ndarray:
         """A call's logits row on the host; ValueError if any is NaN or inf (no token is
@@ -131,38 +132,49 @@ class TextSession:
         return logits
 
     def prefill(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
-                deepstack_features=None) -> np.ndarray:
+                deepstack_features=None, row: int | None = None) -> np.ndarray:
         """Run the prompt (ids [n], M-RoPE ids [3, n]; image embeds [M, D] and DeepStack
-        features [K, M, D] at `visual_positions` [M]); the logits [vocab] of its last token."""
-        s, args = self.prefill_arguments(input_ids, position_ids, visual_positions, image_embeds, deepstack_features)
-        logits = self._logits(invoke(self.module[prefill_name(s)], *args))
-        self.length = int(np.asarray(input_ids).size)
+        features [K, M, D] at `visual_positions` [M]) chunk by chunk (`prefill_chunks`), into
+        cache row `row` of a batched module; the logits [vocab] of its last token."""
+        ids = np.asarray(input_ids, np.int64).reshape(-1)
+        if ids.size > self.context:
+            self.check_request(ids.size, 1)
+        self._check_ids(ids)
+        extra = [] if row is None else [np.array(row, np.int32)]
+        for chunk in prefill_chunks(ids.size, self.buckets, self.slots):
+            args = self.prefill_arguments(chunk, ids, position_ids, visual_positions, image_embeds,
+                                          deepstack_features)
+            result = invoke(self.module[chunk.name], *args, *extra)
+        logits = self._logits(result)
+        self.length = int(ids.size)
         return logits
 
-    def prefill_arguments(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
-                          deepstack_features=None) -> tuple[int, list[np.ndarray]]:
-        """`prefill`'s bucket and the arguments of its `prefill_<S>` call, in order."""
-        ids = np.asarray(input_ids, np.int64).reshape(-1)
-        n, d = ids.size, self.cfg.hidden_size
-        self._check_ids(ids)
-        s = self.bucket_for(n)
+    def prefill_arguments(self, chunk, ids, position_ids, visual_positions=None, image_embeds=None,
+                          deepstack_features=None) -> list[np.ndarray]:
+        """The arguments of `chunk`'s call (a `prefill_chunks` entry) for the prompt's rows
+        chunk.start.. (ids [n] and the rest as `prefill` takes them), in order; the visual
+        rows that fall in the chunk are placed at their rows in it."""
+        n, d, s, start = ids.size, self.cfg.hidden_size, chunk.size, chunk.start
+        real = min(s, n - start)
         tokens = np.zeros(s, np.int32)
-        tokens[:n] = ids
+        tokens[:real] = ids[start:start + real]
         visual = np.zeros(s, np.int32)
         embeds = np.zeros((s, d), np.float32)
         deepstack = np.zeros((self.deepstack_layers, s, d), np.float32)
         if visual_positions is not None and len(visual_positions):
             rows = np.asarray(visual_positions, np.int64)
-            visual[rows] = 1
-            embeds[rows] = image_embeds
+            inside = (rows >= start) & (rows < start + real)
+            local = rows[inside] - start
+            visual[local] = 1
+            embeds[local] = np.asarray(image_embeds)[inside]
             if deepstack_features is not None:
-                deepstack[:, rows] = np.asarray(deepstack_features)[:self.deepstack_layers]
+                deepstack[:, local] = np.asarray(deepstack_features)[:self.deepstack_layers][:, inside]
         positions = np.zeros((3, s), np.int32)
-        positions[:, :n] = position_ids
+        positions[:, :real] = np.asarray(position_ids)[:, start:start + real]
         args = {"tokens": tokens, "visual": visual, "visual_embeds": embeds, "deepstack": deepstack,
-                "positions": positions, "last": np.array(n - 1, np.int32)}
+                "positions": positions, "last": np.array(real - 1, np.int32), "start": np.array(start, np.int32)}
         names = [name for name, _, _ in prefill_inputs(self.cfg, s, self.deepstack_layers)]
-        return s, [args[name] for name in names]
+        return [args[name] for name in names + ["start"] * bool(chunk.span)]
 
     def decode(self, token: int, rope_position: int) -> np.ndarray:
         """Feed one token (text position `self.length`, M-RoPE position `rope_position` on
@@ -173,7 +185,7 @@ class TextSession:
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(np.array([token]))
         positions = np.full((3, 1), rope_position, np.int32)
-        name = decode_name(span_for(self.length, self.context), self.context)  # the cache's filled span only
+        name = decode_name(span_for(self.length, self.slots), self.slots)  # the cache's filled span only
         logits = self._logits(invoke(self.module[name], np.array([token], np.int32), positions,
                                      np.array(self.length, np.int32)))
         self.length += 1
@@ -329,7 +341,7 @@ class Generator:
 
         counts = [image_tokens([m], self.policy, self.vision_cfg.merge_unit) for m in media if m.kind == "image"]
         try:  # a too-large image is refused before its prompt is even rendered
-            self.text.bucket_for(sum(counts))
+            self.text.check_request(sum(counts), 1)
         except GenerateError as e:
             raise GenerateError(f"the images alone: {e}") from None
         if any(m.kind == "video" for m in media):

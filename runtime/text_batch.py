@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from emitter.text import prefill_name, span_for
+from emitter.text import span_for
 from emitter.text_batch import RESET, check_rows, copy_name, decode_name, emit_batch_module, lane_counts
 
 from runtime.text import GenerateError, TextSession
@@ -31,16 +31,14 @@ class BatchTextSession(TextSession):
         return module
 
     def prefill_row(self, row: int, prompt) -> np.ndarray:
-        """Prefill `prompt` (a `chat.Prompt`) into cache row `row`: the logits [vocab] of its
-        last token."""
-        s, args = self.prefill_arguments(prompt.ids, prompt.positions, prompt.visual, prompt.embeds,
-                                         prompt.deepstack)
-        return self._logits(invoke(self.module[prefill_name(s)], *args, np.array(row, np.int32)))
+        """Prefill `prompt` (a `chat.Prompt`) into cache row `row`, chunk by chunk: the
+        logits [vocab] of its last token."""
+        return self.prefill(prompt.ids, prompt.positions, prompt.visual, prompt.embeds, prompt.deepstack, row=row)
 
     def copy_prompt(self, source: int, target: int, length: int) -> None:
         """Cache row `source`'s first `length` slots (a prompt prefilled there) into row
         `target`: what prefilling the same prompt into `target` would have written."""
-        invoke(self.module[copy_name(self.bucket_for(length))], np.array(source, np.int32),
+        invoke(self.module[copy_name(span_for(length, self.slots))], np.array(source, np.int32),
                np.array(target, np.int32))
 
     def decode_batch(self, rows, tokens, rope_positions, slots) -> np.ndarray:
@@ -59,6 +57,6 @@ class BatchTextSession(TextSession):
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(tokens)
         positions = np.repeat(rope.reshape(1, lanes), 3, axis=0)
-        span = span_for(int(slots.max()), self.context)  # the filled span of the longest
-        result = invoke(self.module[decode_name(lanes, span, self.context)], tokens, positions, slots, rows)
+        span = span_for(int(slots.max()), self.slots)  # the filled span of the longest
+        result = invoke(self.module[decode_name(lanes, span, self.slots)], tokens, positions, slots, rows)
         return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]

@@ -288,7 +288,7 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
     edit, expect = None, None
     if case == "long-prompt":
         args += ["--prompt", "describe " * 40]
-        expect = "longer than the largest prefill bucket (32)"
+        expect = "longer than the context of 48 tokens"
     elif case == "small-context":
         args += ["--max-new-tokens", 40]
         expect = "more than the context of 48 tokens"
@@ -333,7 +333,7 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
             json.loads((f / "preprocessor_config.json").read_text()), size={"shortest_edge": 65536,
                                                                              "longest_edge": 16777216})))
         args += ["--image", header_only_png(tmp_path / "big.png", 12000)]
-        expect = "the images alone: prompt of 16384 tokens: longer than the largest prefill bucket (32)"
+        expect = "the images alone: prompt of 16384 tokens: longer than the context of 48 tokens"
     folder = copy_model(model, tmp_path, edit)
     cache = tmp_path / "cache"
     out = qwen3vl("generate", "--model", folder, *args, "--cache-dir", cache)

@@ -53,6 +53,7 @@ def test_health_models_and_metrics(server):
     models = server.client.models.list()
     assert [m.id for m in models.data] == ["model"]
     assert "qwen3vl_time_to_first_token_seconds" in httpx.get(server.url + "/metrics").text
+    assert server.metric("qwen3vl_kv_cache_usage_perc") == 0.0  # nothing running
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -77,6 +78,17 @@ def test_four_concurrent_requests_each_equal_their_solo_run(server, solo):
         t.join(120)
     for (shape, _), result in zip(jobs, results):
         same_as_generate(result, solo[shape])
+
+
+def test_long_prompt_runs_in_chunks_as_generate(server):
+    """A prompt of several prefill chunks (buckets 64, 256) with an image: the server's answer,
+    streamed, and a second request of the same prompt (the prompt cache) equal generate's."""
+    prompt = "Read this and say what the picture shows. " + " ".join(f"line {i}: nothing new." for i in range(150))
+    expected = generate(server, prompt, server.images[:1])
+    assert expected["prompt_tokens"] > 3 * 256
+    messages = [user(prompt, server.images[:1])]
+    same_as_generate(chat(server, messages, True, max_tokens=8, temperature=0), expected)
+    same_as_generate(chat(server, messages, False, max_tokens=8, temperature=0), expected)
 
 
 def test_same_seed_same_tokens_and_as_generate(server):
@@ -195,9 +207,11 @@ def test_disconnect_cancels_and_frees_the_engine(server):
     lines = response.iter_lines()
     assert next(lines).startswith("data: ")
     assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 1)
+    assert wait_for(lambda: 0 < server.metric("qwen3vl_kv_cache_usage_perc") <= 1 / 4)  # 1 of 4 rows, growing
     response.close()
     client.close()
     assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 0, 5)
+    assert server.metric("qwen3vl_kv_cache_usage_perc") == 0.0  # its slots freed with it
     assert server.metric("qwen3vl_requests_total", '{outcome="cancelled"}') == cancelled + 1
     start = time.monotonic()
     chat(server, [user("Hi")], max_tokens=2)
@@ -267,7 +281,7 @@ def bad_cases(server):
         "prompt over the context": ({"messages": [user("a b " * 3000)]}, 400, "messages", "prompt of \\d+ tokens"),
         "prompt over the context, image undecodable": (  # refused from the header: decoding would fail
             {"messages": [image_part(corrupt_png(server.images[0])), user("a b " * 3000)]}, 400, "messages",
-            "prompt of \\d+ tokens: longer than the largest"),
+            "prompt of \\d+ tokens: longer than the context of 4096"),
     }
 
 

@@ -42,11 +42,17 @@ def setup(tmp_path_factory):
 
 
 def reference(model_dir, prompt, images, steps):
+    """`reference_chat` of one user message: the images, then `prompt`."""
+    content = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": prompt}]
+    return reference_chat(model_dir, [{"role": "user", "content": content}], steps)
+
+
+def reference_chat(model_dir, messages, steps):
     """transformers end to end: Qwen3VLProcessor (the folder's tokenizer and template, the
-    PIL image processor) renders, expands and tokenizes the chat and returns
-    mm_token_type_ids (without them transformers silently uses 1-D positions); then
-    Qwen3VLForConditionalGeneration.generate, greedy. Returns (prompt ids, new tokens,
-    the logits of each step)."""
+    PIL image processor) renders, expands and tokenizes the chat (`messages`, image parts
+    {"type": "image", "image": path}) and returns mm_token_type_ids (without them
+    transformers silently uses 1-D positions); then Qwen3VLForConditionalGeneration.generate,
+    greedy. Returns (prompt ids, new tokens, the logits of each step)."""
     from torch_reference import import_torchvision
     import_torchvision()  # the video processor's torchvision, loadable beside torch+cpu
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
@@ -56,9 +62,8 @@ def reference(model_dir, prompt, images, steps):
     processor = Qwen3VLProcessor(Qwen2VLImageProcessorPil(**SMALL_POLICY), AutoTokenizer.from_pretrained(model_dir),
                                  Qwen3VLVideoProcessor(),
                                  chat_template=(Path(model_dir) / "chat_template.jinja").read_text())
-    content = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": prompt}]
-    inputs = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
-                                           add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                           return_tensors="pt")
     assert "mm_token_type_ids" in inputs
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
                                                             attn_implementation="eager").eval()

@@ -55,7 +55,8 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help=f"{PRECISION_HELP} {TEXT_BF16_HELP}")
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
-              help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}).")
+              help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}); "
+              "a longer prompt runs in chunks of the largest.")
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
               help="Tokens the KV cache holds (prompt and answer).")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")

@@ -37,7 +37,8 @@ def positive(name: str, value: int) -> int:
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
               help="Tokens the KV cache holds (prompt and answer).")
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
-              help="Prefill bucket in tokens (repeatable; default those of 128 512 2048 within the context).")
+              help=f"Prefill bucket in tokens (repeatable; default those of {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} "
+                   "within the context); a longer prompt runs in chunks of the largest.")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help=PRECISION_HELP)
 @click.option("--api-key", metavar="KEY", envvar="QWEN3VL_API_KEY",
