@@ -23,6 +23,8 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.step_seconds = Histogram("qwen3vl_decode_step_seconds", "Each decode step: one device call for the "
                                       "running sequences and their tokens chosen", buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_usage = Gauge("qwen3vl_kv_cache_usage_perc", "Fraction of the KV cache's token slots held by "
+                              "running sequences (0 to 1; vLLM's kv_cache_usage_perc)", registry=r)
         self.prompt_cache_hits = Counter("qwen3vl_prompt_cache_hits", "Prompts not prefilled: a cache row held "
                                          "the same prompt", registry=r)
         self.encoder_hits = Counter("qwen3vl_encoder_cache_hits", "Images/videos served from the encoder cache",

@@ -163,7 +163,7 @@ class Engine:
         job.send("start", int(prompt.ids.size))
         self.metrics.prompt_tokens.inc(int(prompt.ids.size))
         self.running[row] = seq
-        self.metrics.running.set(len(self.running))
+        self._count_running()
         self._advance(seq, logits.copy())
 
     def _place(self, prompt) -> tuple[int, np.ndarray]:
@@ -202,6 +202,7 @@ class Engine:
             seq.length += 1
             self._guarded([seq], lambda _: self._advance(seq, row))  # one lane's fault ends it alone
         self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self._count_running()
 
     def _advance(self, seq: "Sequence", logits) -> None:
         """Choose `seq`'s next token from `logits`, send it, and end the sequence when it is done
@@ -231,8 +232,14 @@ class Engine:
         for row, seq in list(self.running.items()):
             if seq.job is job:
                 del self.running[row]
-        self.metrics.running.set(len(self.running))
+        self._count_running()
         self.metrics.requests.labels(outcome).inc()
+
+    def _count_running(self) -> None:
+        """The running-sequences and KV-usage gauges (slots held / all rows' context)."""
+        self.metrics.running.set(len(self.running))
+        held = sum(seq.length for seq in self.running.values())
+        self.metrics.kv_usage.set(held / (self.rows * self.generator.text.context))
 
     def _logprobs(self, job: Job, logits, token: int) -> dict:
         """OpenAI's logprobs entry of the chosen token, with the top alternatives."""
