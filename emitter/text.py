@@ -148,6 +148,17 @@ def check_text_shapes(buckets, context: int) -> tuple[tuple[int, ...], int]:
     return tuple(sorted(out)), context
 
 
+KV_DTYPES = ("f32", "bf16")
+KV_CACHE_HELP = ("KV cache element type: bf16 halves the cache's memory, its keys and values rounded to bf16 "
+                 "(docs/text.md gives the distance from f32).")
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise TextShapeError(f"--kv-cache-dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
 def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
     under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16."""
@@ -191,14 +202,28 @@ class TextGraph:
     """One function's builder with the weights and KV cache bound (same globals, same order,
     in every function of the module)."""
 
-    def __init__(self, cfg: TextConfig, context: int, precision: str, rows: int = 0):
+    def __init__(self, cfg: TextConfig, context: int, precision: str, rows: int = 0, kv_dtype: str = "f32"):
         self.cfg, self.context, self.b = cfg, context, Builder(activations=activation_dtype(precision))
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.inputs: dict[str, Value] = {}
         self.w = {s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype, key=s.name,
                                            scope=PARAMETER_SCOPE) for s in text_weights(cfg, precision)}
         cache = (rows,) * bool(rows) + (cfg.num_key_value_heads, context, cfg.head_dim)  # rows: one per sequence
-        self.cache = [(self.b.state(f"layers.{n}.k_cache", cache), self.b.state(f"layers.{n}.v_cache", cache))
-                      for n in range(cfg.num_hidden_layers)]
+        self.cache = [(self.b.state(f"layers.{n}.k_cache", cache, kv_dtype),
+                       self.b.state(f"layers.{n}.v_cache", cache, kv_dtype)) for n in range(cfg.num_hidden_layers)]
+
+    def stored(self, x: Value) -> Value:
+        """K or V as the cache holds them (`kv_dtype`)."""
+        return x if self.kv_dtype == "f32" else self.b.convert(x, self.kv_dtype, hint="kv_stored")
+
+    def read(self, x: Value) -> Value:
+        """A cache read (or a K/V `stored` gives) as the attention takes it, f32."""
+        return x if x.dtype == "f32" else self.b.convert(x, "f32", hint="kv_read")
+
+    def attended(self, k: Value, v: Value) -> tuple[Value, Value]:
+        """A chunk's own K/V as every later reader of the cache sees them: rounded to
+        `kv_dtype` (a no-op in f32), so that a token's keys are the same whichever call reads them."""
+        return self.read(self.stored(k)), self.read(self.stored(v))
 
     def argument(self, name, shape, dtype) -> Value:
         self.inputs[name] = self.b.argument(name, shape, dtype)
@@ -304,12 +329,13 @@ def chunk_mask(b: Builder, start: Value, span: int, s: int) -> Value:
 
 
 def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layers: int,
-                     precision: str = "f32", rows: int = 0, span: int | None = None) -> tuple[dict, list[str]]:
+                     precision: str = "f32", rows: int = 0, span: int | None = None,
+                     kv_dtype: str = "f32") -> tuple[dict, list[str]]:
     """prefill_<bucket> (a first chunk), or with `span` prefill_<bucket>_<span> (a later
     chunk, at an extra i32 argument `start`); with `rows`, over a KV cache of that many rows,
     the sequence's K/V written into row `row` (an extra i32 argument; text_batch.py).
-    `context` is the cache's slots."""
-    g = TextGraph(cfg, context, precision, rows)
+    `context` is the cache's slots; the cache holds `kv_dtype`."""
+    g = TextGraph(cfg, context, precision, rows, kv_dtype)
     b = g.b
     arguments = prefill_inputs(cfg, bucket, deepstack_layers) + [("start", (), "i32")] * bool(span) + \
         [("row", (), "i32")] * bool(rows)
@@ -324,24 +350,30 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
     def first(n, q, k, v, mask):
         if rows:
             for state, value in zip(g.cache[n], (k, v)):  # slots past S keep an old sequence's: decode masks them
-                update = b.reshape(value, (1, *value.shape), hint="row")
+                update = b.reshape(g.stored(value), (1, *value.shape), hint="row")
                 b.store_state(b.dynamic_update_slice(b.load_state(state), update, [inputs["row"], *[g.zero] * 3],
                                                      hint="cache"), state)
-            return grouped_attention(b, q, [k], [v], mask)
+            own_k, own_v = g.attended(k, v)
+            return grouped_attention(b, q, [own_k], [own_v], mask)
         for state, value in zip(g.cache[n], (k, v)):  # a new sequence: the cache is rewritten whole
-            whole = b.concatenate([value, b.constant(0.0, rest, hint="empty")], 1, hint="cache") if rest[1] else value
+            value = g.stored(value)
+            whole = b.concatenate([value, b.constant(0.0, rest, value.dtype, hint="empty")], 1, hint="cache") \
+                if rest[1] else value
             b.store_state(whole, state)
-        return grouped_attention(b, q, [k], [v], mask)
+        own_k, own_v = g.attended(k, v)
+        return grouped_attention(b, q, [own_k], [own_v], mask)
 
     def later(n, q, k, v, mask):
         # As decode: the cache as loaded (its first `span` slots, of row `row`) plus the
         # chunk's own K/V as a second block; the update ordered after the attention.
         loaded = [b.load_state(state) for state in g.cache[n]]
-        keys, values = (g.prefix(cache, span, inputs.get("row")) for cache in loaded)
-        context_ = grouped_attention(b, q, [keys, k], [values, v], mask)
+        keys, values = (g.read(g.prefix(cache, span, inputs.get("row"))) for cache in loaded)
+        own_k, own_v = g.attended(k, v)
+        context_ = grouped_attention(b, q, [keys, own_k], [values, own_v], mask)
         *loaded, context_ = b.optimization_barriers([*loaded, context_], hint="attended")
         at = [g.zero, inputs["start"], g.zero]
         for state, cache, value in zip(g.cache[n], loaded, (k, v)):
+            value = g.stored(value)
             if rows:
                 value = b.reshape(value, (1, *value.shape), hint="row")
             b.store_state(b.dynamic_update_slice(cache, value, [inputs["row"], *at] if rows else at, hint="cache"),
@@ -363,10 +395,10 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
 
 
 def decode_function(cfg: TextConfig, context: int, precision: str = "f32",
-                    span: int | None = None) -> tuple[dict, list[str]]:
+                    span: int | None = None, kv_dtype: str = "f32") -> tuple[dict, list[str]]:
     """`decode` (span None: the whole cache) or `decode_<span>`."""
     span = span or context
-    g = TextGraph(cfg, context, precision)
+    g = TextGraph(cfg, context, precision, kv_dtype=kv_dtype)
     b = g.b
     inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in DECODE_INPUTS}
     with b.stage("embed"):
@@ -379,12 +411,13 @@ def decode_function(cfg: TextConfig, context: int, precision: str = "f32",
         # context): while the loaded value was still to be read, IREE copied each whole cache
         # before updating it (2 x 16 MB per layer per token at 2B widths and 4096 slots).
         loaded = [b.load_state(state) for state in g.cache[n]]
-        keys, values = (cache_span(b, cache, span, 1) for cache in loaded)
-        context = grouped_attention(b, q, [keys, k], [values, v], mask)
+        keys, values = (g.read(cache_span(b, cache, span, 1)) for cache in loaded)
+        own_k, own_v = g.attended(k, v)
+        context = grouped_attention(b, q, [keys, own_k], [values, own_v], mask)
         *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
         for state, cache, value in zip(g.cache[n], loaded, (k, v)):
-            b.store_state(b.dynamic_update_slice(cache, value, [g.zero, inputs["slot"], g.zero], hint="cache"),
-                          state)
+            b.store_state(b.dynamic_update_slice(cache, g.stored(value), [g.zero, inputs["slot"], g.zero],
+                                                 hint="cache"), state)
         return context
 
     x = g.decoder(x, inputs["positions"], lambda: span_mask(b, inputs["slot"], span), attend)
@@ -392,23 +425,23 @@ def decode_function(cfg: TextConfig, context: int, precision: str = "f32",
 
 
 def emit_text_module(cfg: TextConfig, buckets, context: int, deepstack_layers: int, precision: str = "f32",
-                     title: str = "") -> str:
+                     title: str = "", kv_dtype: str = "f32") -> str:
     """MLIR text of the language-model module: `prefill_<S>` for each bucket S,
     `prefill_<C>_<L>` for each chunk span L, `decode` and `decode_<L>` for each shorter
     span L, over shared weight globals and KV-cache globals of `cache_slots` slots
     (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     slots = cache_slots(context, buckets)
-    entries = [prefill_function(cfg, s, slots, deepstack_layers, precision) for s in buckets] + \
-        [prefill_function(cfg, buckets[-1], slots, deepstack_layers, precision, span=span)
+    entries = [prefill_function(cfg, s, slots, deepstack_layers, precision, kv_dtype=kv_dtype) for s in buckets] + \
+        [prefill_function(cfg, buckets[-1], slots, deepstack_layers, precision, span=span, kv_dtype=kv_dtype)
          for span in chunk_spans(buckets, slots)] + \
-        [decode_function(cfg, slots, precision, span) for span in attention_spans(slots)]
+        [decode_function(cfg, slots, precision, span, kv_dtype) for span in attention_spans(slots)]
     name = "Qwen3-VL language model" + (f" ({title})" if title else "")
-    return render_text_module(cfg, name, entries, buckets, context, deepstack_layers, precision)
+    return render_text_module(cfg, name, entries, buckets, context, deepstack_layers, precision, kv_dtype)
 
 
 def render_text_module(cfg: TextConfig, name: str, entries, buckets, context: int, deepstack_layers: int,
-                       precision: str) -> str:
+                       precision: str, kv_dtype: str = "f32") -> str:
     """The language-model module of `entries` ((function, globals) pairs, every one over the
     same globals) under a header naming it `name` and its shapes."""
     functions, shared = [], None
@@ -417,7 +450,8 @@ def render_text_module(cfg: TextConfig, name: str, entries, buckets, context: in
         functions.append(entry)
         shared = globals_
     header = (f"// {name}, prompt buckets {', '.join(map(str, buckets))}, context {context}, "
-              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}.\n"
+              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}"
+              f"{'' if kv_dtype == 'f32' else f', KV cache in {kv_dtype}'}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
               f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
     return render(MODULE_NAME, header, shared, functions)

@@ -64,11 +64,11 @@ def check_rows(rows) -> int:
 
 
 def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int, precision: str = "f32",
-                          span: int | None = None) -> tuple[dict, list]:
+                          span: int | None = None, kv_dtype: str = "f32") -> tuple[dict, list]:
     """decode_batch_<lanes>[_<span>] over a cache of `rows` rows: lane i reads and writes
     row `rows[i]`, attending over its first `span` slots (default: all)."""
     span = span or context
-    g = TextGraph(cfg, context, precision, rows)
+    g = TextGraph(cfg, context, precision, rows, kv_dtype)
     b = g.b
     inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in decode_batch_inputs(lanes)}
     with b.stage("embed"):
@@ -89,17 +89,19 @@ def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int, 
         return b.slice(value, tuple(start), tuple(limit), hint="lane")
 
     def row(cache: Value, i: int) -> Value:
-        return g.prefix(cache, span, cache_rows[i])
+        return g.read(g.prefix(cache, span, cache_rows[i]))
 
     def attend(n, q, k, v, lane_masks):
         # As emitter/text.py's decode: attention reads the cache as loaded plus the new K/V,
         # and the update is ordered after it (one barrier).
         loaded = [b.load_state(state) for state in g.cache[n]]
-        contexts = [grouped_attention(b, lane(q, i, 0), [row(loaded[0], i), lane(k, i, 1)],
-                                      [row(loaded[1], i), lane(v, i, 1)], lane_masks[i]) for i in range(lanes)]
+        own_k, own_v = g.attended(k, v)
+        contexts = [grouped_attention(b, lane(q, i, 0), [row(loaded[0], i), lane(own_k, i, 1)],
+                                      [row(loaded[1], i), lane(own_v, i, 1)], lane_masks[i]) for i in range(lanes)]
         context = contexts[0] if lanes == 1 else b.concatenate(contexts, 0, hint="context")
         *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
         for state, cache, value in zip(g.cache[n], loaded, (k, v)):
+            value = g.stored(value)
             for i in range(lanes):
                 update = b.reshape(lane(value, i, 1), (1, value.shape[0], 1, value.shape[2]), hint="update")
                 cache = b.dynamic_update_slice(cache, update, [cache_rows[i], g.zero, slots[i], g.zero],
@@ -112,9 +114,9 @@ def decode_batch_function(cfg: TextConfig, context: int, rows: int, lanes: int, 
 
 
 def copy_prompt_function(cfg: TextConfig, bucket: int, context: int, rows: int,
-                         precision: str = "f32") -> tuple[dict, list]:
+                         precision: str = "f32", kv_dtype: str = "f32") -> tuple[dict, list]:
     """copy_prompt_<bucket>: the first `bucket` slots of cache row `source` into row `target`."""
-    g = TextGraph(cfg, context, precision, rows)
+    g = TextGraph(cfg, context, precision, rows, kv_dtype)
     b = g.b
     source, target = g.argument("source", (), "i32"), g.argument("target", (), "i32")
     zero = b.constant(0, (), "i32", hint="zero")
@@ -126,38 +128,40 @@ def copy_prompt_function(cfg: TextConfig, bucket: int, context: int, rows: int,
     return function(b, copy_name(bucket), [("done", b.constant(0, (), "i32", hint="done"))]), b.globals
 
 
-def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f32") -> tuple[dict, list]:
+def reset_function(cfg: TextConfig, context: int, rows: int, precision: str = "f32",
+                   kv_dtype: str = "f32") -> tuple[dict, list]:
     """`reset(fill [2 x layers] f32)`: each KV-cache global stored whole, global j with
     `fill[j]` (zeros from the caller). Called once after loading. Until then every cache
     global holds IREE's one shared zero buffer, and slot-wise updates of it write through
     to all of them (IREE 3.13; emitter/text.py's prefill stores each layer's own whole
     cache first, so its decode never sees this). One argument per global: values that
     are equal would be merged into one buffer again."""
-    g = TextGraph(cfg, context, precision, rows)
+    g = TextGraph(cfg, context, precision, rows, kv_dtype)
     b = g.b
     states = [state for pair in g.cache for state in pair]
     fill = g.argument("fill", (len(states),), "f32")
     for j, state in enumerate(states):
-        value = b.reshape(b.slice(fill, (j,), (j + 1,)), (), hint="fill")
+        value = g.stored(b.reshape(b.slice(fill, (j,), (j + 1,)), (), hint="fill"))
         b.store_state(b.broadcast_in_dim(value, state[1].shape, [], hint="empty"), state)
     return function(b, RESET, [("done", b.constant(0, (), "i32", hint="done"))]), b.globals
 
 
 def emit_batch_module(cfg: TextConfig, buckets, context: int, rows: int, deepstack_layers: int,
-                      precision: str = "f32") -> str:
+                      precision: str = "f32", kv_dtype: str = "f32") -> str:
     """MLIR text of the batched module: `prefill_<S>` into a row for each bucket S and
     `prefill_<C>_<L>` for each chunk span L (emitter/text.py), `copy_prompt_<L>` and
     `decode_batch_<B>[_<L>]` for each lane count B and span L, and `reset`, over a cache of
-    `cache_slots` slots a row (deterministic: same input, same bytes)."""
+    `cache_slots` slots a row, in `kv_dtype` (deterministic: same input, same bytes)."""
     buckets, context = check_text_shapes(buckets, context)
     rows = check_rows(rows)
     slots = cache_slots(context, buckets)
-    entries = [prefill_function(cfg, s, slots, deepstack_layers, precision, rows) for s in buckets] + \
-        [prefill_function(cfg, buckets[-1], slots, deepstack_layers, precision, rows, span)
+    kv = dict(precision=precision, kv_dtype=kv_dtype)
+    entries = [prefill_function(cfg, s, slots, deepstack_layers, rows=rows, **kv) for s in buckets] + \
+        [prefill_function(cfg, buckets[-1], slots, deepstack_layers, rows=rows, span=span, **kv)
          for span in chunk_spans(buckets, slots)] + \
-        [decode_batch_function(cfg, slots, rows, n, precision, span) for span in attention_spans(slots)
+        [decode_batch_function(cfg, slots, rows, n, span=span, **kv) for span in attention_spans(slots)
          for n in lane_counts(rows)] + \
-        [copy_prompt_function(cfg, span, slots, rows, precision) for span in attention_spans(slots)] + \
-        [reset_function(cfg, slots, rows, precision)]
+        [copy_prompt_function(cfg, span, slots, rows, **kv) for span in attention_spans(slots)] + \
+        [reset_function(cfg, slots, rows, **kv)]
     return render_text_module(cfg, f"Qwen3-VL language model, batched: {rows} KV-cache rows", entries, buckets,
-                              context, deepstack_layers, precision)
+                              context, deepstack_layers, precision, kv_dtype)

@@ -28,8 +28,8 @@ import iree.runtime as rt
 
 from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
-from emitter.text import (MODULE_NAME, cache_slots, check_text_shapes, decode_name, emit_text_module,
-                          prefill_chunks, prefill_inputs, span_for)
+from emitter.text import (MODULE_NAME, cache_slots, check_kv_dtype, check_text_shapes, decode_name,
+                          emit_text_module, prefill_chunks, prefill_inputs, span_for)
 from emitter.text_config import load_text_config
 
 from runtime.artifact.archive import release_mapped_pages
@@ -58,8 +58,9 @@ class TextSession:
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
                  deepstack_layers: int = 0, target: str | None = None, cache_dir=None, precision: str = "f32",
-                 progress=None, config: rt.Config | None = None):
+                 progress=None, config: rt.Config | None = None, kv_cache_dtype: str = "f32"):
         self.cfg, self.token_ids = load_text_config(model_dir)
+        self.kv_cache_dtype = check_kv_dtype(kv_cache_dtype)
         self.buckets, self.context = check_text_shapes(list(buckets), context)
         self.cfg.check_context(self.context)
         self.target = target or DEFAULT_TARGET
@@ -99,14 +100,16 @@ class TextSession:
 
     def _graph(self) -> str:
         """The module's MLIR text (runtime/text_batch.py emits the batched one)."""
-        return emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision)
+        return emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision,
+                                kv_dtype=self.kv_cache_dtype)
 
     def _build(self):
         """The module's vmfb through the artifact cache (`build.compiled_module`)."""
         graph = self._graph()
         fields = text_artifact_fields(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision,
                                       self.target, graph)
-        detail = f"prompt buckets {', '.join(map(str, self.buckets))}, context {self.context}"
+        detail = f"prompt buckets {', '.join(map(str, self.buckets))}, context {self.context}" + \
+            (f", KV cache {self.kv_cache_dtype}" if self.kv_cache_dtype != "f32" else "")
         path, _ = compiled_module(self.cache, fields, lambda: graph, self.target, "text model", detail, self.progress)
         return path
 
@@ -263,7 +266,7 @@ class Generator:
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
                  target: str | None = None, cache_dir=None, precision: str = "f32", threads: int | None = None,
-                 progress=None):
+                 progress=None, kv_cache_dtype: str = "f32"):
         from emitter.config import load_model_config
         from emitter.policy import load_policy
         from emitter.video_policy import load_video_policy
@@ -278,7 +281,7 @@ class Generator:
         self.tokenizer = ChatTokenizer(model_dir)
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
         self.text = TextSession(model_dir, buckets, context, len(self.vision_cfg.deepstack_visual_indexes),
-                                **self.options)
+                                kv_cache_dtype=kv_cache_dtype, **self.options)
         self._vision = None
         self.policy = load_policy(model_dir, self.vision_cfg)
         self.video_policy = load_video_policy(model_dir, self.vision_cfg)

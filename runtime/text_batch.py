@@ -22,7 +22,7 @@ class BatchTextSession(TextSession):
 
     def _graph(self) -> str:
         return emit_batch_module(self.cfg, self.buckets, self.context, self.rows, self.deepstack_layers,
-                                 self.precision)
+                                 self.precision, self.kv_cache_dtype)
 
     def _load(self):
         """The module loaded, and its KV cache stored whole once (`reset`, emitter/text_batch.py)."""

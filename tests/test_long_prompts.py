@@ -66,9 +66,15 @@ def ours(gen, chat, steps):
     return prompt, tokens, logits
 
 
-def test_long_chat_matches_transformers(setup):
+@pytest.fixture(scope="module")
+def expected(setup):
+    model_dir, _, chat = setup
+    return reference_chat(model_dir, chat, STEPS)
+
+
+def test_long_chat_matches_transformers(setup, expected):
     model_dir, root, chat = setup
-    ids, tokens, logits = reference_chat(model_dir, chat, STEPS)
+    ids, tokens, logits = expected
     assert 3000 <= ids.size <= CONTEXT - STEPS, ids.size
     gen = Generator(model_dir, buckets=BUCKETS, context=CONTEXT, cache_dir=root / "cache")
     prompt, got, got_logits = ours(gen, chat, STEPS)
@@ -89,4 +95,26 @@ def test_long_chat_matches_transformers(setup):
     for step in range(3):
         length = ids.size + step
         row_logits.append(batch.decode_batch([1], [tokens[step]], [length + prompt.rope_delta], [length])[0])
+    assert max(rel_l2(a, b) for a, b in zip(row_logits, got_logits)) <= 1e-6
+
+
+def test_bf16_kv_cache_stays_near(setup, expected):
+    """--kv-cache-dtype bf16 on the same chat: the logits measurably away from transformers'
+    f32 ones but near them; a batched row of a bf16 cache gives what generate's module gives."""
+    model_dir, root, chat = setup
+    ids, tokens, logits = expected
+    gen = Generator(model_dir, buckets=BUCKETS, context=CONTEXT, cache_dir=root / "cache", kv_cache_dtype="bf16")
+    prompt, got, got_logits = ours(gen, chat, STEPS)
+    errors = [rel_l2(a, b) for a, b in zip(got_logits, logits)]
+    print(f"bf16 KV cache: relL2 per step {['%.2e' % e for e in errors]}, tokens equal {got == tokens}")
+    assert 1e-5 < max(errors) <= 2e-2, errors
+    assert got[0] == tokens[0]
+
+    from runtime.text_batch import BatchTextSession
+    batch = BatchTextSession(model_dir, 2, buckets=BUCKETS, context=CONTEXT, deepstack_layers=2,
+                             cache_dir=root / "cache", kv_cache_dtype="bf16")
+    row_logits = [batch.prefill_row(0, prompt)]
+    for step in range(2):
+        length = ids.size + step
+        row_logits.append(batch.decode_batch([0], [got[step]], [length + prompt.rope_delta], [length])[0])
     assert max(rel_l2(a, b) for a, b in zip(row_logits, got_logits)) <= 1e-6

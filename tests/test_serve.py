@@ -81,8 +81,9 @@ def test_four_concurrent_requests_each_equal_their_solo_run(server, solo):
 
 
 def test_long_prompt_runs_in_chunks_as_generate(server):
-    """A prompt of several prefill chunks (buckets 64, 256) with an image: the server's answer,
-    streamed, and a second request of the same prompt (the prompt cache) equal generate's."""
+    """A prompt of several prefill chunks (buckets 64, 256) with an image: the server's
+    answer, streamed, and a second request of the same prompt (the prompt cache) equal
+    generate's."""
     prompt = "Read this and say what the picture shows. " + " ".join(f"line {i}: nothing new." for i in range(150))
     expected = generate(server, prompt, server.images[:1])
     assert expected["prompt_tokens"] > 3 * 256

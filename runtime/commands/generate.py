@@ -11,6 +11,8 @@ import click
 from emitter.config import PRECISION_HELP
 from emitter.errors import command_errors
 
+from emitter.text import KV_CACHE_HELP, KV_DTYPES
+
 from runtime.text import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -59,6 +61,8 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
               "a longer prompt runs in chunks of the largest.")
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
               help="Tokens the KV cache holds (prompt and answer).")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
+              help=KV_CACHE_HELP)
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
 @click.option("--temperature", type=float, metavar="T",
@@ -69,7 +73,7 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
                                                       "generation_config.json's, else 50).")
 @click.option("--seed", type=int, metavar="N", help="Seed of the sampler (same seed, same answer).")
 def generate_command(model, images, videos, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision,
-                     buckets, context, target, threads, temperature, top_p, top_k, seed):
+                     buckets, context, kv_cache_dtype, target, threads, temperature, top_p, top_k, seed):
     """Answer one user message (the images in order, the videos, then the prompt), greedily or
     sampled as generation_config.json and the sampling options say, with the checkpoint's
     tokenizer and chat template; the text streams to stdout."""
@@ -98,7 +102,7 @@ def generate_command(model, images, videos, prompt, max_new_tokens, json_path, s
             except OSError as e:
                 raise ValueError(f"--image {path}: cannot read ({e.strerror or e}); expected an image file") from None
         generator = Generator(model, buckets or DEFAULT_PROMPT_BUCKETS, context, target=target, cache_dir=cache_dir,
-                              precision=precision, threads=threads, progress=say)
+                              precision=precision, threads=threads, progress=say, kv_cache_dtype=kv_cache_dtype)
         sampling = sampling_options(generator.sampling, temperature, top_p, top_k, seed)
         result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream, videos=list(videos),
                                     sampling=sampling)

@@ -9,6 +9,8 @@ import click
 
 from emitter.config import PRECISION_HELP
 
+from emitter.text import KV_CACHE_HELP, KV_DTYPES
+
 from runtime.text import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -36,9 +38,12 @@ def positive(name: str, value: int) -> int:
               help="Sequences decoded together (KV-cache rows on the device); more requests wait in the queue.")
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
               help="Tokens the KV cache holds (prompt and answer).")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
+              help=KV_CACHE_HELP)
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
-              help=f"Prefill bucket in tokens (repeatable; default those of {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} "
-                   "within the context); a longer prompt runs in chunks of the largest.")
+              help="Prefill bucket in tokens (repeatable; default those of "
+                   f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context); a longer prompt runs in "
+                   "chunks of the largest.")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help=PRECISION_HELP)
 @click.option("--api-key", metavar="KEY", envvar="QWEN3VL_API_KEY",
@@ -60,7 +65,8 @@ def positive(name: str, value: int) -> int:
                    "that row, without prefilling it again (exact: the same cache and logits).")
 @click.option("--grace", type=float, default=10.0, show_default=True, metavar="S",
               help="On SIGTERM: seconds to let requests in flight finish before cancelling them.")
-def serve_command(model, host, port, max_batch, context, buckets, precision, api_key, allowed_local_media_path,
+def serve_command(model, host, port, max_batch, context, kv_cache_dtype, buckets, precision, api_key,
+                  allowed_local_media_path,
                   cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
                   grace):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
@@ -72,13 +78,14 @@ def serve_command(model, host, port, max_batch, context, buckets, precision, api
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
                           allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
-                          max_body_mb, encoder_cache_mb, prompt_cache, grace)  # bad input, failures: one line
+                          max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype)  # bad input: one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
 
 
-def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads, target,
-                 max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace):
+def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads,
+                 target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
+                 kv_cache_dtype="f32"):
     """Everything loaded (text module, vision module, weights), then a uvicorn server."""
     import uvicorn
 
@@ -96,7 +103,7 @@ def build_server(model, host, port, max_batch, context, buckets, precision, api_
                           threads=threads, progress=say)
     generator.text = BatchTextSession(model, max_batch, buckets=buckets, context=context,  # in place of the
                                       deepstack_layers=generator.text.deepstack_layers,  # one-sequence module
-                                      **generator.options)
+                                      kv_cache_dtype=kv_cache_dtype, **generator.options)
     generator.text.module  # noqa: B018 - compiled and loaded now, not at the first request
     generator.vision.artifact()
     metrics = Metrics()
