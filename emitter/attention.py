@@ -60,6 +60,22 @@ def attention_chunk(bucket: int) -> int:
     return ATTENTION_CHUNK * -(-chunks // MAX_QUERY_CHUNKS)
 
 
+def paced_key_loop(chunk: int) -> bool:
+    """Whether the blockwise form's key loops at `chunk` rows make the host wait for each step.
+
+    IREE runs a `stablehlo.while` on the host, which issues every step of a key loop without
+    waiting for the device; each step's transient buffers (its [heads, C, C] scores and their
+    exponentials, about 40 MB at C = 512 for the 2B tower) were freed only at the next wait,
+    so one call held the transients of all its steps: (B/C)^2 a block. The 2B tower's peak
+    RSS grew with the square of the bucket: 7.1 GB at 2048, killed at 24 GB at 4096. A
+    condition that reads one element of the carried running max makes the host wait for each
+    step before it issues the next, so only one step's transients are alive (2048: 3.0 GB,
+    and faster: fewer pages faulted in). A wait costs about a millisecond, so 256-row chunks
+    (bucket 512: at most 4 small steps a block, nothing held to speak of) are not paced:
+    there it cost 3.6% of a shallow tower's time (docs/performance.md, "Large inputs")."""
+    return chunk >= ATTENTION_CHUNK
+
+
 def attention_inputs(b: Builder, segment_ids: Value, form: str):
     """What every block's attention reads beside q/k/v, built once per call: the [B, B]
     mask (dense) or the `KeyRanges` (blockwise)."""
@@ -210,10 +226,22 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
         end = b.reshape(b.slice(ranges.end, (i,), (i + 1,)), (), hint="end_chunk")
         init = [first, b.constant(SOFTMAX_FLOOR, (heads, chunk), hint="peak"),
                 b.constant(0.0, (heads, chunk), hint="denom"), b.constant(0.0, (heads, chunk, d), hint="acc")]
-        _, _, denom, acc = b.while_loop(init, lambda j, *_: b.compare("LT", j, end, hint="more_keys"),
+        _, _, denom, acc = b.while_loop(init, lambda j, peak, *_: more_keys(j, end, peak),
                                         lambda j, peak, denom, acc: key_chunk(q_c, seg_q, j, peak, denom, acc),
                                         hint="keys")
         return b.divide(acc, b.broadcast_in_dim(denom, acc.shape, [0, 1]), hint="context")
+
+    def more_keys(j, end, peak):
+        """j < end; in a paced loop (`paced_key_loop`) also waiting for the device's running max."""
+        more = b.compare("LT", j, end, hint="more_keys")
+        if not paced_key_loop(chunk):
+            return more
+        # The running max starts at SOFTMAX_FLOOR and only grows (a NaN compares false), so
+        # `below` is always false and the condition is `more`, bit for bit; but the host reads
+        # one element of the device's carried state before it issues the next step.
+        first = b.reshape(b.slice(peak, (0, 0), (1, 1), hint="watched"), (), hint="watched")
+        below = b.compare("LT", first, b.constant(SOFTMAX_FLOOR, hint="floor"), hint="below_floor")
+        return b.select(below, b.constant(0, (), "i1", hint="false"), more, hint="more_keys")
 
     def key_chunk(q_c, seg_q, j, peak, denom, acc):
         k_c, v_c = chunk_of(k, j, "k_chunk"), chunk_of(v, j, "v_chunk")
