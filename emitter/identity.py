@@ -30,6 +30,24 @@ TEXT_FORMAT_VERSION = 1
 DEFAULT_LADDER = (64, 128, 256, 512)
 
 
+def extended_bucket(patches: int, top: int = DEFAULT_LADDER[-1]) -> int:
+    """The bucket past a ladder whose largest is `top` for an image of `patches` patches: the
+    smallest power of two that holds it (1024, 2048, ..., 16384 for a 2048x2048 image, and
+    on up to whatever the processor's max_pixels allows). Powers of two, not a finer ladder:
+    a bucket compiles in seconds to minutes (the 2B tower at 8192, about 3 min on 2 cores),
+    each one once per cache, and padding past the image costs the linear work of its rows
+    (padding patches attend only to themselves): at most 2x the patches, and nothing for the
+    common sizes (1024x1024 is 4096 patches, 1920x1080 8160)."""
+    return max(2 * top, 1 << (max(patches, 1) - 1).bit_length())
+
+
+def ladder_for(patch_counts, buckets=DEFAULT_LADDER) -> tuple[int, ...]:
+    """`buckets` plus the `extended_bucket` of each image larger than its largest: the
+    buckets that default-ladder sessions build so that every image fits, sorted."""
+    top = max(buckets)
+    return tuple(sorted(set(buckets) | {extended_bucket(n, top) for n in patch_counts if n > top}))
+
+
 # A trivial module: compiling it to `preprocessing` materializes the device target.
 _PROBE = """func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {
   %0 = stablehlo.add %a, %a : tensor<4xf32>
@@ -198,15 +216,15 @@ def vision_artifact_fields(cfg: VisionConfig, buckets, policy, target: str | Non
                            video_policy=_video_policy_dict(video_policy))
 
 
-def text_artifact_fields(cfg, buckets, context: int, deepstack_layers: int, precision: str = "f32",
+def text_artifact_fields(cfg, shape, deepstack_layers: int, precision: str = "f32",
                          target: str | None = DEFAULT_TARGET, graph: str | None = None) -> dict:
-    """`artifact_fields` of the language-model module (`text.emit_text_module`); `graph`:
-    the module's MLIR text when the caller has it already."""
-    from .text import check_text_shapes, emit_text_module, text_weights
-    buckets, context = check_text_shapes(buckets, context)
-    graph = graph or emit_text_module(cfg, buckets, context, deepstack_layers, precision)
+    """`artifact_fields` of the language-model module (`text.emit_text_module`) of a
+    `text.TextShape`; `graph`: the module's MLIR text when the caller has it already."""
+    from .text import emit_text_module, text_weights
+    graph = graph or emit_text_module(cfg, shape, deepstack_layers, precision)
     return artifact_fields("text", cfg.to_dict(), graph, text_weights(cfg, precision), precision, target,
-                           buckets=list(buckets), context=context, deepstack_layers=deepstack_layers)
+                           buckets=list(shape.buckets), context=shape.context, deepstack_layers=deepstack_layers,
+                           lanes=shape.lanes, kv_blocks=shape.blocks, kv_cache_dtype=shape.kv_dtype)
 
 
 def _video_policy_dict(video_policy) -> dict:

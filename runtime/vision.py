@@ -5,6 +5,7 @@ features out."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import threading
@@ -17,7 +18,7 @@ import iree.runtime as rt
 
 from emitter.atomic import write_atomic
 from emitter.config import graph_weights
-from emitter.identity import DEFAULT_LADDER
+from emitter.identity import DEFAULT_LADDER, ladder_for
 from emitter.vision import entry_name, input_specs, result_names
 
 from runtime.artifact.archive import cached_archive, entry_arrays, open_archive, release_mapped_pages
@@ -60,7 +61,13 @@ class VisionOutput:
 class VisionSession:
     """Open a checkpoint folder; `encode(images)` runs processor, packing, one call per
     bucket and trimming. Safe to call again and from several threads: each result is a
-    copy that later calls never touch."""
+    copy that later calls never touch.
+
+    Without `buckets` the session starts from the default ladder and grows: an image larger
+    than its largest bucket adds that image's `extended_bucket` (a power of two, 1024 and
+    up), and the next call loads the artifact module of the grown set (from the cache,
+    compiled on first use; `fit`). With `buckets` the set is fixed and a larger image is
+    an error (`PackingError`)."""
 
     def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
                  threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None,
@@ -76,6 +83,7 @@ class VisionSession:
         self.model_dir = Path(model_dir)
         self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks,
                               precision, weights, progress)
+        self.extensible = not buckets
         precision = self.plan.precision  # the target's form of it (bf16-f32 on CPUs without bf16 dot products)
         self.cfg, self.policy = self.plan.cfg, self.plan.policy
         self.video_policy = self.plan.video_policy
@@ -94,7 +102,6 @@ class VisionSession:
         self._extra_modules, self.device_weights = self._bind_weights(vision_weights, precision)
         self.seconds["upload"] = time.perf_counter() - start
         self._artifact: LoadedModule | None = None
-        self.max_loaded = len(self.buckets)  # one module holds them all
         self.dump_dir = Path(dump_inputs) if dump_inputs else None
         self._calls = 0
         self._lock = threading.Lock()
@@ -118,6 +125,22 @@ class VisionSession:
     @property
     def buckets(self) -> tuple[int, ...]:
         return self.plan.buckets
+
+    @property
+    def max_loaded(self) -> int:
+        return len(self.buckets)  # one module holds them all
+
+    def fit(self, grids) -> tuple[int, ...]:
+        """Grow an extensible session's buckets so that every image of `grids` fits one
+        (`emitter.identity.ladder_for`); the grown set's module replaces the loaded one at
+        the next call. Returns the buckets. A session with fixed buckets is left as it is."""
+        with self._lock:
+            if self.extensible:
+                wanted = ladder_for([patch_count(g) for g in grids], self.plan.buckets)
+                if wanted != self.plan.buckets:
+                    self.plan = dataclasses.replace(self.plan, buckets=wanted)
+                    self._artifact = None  # its packed weights go with it
+            return self.plan.buckets
 
     def artifact(self) -> LoadedModule:
         """The artifact module (every bucket), from the cache (built on a miss), loaded once."""
@@ -215,7 +238,7 @@ class VisionSession:
         by its ABI name, rows concatenated in image order (None when there is no image)."""
         grids = [tuple(int(v) for v in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
         starts = np.cumsum([0] + [patch_count(g) for g in grids])
-        calls = pack(grids, self.buckets, names)
+        calls = pack(grids, self.fit(grids), names)
         parts: dict[str, list[np.ndarray]] = {name: [] for name in self.result_names()}
         for call in calls:
             rows = pixel_values[starts[call.images[0]]:starts[call.images[-1] + 1]]

@@ -170,3 +170,69 @@ def test_attention_form_is_part_of_the_artifact_identity(monkeypatch):
     monkeypatch.setattr(attention, "BLOCKWISE_FROM", 10 ** 9)
     assert attention_form(BLOCKWISE_FROM) == "dense"
     assert identity() != blockwise
+
+
+def test_the_default_ladder_extends_by_powers_of_two():
+    """An image past the default ladder's 512 patches gets the power of two that holds it,
+    1024 at least; the ladder keeps its buckets; a fixed ladder grows the same way."""
+    from emitter.identity import DEFAULT_LADDER, extended_bucket, ladder_for
+    assert [extended_bucket(n) for n in (513, 1024, 1025, 4096, 8160, 16384)] == [1024, 1024, 2048, 4096, 8192,
+                                                                                   16384]
+    assert ladder_for([10, 512]) == DEFAULT_LADDER
+    assert ladder_for([600, 4096, 8160, 100]) == (*DEFAULT_LADDER, 1024, 4096, 8192)
+    assert ladder_for([200], (16, 32)) == (16, 32, 256)
+    for n in (513, 3000, 16384, 65536):
+        assert extended_bucket(n) >= n and extended_bucket(n) < 2 * n
+
+
+def test_large_images_run_at_the_defaults_and_match_transformers(tmp_path):
+    """`qwen3vl run` without --bucket: a 720-patch image (past the default ladder) and a
+    280-patch one, packed into a 1024 bucket compiled on first use, equal to transformers'
+    tower on its own processor's pixels. A VisionSession without buckets grows the same way:
+    the small image alone in the ladder, then both in 1024, the same bits as `run`."""
+    import copy
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    from conftest import rel_l2
+    from helpers import write_images
+    from runtime.checkpoints.synthetic import write_checkpoint
+    from runtime.checkpoints.vision import load_vision_weights
+    from runtime.vision import VisionSession
+    pytest.importorskip("torch")
+    processing = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    from torch_reference import hf_weight_shapes, run_vision_tower
+
+    model, cache = tmp_path / "model", tmp_path / "cache"
+    write_checkpoint(model, TINY, seed=5)
+    images = write_images(tmp_path, [(480, 400), (64, 96)], seed=7)  # 24x30 = 720 patches; 20x14 (min_pixels)
+    out = tmp_path / "f.safetensors"
+    qwen3vl = Path(sys.executable).with_name("qwen3vl")
+    result = subprocess.run([str(qwen3vl), "run", "--model", str(model), *images, "-o", str(out),
+                             "--cache-dir", str(cache)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    assert "buckets  1024 (1000 patches, inputs [0, 1])" in result.stdout, result.stdout
+    features = load_file(out)
+
+    config = json.loads((model / "preprocessor_config.json").read_text())
+    processed = processing.Qwen2VLImageProcessorPil(**copy.deepcopy(config))(images=images)
+    shapes = dict(hf_weight_shapes(TINY))
+    state = {name: w.reshape(shapes[name]) for name, w in load_vision_weights(model, TINY).items()}
+    expected = run_vision_tower(TINY, state, np.asarray(processed["pixel_values"]),
+                                np.asarray(processed["image_grid_thw"]))
+    np.testing.assert_array_equal(features["grid_thw"], np.asarray(processed["image_grid_thw"]))
+    assert rel_l2(features["image_embeds"], expected["merger"]) <= TOLERANCE
+    for k in range(len(TINY.deepstack_visual_indexes)):
+        assert rel_l2(features["deepstack_features"][k], expected[f"deepstack_merger_list.{k}"]) <= TOLERANCE
+
+    session = VisionSession(model, cache_dir=cache)
+    small = session.encode(images[1:])
+    assert session.buckets == (64, 128, 256, 512) and [c.bucket for c in small.calls] == [512]
+    both = session.encode(images)  # grows: the module of (64 ... 512, 1024), from the cache `run` filled
+    assert session.buckets == (64, 128, 256, 512, 1024) and [c.bucket for c in both.calls] == [1024]
+    np.testing.assert_array_equal(both.image_embeds, features["image_embeds"])
+    np.testing.assert_array_equal(both.deepstack_features, features["deepstack_features"])

@@ -30,7 +30,8 @@ SOME_FAILED = EXIT_FAILED  # exit status when an image could not be embedded (re
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help=PRECISION_HELP)
 @click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
-              help="Buckets to pack into (repeatable; default 64 128 256 512); a larger image fails.")
+              help="Buckets to pack into (repeatable; a larger image fails). Default 64 128 256 512, plus for "
+                   "an image past 512 patches the power of two that holds it, compiled on first use.")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder (with Ray: every node must see it).")
 @click.option("--threads", type=int, metavar="N",
@@ -44,8 +45,8 @@ def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, pr
     deepstack_features, grid_thw; rows in image order) and OUT_DIR/index.json (per image:
     shard, first row, rows, grid_thw; or the one-line reason it failed).
 
-    A rerun skips the images already in the index. An image that cannot be read or fits
-    no bucket is recorded as failed and the job goes on; the exit status is 1 when any
+    A rerun skips the images already in the index. An image that cannot be read or (with
+    --bucket) fits no bucket is recorded as failed and the job goes on; the exit status is 1 when any
     image of INPUT... failed."""
     from runtime.jobs.embed import embed
 

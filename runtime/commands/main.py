@@ -97,7 +97,9 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
               help="Write image_embeds, deepstack_features and grid_thw here (safetensors); with --video also "
                    "video_embeds, video_deepstack_features and video_grid_thw.")
 @click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
-              help="Buckets to pack into (repeatable; default 64 128 256 512).")
+              help="Buckets to pack into (repeatable; a larger image fails). Default 64 128 256 512, plus for "
+                   "an image past 512 patches the power of two that holds it (1024 ... 16384 ...), compiled on "
+                   "first use.")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
 @click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")

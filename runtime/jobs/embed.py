@@ -284,7 +284,7 @@ def embed(model, inputs, out_dir, batch: int = 16, fmt: str = "native", precisio
     folder = check_out_dir(out_dir, model)
     with out_dir_lock(folder):
         spec = SessionSpec(str(Path(model).absolute()), str(ArtifactCache(cache_dir).root.absolute()),
-                           tuple(buckets or DEFAULT_LADDER), target, precision, threads)
+                           tuple(buckets) if buckets else None, target, precision, threads)
         identity, weights = prepare(spec, say)
         index = EmbedIndex(folder, "ray" if use_ray else "local", identity, weights, fmt)
         pending = resume(index, images, retry_failed, say)

@@ -11,9 +11,10 @@ from typing import Iterator
 import numpy as np
 
 from emitter.errors import Failure, one_line_error as one_line
-from emitter.identity import DEFAULT_LADDER
 
-from runtime.inputs.packing import pack
+from emitter.identity import ladder_for
+
+from runtime.inputs.packing import pack, patch_count
 from runtime.inputs.processor import image_grid, process_image
 
 
@@ -23,10 +24,11 @@ class EngineError(Failure):
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """What opens a session, picklable (Ray actors open their own from it)."""
+    """What opens a session, picklable (Ray actors open their own from it). `buckets` None:
+    the default ladder, grown for larger images (`VisionSession.fit`)."""
     model: str
     cache_dir: str
-    buckets: tuple[int, ...] = DEFAULT_LADDER
+    buckets: tuple[int, ...] | None = None
     target: str | None = None
     precision: str = "f32"
     threads: int | None = None
@@ -49,12 +51,15 @@ class Embedded:
 
 def encode_batch(session, images: list[str]) -> list[Embedded]:
     """Encode `images` together (packed as `qwen3vl run` packs them); an image that cannot
-    be read or fits no bucket becomes a failed result instead of an exception."""
+    be read or fits no bucket (of a session with fixed buckets) becomes a failed result
+    instead of an exception."""
     results = [Embedded(image) for image in images]
     good, pixels = [], []
     for result in results:
         try:
-            pack([image_grid(result.image, session.policy)], session.buckets, [result.image])  # header only
+            grid = image_grid(result.image, session.policy)  # header only
+            pack([grid], session.buckets if not session.extensible else ladder_for([patch_count(grid)]),
+                 [result.image])
             values, result.grid = process_image(result.image, session.policy)
         except (ValueError, OSError) as e:
             result.error = one_line(e)

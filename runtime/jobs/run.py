@@ -15,11 +15,11 @@ from emitter.config import VisionConfig
 from emitter.targets import runtime_driver
 from emitter.vision import largest_buffer_bytes
 
-from emitter.identity import DEFAULT_LADDER
+from emitter.identity import DEFAULT_LADDER, ladder_for
 
 from runtime.artifact.build import make_plan
 from runtime.outputs import check_finite, check_output_path
-from runtime.inputs.packing import pack
+from runtime.inputs.packing import pack, patch_count
 from runtime.inputs.processor import check_image_file, image_grid, process_images
 from runtime.vision import VisionOutput, VisionSession
 from runtime.inputs.video import frame_grids, process_videos, video_grid
@@ -67,18 +67,20 @@ def machine_memory() -> int:
     return min(limits)
 
 
-def check_bucket_memory(cfg: VisionConfig, buckets, target: str) -> None:
+def check_bucket_memory(cfg: VisionConfig, buckets, target: str, asked: bool = True) -> None:
     """Refuse, before compiling, a bucket whose largest buffer alone exceeds the host's memory
     (`emitter.vision.largest_buffer_bytes`; CPU targets: a device's own memory is only
-    known when it allocates)."""
+    known when it allocates). `asked`: the bucket came from --bucket (else from the default
+    ladder's extension, for an image that large)."""
     if runtime_driver(target) not in ("local-task", "local-sync"):
         return
     memory = machine_memory()
     for bucket in sorted(buckets, reverse=True):
         need = largest_buffer_bytes(cfg, bucket)
         if need > memory:
-            raise ValueError(f"--bucket {bucket}: does not fit in memory: one of its buffers alone takes "
-                             f"{need / 2**30:.1f} GiB, this machine has {memory / 2**30:.1f} GiB; use a smaller bucket")
+            raise ValueError(f"{'--bucket' if asked else 'bucket'} {bucket}: does not fit in memory: one of its "
+                             f"buffers alone takes {need / 2**30:.1f} GiB, this machine has {memory / 2**30:.1f} GiB; "
+                             f"use a smaller {'bucket' if asked else 'image'}")
 
 
 def summary(session: VisionSession, out: VisionOutput, names, seconds: dict, videos: VisionOutput | None = None,
@@ -123,8 +125,9 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
     plan = make_plan(str(model), None, buckets or DEFAULT_LADDER, target, precision=precision, weights=weights)
     headers = [video_grid(name, plan.video_policy) for name in video_names]  # headers only
     grids, labels = _inputs([image_grid(name, plan.policy) for name in names], names, headers, video_names)
-    calls = pack(grids, plan.buckets, labels)
-    check_bucket_memory(plan.cfg, {call.bucket for call in calls}, plan.target)  # before any file is written
+    # Without --bucket, an image past the default ladder gets a bucket of its own size (ladder_for).
+    calls = pack(grids, plan.buckets if buckets else ladder_for([patch_count(g) for g in grids]), labels)
+    check_bucket_memory(plan.cfg, {call.bucket for call in calls}, plan.target, bool(buckets))  # before any write
     session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
                             progress=progress, precision=precision, weights=weights, dump_inputs=dump_inputs)
     t0 = time.perf_counter()
@@ -133,7 +136,7 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
     grid_thw, labels = _inputs(grid_thw, names, video_grids, video_names)
     pixel_values = np.concatenate([pixel_values, video_pixels])
     t1 = time.perf_counter()
-    needed = list(dict.fromkeys(call.bucket for call in pack(grid_thw, session.buckets, labels)))
+    needed = list(dict.fromkeys(call.bucket for call in pack(grid_thw, session.fit(grid_thw), labels)))
     try:
         if len(needed) <= session.max_loaded:  # else loading them now would evict some before the run
             for bucket in needed:
@@ -141,7 +144,8 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
         t2 = time.perf_counter()
         out = session.encode_pixels(pixel_values, grid_thw, labels)
     except MemoryError as e:
-        raise ValueError(f"--bucket {max(needed)}: does not fit in memory ({e}); use a smaller bucket") from None
+        what = ("--bucket", "bucket") if buckets else ("bucket", "image")
+        raise ValueError(f"{what[0]} {max(needed)}: does not fit in memory ({e}); use a smaller {what[1]}") from None
     t3 = time.perf_counter()
     for name in ("image_embeds", "deepstack_features"):
         check_finite(name, getattr(out, name), "the tower")
