@@ -185,6 +185,7 @@ def test_the_default_ladder_extends_by_powers_of_two():
         assert extended_bucket(n) >= n and extended_bucket(n) < 2 * n
 
 
+@pytest.mark.parity
 def test_large_images_run_at_the_defaults_and_match_transformers(tmp_path):
     """`qwen3vl run` without --bucket: a 720-patch image (past the default ladder) and a
     280-patch one, packed into a 1024 bucket compiled on first use, equal to transformers'
