@@ -3,6 +3,13 @@
 
     .venv/bin/qwen3vl random-checkpoint /tmp/2b --preset qwen3-vl-2b
     .venv/bin/python benchmarks/bench_scaling.py --model /tmp/2b --buckets 512 2048 8192 16384
+    .venv/bin/python benchmarks/bench_scaling.py --model /tmp/2b --buckets 2048 4096 8192 \
+        --defaults --max-peak-ratio 1.5   # no --bucket; peak RSS at most 1.5x the first bucket's
+
+`--defaults` runs `qwen3vl run` without `--bucket`, so each image takes the bucket the
+default ladder's extension gives it (`emitter.identity.ladder_for`). `--max-peak-ratio R`
+exits 1 when a bucket's peak RSS exceeds R times the first bucket's (the bounded-memory
+check of the tower: memory grows about linearly with the patches, and the weights dominate).
 
 The run is the product path: weights from the checkpoint's archive (memory-mapped, released
 once packed), the artifact from the cache (compiled on a miss, outside the `run` seconds).
@@ -37,11 +44,12 @@ def image_for(bucket: int, patch: int) -> tuple[int, int]:
     return patch * w, patch * h
 
 
-def run_once(model: str, bucket: int, image: Path, cache_dir: str, threads: int) -> dict:
+def run_once(model: str, bucket: int, image: Path, cache_dir: str, threads: int, defaults: bool = False) -> dict:
     """`qwen3vl run` on one image in a child process: its seconds, the image's grid, and the
     child's own peak RSS (from wait4; this parent stays small, so what the child inherits
     across exec does not count)."""
-    command = [str(Path(sys.executable).parent / "qwen3vl"), "run", "--model", model, "--bucket", str(bucket),
+    command = [str(Path(sys.executable).parent / "qwen3vl"), "run", "--model", model,
+               *([] if defaults else ["--bucket", str(bucket)]),
                "--cache-dir", cache_dir, "--threads", str(threads), str(image)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
@@ -54,7 +62,8 @@ def run_once(model: str, bucket: int, image: Path, cache_dir: str, threads: int)
         raise SystemExit(f"bucket {bucket}: qwen3vl run failed:\n{stderr.strip()}")
     seconds = {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+)", stdout.split("seconds", 1)[1])}
     grid = tuple(int(v) for v in re.search(r"grid \((\d+), (\d+), (\d+)\)", stdout).groups())
-    return {"seconds": seconds, "grid": grid, "peak_rss_bytes": usage.ru_maxrss * 1024}
+    used = int(re.search(r"^buckets  (\d+) ", stdout, re.M).group(1))
+    return {"seconds": seconds, "grid": grid, "bucket_used": used, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
 def main(argv=None):
@@ -63,6 +72,9 @@ def main(argv=None):
     p.add_argument("--buckets", type=int, nargs="+", default=[512, 2048, 8192, 16384])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", help="artifact cache (default: a temporary folder)")
+    p.add_argument("--defaults", action="store_true", help="run without --bucket (the extended default ladder)")
+    p.add_argument("--max-peak-ratio", type=float, metavar="R",
+                   help="exit 1 when a bucket's peak RSS exceeds R times the first bucket's")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.json:
@@ -79,7 +91,9 @@ def main(argv=None):
             w, h = image_for(bucket, cfg.patch_size)
             image = Path(tmp) / f"{w}x{h}.png"
             Image.fromarray(np.random.default_rng(bucket).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(image)
-            result = run_once(args.model, bucket, image, cache_dir, args.threads)
+            result = run_once(args.model, bucket, image, cache_dir, args.threads, args.defaults)
+            if result["bucket_used"] != bucket:
+                fail(f"bucket {bucket}: qwen3vl run used bucket {result['bucket_used']}")
             peak = result["peak_rss_bytes"]
             flops = vision_flops(cfg, [result["grid"]])
             run_s = result["seconds"]["run"]
@@ -101,6 +115,15 @@ def main(argv=None):
             write_atomic(args.json, json.dumps(rows, indent=1) + "\n")
         except OSError as e:
             fail(str(e))
+    if args.max_peak_ratio:
+        ratios = {r["bucket"]: r["peak_rss_bytes"] / base["peak_rss_bytes"] for r in rows}
+        print("peak RSS / bucket " + str(base["bucket"]) + "'s: "
+              + ", ".join(f"{b} x{q:.2f}" for b, q in ratios.items()))
+        over = [b for b, q in ratios.items() if q > args.max_peak_ratio]
+        if over:
+            print(f"FAIL: peak RSS over {args.max_peak_ratio}x at bucket {', '.join(map(str, over))}")
+            sys.exit(1)
+        print(f"ok: every peak RSS within {args.max_peak_ratio}x")
 
 
 if __name__ == "__main__":
