@@ -65,10 +65,10 @@ def checkpoint(args) -> Path:
     return folder
 
 
-def start_server(args, model: Path, port: int) -> subprocess.Popen:
+def start_server(args, model: Path, port: int, extra=()) -> subprocess.Popen:
     command = [QWEN3VL, "serve", "--model", model, "--port", str(port), "--max-batch", str(max(args.concurrency)),
                "--max-waiting", "1000", "--context", str(args.context), "--precision", args.precision,
-               "--cache-dir", args.cache_dir]
+               "--cache-dir", args.cache_dir, *extra]
     if args.threads:
         command += ["--threads", str(args.threads)]
     server = subprocess.Popen(command)
@@ -101,7 +101,7 @@ def one_request(port: int, body: bytes) -> dict:
     response = conn.getresponse()
     if response.status != 200:
         raise SystemExit(f"request failed: {response.status} {response.read()[:200]!r}")
-    times, usage = [], None
+    times, usage, text = [], None, []
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -112,17 +112,65 @@ def one_request(port: int, body: bytes) -> dict:
         for choice in chunk["choices"]:
             if choice["delta"].get("content") or choice.get("logprobs"):
                 times.append(time.perf_counter())
-    return {"start": start, "times": times, "tokens": usage["completion_tokens"]}
+                text.append(choice["delta"].get("content") or "")
+    return {"start": start, "times": times, "tokens": usage["completion_tokens"], "prompt": usage["prompt_tokens"],
+            "text": "".join(text)}
+
+
+def user_turn(text: str) -> dict:
+    image = base64.b64encode((ROOT / "assets" / "demo.png").read_bytes()).decode()
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+                                        {"type": "text", "text": text}]}
+
+
+def chat_body(args, messages) -> bytes:
+    return json.dumps({"messages": messages, "max_tokens": args.new, "stream": True,
+                       "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
+                       "logprobs": True}).encode()
 
 
 def body(args, number: int = 0) -> bytes:
-    image = base64.b64encode((ROOT / "assets" / "demo.png").read_bytes()).decode()
     text = "Describe the image." + (f" This is request {number}." if args.prompts == "distinct" else "")
-    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-               {"type": "text", "text": text}]
-    return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": args.new, "stream": True,
-                       "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
-                       "logprobs": True}).encode()
+    return chat_body(args, [user_turn(text)])
+
+
+def peak_rss_gb(pid: int) -> float:
+    """The process's peak resident set (VmHWM), GB."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return round(int(line.split()[1]) * 1024 / 1e9, 3)
+
+
+def multi_turn(args, model: Path) -> list[dict]:
+    """A chat of `args.multi_turn` lines of text and one image, then its second turn (the
+    first, its answer, a question), on a server with the prefix cache and on one without:
+    each turn's time to first token and prompt tokens; then `max(--concurrency)` such first
+    turns at once (distinct texts), and the server's peak RSS."""
+    out = []
+    for cache in (True, False):
+        port = free_port()
+        server = start_server(args, model, port, [] if cache else ["--no-prompt-cache"])
+        try:
+            one_request(port, body(args))  # warm-up
+            text = " ".join(f"Line {i}: a note about the picture." for i in range(args.multi_turn))
+            first = [user_turn(text)]
+            r1 = one_request(port, chat_body(args, first))
+            second = first + [{"role": "assistant", "content": r1["text"]},
+                              {"role": "user", "content": "And what else is in it?"}]
+            r2 = one_request(port, chat_body(args, second))
+            row = {"prefix_cache": cache, "turn1_prompt_tokens": r1["prompt"], "turn2_prompt_tokens": r2["prompt"],
+                   "turn1_ttft_s": round(r1["times"][0] - r1["start"], 3),
+                   "turn2_ttft_s": round(r2["times"][0] - r2["start"], 3)}
+            row["turn2_over_turn1"] = round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 3)
+            if cache:
+                bodies = (chat_body(args, [user_turn(f"Chat {i}. " + text)]) for i in itertools.count())
+                clients = max(args.concurrency)
+                round_of(port, bodies, clients, 1)
+                row[f"peak_rss_gb_{clients}_chats"] = peak_rss_gb(server.pid)
+            out.append(row)
+        finally:
+            server.terminate()
+            server.wait(60)
+    return out
 
 
 def batch_sizes(port: int) -> dict:
@@ -189,9 +237,21 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--threads", type=int)
     p.add_argument("--startup-timeout", type=float, default=3600)
+    p.add_argument("--multi-turn", type=int, metavar="LINES",
+                   help="Instead: a chat of LINES lines and an image, then its second turn, with and without the "
+                        "prefix cache (turn-2 time to first token), and max(--concurrency) such chats at once "
+                        "(the server's peak RSS).")
     p.add_argument("--json", help="Write the report here.")
     args = p.parse_args(argv)
     model = checkpoint(args)
+    if args.multi_turn:
+        rows = multi_turn(args, model)
+        report = {"machine": machine(), "model": str(model), "precision": args.precision, "context": args.context,
+                  "multi_turn": rows}
+        print(json.dumps(report, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        return
     port = free_port()
     server = start_server(args, model, port)
     try:

@@ -197,6 +197,7 @@ class Builder:
     def subtract(self, a, b, hint=None): return self._binary("subtract", a, b, hint)
     def multiply(self, a, b, hint=None): return self._binary("multiply", a, b, hint)
     def divide(self, a, b, hint=None): return self._binary("divide", a, b, hint)
+    def remainder(self, a, b, hint=None): return self._binary("remainder", a, b, hint)
     def maximum(self, a, b, hint=None): return self._binary("maximum", a, b, hint)
 
     def _unary(self, op: str, x: Value, hint: str | None) -> Value:
@@ -388,6 +389,46 @@ class Builder:
                  "indices_are_sorted = false")
         return self._op(hint or "gather", f'"stablehlo.gather"({table}, {idx}) {{{attrs}}} : '
                                           f"({table.type}, {idx.type}) -> {t}", t)
+
+    def gather_slices(self, x: Value, axis: int, indices: Value, hint=None) -> Value:
+        """x's slices at `indices` [N] i32 along `axis`, in order: the same shape with that
+        dim N (a block table read of a paged KV cache)."""
+        if indices.rank != 1 or indices.dtype != "i32" or not 0 <= axis < x.rank:
+            raise BuildError(f"gather_slices: needs [N] i32 indices and an axis of {x.type}, got {indices.type}")
+        (n,) = indices.shape
+        idx = self.reshape(indices, (n, 1), hint=(hint or "gather") + "_idx")
+        shape = list(x.shape)
+        shape[axis] = n
+        t = TensorType(shape, x.dtype)
+        sizes = list(x.shape)
+        sizes[axis] = 1
+        offsets = [d for d in range(x.rank) if d != axis]
+        attrs = (f"dimension_numbers = #stablehlo.gather<offset_dims = [{_ints(offsets)}], collapsed_slice_dims = "
+                 f"[{axis}], start_index_map = [{axis}], index_vector_dim = 1>, slice_sizes = {_array(sizes)}, "
+                 "indices_are_sorted = false")
+        return self._op(hint or "gather", f'"stablehlo.gather"({x}, {idx}) {{{attrs}}} : '
+                                          f"({x.type}, {idx.type}) -> {t}", t)
+
+    def scatter_slices(self, x: Value, axis: int, indices: Value, updates: Value, hint=None) -> Value:
+        """x with its slices at `indices` [N] i32 along `axis` replaced by `updates` (x's shape
+        with that dim N); an index given twice keeps one of its updates."""
+        (n,) = indices.shape
+        shape = list(x.shape)
+        shape[axis] = n
+        if indices.dtype != "i32" or updates.type != TensorType(shape, x.dtype):
+            raise BuildError(f"scatter_slices: {updates.type} at {indices.type} into {x.type} along {axis}")
+        idx = self.reshape(indices, (n, 1), hint=(hint or "scatter") + "_idx")
+        name = self._fresh(f"{self._stage}.{hint or 'scatter'}" if self._stage else hint or "scatter")
+        scalar = TensorType((), x.dtype)
+        windows = [d for d in range(x.rank) if d != axis]
+        attrs = (f"scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [{_ints(windows)}], "
+                 f"inserted_window_dims = [{axis}], scatter_dims_to_operand_dims = [{axis}], index_vector_dim = 1>, "
+                 "indices_are_sorted = false, unique_indices = false")
+        self.lines += [f'%{name} = "stablehlo.scatter"({x}, {idx}, {updates}) ({{',
+                       f"  ^bb0(%{name}_old: {scalar}, %{name}_new: {scalar}):",
+                       f"    stablehlo.return %{name}_new : {scalar}",
+                       f'  }}) {{{attrs}}} : ({x.type}, {idx.type}, {updates.type}) -> {x.type} loc("{self._stage}")']
+        return Value(name, x.type)
 
     # -- conveniences built on the ops above ------------------------------------
     def broadcast_to(self, x: Value, shape, dims, hint=None) -> Value:

@@ -1,33 +1,36 @@
-"""The Qwen3-VL language model as one module: `prefill_<S>` per prompt bucket S, the later
-chunks of a long prompt (`prefill_<C>_<L>`) and `decode`, over the same weight globals (a
-parameter archive, scope `model`, keys the checkpoint names) and the same KV cache, mutable
-globals that stay on the device between calls (`[kv_heads, slots, head_dim]` per layer, K
-and V; `cache_slots`: the context rounded up to a whole chunk).
+"""The Qwen3-VL language model as one module over a paged KV cache (emitter/kv_pages.py):
+`prefill_<S>_<L>` per prompt bucket S and attention span L, `decode_<B>_<L>` per lane
+count B and span L, and `reset`, over the same weight globals (a parameter archive, scope
+`model`, keys the checkpoint names) and the same KV pools, mutable globals that stay on
+the device between calls. `qwen3vl generate` runs one sequence of it, `qwen3vl serve` up
+to `--max-batch` at once (its decode steps feed every running sequence one token).
 
-A prompt of n tokens runs as chunks (`prefill_chunks`): one `prefill_<S>` when it fits the
-largest bucket C, else chunks of C tokens, the first a `prefill_<C>` and each later one a
-`prefill_<C>_<L>` at its start slot, attending over the cache the earlier chunks wrote.
+A sequence is a block table [max_blocks] i32 (`TextShape.max_blocks`): slot s of it is
+row s % BLOCK of block table[s // BLOCK]. A prompt runs as chunks (`prefill_chunks`), from
+slot 0 or from the end of a prefix already in the cache (runtime/kv_cache.py), each the
+smallest bucket that holds the rest, or the largest.
 
-prefill_<S> (a prompt's first chunk, padded to S tokens; S <= slots):
+prefill_<S>_<L> (a chunk of S tokens at slot `start`, over the sequence's first L slots):
   tokens        [S] i32        token ids (image pads included)
   visual        [S] i32        1 at the image-pad positions, else 0
   visual_embeds [S, D] f32     the image embeddings at those rows (zeros elsewhere)
   deepstack     [K, S, D] f32  DeepStack feature k at those rows (zeros elsewhere); added
                                to the hidden states after decoder layer k (absent when K = 0)
   positions     [3, S] i32     (t, h, w) M-RoPE position ids
-  last          [] i32         index of the last real token
-  -> logits [1, vocab] f32 of token `last`; K and V of rows 0..S-1 written to cache slots 0..S-1.
-prefill_<C>_<L> (a later chunk of C = the largest bucket, for each span L >= C), the same
-  arguments and `start` [] i32 (the chunk's first slot, a multiple of C, at most L):
-  -> logits of token `last` of the chunk; K and V of its rows written to slots start..start+C-1,
-  each row attending over the cache's slots 0..start-1 (read from its first L) and the
-  chunk's rows up to its own.
-decode, and decode_<L> for each shorter span L (`attention_spans`):
-  token [1] i32, positions [3, 1] i32, slot [] i32 (its cache slot = its text position)
-  -> logits [1, vocab] f32; its K and V written to cache slot `slot`, attention over 0..slot.
-  `decode` attends over the whole cache (slots past `slot` masked), `decode_<L>` over its
-  first L slots only (slot <= L): a step reads L slots of each layer's cache, not the
-  context's, so a short chat in a long context decodes as fast as in a short one.
+  last          [] i32         index of the chunk's last real token
+  start         [] i32         its first slot (a multiple of BLOCK; start + S <= L)
+  table         [max_blocks] i32
+  -> logits [1, vocab] f32 of token `last`; K and V of rows 0..S-1 written to slots
+  start..start+S-1 (rows past the prompt's end land in block 0 or in slots decode rewrites).
+decode_<B>_<L> (B lanes, each one token of a sequence; L holds every lane's slot):
+  tokens [B] i32, positions [3, B] i32, slots [B] i32 (lane i's token's slot = its text
+  position), tables [B, max_blocks] i32 (distinct sequences, or a lane repeating another's
+  inputs whole)
+  -> logits [B, vocab] f32; each lane's K/V written at its slot, attending over its
+  sequence's slots 0..slot. The runtime calls the smallest B that holds the running
+  sequences and the shortest L that holds the longest (`attention_spans`): a short chat
+  in a long context reads L slots of each layer's cache, not the context's.
+reset(fill [2 x layers] f32): see `reset_function`.
 
 Per layer (transformers' Qwen3VLTextDecoderLayer): h = x + o(attn(rope(q_norm(q(n1))),
 rope(k_norm(k(n1))), v(n1))), n1 = rms(x); y = h + down(silu(gate(n2)) * up(n2)),
@@ -42,76 +45,135 @@ from . import __version__
 from .builder import Builder, Value
 from .config import PARAMETER_SCOPE, PRECISION_NOTES, WeightSpec, activation_dtype, check_precision, weight_dtype
 from .attention import grouped_attention
+from .kv_pages import BLOCK, pool_shape, read_span, write_chunk, write_token
 from .layers import apply_rotary, gated_mlp, mrope_tables, project, rms_norm, rope_inv_freq
 from .module import function, render
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
 MODULE_NAME = "qwen3vl_text"
-DECODE = "decode"
-SHORTEST_SPAN = 512  # the shortest attention span a decode function has
+PREFILL, DECODE, RESET = "prefill", "decode", "reset"
+SHORTEST_SPAN = 512  # the shortest attention span a function has
 MATMUL_SUFFIXES = ("proj.weight", "embed_tokens.weight", LM_HEAD)
+KV_DTYPES = ("f32", "bf16")
+KV_CACHE_HELP = ("KV cache element type: bf16 halves the cache's memory, its keys and values rounded to bf16 "
+                 "(docs/text.md gives the distance from f32).")
 
 
 class TextShapeError(ValueError):
-    """A prompt bucket or context the graph cannot be built for."""
+    """A prompt bucket, context, lane or block count the graph cannot be built for."""
 
 
-def prefill_name(bucket: int, span: int | None = None) -> str:
-    """`prefill_<bucket>` (a first chunk), or `prefill_<bucket>_<span>` (a later one)."""
-    return f"prefill_{bucket}" + (f"_{span}" if span else "")
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise TextShapeError(f"--kv-cache-dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+    return kv_dtype
 
 
-def cache_slots(context: int, buckets) -> int:
-    """The KV cache's slots: the context rounded up to a whole chunk (the largest bucket),
-    so that a prompt's last chunk, padded, is written inside the cache."""
-    chunk = max(buckets)
-    return -(-context // chunk) * chunk
+def _count(value, what: str, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise TextShapeError(f"{what} {value!r}: expected an integer of at least {least}")
+    return value
 
 
-def chunk_spans(buckets, slots: int) -> tuple[int, ...]:
-    """The spans a later chunk may attend over: those of `attention_spans` at least a chunk."""
-    return tuple(span for span in attention_spans(slots) if span >= max(buckets))
+def attention_spans(slots: int) -> tuple[int, ...]:
+    """The spans a function may attend over: 512, 1024, ... below `slots`, then `slots`."""
+    spans, span = [], SHORTEST_SPAN
+    while span < slots:
+        spans.append(span)
+        span *= 2
+    return (*spans, slots)
+
+
+def lane_counts(lanes: int) -> list[int]:
+    """The decode entries a module of `lanes` lanes has: 1, 2, 4, ... below `lanes`, and `lanes`."""
+    return [1 << i for i in range(lanes.bit_length()) if 1 << i < lanes] + [lanes]
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """What the module's shapes depend on beside the model: the prompt buckets (multiples
+    of BLOCK; the largest is the chunk C), the context, the decode lanes, the KV pool's
+    blocks and its element type."""
+    buckets: tuple[int, ...]
+    context: int
+    lanes: int = 1
+    blocks: int = 0  # 0: one context's blocks per lane, and block 0
+    kv_dtype: str = "f32"
+
+    def __post_init__(self):
+        _count(self.context, "--context")
+        buckets = []
+        for bucket in self.buckets:
+            if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 < bucket <= self.context \
+                    or bucket % BLOCK:
+                raise TextShapeError(f"prompt bucket {bucket!r}: expected a positive multiple of {BLOCK} (the KV "
+                                     f"cache's block) <= the context {self.context}")
+            if bucket not in buckets:
+                buckets.append(bucket)
+        if not buckets:
+            raise TextShapeError("prompt buckets: expected at least one")
+        object.__setattr__(self, "buckets", tuple(sorted(buckets)))
+        _count(self.lanes, "--max-batch")
+        check_kv_dtype(self.kv_dtype)
+        if not self.blocks:
+            object.__setattr__(self, "blocks", self.lanes * self.max_blocks + 1)
+        if _count(self.blocks, "KV cache blocks", 2) < self.max_blocks + 1:
+            raise TextShapeError(f"KV cache of {self.blocks} blocks: expected at least {self.max_blocks + 1} (one "
+                                 f"context of {self.context} tokens in blocks of {BLOCK}, and block 0)")
+
+    @property
+    def slots(self) -> int:
+        """A sequence's slots: the context rounded up to a whole chunk, so that a prompt's
+        last chunk from slot 0, padded, is inside them."""
+        chunk = self.buckets[-1]
+        return -(-self.context // chunk) * chunk
+
+    @property
+    def max_blocks(self) -> int:
+        return self.slots // BLOCK
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        return attention_spans(self.slots)
+
+    def span_for(self, slots: int) -> int:
+        """The shortest span that holds slots 0..slots-1."""
+        return next(span for span in self.spans if span >= slots)
+
+
+def prefill_name(bucket: int, span: int) -> str:
+    return f"{PREFILL}_{bucket}_{span}"
+
+
+def decode_name(lanes: int, span: int) -> str:
+    return f"{DECODE}_{lanes}_{span}"
 
 
 @dataclass(frozen=True)
 class Chunk:
-    start: int  # its first cache slot (= text position)
-    size: int  # the function's rows (the bucket; real rows: min(size, n - start))
-    span: int | None  # None: a first chunk (`prefill_<size>`); else `prefill_<size>_<span>`
+    start: int  # its first slot (= text position)
+    size: int  # the bucket (real rows: min(size, n - start))
+    span: int  # the slots it attends over
 
     @property
     def name(self) -> str:
         return prefill_name(self.size, self.span)
 
 
-def prefill_chunks(n: int, buckets, slots: int) -> list[Chunk]:
-    """The calls that prefill a prompt of n tokens: the smallest bucket that holds it, or
-    chunks of the largest bucket C (each later chunk over the shortest span that holds the
-    slots before it)."""
-    buckets = sorted(buckets)
-    if n <= buckets[-1]:
-        return [Chunk(0, next(b for b in buckets if b >= n), None)]
-    c = buckets[-1]
-    return [Chunk(start, c, span_for(start, slots) if start else None) for start in range(0, n, c)]
-
-
-def attention_spans(context: int) -> tuple[int, ...]:
-    """The cache spans a decode step may attend over: 512, 1024, ... below the context,
-    then the context."""
-    spans, span = [], SHORTEST_SPAN
-    while span < context:
-        spans.append(span)
-        span *= 2
-    return (*spans, context)
-
-
-def span_for(slot: int, context: int) -> int:
-    """The shortest span that holds cache slots 0..slot-1."""
-    return next(span for span in attention_spans(context) if span >= slot)
-
-
-def decode_name(span: int, context: int) -> str:
-    return DECODE if span == context else f"{DECODE}_{span}"
+def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | None:
+    """The calls that prefill slots start..n-1 of a prompt of n tokens (slots before
+    `start` already cached; a multiple of BLOCK): each chunk the smallest bucket that holds
+    the rest, or the largest, over the shortest span that holds it. None if the last one
+    would end past the sequence's slots (only a `start` that is not a multiple of the
+    largest bucket can do that)."""
+    chunks = []
+    while start < n:
+        size = next((b for b in shape.buckets if b >= n - start), shape.buckets[-1])
+        if start + size > shape.slots:
+            return None
+        chunks.append(Chunk(start, size, shape.span_for(start + size)))
+        start += size
+    return chunks
 
 
 def cache_span(b: Builder, cache: Value, span: int, axis: int) -> Value:
@@ -123,40 +185,6 @@ def cache_span(b: Builder, cache: Value, span: int, axis: int) -> Value:
     limit = list(cache.shape)
     limit[axis] = span
     return b.optimization_barriers([b.slice(cache, (0,) * cache.rank, tuple(limit), hint="span")], hint="span")[0]
-
-
-def span_mask(b: Builder, slot: Value, span: int) -> Value:
-    """Additive [1, span + 1]: the span's slots before `slot`, then the new token's own."""
-    keys = b.iota((1, span + 1), 1, hint="key")
-    seen = b.compare("LT", keys, b.broadcast_in_dim(slot, (1, span + 1), [], hint="slot"))
-    own = b.compare("EQ", keys, b.constant(span, (1, span + 1), "i32"), hint="own")
-    seen = b.select(own, own, seen, hint="seen")
-    return b.select(seen, b.constant(0.0, (1, span + 1)), b.constant(float("-inf"), (1, span + 1)), hint="mask")
-
-
-def check_text_shapes(buckets, context: int) -> tuple[tuple[int, ...], int]:
-    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
-        raise TextShapeError(f"--context {context!r}: expected a positive number of tokens")
-    out = []
-    for bucket in buckets:
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 < bucket <= context:
-            raise TextShapeError(f"prompt bucket {bucket!r}: expected a positive token count <= the context {context}")
-        if bucket not in out:
-            out.append(bucket)
-    if not out:
-        raise TextShapeError("prompt buckets: expected at least one")
-    return tuple(sorted(out)), context
-
-
-KV_DTYPES = ("f32", "bf16")
-KV_CACHE_HELP = ("KV cache element type: bf16 halves the cache's memory, its keys and values rounded to bf16 "
-                 "(docs/text.md gives the distance from f32).")
-
-
-def check_kv_dtype(kv_dtype: str) -> str:
-    if kv_dtype not in KV_DTYPES:
-        raise TextShapeError(f"--kv-cache-dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
-    return kv_dtype
 
 
 def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
@@ -187,30 +215,19 @@ def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
             for name, shape in shapes]
 
 
-def prefill_inputs(cfg: TextConfig, bucket: int, deepstack_layers: int) -> list[tuple[str, tuple, str]]:
-    """(name, shape, dtype) of prefill_<bucket>'s arguments, in order."""
-    d = cfg.hidden_size
-    deepstack = [("deepstack", (deepstack_layers, bucket, d), "f32")] if deepstack_layers else []
-    return [("tokens", (bucket,), "i32"), ("visual", (bucket,), "i32"), ("visual_embeds", (bucket, d), "f32"),
-            *deepstack, ("positions", (3, bucket), "i32"), ("last", (), "i32")]
-
-
-DECODE_INPUTS = [("token", (1,), "i32"), ("positions", (3, 1), "i32"), ("slot", (), "i32")]
-
-
 class TextGraph:
     """One function's builder with the weights and KV cache bound (same globals, same order,
     in every function of the module)."""
 
-    def __init__(self, cfg: TextConfig, context: int, precision: str, rows: int = 0, kv_dtype: str = "f32"):
-        self.cfg, self.context, self.b = cfg, context, Builder(activations=activation_dtype(precision))
-        self.kv_dtype = check_kv_dtype(kv_dtype)
+    def __init__(self, cfg: TextConfig, shape: "TextShape", precision: str):
+        self.cfg, self.shape, self.b = cfg, shape, Builder(activations=activation_dtype(precision))
+        self.kv_dtype = shape.kv_dtype
         self.inputs: dict[str, Value] = {}
         self.w = {s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype, key=s.name,
                                            scope=PARAMETER_SCOPE) for s in text_weights(cfg, precision)}
-        cache = (rows,) * bool(rows) + (cfg.num_key_value_heads, context, cfg.head_dim)  # rows: one per sequence
-        self.cache = [(self.b.state(f"layers.{n}.k_cache", cache, kv_dtype),
-                       self.b.state(f"layers.{n}.v_cache", cache, kv_dtype)) for n in range(cfg.num_hidden_layers)]
+        pool = pool_shape(cfg.num_key_value_heads, shape.blocks, cfg.head_dim)
+        self.pages = [(self.b.state(f"layers.{n}.k_pages", pool, shape.kv_dtype),
+                       self.b.state(f"layers.{n}.v_pages", pool, shape.kv_dtype)) for n in range(cfg.num_hidden_layers)]
 
     def stored(self, x: Value) -> Value:
         """K or V as the cache holds them (`kv_dtype`)."""
@@ -229,17 +246,28 @@ class TextGraph:
         self.inputs[name] = self.b.argument(name, shape, dtype)
         return self.inputs[name]
 
-    def prefix(self, cache: Value, span: int, row: Value | None = None) -> Value:
-        """The first `span` slots of a loaded layer cache, [kv_heads, span, head_dim]: of row
-        `row` when the cache has rows (copied out behind a barrier unless it is the whole
-        row: see `cache_span`)."""
-        if row is None:
-            return cache_span(self.b, cache, span, 1)
-        b, shape = self.b, (cache.shape[1], span, cache.shape[3])
-        zero = b.constant(0, (), "i32", hint="zero")
-        picked = b.reshape(b.dynamic_slice(cache, [row, zero, zero, zero], (1, *shape), hint="row"), shape,
-                           hint="row")
-        return picked if span == cache.shape[2] else b.optimization_barriers([picked], hint="span")[0]
+    def attend(self, n: int, q: Value, k: Value, v: Value, table: Value, start: Value, mask: Value) -> Value:
+        """Layer n's attention of a chunk's q over its sequence's cache, and its own K/V (at
+        slots start..) stored: the keys and values are the sequence's first L slots (L the
+        mask's width), read through `table` with the chunk's own K/V laid over slots start..,
+        one array in slot order, so that a row's sums run over the same keys in the same order
+        however its prompt was chunked (a prefix-cache hit rounds as a miss). Attention reads
+        the pools as loaded, and the update is ordered after it (one barrier): reading the
+        value just stored gave wrong results on IREE 3.13, and with the loaded value still to
+        be read IREE copied each whole pool before updating it."""
+        b, span = self.b, mask.shape[1]
+        loaded = [b.load_state(state) for state in self.pages[n]]
+        own = self.attended(k, v)
+        zero = self.zero
+        keys, values = (b.dynamic_update_slice(self.read(read_span(b, pool, table, span)), x, [zero, start, zero],
+                                               hint="own_kv") for pool, x in zip(loaded, own))
+        keys, values = b.optimization_barriers([keys, values], hint="kv")  # see cache_span
+        context = grouped_attention(b, q, [keys], [values], mask)
+        *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
+        for state, pool, x in zip(self.pages[n], loaded, (k, v)):
+            write = write_token if x.shape[1] == 1 else write_chunk
+            b.store_state(write(b, pool, table, start, self.stored(x)), state)
+        return context
 
     def layer_weights(self, n: int) -> dict:
         prefix = f"{TEXT_PREFIX}layers.{n}."
@@ -308,77 +336,41 @@ class TextGraph:
         return function(self.b, name, [("logits", logits)])
 
 
-def causal_mask(b: Builder, s: int) -> Value:
-    """Additive [S, S]: 0 where key <= query, -inf after."""
-    rows, cols = b.iota((s, s), 0, hint="query"), b.iota((s, s), 1, hint="key")
-    return b.select(b.compare("LE", cols, rows, hint="causal"), b.constant(0.0, (s, s), hint="zero"),
-                    b.constant(float("-inf"), (s, s), hint="neg_inf"), hint="mask")
-
-
-def chunk_mask(b: Builder, start: Value, span: int, s: int) -> Value:
-    """Additive [S, span + S] of a later chunk: the span's slots before `start`, then the
-    chunk's own rows causally."""
-    shape = (s, span + s)
-    rows, cols = b.iota(shape, 0, hint="query"), b.iota(shape, 1, hint="key")
-    cached = b.compare("LT", cols, b.broadcast_in_dim(start, shape, [], hint="start"), hint="cached")
-    own = b.subtract(cols, b.constant(span, shape, "i32"), hint="own_key")
-    causal = b.compare("LE", own, rows, hint="causal")
-    seen = b.select(b.compare("LT", cols, b.constant(span, shape, "i32")), cached, causal, hint="seen")
+def position_mask(b: Builder, start: Value, s: int, span: int) -> Value:
+    """Additive [S, span]: row i (slot start + i) sees the slots up to its own."""
+    shape = (s, span)
+    rows = b.add(b.iota(shape, 0, hint="query"), b.broadcast_in_dim(start, shape, [], hint="start"), hint="slot")
+    seen = b.compare("LE", b.iota(shape, 1, hint="key"), rows, hint="seen")
     return b.select(seen, b.constant(0.0, shape, hint="zero"), b.constant(float("-inf"), shape, hint="neg_inf"),
                     hint="mask")
 
 
-def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layers: int,
-                     precision: str = "f32", rows: int = 0, span: int | None = None,
-                     kv_dtype: str = "f32") -> tuple[dict, list[str]]:
-    """prefill_<bucket> (a first chunk), or with `span` prefill_<bucket>_<span> (a later
-    chunk, at an extra i32 argument `start`); with `rows`, over a KV cache of that many rows,
-    the sequence's K/V written into row `row` (an extra i32 argument; text_batch.py).
-    `context` is the cache's slots; the cache holds `kv_dtype`."""
-    g = TextGraph(cfg, context, precision, rows, kv_dtype)
+def prefill_inputs(cfg: TextConfig, shape: TextShape, bucket: int, deepstack_layers: int) -> list[tuple]:
+    """(name, shape, dtype) of prefill_<bucket>_<L>'s arguments, in order."""
+    d = cfg.hidden_size
+    deepstack = [("deepstack", (deepstack_layers, bucket, d), "f32")] if deepstack_layers else []
+    return [("tokens", (bucket,), "i32"), ("visual", (bucket,), "i32"), ("visual_embeds", (bucket, d), "f32"),
+            *deepstack, ("positions", (3, bucket), "i32"), ("last", (), "i32"), ("start", (), "i32"),
+            ("table", (shape.max_blocks,), "i32")]
+
+
+def decode_inputs(shape: TextShape, lanes: int) -> list[tuple]:
+    return [("tokens", (lanes,), "i32"), ("positions", (3, lanes), "i32"), ("slots", (lanes,), "i32"),
+            ("tables", (lanes, shape.max_blocks), "i32")]
+
+
+def prefill_function(cfg: TextConfig, shape: TextShape, bucket: int, span: int, deepstack_layers: int,
+                     precision: str = "f32") -> tuple[dict, list[str]]:
+    """prefill_<bucket>_<span>: a chunk of `bucket` tokens at slot `start` of a sequence."""
+    g = TextGraph(cfg, shape, precision)
     b = g.b
-    arguments = prefill_inputs(cfg, bucket, deepstack_layers) + [("start", (), "i32")] * bool(span) + \
-        [("row", (), "i32")] * bool(rows)
-    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in arguments}
+    inputs = {name: g.argument(name, dims, dtype)
+              for name, dims, dtype in prefill_inputs(cfg, shape, bucket, deepstack_layers)}
     d = cfg.hidden_size
     with b.stage("embed"):
         visual = b.compare("NE", inputs["visual"], b.constant(0, (bucket,), "i32"), hint="visual")
         visual = b.broadcast_in_dim(visual, (bucket, d), [0], hint="visual")
         x = b.select(visual, inputs["visual_embeds"], g.embed(inputs["tokens"]), hint="inputs_embeds")
-    rest = (cfg.num_key_value_heads, context - bucket, cfg.head_dim)
-
-    def first(n, q, k, v, mask):
-        if rows:
-            for state, value in zip(g.cache[n], (k, v)):  # slots past S keep an old sequence's: decode masks them
-                update = b.reshape(g.stored(value), (1, *value.shape), hint="row")
-                b.store_state(b.dynamic_update_slice(b.load_state(state), update, [inputs["row"], *[g.zero] * 3],
-                                                     hint="cache"), state)
-            own_k, own_v = g.attended(k, v)
-            return grouped_attention(b, q, [own_k], [own_v], mask)
-        for state, value in zip(g.cache[n], (k, v)):  # a new sequence: the cache is rewritten whole
-            value = g.stored(value)
-            whole = b.concatenate([value, b.constant(0.0, rest, value.dtype, hint="empty")], 1, hint="cache") \
-                if rest[1] else value
-            b.store_state(whole, state)
-        own_k, own_v = g.attended(k, v)
-        return grouped_attention(b, q, [own_k], [own_v], mask)
-
-    def later(n, q, k, v, mask):
-        # As decode: the cache as loaded (its first `span` slots, of row `row`) plus the
-        # chunk's own K/V as a second block; the update ordered after the attention.
-        loaded = [b.load_state(state) for state in g.cache[n]]
-        keys, values = (g.read(g.prefix(cache, span, inputs.get("row"))) for cache in loaded)
-        own_k, own_v = g.attended(k, v)
-        context_ = grouped_attention(b, q, [keys, own_k], [values, own_v], mask)
-        *loaded, context_ = b.optimization_barriers([*loaded, context_], hint="attended")
-        at = [g.zero, inputs["start"], g.zero]
-        for state, cache, value in zip(g.cache[n], loaded, (k, v)):
-            value = g.stored(value)
-            if rows:
-                value = b.reshape(value, (1, *value.shape), hint="row")
-            b.store_state(b.dynamic_update_slice(cache, value, [inputs["row"], *at] if rows else at, hint="cache"),
-                          state)
-        return context_
 
     def deepstack(n, x):
         if n >= deepstack_layers:
@@ -387,71 +379,87 @@ def prefill_function(cfg: TextConfig, bucket: int, context: int, deepstack_layer
             feature = b.reshape(b.slice(inputs["deepstack"], (n, 0, 0), (n + 1, bucket, d)), (bucket, d))
             return b.add(x, feature, hint="deepstack")  # zero off the visual rows: x + 0 = x
 
-    make_mask = (lambda: chunk_mask(b, inputs["start"], span, bucket)) if span else lambda: causal_mask(b, bucket)
-    x = g.decoder(x, inputs["positions"], make_mask, later if span else first, deepstack)
+    x = g.decoder(x, inputs["positions"], lambda: position_mask(b, inputs["start"], bucket, span),
+                  lambda n, q, k, v, mask: g.attend(n, q, k, v, inputs["table"], inputs["start"], mask), deepstack)
     with b.stage("last"):
         row = b.dynamic_slice(x, [inputs["last"], g.zero], (1, d), hint="last")
     return g.function(prefill_name(bucket, span), g.logits(row)), b.globals
 
 
-def decode_function(cfg: TextConfig, context: int, precision: str = "f32",
-                    span: int | None = None, kv_dtype: str = "f32") -> tuple[dict, list[str]]:
-    """`decode` (span None: the whole cache) or `decode_<span>`."""
-    span = span or context
-    g = TextGraph(cfg, context, precision, kv_dtype=kv_dtype)
+def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, span: int,
+                    precision: str = "f32") -> tuple[dict, list]:
+    """decode_<lanes>_<span>: one token for each of `lanes` sequences, lane i at slot
+    slots[i] of the sequence whose table is tables[i]. Every weight matmul (projections,
+    MLP, lm_head) runs once for all lanes, so a step reads the weights once; attention is
+    per lane, over its own sequence."""
+    g = TextGraph(cfg, shape, precision)
     b = g.b
-    inputs = {name: g.argument(name, shape, dtype) for name, shape, dtype in DECODE_INPUTS}
+    inputs = {name: g.argument(name, dims, dtype) for name, dims, dtype in decode_inputs(shape, lanes)}
     with b.stage("embed"):
-        x = g.embed(inputs["token"])
+        x = g.embed(inputs["tokens"])
 
-    def attend(n, q, k, v, mask):
-        # Attention reads the cache as loaded plus the new K/V as a second block, never the
-        # updated cache: reading the stored value in the same call gave wrong results (IREE 3.13).
-        # The update is ordered after the attention (one barrier over both caches and the
-        # context): while the loaded value was still to be read, IREE copied each whole cache
-        # before updating it (2 x 16 MB per layer per token at 2B widths and 4096 slots).
-        loaded = [b.load_state(state) for state in g.cache[n]]
-        keys, values = (g.read(cache_span(b, cache, span, 1)) for cache in loaded)
-        own_k, own_v = g.attended(k, v)
-        context = grouped_attention(b, q, [keys, own_k], [values, own_v], mask)
-        *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
-        for state, cache, value in zip(g.cache[n], loaded, (k, v)):
-            b.store_state(b.dynamic_update_slice(cache, g.stored(value), [g.zero, inputs["slot"], g.zero],
-                                                 hint="cache"), state)
-        return context
+    def scalar(name: str, i: int) -> Value:
+        return b.reshape(b.slice(inputs[name], (i,), (i + 1,)), (), hint=name[:-1])
 
-    x = g.decoder(x, inputs["positions"], lambda: span_mask(b, inputs["slot"], span), attend)
-    return g.function(decode_name(span, context), g.logits(x)), b.globals
+    slots = [scalar("slots", i) for i in range(lanes)]
+    tables = [b.reshape(b.slice(inputs["tables"], (i, 0), (i + 1, shape.max_blocks)), (shape.max_blocks,),
+                        hint="table") for i in range(lanes)]
 
+    def lane(value: Value, i: int, axis: int) -> Value:
+        start, limit = [0] * value.rank, list(value.shape)
+        start[axis], limit[axis] = i, i + 1
+        return b.slice(value, tuple(start), tuple(limit), hint="lane")
 
-def emit_text_module(cfg: TextConfig, buckets, context: int, deepstack_layers: int, precision: str = "f32",
-                     title: str = "", kv_dtype: str = "f32") -> str:
-    """MLIR text of the language-model module: `prefill_<S>` for each bucket S,
-    `prefill_<C>_<L>` for each chunk span L, `decode` and `decode_<L>` for each shorter
-    span L, over shared weight globals and KV-cache globals of `cache_slots` slots
-    (deterministic: same input, same bytes)."""
-    buckets, context = check_text_shapes(buckets, context)
-    slots = cache_slots(context, buckets)
-    entries = [prefill_function(cfg, s, slots, deepstack_layers, precision, kv_dtype=kv_dtype) for s in buckets] + \
-        [prefill_function(cfg, buckets[-1], slots, deepstack_layers, precision, span=span, kv_dtype=kv_dtype)
-         for span in chunk_spans(buckets, slots)] + \
-        [decode_function(cfg, slots, precision, span, kv_dtype) for span in attention_spans(slots)]
-    name = "Qwen3-VL language model" + (f" ({title})" if title else "")
-    return render_text_module(cfg, name, entries, buckets, context, deepstack_layers, precision, kv_dtype)
+    def attend(n, q, k, v, masks):
+        contexts = [g.attend(n, lane(q, i, 0), lane(k, i, 1), lane(v, i, 1), tables[i], slots[i], masks[i])
+                    for i in range(lanes)]
+        return contexts[0] if lanes == 1 else b.concatenate(contexts, 0, hint="context")
+
+    masks = lambda: [position_mask(b, slot, 1, span) for slot in slots]  # noqa: E731
+    x = g.decoder(x, inputs["positions"], masks, attend)
+    return g.function(decode_name(lanes, span), g.logits(x)), b.globals
 
 
-def render_text_module(cfg: TextConfig, name: str, entries, buckets, context: int, deepstack_layers: int,
-                       precision: str, kv_dtype: str = "f32") -> str:
-    """The language-model module of `entries` ((function, globals) pairs, every one over the
-    same globals) under a header naming it `name` and its shapes."""
-    functions, shared = [], None
+def reset_function(cfg: TextConfig, shape: TextShape, precision: str = "f32") -> tuple[dict, list]:
+    """`reset(fill [2 x layers] f32)`: each KV pool stored whole, pool j with `fill[j]`
+    (zeros from the caller). Called once after loading. Until then every pool holds IREE's
+    one shared zero buffer, and slot-wise updates of it write through to all of them (IREE
+    3.13). One argument per global: values that are equal would be merged into one buffer
+    again."""
+    g = TextGraph(cfg, shape, precision)
+    b = g.b
+    states = [state for pair in g.pages for state in pair]
+    fill = g.argument("fill", (len(states),), "f32")
+    for j, state in enumerate(states):
+        value = g.stored(b.reshape(b.slice(fill, (j,), (j + 1,)), (), hint="fill"))
+        b.store_state(b.broadcast_in_dim(value, state[1].shape, [], hint="empty"), state)
+    return function(b, RESET, [("done", b.constant(0, (), "i32", hint="done"))]), b.globals
+
+
+def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, precision: str = "f32",
+                     functions: str = "all") -> str:
+    """MLIR text of the language-model module (deterministic: same input, same bytes):
+    `prefill_<S>_<L>` for each bucket S and span L >= S, `decode_<B>_<L>` for each lane
+    count B and span L, and `reset` (`functions` "prefill" or "decode": only those, for
+    benchmarks)."""
+    check_precision(precision)
+    entries = []
+    if functions in ("all", "prefill"):
+        entries += [prefill_function(cfg, shape, s, span, deepstack_layers, precision)
+                    for s in shape.buckets for span in shape.spans if span >= s]
+    if functions in ("all", "decode"):
+        entries += [decode_function(cfg, shape, n, span, precision) for span in shape.spans
+                    for n in lane_counts(shape.lanes)]
+    entries.append(reset_function(cfg, shape, precision))
+    functions_, shared = [], None
     for entry, globals_ in entries:
         assert shared is None or globals_ == shared, "every entry reads the same globals"
-        functions.append(entry)
+        functions_.append(entry)
         shared = globals_
-    header = (f"// {name}, prompt buckets {', '.join(map(str, buckets))}, context {context}, "
-              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}"
-              f"{'' if kv_dtype == 'f32' else f', KV cache in {kv_dtype}'}.\n"
+    kv = "" if shape.kv_dtype == "f32" else f" in {shape.kv_dtype}"
+    header = (f"// Qwen3-VL language model, prompt buckets {', '.join(map(str, shape.buckets))}, context "
+              f"{shape.context}, {shape.lanes} lanes, KV cache of {shape.blocks} blocks of {BLOCK}{kv}, "
+              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
               f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
-    return render(MODULE_NAME, header, shared, functions)
+    return render(MODULE_NAME, header, shared, functions_)

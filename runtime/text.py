@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +29,9 @@ import iree.runtime as rt
 
 from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
-from emitter.text import (MODULE_NAME, cache_slots, check_kv_dtype, check_text_shapes, decode_name,
-                          emit_text_module, prefill_chunks, prefill_inputs, span_for)
+from emitter.kv_pages import BLOCK
+from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_name, emit_text_module,
+                          lane_counts, prefill_chunks, prefill_inputs)
 from emitter.text_config import load_text_config
 
 from runtime.artifact.archive import release_mapped_pages
@@ -42,6 +44,7 @@ from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
 from runtime.checkpoints.text import text_entries
+from runtime.kv_cache import BlockPool, Blocks, block_keys
 
 DEFAULT_PROMPT_BUCKETS = (128, 512)  # a longer prompt runs in chunks of the largest
 DEFAULT_CONTEXT = 4096
@@ -51,17 +54,61 @@ class GenerateError(ValueError):
     """A request the model cannot serve (prompt too long, bad token id); one line."""
 
 
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable of /proc/meminfo; free pages elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_blocks(model_dir, buckets, context: int, lanes: int, kv_dtype: str = "f32",
+              memory_gb: float | None = None) -> tuple[int, str]:
+    """The KV pool's block count for `--kv-cache-memory` (GB), or by default a whole context
+    for each of `lanes` sequences, at most half of this machine's available memory and at
+    least one context; and a line saying what was chosen."""
+    cfg, _ = load_text_config(model_dir)
+    try:
+        shape = TextShape(tuple(buckets), context, lanes, 0, kv_dtype)
+    except TextShapeError as e:
+        raise GenerateError(str(e)) from None
+    block_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * BLOCK * cfg.head_dim * \
+        (2 if kv_dtype == "bf16" else 4)
+    least = shape.max_blocks + 1
+    if memory_gb is not None:
+        if not memory_gb > 0:
+            raise GenerateError(f"--kv-cache-memory {memory_gb}: expected a positive number of GB")
+        blocks = int(memory_gb * 1e9 // block_bytes)
+        if blocks < least:
+            raise GenerateError(f"--kv-cache-memory {memory_gb}: {blocks} blocks of {BLOCK} tokens, fewer than one "
+                                f"context of {context} tokens needs ({least}, {least * block_bytes / 1e9:.3f} GB)")
+        why = "--kv-cache-memory"
+    else:
+        blocks = max(least, min(shape.blocks, int(available_memory() * 0.5 // block_bytes)))
+        why = "a whole context per --max-batch sequence" if blocks == shape.blocks else "half the available memory"
+    return blocks, (f"{blocks} blocks of {BLOCK} tokens ({blocks * block_bytes / 1e9:.2f} GB, {kv_dtype}; "
+                    f"{(blocks - 1) * BLOCK} tokens in all, {why})")
+
+
 class TextSession:
-    """The language model of `model_dir` on an IREE device; `prefill` then `decode` calls
-    share one KV cache (a new `prefill` starts a new sequence). The module is compiled
-    (or found in the cache) and loaded on the first call."""
+    """The language model of `model_dir` on an IREE device, over one paged KV cache
+    (emitter/text.py, runtime/kv_cache.py): up to `lanes` sequences decode together. The
+    one-sequence calls (`prefill`, then `decode`) run one sequence of it, `qwen3vl
+    generate`'s; a new `prefill` ends the previous one. The module is compiled (or found in
+    the cache) and loaded on the first call."""
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
                  deepstack_layers: int = 0, target: str | None = None, cache_dir=None, precision: str = "f32",
-                 progress=None, config: rt.Config | None = None, kv_cache_dtype: str = "f32"):
+                 progress=None, config: rt.Config | None = None, kv_cache_dtype: str = "f32", lanes: int = 1,
+                 kv_blocks: int = 0, prefix_cache: bool = True):
         self.cfg, self.token_ids = load_text_config(model_dir)
-        self.kv_cache_dtype = check_kv_dtype(kv_cache_dtype)
-        self.buckets, self.context = check_text_shapes(list(buckets), context)
+        try:
+            self.shape = TextShape(tuple(buckets), context, lanes, kv_blocks, kv_cache_dtype)
+        except TextShapeError as e:
+            raise GenerateError(str(e)) from None
         self.cfg.check_context(self.context)
         self.target = target or DEFAULT_TARGET
         self.progress = progress or (lambda message: None)
@@ -71,8 +118,16 @@ class TextSession:
         self.model_dir, self.seconds = Path(model_dir), {}
         self.cache = ArtifactCache(cache_dir)
         self.config = config or device_config(self.target)
+        self.pool = BlockPool(self.shape.blocks, prefix_cache)
         self._module = None
-        self.length = 0  # tokens in the KV cache
+        self.sequence: Blocks | None = None  # the one-sequence calls'
+        self.length = 0  # its tokens in the KV cache
+
+    buckets = property(lambda self: self.shape.buckets)
+    context = property(lambda self: self.shape.context)
+    slots = property(lambda self: self.shape.slots)
+    lanes = property(lambda self: self.shape.lanes)
+    kv_cache_dtype = property(lambda self: self.shape.kv_dtype)
 
     @property
     def module(self):
@@ -92,24 +147,25 @@ class TextSession:
     def _load(self):
         """Load the module over the archive (`LoadedModule`: out of memory is one line); IREE
         packs the weights now, after which the archive's mapped pages are let go (pages read
-        later fault back from the file)."""
+        later fault back from the file). Then the KV pools are stored whole once (`reset`)."""
         self._loaded = LoadedModule(load_verified(self.vmfb_path), config=self.config, function=None,
                                     module_name=MODULE_NAME, modules=[parameters_module(self.config, self.parameters)])
         release_mapped_pages(self.parameters)
+        self._reset(self._loaded.module)
         return self._loaded.module
 
-    def _graph(self) -> str:
-        """The module's MLIR text (runtime/text_batch.py emits the batched one)."""
-        return emit_text_module(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision,
-                                kv_dtype=self.kv_cache_dtype)
+    def _reset(self, module) -> None:
+        """Every KV pool stored whole once (emitter/text.py's `reset_function`)."""
+        invoke(module[RESET], np.zeros(2 * self.cfg.num_hidden_layers, np.float32))
 
     def _build(self):
         """The module's vmfb through the artifact cache (`build.compiled_module`)."""
-        graph = self._graph()
-        fields = text_artifact_fields(self.cfg, self.buckets, self.context, self.deepstack_layers, self.precision,
-                                      self.target, graph)
-        detail = f"prompt buckets {', '.join(map(str, self.buckets))}, context {self.context}" + \
-            (f", KV cache {self.kv_cache_dtype}" if self.kv_cache_dtype != "f32" else "")
+        graph = emit_text_module(self.cfg, self.shape, self.deepstack_layers, self.precision)
+        fields = text_artifact_fields(self.cfg, self.shape, self.deepstack_layers, self.precision, self.target,
+                                      graph)
+        kv = "" if self.kv_cache_dtype == "f32" else f" in {self.kv_cache_dtype}"
+        detail = (f"prompt buckets {', '.join(map(str, self.buckets))}, context {self.context}, {self.lanes} "
+                  f"lanes, KV cache {self.shape.blocks} blocks{kv}")
         path, _ = compiled_module(self.cache, fields, lambda: graph, self.target, "text model", detail, self.progress)
         return path
 
@@ -122,41 +178,110 @@ class TextSession:
             raise GenerateError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens: more than the "
                                 f"context of {self.context} tokens (--context)")
 
-    @property
-    def slots(self) -> int:
-        """The KV cache's slots (the context rounded up to a whole chunk)."""
-        return cache_slots(self.context, self.buckets)
-
     def _logits(self, result) -> np.ndarray:
-        """A call's logits row on the host; ValueError if any is NaN or inf (no token is
-        chosen from an overflowed row)."""
-        logits = np.array(result.to_host(), dtype=np.float32, copy=True).reshape(-1)
+        """A call's logits on the host, [rows, vocab]; ValueError if any is NaN or inf (no
+        token is chosen from an overflowed row)."""
+        logits = np.array(result.to_host(), dtype=np.float32, copy=True)
         check_finite("logits", logits, "the language model")
         return logits
 
-    def prefill(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
-                deepstack_features=None, row: int | None = None) -> np.ndarray:
-        """Run the prompt (ids [n], M-RoPE ids [3, n]; image embeds [M, D] and DeepStack
-        features [K, M, D] at `visual_positions` [M]) chunk by chunk (`prefill_chunks`), into
-        cache row `row` of a batched module; the logits [vocab] of its last token."""
-        ids = np.asarray(input_ids, np.int64).reshape(-1)
-        if ids.size > self.context:
-            self.check_request(ids.size, 1)
+    # -- sequences of the paged cache -------------------------------------------
+
+    def admit(self, prompt) -> tuple[Blocks, int] | None:
+        """Blocks for a new sequence holding `prompt` (a `chat.Prompt`): its leading full
+        blocks found in the prefix cache (at least its last token is left to prefill) and
+        fresh ones for the rest; with the slot its prefill starts at. None when too few
+        blocks are free (nothing taken)."""
+        n = int(prompt.ids.size)
+        keys = block_keys(prompt, n // BLOCK)
+        shared = self.pool.share(keys[:(n - 1) // BLOCK])
+        start = len(shared) * BLOCK
+        if prefill_chunks(n, self.shape, start) is None:  # the last chunk would end past the slots
+            keep = start // self.buckets[-1] * self.buckets[-1] // BLOCK
+            self.pool.release(shared[keep:])
+            shared, start = shared[:keep], keep * BLOCK
+        fresh = -(-n // BLOCK) - len(shared)
+        if not self.pool.can_take(fresh):
+            self.pool.release(shared)
+            return None
+        self.pool.queried_tokens += n
+        self.pool.hit_tokens += start
+        return Blocks(shared + self.pool.take(fresh), len(shared)), start
+
+    def prefill_blocks(self, seq: Blocks, prompt, start: int) -> np.ndarray:
+        """Prefill `prompt`'s slots start.. into `seq` chunk by chunk; its full blocks are
+        then keyed for the prefix cache. The logits [vocab] of its last token."""
+        ids = np.asarray(prompt.ids, np.int64).reshape(-1)
         self._check_ids(ids)
-        extra = [] if row is None else [np.array(row, np.int32)]
-        for chunk in prefill_chunks(ids.size, self.buckets, self.slots):
-            args = self.prefill_arguments(chunk, ids, position_ids, visual_positions, image_embeds,
-                                          deepstack_features)
-            result = invoke(self.module[chunk.name], *args, *extra)
-        logits = self._logits(result)
+        table = self.pool.table(seq, self.shape.max_blocks)
+        for chunk in prefill_chunks(ids.size, self.shape, start):
+            args = self.prefill_arguments(chunk, ids, prompt.positions, prompt.visual, prompt.embeds,
+                                          prompt.deepstack)
+            result = invoke(self.module[chunk.name], *args, np.array(chunk.start, np.int32), table)
+        logits = self._logits(result).reshape(-1)
+        full = ids.size // BLOCK
+        self.pool.remember(seq.ids[seq.keyed:full], block_keys(prompt, full)[seq.keyed:])
+        return logits
+
+    def grow(self, seq: Blocks, slots: int) -> bool:
+        """`seq` covering `slots` slots, a block taken if needed; False if none is free."""
+        if slots <= seq.slots:
+            return True
+        if not self.pool.can_take(1):
+            return False
+        seq.ids += self.pool.take(1)
+        return True
+
+    def release(self, seq: Blocks) -> None:
+        self.pool.release(seq.ids)
+        seq.ids = []
+
+    def decode_batch(self, seqs: list[Blocks], tokens, rope_positions, slots) -> np.ndarray:
+        """One step for the sequences `seqs` (distinct, each covering its slot): seqs[i] is
+        fed `tokens[i]` at text position (cache slot) `slots[i]` and M-RoPE position
+        `rope_positions[i]`; their logits [len(seqs), vocab]. Runs the smallest
+        `decode_<B>_<L>` that holds them, over the shortest span that holds the longest (bit
+        for bit what each alone gives, tested); spare lanes repeat lane 0 (its write, twice)."""
+        n = len(seqs)
+        lanes = next(b for b in lane_counts(self.lanes) if b >= n)
+        pad = lambda values: np.concatenate([np.asarray(values, np.int32).reshape(n),  # noqa: E731
+                                             np.repeat(np.asarray(values, np.int32).reshape(n)[:1], lanes - n)])
+        tokens, slots, rope = pad(tokens), pad(slots), pad(rope_positions)
+        if slots.max() >= self.context:
+            raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
+        self._check_ids(tokens)
+        tables = np.stack([self.pool.table(seqs[i if i < n else 0], self.shape.max_blocks) for i in range(lanes)])
+        positions = np.repeat(rope.reshape(1, lanes), 3, axis=0)
+        span = self.shape.span_for(int(slots.max()) + 1)
+        result = invoke(self.module[decode_name(lanes, span)], tokens, positions, slots, tables)
+        return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]
+
+    # -- one sequence (generate) -------------------------------------------------
+
+    def prefill(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
+                deepstack_features=None) -> np.ndarray:
+        """Start the one sequence with this prompt (ids [n], M-RoPE ids [3, n]; image embeds
+        [M, D] and DeepStack features [K, M, D] at `visual_positions` [M]), chunk by chunk;
+        the logits [vocab] of its last token."""
+        from runtime.inputs.chat import Prompt
+
+        ids = np.asarray(input_ids, np.int64).reshape(-1)
+        self.check_request(ids.size, 1)
+        self._check_ids(ids)
+        if self.sequence is not None:
+            self.release(self.sequence)
+        prompt = Prompt(ids, np.asarray(position_ids), 0, visual_positions, image_embeds, deepstack_features)
+        self.sequence, start = self.admit(prompt)  # the pool holds a whole context: never None here
+        logits = self.prefill_blocks(self.sequence, prompt, start)
         self.length = int(ids.size)
         return logits
 
     def prefill_arguments(self, chunk, ids, position_ids, visual_positions=None, image_embeds=None,
                           deepstack_features=None) -> list[np.ndarray]:
-        """The arguments of `chunk`'s call (a `prefill_chunks` entry) for the prompt's rows
-        chunk.start.. (ids [n] and the rest as `prefill` takes them), in order; the visual
-        rows that fall in the chunk are placed at their rows in it."""
+        """The data arguments of `chunk`'s call (a `prefill_chunks` entry; `start` and
+        `table` follow them) for the prompt's rows chunk.start.. (ids [n] and the rest as
+        `prefill` takes them), in order; the visual rows that fall in the chunk are placed at
+        their rows in it."""
         n, d, s, start = ids.size, self.cfg.hidden_size, chunk.size, chunk.start
         real = min(s, n - start)
         tokens = np.zeros(s, np.int32)
@@ -175,22 +300,21 @@ class TextSession:
         positions = np.zeros((3, s), np.int32)
         positions[:, :real] = np.asarray(position_ids)[:, start:start + real]
         args = {"tokens": tokens, "visual": visual, "visual_embeds": embeds, "deepstack": deepstack,
-                "positions": positions, "last": np.array(real - 1, np.int32), "start": np.array(start, np.int32)}
-        names = [name for name, _, _ in prefill_inputs(self.cfg, s, self.deepstack_layers)]
-        return [args[name] for name in names + ["start"] * bool(chunk.span)]
+                "positions": positions, "last": np.array(real - 1, np.int32)}
+        names = [name for name, _, _ in prefill_inputs(self.cfg, self.shape, s, self.deepstack_layers)]
+        return [args[name] for name in names if name in args]
 
     def decode(self, token: int, rope_position: int) -> np.ndarray:
-        """Feed one token (text position `self.length`, M-RoPE position `rope_position` on
-        all three rows); the logits [vocab] of the next."""
-        if self.length == 0:  # also what keeps IREE's shared zero buffer out of the cache (text_batch.reset)
+        """Feed the one sequence a token (text position `self.length`, M-RoPE position
+        `rope_position` on all three rows); the logits [vocab] of the next."""
+        if self.sequence is None:
             raise GenerateError("decode: no prompt prefilled yet; call prefill first")
         if self.length >= self.context:
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(np.array([token]))
-        positions = np.full((3, 1), rope_position, np.int32)
-        name = decode_name(span_for(self.length, self.slots), self.slots)  # the cache's filled span only
-        logits = self._logits(invoke(self.module[name], np.array([token], np.int32), positions,
-                                     np.array(self.length, np.int32)))
+        self.grow(self.sequence, self.length + 1)  # the pool holds a whole context: always room
+        logits = self.decode_batch([self.sequence], [token], [rope_position], [self.length])[0]
+        check_finite("logits", logits, "the language model")
         self.length += 1
         return logits
 
@@ -266,7 +390,8 @@ class Generator:
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
                  target: str | None = None, cache_dir=None, precision: str = "f32", threads: int | None = None,
-                 progress=None, kv_cache_dtype: str = "f32"):
+                 progress=None, kv_cache_dtype: str = "f32", lanes: int = 1, kv_blocks: int = 0,
+                 prefix_cache: bool = True):
         from emitter.config import load_model_config
         from emitter.policy import load_policy
         from emitter.video_policy import load_video_policy
@@ -281,7 +406,8 @@ class Generator:
         self.tokenizer = ChatTokenizer(model_dir)
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
         self.text = TextSession(model_dir, buckets, context, len(self.vision_cfg.deepstack_visual_indexes),
-                                kv_cache_dtype=kv_cache_dtype, **self.options)
+                                kv_cache_dtype=kv_cache_dtype, lanes=lanes, kv_blocks=kv_blocks,
+                                prefix_cache=prefix_cache, **self.options)
         self._vision = None
         self.policy = load_policy(model_dir, self.vision_cfg)
         self.video_policy = load_video_policy(model_dir, self.vision_cfg)

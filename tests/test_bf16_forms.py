@@ -18,7 +18,7 @@ import pytest
 from conftest import rel_l2
 from emitter.config import PRESETS, graph_weights
 from emitter.identity import bf16_form, graph_precision
-from emitter.text import emit_text_module
+from emitter.text import TextShape, emit_text_module
 from emitter.text_config import TEXT_PRESETS
 from emitter.vision import emit_vision_module, result_names
 from runtime.bench import bf16 as bf16_speed
@@ -53,7 +53,7 @@ def test_bf16_f32_graph_widens_weights_inside_the_matmuls():
     """Weights stay bf16 globals, never converted on their own (IREE would hoist that into
     a resident f32 copy); every matmul against them takes f32 activations."""
     for text in (emit_vision_module(TINY, 64, precision="bf16-f32", weights="parameters"),
-                 emit_text_module(TEXT_PRESETS["tiny"], (16,), 64, 2, "bf16-f32")):
+                 emit_text_module(TEXT_PRESETS["tiny"], TextShape((16,), 64), 2, "bf16-f32")):
         globals_ = set(re.findall(r"util\.global\.load @(\S+) : tensor<[0-9x]*xbf16>", text))
         loaded = {m.group(1): m.group(2) for m in re.finditer(r"(%[\w.#]+) = util\.global\.load @(\S+) : "
                                                               r"tensor<[0-9x]*xbf16>", text)}

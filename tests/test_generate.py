@@ -344,17 +344,17 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
 
 
 @pytest.mark.parametrize("preset,context,buckets", [
-    ("tiny", 4096, (128, 2048)), ("tiny", 5000, (100,)),
+    ("tiny", 4096, (128, 2048)), ("tiny", 5000, (112,)),
     pytest.param("qwen3-vl-2b", 8192, (128, 8192), marks=pytest.mark.slow)])
 def test_text_module_compiles_at_long_contexts(preset, context, buckets):
     """Codegen limits are shape dependent: decode over a 4096-slot cache once failed with
     "exceeded stack allocation limit" (a whole score row in one dispatch)."""
     import dataclasses
-    from emitter.text import emit_text_module
+    from emitter.text import TextShape, emit_text_module
     from runtime.artifact.compiler import compile_mlir
 
     cfg = dataclasses.replace(TEXT_PRESETS[preset], num_hidden_layers=1)
-    assert compile_mlir(emit_text_module(cfg, buckets, context, 3))
+    assert compile_mlir(emit_text_module(cfg, TextShape(buckets, context, lanes=2), 3))
 
 
 @pytest.mark.parity

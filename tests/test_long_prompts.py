@@ -19,7 +19,7 @@ from emitter.text import prefill_chunks
 from emitter.text_config import TEXT_PRESETS
 from runtime.inputs.chat import Media
 from runtime.sampling import Sampler, SamplingParams
-from runtime.text import Generator, run_tokens
+from runtime.text import Generator, TextSession, run_tokens
 from runtime.checkpoints.synthetic_text import write_generation_checkpoint
 
 pytestmark = pytest.mark.parity
@@ -80,22 +80,74 @@ def test_long_chat_matches_transformers(setup, expected):
     prompt, got, got_logits = ours(gen, chat, STEPS)
     assert prompt.ids.tolist() == ids.tolist()
     # the chunking this test means to cover: boundaries inside an image's rows
-    starts = [c.start for c in prefill_chunks(ids.size, BUCKETS, gen.text.slots)][1:]
+    starts = [c.start for c in prefill_chunks(ids.size, gen.text.shape)][1:]
     visual = set(prompt.visual.tolist())
     assert any(s - 1 in visual and s in visual for s in starts), "no chunk boundary inside an image"
     assert len(tokens) == STEPS and got == tokens
     errors = [rel_l2(a, b) for a, b in zip(got_logits, logits)]
     assert max(errors) <= TOL, errors
 
-    # the same prompt into a row of the server's batched module, then batched decode steps
-    from runtime.text_batch import BatchTextSession
-    batch = BatchTextSession(model_dir, 2, buckets=BUCKETS, context=CONTEXT, deepstack_layers=2,
-                             cache_dir=root / "cache")
-    row_logits = [batch.prefill_row(1, prompt)]
-    for step in range(3):
-        length = ids.size + step
-        row_logits.append(batch.decode_batch([1], [tokens[step]], [length + prompt.rope_delta], [length])[0])
-    assert max(rel_l2(a, b) for a, b in zip(row_logits, got_logits)) <= 1e-6
+    # the same prompt as one of two lanes (the server's module), then decode steps
+    batch = TextSession(model_dir, BUCKETS, CONTEXT, 2, cache_dir=root / "cache", lanes=2)
+    assert lane_logits(batch, prompt, tokens[:3]) == [x.tobytes() for x in got_logits[:4]]
+
+
+def lane_logits(session, prompt, tokens, expect_hit=None) -> list[bytes]:
+    """A sequence of `prompt` in `session` (blocks from its prefix cache or prefilled), then
+    decode steps feeding `tokens`: the logits of each call, as bytes; its blocks given back."""
+    seq, start = session.admit(prompt)
+    if expect_hit is not None:
+        assert (start > 0) == expect_hit, start
+    out = [session.prefill_blocks(seq, prompt, start)]
+    for step, token in enumerate(tokens):
+        length = prompt.ids.size + step
+        assert session.grow(seq, length + 1)
+        out.append(session.decode_batch([seq], [token], [length + prompt.rope_delta], [length])[0])
+    session.release(seq)
+    return [x.tobytes() for x in out]
+
+
+def test_prefix_cache_hit_is_bit_equal_to_a_miss(setup):
+    """A chat's second turn (the first turn, its answer and a new question) finds the first
+    turn's prompt blocks in the prefix cache and prefills only the rest, with chunks that
+    start elsewhere than a miss's: its logits equal, bit for bit, those of a session without
+    the prefix cache. The same prompt again is a hit too; and many sequences share one prefix."""
+    model_dir, root, chat = setup
+    gen = Generator(model_dir, buckets=BUCKETS, context=CONTEXT, cache_dir=root / "cache", lanes=4)
+    first, answer, _ = ours(gen, chat, STEPS)
+    turn2 = chat + [{"role": "assistant", "content": [{"type": "text", "text": gen.tokenizer.decode(answer)}]},
+                    {"role": "user", "content": [{"type": "text", "text": "And the first picture?"}]}]
+    media = [Media("image", part["image"]) for m in turn2 for part in m["content"] if part["type"] == "image"]
+    messages = [{"role": m["role"], "content": [{"type": "image"} if p["type"] == "image" else p
+                                                for p in m["content"]]} for m in turn2]
+    second = gen.prepare(messages, media, STEPS)
+    assert second.ids[:first.ids.size - 1].tolist() == first.ids[:-1].tolist()  # the template may end a turn otherwise
+
+    text = gen.text
+    text.release(text.sequence)  # generate's sequence gives its blocks back (the first turn's stay cached)
+    hits = text.pool.hit_tokens
+    hit = lane_logits(text, second, answer[:3], expect_hit=True)
+    assert text.pool.hit_tokens - hits >= first.ids.size // 16 * 16 - 16  # the first turn's blocks
+    miss = TextSession(model_dir, BUCKETS, CONTEXT, 2, cache_dir=root / "cache", lanes=4, prefix_cache=False)
+    assert lane_logits(miss, second, answer[:3], expect_hit=False) == hit
+    assert lane_logits(text, second, answer[:3], expect_hit=True) == hit  # the whole prompt again
+
+    # four sequences sharing the first turn's blocks, decoded together
+    seqs = [text.admit(second) for _ in range(4)]
+    assert all(start == seqs[0][1] > 0 for _, start in seqs)
+    shared = seqs[0][0].ids[:seqs[0][1] // 16]
+    assert all(seq.ids[:len(shared)] == shared for seq, _ in seqs)
+    assert all(text.pool.refs[b] == 4 for b in shared)
+    logits = [text.prefill_blocks(seq, second, start) for seq, start in seqs]
+    assert all(x.tobytes() == hit[0] for x in logits)
+    n = second.ids.size
+    for seq, _ in seqs:
+        assert text.grow(seq, n + 1)
+    step = text.decode_batch([seq for seq, _ in seqs], [answer[0]] * 4, [n + second.rope_delta] * 4, [n] * 4)
+    assert all(x.tobytes() == hit[1] for x in step)
+    for seq, _ in seqs:
+        text.release(seq)
+    assert all(text.pool.refs[b] == 0 for b in shared)
 
 
 def test_bf16_kv_cache_stays_near(setup, expected):
@@ -110,11 +162,5 @@ def test_bf16_kv_cache_stays_near(setup, expected):
     assert 1e-5 < max(errors) <= 2e-2, errors
     assert got[0] == tokens[0]
 
-    from runtime.text_batch import BatchTextSession
-    batch = BatchTextSession(model_dir, 2, buckets=BUCKETS, context=CONTEXT, deepstack_layers=2,
-                             cache_dir=root / "cache", kv_cache_dtype="bf16")
-    row_logits = [batch.prefill_row(0, prompt)]
-    for step in range(2):
-        length = ids.size + step
-        row_logits.append(batch.decode_batch([0], [got[step]], [length + prompt.rope_delta], [length])[0])
-    assert max(rel_l2(a, b) for a, b in zip(row_logits, got_logits)) <= 1e-6
+    batch = TextSession(model_dir, BUCKETS, CONTEXT, 2, cache_dir=root / "cache", lanes=2, kv_cache_dtype="bf16")
+    assert lane_logits(batch, prompt, got[:2]) == [x.tobytes() for x in got_logits[:3]]

@@ -17,7 +17,8 @@ import time
 import numpy as np
 
 from emitter.config import PRESETS, graph_weights
-from emitter.text import DECODE, MODULE_NAME as TEXT_MODULE, emit_text_module, prefill_name, text_weights
+from emitter.text import (MODULE_NAME as TEXT_MODULE, TextShape, decode_name, emit_text_module, prefill_name,
+                          text_weights)
 from emitter.text_config import TextConfig
 from emitter.vision import emit_vision_module, input_specs
 
@@ -70,17 +71,19 @@ def text_call(precision: str, target: str, config, seed: int = 0, prefill: bool 
     2B-width language model."""
     cfg, rng = TEXT_2B_LAYER, np.random.default_rng(seed)
     arrays = [(s.name, _random(s.shape, s.dtype, rng, 1 / np.sqrt(s.shape[-1]))) for s in text_weights(cfg, precision)]
-    text = emit_text_module(cfg, (PREFILL,), TEXT_CONTEXT, 0, precision)
+    shape = TextShape((PREFILL,), TEXT_CONTEXT)
+    text = emit_text_module(cfg, shape, 0, precision, functions="prefill" if prefill else "decode")
+    table = np.arange(1, shape.max_blocks + 1, dtype=np.int32)
     module = LoadedModule(compile_mlir(text, target), config=config, module_name=TEXT_MODULE,
-                          function=prefill_name(PREFILL) if prefill else DECODE,
-                          modules=[parameters_module(config, arrays)])
+                          function=prefill_name(PREFILL, shape.span_for(PREFILL)) if prefill else
+                          decode_name(1, shape.span_for(41)), modules=[parameters_module(config, arrays)])
     if prefill:
         s = PREFILL
         host = [rng.integers(0, cfg.vocab_size, (s,), dtype=np.int32), np.zeros((s,), np.int32),
                 np.zeros((s, cfg.hidden_size), np.float32), np.tile(np.arange(s, dtype=np.int32), (3, 1)),
-                np.array(s - 1, np.int32)]
+                np.array(s - 1, np.int32), np.array(0, np.int32), table]
     else:
-        host = [np.array([7], np.int32), np.full((3, 1), 40, np.int32), np.array(40, np.int32)]
+        host = [np.array([7], np.int32), np.full((3, 1), 40, np.int32), np.array([40], np.int32), table[None]]
     inputs = [module.upload(a) for a in host]
     call = lambda: module(*inputs)  # noqa: E731
     call.keep = arrays

@@ -15,13 +15,21 @@ from pathlib import Path
 import numpy as np
 
 from emitter.module import render
-from emitter.text import MODULE_NAME, decode_function, text_weights
+from emitter.kv_pages import BLOCK
+from emitter.text import MODULE_NAME, TextShape, decode_function, decode_name, text_weights
 
 TOOLS = Path(sys.executable).parent
 
 
+def decode_shape(context: int) -> TextShape:
+    """One sequence of `context` slots (a multiple of 16), its blocks 1.. in order."""
+    return TextShape((min(512, context),), context)
+
+
 def decode_module(cfg, context: int, precision: str) -> str:
-    function, shared = decode_function(cfg, context, precision)
+    """decode_1_<context> alone, over a pool of one context's blocks."""
+    shape = decode_shape(context)
+    function, shared = decode_function(cfg, shape, 1, shape.slots, precision)
     return render(MODULE_NAME, "", shared, [function])
 
 
@@ -35,11 +43,16 @@ def write_archive(cfg, precision: str, path: Path) -> None:
     rt.save_archive_file(weights, str(path))
 
 
-def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None) -> float:
-    """Mean ms of one decode step (token 5 at cache slot `slot`) over `repeats` calls."""
+def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None,
+            context: int = 0) -> float:
+    """Mean ms of one decode step (token 5 at cache slot `slot` of a `context`-slot module,
+    default slot + 1 rounded up to a block) over `repeats` calls."""
+    context = context or -(-(slot + 1) // BLOCK) * BLOCK
     command = [str(TOOLS / "iree-benchmark-module"), "--device=local-task", f"--module={vmfb}",
-               f"--parameters=model={archive}", "--function=decode", "--input=1xi32=5",
-               f"--input=3x1xi32={slot},{slot},{slot}", f"--input=i32={slot}", f"--benchmark_min_time={repeats}x",
+               f"--parameters=model={archive}", f"--function={decode_name(1, context)}", "--input=1xi32=5",
+               f"--input=3x1xi32={slot},{slot},{slot}", f"--input=1xi32={slot}",
+               f"--input=1x{context // BLOCK}xi32={','.join(str(i) for i in range(1, context // BLOCK + 1))}",
+               f"--benchmark_min_time={repeats}x",
                f"--task_topology_group_count={threads}", "--benchmark_format=json"]
     if profile:
         command += ["--device_profiling_mode=host-execution", f"--device_profiling_output={profile}"]

@@ -35,11 +35,14 @@ def positive(name: str, value: int) -> int:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
 @click.option("--max-batch", type=int, default=4, show_default=True, metavar="N",
-              help="Sequences decoded together (KV-cache rows on the device); more requests wait in the queue.")
+              help="Sequences decoded together (decode lanes on the device); more requests wait in the queue.")
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
               help="Tokens the KV cache holds (prompt and answer).")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
               help=KV_CACHE_HELP)
+@click.option("--kv-cache-memory", type=float, metavar="GB",
+              help="Memory of the paged KV cache, shared by all sequences (default: a whole context for each of "
+                   "--max-batch sequences, at most half the free memory, at least one context).")
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
               help="Prefill bucket in tokens (repeatable; default those of "
                    f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context); a longer prompt runs in "
@@ -61,11 +64,11 @@ def positive(name: str, value: int) -> int:
 @click.option("--encoder-cache-mb", type=int, default=512, show_default=True, metavar="MB",
               help="Bytes of image/video embeddings kept for reuse (LRU).")
 @click.option("--prompt-cache/--no-prompt-cache", default=True, show_default=True,
-              help="Start a request whose prompt a KV-cache row already holds (same text, same images) from "
-                   "that row, without prefilling it again (exact: the same cache and logits).")
+              help="Prefix caching by blocks: a prompt whose first blocks of 16 tokens (text, positions and "
+                   "images) the KV cache holds shares them and prefills only the rest (exact: the same answer).")
 @click.option("--grace", type=float, default=10.0, show_default=True, metavar="S",
               help="On SIGTERM: seconds to let requests in flight finish before cancelling them.")
-def serve_command(model, host, port, max_batch, context, kv_cache_dtype, buckets, precision, api_key,
+def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cache_memory, buckets, precision, api_key,
                   allowed_local_media_path,
                   cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
                   grace):
@@ -78,19 +81,19 @@ def serve_command(model, host, port, max_batch, context, kv_cache_dtype, buckets
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
                           allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
-                          max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype)  # bad input: one line
+                          max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype,
+                          kv_cache_memory)  # bad input, failures: one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
 
 
 def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads,
                  target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
-                 kv_cache_dtype="f32"):
+                 kv_cache_dtype="f32", kv_cache_memory=None):
     """Everything loaded (text module, vision module, weights), then a uvicorn server."""
     import uvicorn
 
-    from runtime.text import Generator
-    from runtime.text_batch import BatchTextSession
+    from runtime.text import Generator, kv_blocks
     from runtime.serve.app import Limits, create_app
     from runtime.serve.encoder_cache import EncoderCache
     from runtime.serve.metrics import Metrics
@@ -99,16 +102,16 @@ def build_server(model, host, port, max_batch, context, buckets, precision, api_
     def say(message: str) -> None:
         click.echo(message, err=True)
 
+    blocks, note = kv_blocks(model, buckets, context, max_batch, kv_cache_dtype, kv_cache_memory)
+    say(f"KV cache: {note}")
     generator = Generator(model, buckets, context, target=target, cache_dir=cache_dir, precision=precision,
-                          threads=threads, progress=say)
-    generator.text = BatchTextSession(model, max_batch, buckets=buckets, context=context,  # in place of the
-                                      deepstack_layers=generator.text.deepstack_layers,  # one-sequence module
-                                      kv_cache_dtype=kv_cache_dtype, **generator.options)
+                          threads=threads, progress=say, kv_cache_dtype=kv_cache_dtype, lanes=max_batch,
+                          kv_blocks=blocks, prefix_cache=prompt_cache)
     generator.text.module  # noqa: B018 - compiled and loaded now, not at the first request
     generator.vision.artifact()
     metrics = Metrics()
     encoder = EncoderCache(generator.vision_for, encoder_cache_mb << 20, metrics)
-    engine = Engine(generator, metrics, encoder, max_waiting, prompt_cache)
+    engine = Engine(generator, metrics, encoder, max_waiting)
     limits = Limits(api_key, allowed, max_body_mb << 20, max_media)
     model_id = Path(model).resolve().name
     url = f"http://{host}:{port}/v1"

@@ -23,10 +23,15 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.step_seconds = Histogram("qwen3vl_decode_step_seconds", "Each decode step: one device call for the "
                                       "running sequences and their tokens chosen", buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_usage = Gauge("qwen3vl_kv_cache_usage_perc", "Fraction of the KV cache's token slots held by "
-                              "running sequences (0 to 1; vLLM's kv_cache_usage_perc)", registry=r)
-        self.prompt_cache_hits = Counter("qwen3vl_prompt_cache_hits", "Prompts not prefilled: a cache row held "
-                                         "the same prompt", registry=r)
+        self.kv_usage = Gauge("qwen3vl_kv_cache_usage_perc", "Fraction of the KV cache's blocks held by "
+                              "sequences (0 to 1; vLLM's kv_cache_usage_perc)", registry=r)
+        self.kv_blocks_used = Gauge("qwen3vl_kv_cache_blocks_used", "KV cache blocks held by sequences", registry=r)
+        self.kv_blocks_free = Gauge("qwen3vl_kv_cache_blocks_free", "KV cache blocks free (some keep a cached "
+                                    "prefix until taken)", registry=r)
+        self.prefix_hit_tokens = Counter("qwen3vl_prefix_cache_hit_tokens", "Prompt tokens found in the prefix "
+                                         "cache, not prefilled", registry=r)
+        self.preemptions = Counter("qwen3vl_preemptions", "Running sequences preempted for blocks (resumed later "
+                                   "by prefilling them again)", registry=r)
         self.encoder_hits = Counter("qwen3vl_encoder_cache_hits", "Images/videos served from the encoder cache",
                                     registry=r)
         self.encoder_misses = Counter("qwen3vl_encoder_cache_misses", "Images/videos run through the tower",

@@ -1,18 +1,20 @@
 """The engine: one thread that owns the model and runs the queued requests, with
 continuous batching on the device.
 
-The text module (runtime/text_batch.py) holds a KV cache of `--max-batch` rows. Between
-two decode steps the engine admits waiting requests into free rows (vision, then the
-prompt prefilled into the row or found in the prompt cache, then the first token); each
-step feeds every running row its last token in one `decode_batch` call. A sequence that
-finishes, stops, fails or whose client went away leaves its row at once, before the next
+The text module (runtime/text.py) decodes up to `--max-batch` sequences at once over one
+paged KV cache (runtime/kv_cache.py). Between two decode steps the engine admits waiting
+requests while lanes and blocks are free (vision, then the prompt: its leading blocks found
+in the prefix cache, the rest prefilled in chunks, then the first token); each step feeds
+every running sequence its last token in one `decode` call. A sequence that finishes,
+stops, fails or whose client went away gives its blocks back at once, before the next
 step. (The HTTP side has refused a prompt the context cannot hold before it queued.)
 
-The prompt cache: a row keeps the prompt last prefilled into it (slots 0..n-1; decoding
-writes only past them) and that prefill's logits, running or not. A request whose prompt
-is the same (ids, positions and visual rows, bit for bit) takes that row if it is free, or
-has the prompt copied into a free row (`copy_prompt`), and starts from the kept logits: the
-same cache and logits a prefill would give, at no prefill cost.
+When blocks run out: a request waits in the queue, in order, until a running sequence
+gives blocks back (the pool holds at least one whole context, so the oldest always fits
+once alone). A running sequence that needs a block at a decode step and finds none free
+preempts the most recently started one: that one gives its blocks back and is resumed
+later, first in line, by prefilling its prompt and the tokens it had (the prefix cache
+keeps what it can of them); its client sees nothing but the delay.
 
 Events go back to the request's asyncio queue: ("start", prompt_tokens), ("delta", text,
 logprobs), ("done", finish_reason, usage) or ("error", ApiError).
@@ -21,15 +23,16 @@ logprobs), ("done", finish_reason, usage) or ("error", ApiError).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.inputs.chat import Media
+from runtime.inputs.chat import Media, Prompt
+from runtime.kv_cache import Blocks
 from runtime.outputs import NonFiniteError, check_finite
 from runtime.text import GenerateError
 from runtime.sampling import Sampler, SamplingParams
@@ -40,21 +43,31 @@ from runtime.serve.protocol import ChatRequest
 
 @dataclass
 class Sequence:
-    """A running request: its cache row, how far it is, how it chooses and writes tokens."""
+    """A running request: its blocks, how far it is, how it chooses and writes tokens."""
     job: "Job"
     prompt: object  # chat.Prompt
-    row: int
+    blocks: Blocks
     max_new: int
     sampler: Sampler
     stream: TextStream
     eos: tuple
     length: int = 0  # cache slots filled: the next fed token's slot
-    count: int = 0  # tokens chosen
-    last: int = 0  # the last chosen token, fed at the next step
-    at: float = 0.0  # when it was chosen
+    tokens: list = field(default_factory=list)  # tokens chosen; the last is fed at the next step
+    at: float = 0.0  # when the last was chosen
 
     def __post_init__(self):
         self.length = int(self.prompt.ids.size)
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
+
+    def resumed_prompt(self) -> Prompt:
+        """The prompt and the tokens fed so far, as one prompt (a preempted sequence's)."""
+        p, fed = self.prompt, np.asarray(self.tokens[:-1], np.int64)
+        slots = np.arange(p.ids.size, p.ids.size + fed.size) + p.rope_delta
+        return Prompt(np.concatenate([p.ids, fed]), np.concatenate([p.positions, np.repeat(slots[None], 3, 0)], 1),
+                      p.rope_delta, p.visual, p.embeds, p.deepstack)
 
 
 @dataclass
@@ -66,6 +79,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
+    prompt: object = None  # its chat.Prompt, once prepared
 
     def send(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -74,17 +88,17 @@ class Job:
 class Engine:
     """`submit(job)` queues a request (429 past `max_waiting`); the engine thread runs them."""
 
-    def __init__(self, generator, metrics, encode, max_waiting: int, prompt_cache: bool = True):
+    def __init__(self, generator, metrics, encode, max_waiting: int):
         self.generator, self.metrics, self.encode, self.max_waiting = generator, metrics, encode, max_waiting
-        self.rows = generator.text.rows
-        self.prompt_cache = prompt_cache
-        self.prompts: dict[int, tuple[bytes, np.ndarray]] = {}  # row -> (prompt key, its prefill's logits)
-        self.used = [0.0] * self.rows  # when each row was last given a sequence
+        self.text = generator.text
+        self.lanes = self.text.lanes
         self.queue: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.waiting = 0
-        self.running: dict[int, Sequence] = {}  # row -> its sequence; touched by the engine thread only
+        self.held: deque = deque()  # taken from the queue, waiting for blocks: a Job, or a preempted Sequence
+        self.running: list[Sequence] = []  # touched by the engine thread only
         self.stopping = False
+        self._count_running()
         self.thread = threading.Thread(target=self._loop, name="qwen3vl-engine", daemon=True)
         self.thread.start()
 
@@ -113,91 +127,123 @@ class Engine:
         self.thread.join(timeout=30)
 
     def _loop(self) -> None:
-        """Admit waiting requests into free rows, then one decode step for all running ones;
-        wait for work when nothing runs."""
+        """Admit waiting requests while lanes and blocks are free, then one decode step for
+        all running ones; wait for work when nothing runs."""
         while True:
             if not self._admit():
                 return
             if self.running:
-                self._guarded(list(self.running.values()), self._step)
+                self._guarded(list(self.running), self._step)
 
-    def _admit(self) -> bool:
-        """Start waiting jobs while rows are free (blocking while nothing runs); False at stop."""
-        while len(self.running) < self.rows:
-            try:
-                job = self.queue.get(block=not self.running)
-            except queue.Empty:
-                return True
-            if job is None:
-                return False
+    def _next(self):
+        """The next job or preempted sequence to start (held ones first; blocking while
+        nothing runs); None at stop, False when there is none now."""
+        if self.held:
+            return self.held.popleft()
+        try:
+            job = self.queue.get(block=not self.running)
+        except queue.Empty:
+            return False
+        if job is not None:
             with self.lock:
                 self.waiting -= 1
                 self.metrics.waiting.set(self.waiting)
-            self._guarded([job], lambda jobs: self._start(job))
+        return job
+
+    def _admit(self) -> bool:
+        """Start waiting jobs while lanes and blocks are free; False at stop."""
+        while len(self.running) < self.lanes:
+            item = self._next()
+            if item is None:
+                return False
+            if item is False:
+                return True
+            started = [True]
+
+            def start(_):
+                started[0] = self._resume(item) if isinstance(item, Sequence) else self._start(item)
+
+            self._guarded([item], start)
+            if not started[0]:  # no blocks: it waits, first in line, until a sequence gives some back
+                self.held.appendleft(item)
+                return True
         return True
 
-    def _guarded(self, jobs, work) -> None:
-        """`work`; an exception ends `jobs` (their sequences) with an error, the engine goes on."""
+    def _guarded(self, items, work) -> None:
+        """`work`; an exception ends `items` (jobs or sequences) with an error, the engine goes on."""
         try:
-            work(jobs)
+            work(items)
         except Exception as e:  # noqa: BLE001 - a request's fault never stops the engine
             error = e if isinstance(e, ApiError) else as_api_error(e)
-            for item in jobs:
+            for item in items:
                 job = item.job if isinstance(item, Sequence) else item
                 job.send("error", error)
-                self._end(job, "refused" if error.status < 500 else "failed")
+                self._end(item, "refused" if error.status < 500 else "failed")
 
-    def _start(self, job: Job) -> None:
-        """Vision, then the prompt into a free row (prefilled, or from the prompt cache), then
-        the first token."""
+    def _start(self, job: Job) -> bool:
+        """Vision, then the prompt into blocks (found in the prefix cache, or prefilled), then
+        the first token; False (the prompt kept) if the blocks are not free now."""
         if job.cancelled.is_set():
             self.metrics.requests.labels("cancelled").inc()
-            return
+            return True
         gen, request = self.generator, job.request
-        prompt = gen.prepare(request.messages, job.media, 1, encode=self.encode)
-        row, logits = self._place(prompt)
+        if job.prompt is None:
+            job.prompt = gen.prepare(request.messages, job.media, 1, encode=self.encode)
+        prompt = job.prompt
+        placed = self.text.admit(prompt)
+        if placed is None:
+            return False
+        blocks, start = placed
         room = gen.text.context - prompt.ids.size + 1
-        seq = Sequence(job, prompt, row, min(request.max_tokens or room, room), Sampler(job.params, prompt.ids,
+        seq = Sequence(job, prompt, blocks, min(request.max_tokens or room, room), Sampler(job.params, prompt.ids,
                        gen.text.cfg.vocab_size), TextStream(gen.tokenizer, request.stop),
                        () if request.ignore_eos else gen.tokenizer.eos_ids)
-        job.send("start", int(prompt.ids.size))
+        self.running.append(seq)  # ended with its blocks given back if the prefill fails
+        self.metrics.prefix_hit_tokens.inc(start)
         self.metrics.prompt_tokens.inc(int(prompt.ids.size))
-        self.running[row] = seq
+        logits = self.text.prefill_blocks(blocks, prompt, start)
+        job.send("start", int(prompt.ids.size))
         self._count_running()
-        self._advance(seq, logits.copy())
+        self._advance(seq, logits)
+        return True
 
-    def _place(self, prompt) -> tuple[int, np.ndarray]:
-        """A free row holding `prompt` and the logits of its last token: a row that already
-        holds it, a copy of one that does, or a prefill. Free rows that keep no prompt are
-        taken first, then the least recently used."""
-        text, free = self.generator.text, [r for r in range(self.rows) if r not in self.running]
-        key = prompt_key(prompt) if self.prompt_cache else None
-        held = [r for r, (k, _) in self.prompts.items() if k == key] if key else []
-        row = next((r for r in held if r in free), None)
-        if row is not None:
-            logits = self.prompts[row][1]
-        else:
-            row = min(free, key=lambda r: (r in self.prompts, self.used[r]))
-            self.prompts.pop(row, None)  # its slots are about to be rewritten
-            if held:
-                text.copy_prompt(held[0], row, int(prompt.ids.size))
-                logits = self.prompts[held[0]][1]
-            else:
-                logits = text.prefill_row(row, prompt)
-        if held:
-            self.metrics.prompt_cache_hits.inc()
-        if key:
-            self.prompts[row] = (key, logits)
-        self.used[row] = time.monotonic()
-        return row, logits
+    def _resume(self, seq: Sequence) -> bool:
+        """A preempted sequence back into blocks: its prompt and fed tokens prefilled (its last
+        token is fed at the next step); False if the blocks are not free now."""
+        if seq.job.cancelled.is_set() or self.stopping:
+            self._advance(seq, None)
+            return True
+        prompt = seq.resumed_prompt()
+        placed = self.text.admit(prompt)
+        if placed is None:
+            return False
+        seq.blocks, start = placed
+        self.running.append(seq)
+        self.text.prefill_blocks(seq.blocks, prompt, start)
+        self._count_running()
+        return True
+
+    def _make_room(self) -> None:
+        """Every running sequence with a block for its next slot, preempting the most recently
+        started ones while blocks are short."""
+        for seq in list(self.running):
+            while seq in self.running and not self.text.grow(seq.blocks, seq.length + 1):
+                victim = self.running.pop()
+                self.text.release(victim.blocks)
+                self.held.appendleft(victim)
+                self.metrics.preemptions.inc()
 
     def _step(self, sequences) -> None:
         """One decode call for the running sequences, each fed its last token."""
+        self._make_room()
+        sequences = list(self.running)
+        if not sequences:
+            return
         self.metrics.batch_size.observe(len(sequences))
         start = time.perf_counter()
-        logits = self.generator.text.decode_batch([seq.row for seq in sequences], [seq.last for seq in sequences],
-                                                  [seq.length + seq.prompt.rope_delta for seq in sequences],
-                                                  [seq.length for seq in sequences])
+        logits = self.text.decode_batch([seq.blocks for seq in sequences], [seq.tokens[-1] for seq in sequences],
+                                        [seq.length + seq.prompt.rope_delta for seq in sequences],
+                                        [seq.length for seq in sequences])
         for seq, row in zip(sequences, logits):
             seq.length += 1
             self._guarded([seq], lambda _: self._advance(seq, row))  # one lane's fault ends it alone
@@ -208,7 +254,7 @@ class Engine:
         """Choose `seq`'s next token from `logits`, send it, and end the sequence when it is done
         (or cancelled: its row is free before the next step)."""
         job, request = seq.job, seq.job.request
-        if job.cancelled.is_set() or self.stopping:
+        if job.cancelled.is_set() or self.stopping or logits is None:
             if self.stopping:
                 job.send("error", ApiError("server shutting down", status=503, code="shutting_down"))
             return self._end(seq, "cancelled")
@@ -216,7 +262,8 @@ class Engine:
         token = seq.sampler.choose(logits)
         now = time.monotonic()
         (self.metrics.per_token.observe(now - seq.at) if seq.count else self.metrics.ttft.observe(now - job.arrived))
-        seq.at, seq.count, seq.last = now, seq.count + 1, token
+        seq.at = now
+        seq.tokens.append(token)
         self.metrics.generated_tokens.inc()
         job.send("delta", seq.stream.add(token), self._logprobs(job, logits, token) if request.logprobs else None)
         finish = "stop" if token in seq.eos or seq.stream.stopped else "length" if seq.count == seq.max_new else None
@@ -227,19 +274,24 @@ class Engine:
             self._end(seq, "finished")
 
     def _end(self, item, outcome: str) -> None:
-        """`item` (a sequence, or a job) out of its row, if it holds one; its outcome counted."""
+        """`item` (a sequence, or a job) out of the running ones, its blocks given back; its
+        outcome counted."""
         job = item.job if isinstance(item, Sequence) else item
-        for row, seq in list(self.running.items()):
-            if seq.job is job:
-                del self.running[row]
+        for seq in [seq for seq in self.running if seq.job is job]:
+            self.running.remove(seq)
+            self.text.release(seq.blocks)
+        if isinstance(item, Sequence) and item.blocks.ids:  # held (preempted), not running
+            self.text.release(item.blocks)
         self._count_running()
         self.metrics.requests.labels(outcome).inc()
 
     def _count_running(self) -> None:
-        """The running-sequences and KV-usage gauges (slots held / all rows' context)."""
+        """The running-sequences and KV-cache gauges."""
+        pool = self.text.pool
         self.metrics.running.set(len(self.running))
-        held = sum(seq.length for seq in self.running.values())
-        self.metrics.kv_usage.set(held / (self.rows * self.generator.text.context))
+        self.metrics.kv_blocks_used.set(pool.used)
+        self.metrics.kv_blocks_free.set(len(pool.free))
+        self.metrics.kv_usage.set(pool.used / pool.usable)
 
     def _logprobs(self, job: Job, logits, token: int) -> dict:
         """OpenAI's logprobs entry of the chosen token, with the top alternatives."""
@@ -250,19 +302,6 @@ class Engine:
         tokenizer = self.generator.tokenizer
         return {"token": tokenizer.decode([token], skip_special_tokens=False), "logprob": logprob,
                 "bytes": list(tokenizer.token_bytes(token))}
-
-
-def prompt_key(prompt) -> bytes:
-    """A digest of everything a prefill reads: ids, M-RoPE positions, visual rows and
-    their embeddings (two prompts with the same key fill a cache row identically)."""
-    digest = hashlib.blake2b(digest_size=32)
-    for part in (prompt.ids, prompt.positions, np.int64(prompt.rope_delta), prompt.visual, prompt.embeds,
-                 prompt.deepstack):
-        if part is not None:
-            data = np.ascontiguousarray(part)
-            digest.update(f"{data.dtype}{data.shape}".encode())
-            digest.update(data.tobytes())
-    return digest.digest()
 
 
 def as_api_error(e: Exception) -> ApiError:

@@ -1,0 +1,63 @@
+"""The paged KV cache: its layout, and the reads and writes through a block table.
+
+Every layer's K (and V) cache is one pool of fixed-size blocks shared by all sequences,
+`[kv_heads, blocks, BLOCK, head_dim]`, a mutable module global that stays on the device.
+A sequence's block table [max_blocks] i32 names the block that holds each BLOCK slots of
+it: slot s lives at block table[s // BLOCK], row s % BLOCK. The runtime owns the blocks
+(runtime/kv_cache.py); block 0 is never given out: a table's unused entries name it, and
+the padded rows of a chunk are written there.
+
+- `read_span` gathers a sequence's first L slots, `[kv_heads, L, head_dim]`;
+- `write_chunk` scatters a chunk's K/V (its start and length whole blocks) to its blocks;
+- `write_token` updates one slot.
+"""
+
+from __future__ import annotations
+
+from .builder import Builder, Value
+
+BLOCK = 16  # slots a block holds (vLLM's default block size)
+
+
+def pool_shape(kv_heads: int, blocks: int, head_dim: int) -> tuple[int, int, int, int]:
+    return (kv_heads, blocks, BLOCK, head_dim)
+
+
+def table_entries(b: Builder, table: Value, first: Value | int, count: int, hint: str) -> Value:
+    """table[first:first + count], [count] i32 (`first` a traced i32 or a constant)."""
+    if isinstance(first, int):
+        return b.slice(table, (first,), (first + count,), hint=hint)
+    return b.dynamic_slice(table, [first], (count,), hint=hint)
+
+
+def read_span(b: Builder, pool: Value, table: Value, span: int) -> Value:
+    """Slots 0..span-1 of the sequence whose block table is `table`: [kv_heads, span, head_dim]."""
+    kv_heads, _, block, head_dim = pool.shape
+    blocks = b.gather_slices(pool, 1, table_entries(b, table, 0, span // block, "span_blocks"), hint="span")
+    return b.reshape(blocks, (kv_heads, span, head_dim), hint="span")
+
+
+def block_of(b: Builder, slot: Value) -> tuple[Value, Value]:
+    """(slot // BLOCK, slot % BLOCK) of an i32 slot."""
+    size = b.constant(BLOCK, (), "i32", hint="block_size")
+    return b.divide(slot, size, hint="block"), b.remainder(slot, size, hint="in_block")
+
+
+def write_chunk(b: Builder, pool: Value, table: Value, start: Value, kv: Value) -> Value:
+    """The pool with a chunk's K or V [kv_heads, S, head_dim] (S whole blocks) written at
+    slots start..start+S-1 (`start` a multiple of BLOCK) through `table`."""
+    kv_heads, s, head_dim = kv.shape
+    first, _ = block_of(b, start)
+    blocks = table_entries(b, table, first, s // BLOCK, "chunk_blocks")
+    update = b.reshape(kv, (kv_heads, s // BLOCK, BLOCK, head_dim), hint="chunk")
+    return b.scatter_slices(pool, 1, blocks, update, hint="pages")
+
+
+def write_token(b: Builder, pool: Value, table: Value, slot: Value, kv: Value) -> Value:
+    """The pool with one token's K or V [kv_heads, 1, head_dim] written at `slot` through `table`."""
+    kv_heads, _, head_dim = kv.shape
+    index, row = block_of(b, slot)
+    block = b.reshape(b.dynamic_slice(table, [index], (1,), hint="token_block"), (), hint="token_block")
+    zero = b.constant(0, (), "i32", hint="zero")
+    update = b.reshape(kv, (kv_heads, 1, 1, head_dim), hint="token")
+    return b.dynamic_update_slice(pool, update, [zero, block, row, zero], hint="pages")
