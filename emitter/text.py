@@ -176,17 +176,6 @@ def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | No
     return chunks
 
 
-def cache_span(b: Builder, cache: Value, span: int, axis: int) -> Value:
-    """The first `span` slots of a KV cache along its slot `axis` (the whole cache when
-    that is all of it), copied out behind a barrier: fused into the attention's data-tiling
-    pack, the slice became one vector op too large for IREE 3.13's CPU codegen."""
-    if span == cache.shape[axis]:
-        return cache
-    limit = list(cache.shape)
-    limit[axis] = span
-    return b.optimization_barriers([b.slice(cache, (0,) * cache.rank, tuple(limit), hint="span")], hint="span")[0]
-
-
 def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
     under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16."""
@@ -261,7 +250,9 @@ class TextGraph:
         zero = self.zero
         keys, values = (b.dynamic_update_slice(self.read(read_span(b, pool, table, span)), x, [zero, start, zero],
                                                hint="own_kv") for pool, x in zip(loaded, own))
-        keys, values = b.optimization_barriers([keys, values], hint="kv")  # see cache_span
+        # Copied out behind a barrier: fused into the attention's data-tiling pack, a slice
+        # of the cache became one vector op too large for IREE 3.13's CPU codegen.
+        keys, values = b.optimization_barriers([keys, values], hint="kv")
         context = grouped_attention(b, q, [keys], [values], mask)
         *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
         for state, pool, x in zip(self.pages[n], loaded, (k, v)):
