@@ -45,12 +45,19 @@ def block_of(b: Builder, slot: Value) -> tuple[Value, Value]:
 
 def write_chunk(b: Builder, pool: Value, table: Value, start: Value, kv: Value) -> Value:
     """The pool with a chunk's K or V [kv_heads, S, head_dim] (S whole blocks) written at
-    slots start..start+S-1 (`start` a multiple of BLOCK) through `table`."""
+    slots start..start+S-1 (`start` a multiple of BLOCK) through `table`: one update of a
+    block at a time, each in place (a `stablehlo.scatter` of the blocks made IREE 3.13 copy
+    the whole pool in every call)."""
     kv_heads, s, head_dim = kv.shape
     first, _ = block_of(b, start)
     blocks = table_entries(b, table, first, s // BLOCK, "chunk_blocks")
-    update = b.reshape(kv, (kv_heads, s // BLOCK, BLOCK, head_dim), hint="chunk")
-    return b.scatter_slices(pool, 1, blocks, update, hint="pages")
+    zero = b.constant(0, (), "i32", hint="zero")
+    for j in range(s // BLOCK):
+        block = b.reshape(b.slice(blocks, (j,), (j + 1,), hint="block"), (), hint="block")
+        piece = b.reshape(b.slice(kv, (0, j * BLOCK, 0), (kv_heads, (j + 1) * BLOCK, head_dim), hint="piece"),
+                          (kv_heads, 1, BLOCK, head_dim), hint="piece")
+        pool = b.dynamic_update_slice(pool, piece, [zero, block, zero, zero], hint="pages")
+    return pool
 
 
 def write_token(b: Builder, pool: Value, table: Value, slot: Value, kv: Value) -> Value:

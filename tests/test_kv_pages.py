@@ -141,3 +141,4 @@ def test_shapes_are_checked():
     assert [(c.start, c.size) for c in prefill_chunks(300, shape, 288)] == [(288, 32)]
     assert prefill_chunks(1020, shape, 1008) is None or prefill_chunks(1020, shape, 1008)[-1].start + 32 <= 1024
     assert BLOCK == 16
+
