@@ -8,7 +8,7 @@ it: slot s lives at block table[s // BLOCK], row s % BLOCK. The runtime owns the
 the padded rows of a chunk are written there.
 
 - `read_span` gathers a sequence's first L slots, `[kv_heads, L, head_dim]`;
-- `write_chunk` scatters a chunk's K/V (its start and length whole blocks) to its blocks;
+- `write_chunk` writes a chunk's K/V (its start and length whole blocks) block by block;
 - `write_token` updates one slot.
 """
 
