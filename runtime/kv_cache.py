@@ -50,7 +50,8 @@ def block_keys(prompt, count: int) -> list[bytes]:
 class Blocks:
     """A sequence's blocks, in slot order: blocks[i] holds slots i*BLOCK..(i+1)*BLOCK-1."""
     ids: list[int] = field(default_factory=list)
-    keyed: int = 0  # how many leading blocks are (or were found) in the prefix cache
+    keyed: int = 0  # how many leading blocks were found in the prefix cache
+    keys: list[bytes] = field(default_factory=list)  # `block_keys` of its prompt's full blocks
 
     @property
     def slots(self) -> int:
@@ -66,7 +67,6 @@ class BlockPool:
         self.key_of: dict[int, bytes] = {}
         self.block_of: dict[bytes, int] = {}
         self.hit_tokens = 0  # prompt tokens found in the prefix cache, all told
-        self.queried_tokens = 0
 
     @property
     def usable(self) -> int:

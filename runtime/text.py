@@ -204,9 +204,8 @@ class TextSession:
         if not self.pool.can_take(fresh):
             self.pool.release(shared)
             return None
-        self.pool.queried_tokens += n
         self.pool.hit_tokens += start
-        return Blocks(shared + self.pool.take(fresh), len(shared)), start
+        return Blocks(shared + self.pool.take(fresh), len(shared), keys), start
 
     def prefill_blocks(self, seq: Blocks, prompt, start: int) -> np.ndarray:
         """Prefill `prompt`'s slots start.. into `seq` chunk by chunk; its full blocks are
@@ -219,8 +218,7 @@ class TextSession:
                                           prompt.deepstack)
             result = invoke(self.module[chunk.name], *args, np.array(chunk.start, np.int32), table)
         logits = self._logits(result).reshape(-1)
-        full = ids.size // BLOCK
-        self.pool.remember(seq.ids[seq.keyed:full], block_keys(prompt, full)[seq.keyed:])
+        self.pool.remember(seq.ids[seq.keyed:len(seq.keys)], seq.keys[seq.keyed:])
         return logits
 
     def grow(self, seq: Blocks, slots: int) -> bool:
@@ -267,7 +265,6 @@ class TextSession:
 
         ids = np.asarray(input_ids, np.int64).reshape(-1)
         self.check_request(ids.size, 1)
-        self._check_ids(ids)
         if self.sequence is not None:
             self.release(self.sequence)
         prompt = Prompt(ids, np.asarray(position_ids), 0, visual_positions, image_embeds, deepstack_features)

@@ -158,21 +158,17 @@ class Engine:
                 return False
             if item is False:
                 return True
-            started = [True]
-
-            def start(_):
-                started[0] = self._resume(item) if isinstance(item, Sequence) else self._start(item)
-
-            self._guarded([item], start)
-            if not started[0]:  # no blocks: it waits, first in line, until a sequence gives some back
-                self.held.appendleft(item)
+            start = self._resume if isinstance(item, Sequence) else self._start
+            if self._guarded([item], lambda _: start(item)) is False:
+                self.held.appendleft(item)  # no blocks: it waits, first in line, until some come back
                 return True
         return True
 
-    def _guarded(self, items, work) -> None:
-        """`work`; an exception ends `items` (jobs or sequences) with an error, the engine goes on."""
+    def _guarded(self, items, work):
+        """`work(items)`, its result; an exception ends `items` (jobs or sequences) with an
+        error, the engine goes on (and the result is None)."""
         try:
-            work(items)
+            return work(items)
         except Exception as e:  # noqa: BLE001 - a request's fault never stops the engine
             error = e if isinstance(e, ApiError) else as_api_error(e)
             for item in items:
@@ -277,11 +273,9 @@ class Engine:
         """`item` (a sequence, or a job) out of the running ones, its blocks given back; its
         outcome counted."""
         job = item.job if isinstance(item, Sequence) else item
-        for seq in [seq for seq in self.running if seq.job is job]:
+        for seq in [seq for seq in self.running if seq.job is job]:  # a held (preempted) one holds no blocks
             self.running.remove(seq)
             self.text.release(seq.blocks)
-        if isinstance(item, Sequence) and item.blocks.ids:  # held (preempted), not running
-            self.text.release(item.blocks)
         self._count_running()
         self.metrics.requests.labels(outcome).inc()
 
