@@ -6,7 +6,8 @@ segment mask; "blockwise" walks query chunks with an online softmax over only th
 chunks that share their segments, so memory per step is [heads, C, C] and the
 cross-image blocks are never computed. `attention` is the block's whole attention
 (fused [Q|K|V] projection, 2-D RoPE, either form, output projection). The language model's
-grouped-query attention, over the KV cache in blocks, is `grouped_attention`.
+grouped-query attention, over the KV cache in blocks, is `grouped_attention`; one new
+token's, over keys read through a block table where they lie, is `token_attention`.
 """
 
 from __future__ import annotations
@@ -330,3 +331,43 @@ def grouped_attention(b: Builder, q: Value, keys: list[Value], values: list[Valu
         context = b.divide(context, denom, hint="context")
     context = b.transpose(b.reshape(context, (kv_heads, groups, s, d)), [2, 0, 1, 3], hint="context")
     return b.reshape(context, (s, heads * d), hint="context")
+
+
+def token_attention(b: Builder, q: Value, keys: Value, values: Value, mask: Value, own_k: Value,
+                    own_v: Value) -> Value:
+    """One token's grouped-query attention: q [1, H, D] over the cache's keys/values [KVH,
+    *slots, D] (the slots in one dim or several, e.g. [blocks, 16]; additive mask [1, L]
+    over them in order, the token's own slot masked out) and its own k, v [KVH, 1, D], one
+    softmax over both. Products and sums as elementwise ops and reductions, not matmuls: a
+    cache read through a block table (a gather) fuses into them and is read where it lies,
+    never copied or packed. Returns [1, H*D]."""
+    _, heads, d = q.shape
+    kv_heads, *slots, _ = keys.shape
+    groups = heads // kv_heads
+    q = b.reshape(q, (kv_heads, groups, d), hint="q_grouped")
+    wide = (kv_heads, groups, *slots, d)
+    over = list(range(2, 2 + len(slots)))  # the slot dims of the scores
+    cache_dims = [0, *over, len(wide) - 1]
+    scale = b.constant(d ** -0.5, (), hint="scale")
+
+    def dot(x: Value, y: Value) -> Value:
+        prod = b.reduce(b.multiply(x, y, hint="qk"), [x.rank - 1], hint="scores")
+        return b.multiply(prod, b.broadcast_in_dim(scale, prod.shape, [], hint="scale"), hint="scores")
+
+    scores = dot(b.broadcast_in_dim(q, wide, [0, 1, len(wide) - 1], hint="q_wide"),
+                 b.broadcast_in_dim(keys, wide, cache_dims, hint="k_wide"))
+    scores = b.add(scores, b.broadcast_in_dim(b.reshape(mask, tuple(slots)), scores.shape, over, hint="mask"),
+                   hint="masked")
+    own = dot(q, b.broadcast_in_dim(b.reshape(own_k, (kv_heads, d)), q.shape, [0, 2], hint="own_k"))
+    peak = b.maximum(b.reduce(scores, over, "maximum", hint="peak"), own, hint="peak")
+    e = b.exponential(b.subtract(scores, b.broadcast_in_dim(peak, scores.shape, [0, 1]), hint="shifted"), hint="exp")
+    e_own = b.exponential(b.subtract(own, peak, hint="shifted"), hint="exp")
+    denom = b.add(b.reduce(e, over, hint="denom"), e_own, hint="denom")
+    weighted = b.multiply(b.broadcast_in_dim(e, wide, list(range(len(wide) - 1)), hint="p_wide"),
+                          b.broadcast_in_dim(values, wide, cache_dims, hint="v_wide"), hint="pv")
+    context = b.add(b.reduce(weighted, over, hint="context"),
+                    b.multiply(b.broadcast_in_dim(e_own, q.shape, [0, 1], hint="own_p"),
+                               b.broadcast_in_dim(b.reshape(own_v, (kv_heads, d)), q.shape, [0, 2], hint="own_v"),
+                               hint="own_context"), hint="context")
+    context = b.divide(context, b.broadcast_in_dim(denom, q.shape, [0, 1], hint="denom"), hint="context")
+    return b.reshape(context, (1, heads * d), hint="context")

@@ -7,7 +7,8 @@ it: slot s lives at block table[s // BLOCK], row s % BLOCK. The runtime owns the
 (runtime/kv_cache.py); block 0 is never given out: a table's unused entries name it, and
 the padded rows of a chunk are written there.
 
-- `read_span` gathers a sequence's first L slots, `[kv_heads, L, head_dim]`;
+- `read_blocks` gathers a sequence's first L slots, `[kv_heads, L/BLOCK, BLOCK, head_dim]`
+  (`read_span`: as `[kv_heads, L, head_dim]`);
 - `write_chunk` writes a chunk's K/V (its start and length whole blocks) block by block;
 - `write_token` updates one slot.
 """
@@ -30,11 +31,24 @@ def table_entries(b: Builder, table: Value, first: Value | int, count: int, hint
     return b.dynamic_slice(table, [first], (count,), hint=hint)
 
 
+def read_blocks(b: Builder, pool: Value, table: Value, span: int) -> Value:
+    """Slots 0..span-1 of the sequence whose block table is `table`, by block: [kv_heads,
+    span / BLOCK, BLOCK, head_dim]."""
+    kv_heads, blocks, _, head_dim = pool.shape
+    count = span // BLOCK
+    rows = b.reshape(pool, (kv_heads * blocks, BLOCK * head_dim), hint="pool_rows")  # a view: row h * blocks + i
+    entries = b.broadcast_in_dim(table_entries(b, table, 0, count, "span_blocks"), (kv_heads, count), [1],
+                                 hint="span_blocks")
+    head_rows = b.multiply(b.iota((kv_heads, count), 0, "i32", hint="head"),
+                           b.constant(blocks, (kv_heads, count), "i32", hint="blocks"), hint="head_rows")
+    taken = b.take_rows(rows, b.add(head_rows, entries, hint="span_rows"), hint="span")
+    return b.reshape(taken, (kv_heads, count, BLOCK, head_dim), hint="span")
+
+
 def read_span(b: Builder, pool: Value, table: Value, span: int) -> Value:
     """Slots 0..span-1 of the sequence whose block table is `table`: [kv_heads, span, head_dim]."""
-    kv_heads, _, block, head_dim = pool.shape
-    blocks = b.gather_slices(pool, 1, table_entries(b, table, 0, span // block, "span_blocks"), hint="span")
-    return b.reshape(blocks, (kv_heads, span, head_dim), hint="span")
+    kv_heads, _, _, head_dim = pool.shape
+    return b.reshape(read_blocks(b, pool, table, span), (kv_heads, span, head_dim), hint="span")
 
 
 def block_of(b: Builder, slot: Value) -> tuple[Value, Value]:

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from . import __version__
 from .builder import Builder, Value
 from .config import PARAMETER_SCOPE, PRECISION_NOTES, WeightSpec, activation_dtype, check_precision, weight_dtype
-from .attention import grouped_attention
-from .kv_pages import BLOCK, pool_shape, read_span, write_chunk, write_token
+from .attention import grouped_attention, token_attention
+from .kv_pages import BLOCK, pool_shape, read_blocks, read_span, write_chunk, write_token
 from .layers import apply_rotary, gated_mlp, mrope_tables, project, rms_norm, rope_inv_freq
 from .module import function, render
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
@@ -237,23 +237,29 @@ class TextGraph:
 
     def attend(self, n: int, q: Value, k: Value, v: Value, table: Value, start: Value, mask: Value) -> Value:
         """Layer n's attention of a chunk's q over its sequence's cache, and its own K/V (at
-        slots start..) stored: the keys and values are the sequence's first L slots (L the
-        mask's width), read through `table` with the chunk's own K/V laid over slots start..,
-        one array in slot order, so that a row's sums run over the same keys in the same order
-        however its prompt was chunked (a prefix-cache hit rounds as a miss). Attention reads
-        the pools as loaded, and the update is ordered after it (one barrier): reading the
-        value just stored gave wrong results on IREE 3.13, and with the loaded value still to
-        be read IREE copied each whole pool before updating it."""
+        slots start..) stored. The keys and values are the sequence's first L slots (L the
+        mask's width) read through `table`. A chunk lays its own K/V over slots start.., one
+        array in slot order, so that a row's sums run over the same keys in the same order
+        however its prompt was chunked (a prefix-cache hit rounds as a miss). One token
+        (decode; its mask hides its own slot) attends over the cache where it lies and over
+        its own K/V beside it (`token_attention`). Attention reads the pools as loaded, and
+        the update is ordered after it (one barrier): reading the value just stored gave
+        wrong results on IREE 3.13, and with the loaded value still to be read IREE copied
+        each whole pool before updating it."""
         b, span = self.b, mask.shape[1]
         loaded = [b.load_state(state) for state in self.pages[n]]
         own = self.attended(k, v)
-        zero = self.zero
-        keys, values = (b.dynamic_update_slice(self.read(read_span(b, pool, table, span)), x, [zero, start, zero],
-                                               hint="own_kv") for pool, x in zip(loaded, own))
-        # Copied out behind a barrier: fused into the attention's data-tiling pack, a slice
-        # of the cache became one vector op too large for IREE 3.13's CPU codegen.
-        keys, values = b.optimization_barriers([keys, values], hint="kv")
-        context = grouped_attention(b, q, [keys], [values], mask)
+        if q.shape[0] == 1:
+            cached = [self.read(read_blocks(b, pool, table, span)) for pool in loaded]
+            context = token_attention(b, q, *cached, mask, *own)
+        else:
+            keys, values = (b.dynamic_update_slice(self.read(read_span(b, pool, table, span)), x,
+                                                   [self.zero, start, self.zero], hint="own_kv")
+                            for pool, x in zip(loaded, own))
+            # Copied out behind a barrier: fused into the attention's data-tiling pack, a slice
+            # of the cache became one vector op too large for IREE 3.13's CPU codegen.
+            keys, values = b.optimization_barriers([keys, values], hint="kv")
+            context = grouped_attention(b, q, [keys], [values], mask)
         *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
         for state, pool, x in zip(self.pages[n], loaded, (k, v)):
             write = write_token if x.shape[1] == 1 else write_chunk
@@ -327,11 +333,12 @@ class TextGraph:
         return function(self.b, name, [("logits", logits)])
 
 
-def position_mask(b: Builder, start: Value, s: int, span: int) -> Value:
-    """Additive [S, span]: row i (slot start + i) sees the slots up to its own."""
+def position_mask(b: Builder, start: Value, s: int, span: int, own: bool = True) -> Value:
+    """Additive [S, span]: row i (slot start + i) sees the slots up to its own (`own`
+    false: before it)."""
     shape = (s, span)
     rows = b.add(b.iota(shape, 0, hint="query"), b.broadcast_in_dim(start, shape, [], hint="start"), hint="slot")
-    seen = b.compare("LE", b.iota(shape, 1, hint="key"), rows, hint="seen")
+    seen = b.compare("LE" if own else "LT", b.iota(shape, 1, hint="key"), rows, hint="seen")
     return b.select(seen, b.constant(0.0, shape, hint="zero"), b.constant(float("-inf"), shape, hint="neg_inf"),
                     hint="mask")
 
@@ -406,7 +413,7 @@ def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, span: int,
                     for i in range(lanes)]
         return contexts[0] if lanes == 1 else b.concatenate(contexts, 0, hint="context")
 
-    masks = lambda: [position_mask(b, slot, 1, span) for slot in slots]  # noqa: E731
+    masks = lambda: [position_mask(b, slot, 1, span, own=False) for slot in slots]  # noqa: E731
     x = g.decoder(x, inputs["positions"], masks, attend)
     return g.function(decode_name(lanes, span), g.logits(x)), b.globals
 

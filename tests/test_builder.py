@@ -349,6 +349,17 @@ def test_gather_rows():
     assert_exact(out["irows"], itable[iidx])
 
 
+def test_take_rows():
+    """IREE's gather of whole rows, for indices of any shape (the KV cache's block reads)."""
+    table = np.arange(40, dtype=np.float32).reshape(8, 5) * -0.5
+    idx = np.array([[7, 0, 3], [3, 3, 1]], np.int32)
+    b = Builder()
+    T, I = b.argument("table", table.shape), b.argument("idx", idx.shape, "i32")
+    res = {"rows": b.take_rows(T, I)}
+    assert res["rows"].type == TensorType((2, 3, 5), "f32")
+    assert_exact(run(b, res, table, idx)["rows"], table[idx])
+
+
 def test_broadcast_to_and_scalar():
     x = np.array([[1.0, -2.0, 3.0]], np.float32)
     b = Builder()
