@@ -47,7 +47,8 @@ from runtime.checkpoints.text import text_entries
 from runtime.kv_cache import BlockPool, Blocks, block_keys
 
 DEFAULT_PROMPT_BUCKETS = (128, 512)  # a longer prompt runs in chunks of the largest
-DEFAULT_CONTEXT = 4096
+DEFAULT_CONTEXT = 4096  # the least default context (and a TextSession's when none is given)
+CONTEXT_LADDER = (4096, 8192, 16384, 32768)  # generate takes the least that holds its request
 
 
 class GenerateError(ValueError):
@@ -65,6 +66,28 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_token_bytes(cfg, kv_dtype: str = "f32") -> int:
+    """Bytes of KV cache one token takes, all layers, K and V."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (2 if kv_dtype == "bf16" else 4)
+
+
+def default_context(model_dir, kv_dtype: str = "f32") -> tuple[int, str]:
+    """The context when `--context` is not given: the ladder's top (32768), at most the
+    checkpoint's max_position_embeddings and what half of the available memory holds for
+    one sequence (a multiple of 512, at least 4096); and why."""
+    cfg, _ = load_text_config(model_dir)
+    fits = int(available_memory() * 0.5 // kv_token_bytes(cfg, kv_dtype)) // 512 * 512
+    limits = [(CONTEXT_LADDER[-1], "the default ceiling"),
+              (cfg.max_position_embeddings, "the model's max_position_embeddings"),
+              (max(fits, DEFAULT_CONTEXT), "what half the available memory holds")]
+    return min(limits)
+
+
+def fitting_context(tokens: int, limit: int) -> int:
+    """The least context of the ladder that holds `tokens`, at most `limit` (generate's)."""
+    return next((c for c in CONTEXT_LADDER if c >= tokens and c <= limit), limit)
+
+
 def kv_blocks(model_dir, buckets, context: int, lanes: int, kv_dtype: str = "f32",
               memory_gb: float | None = None) -> tuple[int, str]:
     """The KV pool's block count for `--kv-cache-memory` (GB), or by default a whole context
@@ -75,8 +98,7 @@ def kv_blocks(model_dir, buckets, context: int, lanes: int, kv_dtype: str = "f32
         shape = TextShape(tuple(buckets), context, lanes, 0, kv_dtype)
     except TextShapeError as e:
         raise GenerateError(str(e)) from None
-    block_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * BLOCK * cfg.head_dim * \
-        (2 if kv_dtype == "bf16" else 4)
+    block_bytes = kv_token_bytes(cfg, kv_dtype) * BLOCK
     least = shape.max_blocks + 1
     if memory_gb is not None:
         if not memory_gb > 0:
@@ -383,9 +405,11 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
 
 class Generator:
     """The whole Qwen3-VL of a checkpoint folder on IREE: images and a prompt in, greedy
-    tokens and text out. The vision session is opened on the first request with images."""
+    tokens and text out. The vision session is opened on the first request with images.
+    `context` None: each request gets the least context of CONTEXT_LADDER that holds it, up
+    to `default_context` (generate's default; the KV cache then follows the request)."""
 
-    def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
+    def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int | None = DEFAULT_CONTEXT,
                  target: str | None = None, cache_dir=None, precision: str = "f32", threads: int | None = None,
                  progress=None, kv_cache_dtype: str = "f32", lanes: int = 1, kv_blocks: int = 0,
                  prefix_cache: bool = True):
@@ -402,9 +426,14 @@ class Generator:
         self.vision_cfg = load_model_config(model_dir)
         self.tokenizer = ChatTokenizer(model_dir)
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
-        self.text = TextSession(model_dir, buckets, context, len(self.vision_cfg.deepstack_visual_indexes),
-                                kv_cache_dtype=kv_cache_dtype, lanes=lanes, kv_blocks=kv_blocks,
-                                prefix_cache=prefix_cache, **self.options)
+        self.fits = context is None  # the context fitted to each request
+        if self.fits:
+            context = default_context(model_dir, kv_cache_dtype)[0]
+        self.text_options = dict(buckets=buckets, deepstack_layers=len(self.vision_cfg.deepstack_visual_indexes),
+                                 kv_cache_dtype=kv_cache_dtype, lanes=lanes, kv_blocks=kv_blocks,
+                                 prefix_cache=prefix_cache, **self.options)
+        self.limit = context
+        self.text = TextSession(model_dir, context=context, **self.text_options)
         self._vision = None
         self.policy = load_policy(model_dir, self.vision_cfg)
         self.video_policy = load_video_policy(model_dir, self.vision_cfg)
@@ -445,6 +474,7 @@ class Generator:
         seconds["vision"] = time.perf_counter() - start
         ids = prompt_ids(self.tokenizer, self.text.token_ids, messages, processed)
         self.text.check_request(ids.size, max_new_tokens)  # before any compile
+        self._fit_context(ids.size + max_new_tokens)
         rows = None
         if processed:
             if encode is None:
@@ -458,6 +488,13 @@ class Generator:
         prompt = build_prompt(ids, self.text.token_ids, self.vision_cfg.spatial_merge_size, processed, rows)
         prompt.seconds = seconds
         return prompt
+
+    def _fit_context(self, tokens: int) -> None:
+        """With a fitted context: the text session of the least ladder context that holds
+        `tokens` (compiled on first use, cached like any other)."""
+        context = fitting_context(tokens, self.limit)
+        if self.fits and context != self.text.context:
+            self.text = TextSession(self.model_dir, context=context, **self.text_options)
 
     def check_prompt(self, messages, media=(), max_new_tokens: int = 1) -> None:
         """Refuse (GenerateError) a chat the context cannot hold, from the text and the image

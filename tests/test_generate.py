@@ -378,6 +378,28 @@ def test_decode_space_clean_up_as_transformers(model, tmp_path):
         assert (" ?" in theirs) != forced
 
 
+def test_default_context_follows_the_model_and_the_memory(model, tmp_path, monkeypatch):
+    """Without --context: serve takes 32768 tokens, at most max_position_embeddings and what
+    half the available memory holds (never under 4096); generate takes the least ladder
+    context that holds its prompt and answer, up to that."""
+    import runtime.text as text
+
+    per_token = text.kv_token_bytes(TEXT_PRESETS["tiny"])
+    monkeypatch.setattr(text, "available_memory", lambda: 1 << 40)
+    assert text.default_context(model) == (32768, "the default ceiling")
+    assert text.default_context(model, "bf16")[0] == 32768
+    monkeypatch.setattr(text, "available_memory", lambda: 2 * per_token * 10000)
+    assert text.default_context(model) == (9728, "what half the available memory holds")
+    monkeypatch.setattr(text, "available_memory", lambda: 2 * per_token * 100)
+    assert text.default_context(model)[0] == 4096
+    monkeypatch.setattr(text, "available_memory", lambda: 1 << 40)
+    folder = copy_model(model, tmp_path, lambda f: (f / "config.json").write_text(json.dumps(
+        dict(hf_config(model), text_config=dict(hf_config(model)["text_config"], max_position_embeddings=20000)))))
+    assert text.default_context(folder) == (20000, "the model's max_position_embeddings")
+    assert [text.fitting_context(n, 20000) for n in (60, 4096, 4097, 9000, 16385)] == [4096, 4096, 8192, 16384,
+                                                                                      20000]
+
+
 @pytest.mark.slow
 def test_image_larger_than_the_default_ladder(model, tmp_path):
     """An image of more patches than the default vision ladder's top (512) gets a bucket

@@ -13,7 +13,7 @@ from emitter.errors import command_errors
 
 from emitter.text import KV_CACHE_HELP, KV_DTYPES
 
-from runtime.text import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
+from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 # What bf16 means for the language model beyond the matmul weights (docs/text.md).
@@ -59,8 +59,10 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
               help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}); "
               "a longer prompt runs in chunks of the largest.")
-@click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
-              help="Tokens the KV cache holds (prompt and answer).")
+@click.option("--context", type=int, metavar="N",
+              help="Tokens the KV cache holds (prompt and answer). Default: the least of "
+                   f"{', '.join(map(str, CONTEXT_LADDER))} that holds the prompt and --max-new-tokens, at most the "
+                   "model's max_position_embeddings and what half the available memory holds.")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
               help=KV_CACHE_HELP)
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")

@@ -11,7 +11,7 @@ from emitter.config import PRECISION_HELP
 
 from emitter.text import KV_CACHE_HELP, KV_DTYPES
 
-from runtime.text import DEFAULT_CONTEXT, DEFAULT_PROMPT_BUCKETS
+from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -36,8 +36,10 @@ def positive(name: str, value: int) -> int:
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
 @click.option("--max-batch", type=int, default=4, show_default=True, metavar="N",
               help="Sequences decoded together (decode lanes on the device); more requests wait in the queue.")
-@click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, metavar="N",
-              help="Tokens the KV cache holds (prompt and answer).")
+@click.option("--context", type=int, metavar="N",
+              help="Tokens a sequence may hold (prompt and answer). Default: "
+                   f"{CONTEXT_LADDER[-1]}, at most the model's max_position_embeddings and what half the available "
+                   "memory holds.")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
               help=KV_CACHE_HELP)
 @click.option("--kv-cache-memory", type=float, metavar="GB",
@@ -79,6 +81,11 @@ def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cach
         positive(name, value)
     if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
+    if context is None:
+        from runtime.text import default_context
+
+        context, why = default_context(model, kv_cache_dtype)
+        click.echo(f"context: {context} tokens ({why}; --context to change)", err=True)
     server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
                           allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
                           max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype,
