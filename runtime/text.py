@@ -448,14 +448,12 @@ class Generator:
 
     def vision_for(self, patches: int):
         """A vision session with a bucket that holds an image of `patches` patches: the
-        default ladder, plus the next power of two when an image is larger than its top."""
-        from emitter.identity import DEFAULT_LADDER
+        default ladder, extended when an image is larger than its top (`ladder_for`)."""
+        from emitter.identity import ladder_for
 
         from runtime.vision import VisionSession
 
-        buckets = tuple(DEFAULT_LADDER)
-        if patches > buckets[-1]:
-            buckets += (1 << (patches - 1).bit_length(),)
+        buckets = ladder_for([patches])
         if self._vision is None or self._vision.buckets[-1] < patches:
             self._vision = VisionSession(self.model_dir, buckets=buckets, **self.options)
         return self._vision
