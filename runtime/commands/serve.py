@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -97,6 +98,8 @@ def check_access(host: str, api_key: str | None) -> None:
     from other machines without a key is warned about."""
     from runtime.serve.guard import is_loopback
 
+    if api_key is None and os.environ.get("QWEN3VL_API_KEY") == "":  # click reads an empty variable as unset
+        api_key = ""
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key (or $QWEN3VL_API_KEY): empty; give a key, or leave both unset to serve "
                          "without one")

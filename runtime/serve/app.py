@@ -46,8 +46,9 @@ def error_response(e: ApiError) -> Response:
     return Response(e.json(), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
-def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_ready=None) -> Guard:
-    """The ASGI app: the FastAPI routes behind the guard."""
+def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_ready=None) -> FastAPI:
+    """The routes behind the guard (inside Starlette's own error middleware, which would
+    answer a crash with text/plain: the guard answers it first)."""
     @asynccontextmanager
     async def lifespan(app):
         if on_ready:
@@ -119,7 +120,8 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
                 folder.close()
                 job.cancelled.set()  # a no-op once the job is done
 
-    return Guard(app, limits.api_key, limits.allowed_hosts, metrics)
+    app.add_middleware(Guard, api_key=limits.api_key, hosts=limits.allowed_hosts, metrics=metrics)
+    return app
 
 
 def special_tokens(tokenizer) -> re.Pattern | None:
