@@ -64,7 +64,8 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
-        return error_response(ApiError(f"{request.method} {request.url.path}: {e.detail}", status=e.status_code))
+        return error_response(ApiError(f"{request.method} {shown(request.url.path)}: {e.detail}",
+                                       status=e.status_code))
 
     @app.get("/health")
     async def health():

@@ -17,7 +17,9 @@ from __future__ import annotations
 import hmac
 import sys
 
-from runtime.serve.errors import ApiError
+from starlette.requests import ClientDisconnect
+
+from runtime.serve.errors import ApiError, shown
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CHAT_PATH = "/v1/chat/completions"
@@ -52,6 +54,8 @@ class Guard:
         sent = Sent(send)
         try:
             await self.app(scope, receive, sent)
+        except ClientDisconnect:  # a stream's client left (ASGI 2.4 servers): nothing to answer
+            return
         except Exception as e:  # noqa: BLE001 - every failure answers with OpenAI's error object
             self.count(scope, "failed")
             error = ApiError(f"internal error: {type(e).__name__}", status=500, code="internal_error")
@@ -64,7 +68,7 @@ class Guard:
         headers = dict(scope["headers"])
         host = headers.get(b"host", b"").decode("latin-1").lower()
         if self.hosts is not None and host not in self.hosts:
-            return ApiError(f"Host header {host!r}: this server answers only {', '.join(sorted(self.hosts))} "
+            return ApiError(f"Host header {shown(host)}: this server answers only {', '.join(sorted(self.hosts))} "
                             "(--allowed-host adds a name)", status=421, code="misdirected_request")
         if self.api_key and scope["path"].startswith("/v1/"):
             given = headers.get(b"authorization", b"")
