@@ -4,6 +4,7 @@ MAX_DEPTH levels) and its strings (400 for a lone surrogate, which no text can h
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from runtime.serve.errors import ApiError
@@ -23,8 +24,12 @@ async def read_json(request, limit: int):
         if len(data) > limit:
             raise ApiError(f"request body: more than the {limit} bytes this server accepts (--max-body-mb)",
                            status=413, code="body_too_large")
+    return await asyncio.to_thread(parse, bytes(data))  # 32 MB of JSON is seconds: not on the event loop
+
+
+def parse(data: bytes):
     try:
-        value = json.loads(bytes(data))
+        value = json.loads(data)
     except RecursionError:
         raise too_deep() from None
     except ValueError as e:
@@ -40,33 +45,57 @@ def too_deep() -> ApiError:
 
 def check_json(value) -> None:
     """ApiError if `value` nests past MAX_DEPTH or holds a string that is not valid Unicode
-    (named by its place: `messages[0].content`)."""
-    if isinstance(value, str):
-        check_text(value, ())
-    stack = [(value, 1, ())] if isinstance(value, (dict, list)) else []
+    (named by its place: `messages[0].content`). A quick pass first; the places are only
+    worked out for a body found wrong."""
+    if not fine(value):
+        find_fault(value, 1, ())
+
+
+def fine(value) -> bool:
+    stack = [(value, 1)]
     while stack:
-        node, depth, where = stack.pop()
+        node, depth = stack.pop()
+        if type(node) is str:
+            if not (node.isascii() or valid_text(node)):
+                return False
+            continue
+        if type(node) not in (dict, list):
+            continue
         if depth > MAX_DEPTH:
-            raise too_deep()
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, item in items:
-            if isinstance(key, str):
-                check_text(key, where)
-            if isinstance(item, str):
-                check_text(item, (*where, key))
-            elif isinstance(item, (dict, list)):
-                stack.append((item, depth + 1, (*where, key)))
+            return False
+        if type(node) is dict:
+            if not all(key.isascii() or valid_text(key) for key in node):
+                return False
+            node = node.values()
+        stack.extend((item, depth + 1) for item in node if type(item) in (str, dict, list))
+    return True
 
 
-def check_text(text: str, where: tuple) -> None:
-    if text.isascii():
+def find_fault(node, depth: int, where: tuple) -> None:
+    """Raise the ApiError for the first fault under `node` (it has one)."""
+    if isinstance(node, str):
+        if not valid_text(node):
+            name = place(where)
+            bad = next(c for c in node if 0xD800 <= ord(c) <= 0xDFFF)
+            raise ApiError(f"{name or 'request body'}: holds a lone surrogate (U+{ord(bad):04X}): expected "
+                           "valid Unicode text", name or None, code="invalid_json")
         return
+    if not isinstance(node, (dict, list)):
+        return
+    if depth > MAX_DEPTH:
+        raise too_deep()
+    for key, item in node.items() if isinstance(node, dict) else enumerate(node):
+        if isinstance(key, str):
+            find_fault(key, depth, where)
+        find_fault(item, depth + 1, (*where, key))
+
+
+def valid_text(text: str) -> bool:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        name = place(where)
-        raise ApiError(f"{name or 'request body'}: holds a lone surrogate (U+{ord(text[e.start]):04X}): expected "
-                       "valid Unicode text", name or None, code="invalid_json") from None
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def place(where: tuple) -> str:
