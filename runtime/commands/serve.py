@@ -34,7 +34,7 @@ def positive(name: str, value: int) -> int:
 @click.command("serve", context_settings=CONTEXT)
 @click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (as for qwen3vl generate).")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (another than loopback without --api-key: a warning).")
+              help="Address to listen on (one other than loopback, without --api-key: a warning).")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
 @click.option("--max-batch", type=int, default=4, show_default=True, metavar="N",
               help="Sequences decoded together (decode lanes on the device); more requests wait in the queue.")

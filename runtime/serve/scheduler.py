@@ -123,6 +123,9 @@ class Engine:
             except queue.Empty:
                 break
             if job is not None:
+                with self.lock:
+                    self.waiting -= 1
+                    self.metrics.waiting.set(self.waiting)
                 job.cancelled.set()
                 job.send("error", shutting_down())
 
