@@ -247,34 +247,42 @@ def test_the_guard_answers_a_crash_with_an_error_object():
 
 
 def test_sigterm_past_the_grace_answers_every_request(server, tmp_path):
-    """SIGTERM with --grace 1 and two answers that would run for seconds more: the stream
-    gets an error event then [DONE], the plain request a 503 error object, the process
-    exits 0. (This server also answers --allowed-host's name, and only it besides its own.)"""
+    """SIGTERM with --grace 1, four lanes busy with answers that would run for seconds more
+    and a fifth request queued: each stream gets an error event then [DONE], each plain
+    request (running or queued) a 503 error object; the process exits 0. (This server also
+    answers --allowed-host's name, and only it besides its own.)"""
     other = Server(tmp_path, server.model, server.cache, ["--grace", "1", "--allowed-host", "Example.test"])
     try:
         assert httpx.get(other.url + "/health", headers={"Host": "example.test"}).status_code == 200
         assert httpx.get(other.url + "/health", headers={"Host": f"example.test:{other.port}"}).status_code == 200
         assert httpx.get(other.url + "/health", headers={"Host": "other.test"}).status_code == 421
-        response, client = long_stream(other)
-        plain = {}
-        thread = threading.Thread(target=lambda: plain.update(r=other.post(
-            {"messages": [user("Go on.")], "max_tokens": 100000, "ignore_eos": True})))
-        thread.start()
+        streams = [long_stream(other) for _ in range(3)]
+        plain = []
+        long = {"messages": [user("Go on.")], "max_tokens": 100000, "ignore_eos": True}
+        threads = [threading.Thread(target=lambda: plain.append(other.post(long))) for _ in range(2)]
+        events = []
         try:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            assert wait_for(lambda: other.metric("qwen3vl_requests_running") == 2)
+            lines = [response.iter_lines() for response, _ in streams]
+            assert all(next(each).startswith("data: ") for each in lines)
+            threads[0].start()
+            assert wait_for(lambda: other.metric("qwen3vl_requests_running") == 4)  # --max-batch 4
+            threads[1].start()
+            assert wait_for(lambda: other.metric("qwen3vl_requests_waiting") == 1)
             other.process.send_signal(signal.SIGTERM)
-            events = [line for line in lines if line]
+            events = [[line for line in each if line] for each in lines]
         finally:
-            response.close()
-            client.close()
-        thread.join(60)
-        assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][6:])["error"]["code"] == "shutting_down", events[-2]
-        r = plain["r"]
-        assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
-        assert r.json()["error"]["code"] == "shutting_down"
+            for response, client in streams:
+                response.close()
+                client.close()
+        for thread in threads:
+            thread.join(60)
+        for each in events:
+            assert each[-1] == "data: [DONE]"
+            assert json.loads(each[-2][6:])["error"]["code"] == "shutting_down", each[-2]
+        assert len(plain) == 2
+        for r in plain:
+            assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+            assert r.json()["error"]["code"] == "shutting_down"
         assert other.process.wait(60) == 0, other.output()
         assert "Traceback" not in other.output()
     finally:
