@@ -82,3 +82,9 @@ def tiny_parity():
     weights = {k[len("weight."):]: v for k, v in data.items() if k.startswith("weight.")}
     stages = {k[len("stage."):]: v for k, v in data.items() if k.startswith("stage.")}
     return weights, data["pixel_values"], data["grid_thw"], stages
+
+
+@pytest.fixture(scope="session")
+def serve_cache(tmp_path_factory):
+    """One artifact cache for every `qwen3vl serve` the tests start: compiled once a session."""
+    return tmp_path_factory.mktemp("serve-cache")

@@ -141,6 +141,16 @@ def long_stream(server, messages=None, max_tokens=100000):
     return client.send(request, stream=True), client
 
 
+def raw_request(server, body: dict) -> socket.socket:
+    """A chat request sent on a raw socket, its answer not read (close the socket to leave)."""
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {KEY}"
+            f"\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(head.encode() + data)
+    return sock
+
+
 def wait_for(condition, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

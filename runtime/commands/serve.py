@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def positive(name: str, value: int) -> int:
 
 @click.command("serve", context_settings=CONTEXT)
 @click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (as for qwen3vl generate).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (one other than loopback, without --api-key: a warning).")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
 @click.option("--max-batch", type=int, default=4, show_default=True, metavar="N",
               help="Sequences decoded together (decode lanes on the device); more requests wait in the queue.")
@@ -52,7 +54,10 @@ def positive(name: str, value: int) -> int:
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
               help=PRECISION_HELP)
 @click.option("--api-key", metavar="KEY", envvar="QWEN3VL_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1/ (or $QWEN3VL_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on /v1/ (or $QWEN3VL_API_KEY; an empty key is refused).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="HOST",
+              help="Also answer requests whose Host header names HOST (repeatable; '*': any). By default only "
+                   "the --host address and the loopback names are answered (421 otherwise: DNS rebinding).")
 @click.option("--allowed-local-media-path", metavar="DIR",
               help="Accept file:// image and video URLs, only for files under DIR (symlinks resolved).")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
@@ -69,9 +74,10 @@ def positive(name: str, value: int) -> int:
               help="Prefix caching by blocks: a prompt whose first blocks of 16 tokens (text, positions and "
                    "images) the KV cache holds shares them and prefills only the rest (exact: the same answer).")
 @click.option("--grace", type=float, default=10.0, show_default=True, metavar="S",
-              help="On SIGTERM: seconds to let requests in flight finish before cancelling them.")
+              help="On SIGTERM: seconds to let requests in flight finish; then each still running gets a 503 "
+                   "error object (a stream: an error event, then [DONE]).")
 def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cache_memory, buckets, precision, api_key,
-                  allowed_local_media_path,
+                  allowed_hosts, allowed_local_media_path,
                   cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
                   grace):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
@@ -81,6 +87,7 @@ def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cach
         positive(name, value)
     if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
+    check_access(host, api_key)
     if context is None:
         from runtime.text import default_context
 
@@ -89,19 +96,34 @@ def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cach
     server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
                           allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
                           max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype,
-                          kv_cache_memory)  # bad input, failures: one line
+                          kv_cache_memory, allowed_hosts)  # bad input, failures: one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
 
 
+def check_access(host: str, api_key: str | None) -> None:
+    """An empty key is refused (it would turn authentication off unseen); a server reachable
+    from other machines without a key is warned about."""
+    from runtime.serve.guard import is_loopback
+
+    if api_key is None and os.environ.get("QWEN3VL_API_KEY") == "":  # click reads an empty variable as unset
+        api_key = ""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key (or $QWEN3VL_API_KEY): empty; give a key, or leave both unset to serve "
+                         "without one")
+    if not api_key and not is_loopback(host):
+        click.echo(f"warning: --host {host} without --api-key: anyone who can reach this address may use the "
+                   "server", err=True)
+
+
 def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads,
                  target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
-                 kv_cache_dtype="f32", kv_cache_memory=None):
+                 kv_cache_dtype="f32", kv_cache_memory=None, allowed_hosts=()):
     """Everything loaded (text module, vision module, weights), then a uvicorn server."""
-    import uvicorn
-
     from runtime.text import Generator, kv_blocks
     from runtime.serve.app import Limits, create_app
+    from runtime.serve.guard import allowed_hosts as host_names
+    from runtime.serve.server import GracefulServer
     from runtime.serve.encoder_cache import EncoderCache
     from runtime.serve.metrics import Metrics
     from runtime.serve.scheduler import Engine
@@ -119,10 +141,9 @@ def build_server(model, host, port, max_batch, context, buckets, precision, api_
     metrics = Metrics()
     encoder = EncoderCache(generator.vision_for, encoder_cache_mb << 20, metrics)
     engine = Engine(generator, metrics, encoder, max_waiting)
-    limits = Limits(api_key, allowed, max_body_mb << 20, max_media)
+    limits = Limits(api_key, allowed, max_body_mb << 20, max_media, allowed_hosts=host_names(host, port, allowed_hosts))
     model_id = Path(model).resolve().name
     url = f"http://{host}:{port}/v1"
     app = create_app(generator, engine, metrics, model_id, limits,
                      on_ready=lambda: say(f"qwen3vl serve: {model_id} ready at {url}"))
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
-    return uvicorn.Server(config)
+    return GracefulServer(app, engine.cut, grace, host=host, port=port, log_level="warning")

@@ -1,11 +1,16 @@
 """`qwen3vl serve`: an OpenAI-compatible chat server on IREE.
 
-- `app`: the HTTP side (FastAPI): routes, OpenAI's shapes, SSE streaming, auth, errors.
+- `app`: the HTTP side (FastAPI): routes, OpenAI's shapes, SSE streaming, errors.
+- `guard`: the pure ASGI middleware before the routes: Host check, API key, Content-Type,
+  and the catch-all that answers any crash with OpenAI's error object.
+- `body`: the request body read as JSON within bounds (size, nesting, valid text).
+- `errors`: OpenAI's error object; `shown`, how a request's value is echoed.
 - `protocol`: the request body checked into a `ChatRequest`.
 - `media`: image_url / video_url to files (data: URLs; file:// under an allowed folder).
 - `scheduler`: the engine thread that runs requests on the model.
 - `encoder_cache`: the tower's rows of media already seen (LRU in bytes).
 - `metrics`: Prometheus metrics.
+- `server`: uvicorn's server with a shutdown that answers every request past `--grace`.
 
 The `qwen3vl serve` command itself is runtime/commands/serve.py.
 """

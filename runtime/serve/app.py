@@ -1,14 +1,17 @@
 """The HTTP side: OpenAI's chat completions API over the engine (FastAPI).
 
 POST /v1/chat/completions (streamed as Server-Sent Events or not), GET /v1/models,
-GET /health, GET /metrics. Every refusal is OpenAI's error object with a 4xx status.
+GET /health, GET /metrics. Every response that is not a success is OpenAI's error object
+with a 4xx/5xx status (the Host, API-key and Content-Type checks and the catch-all are in
+`guard`; the body's bounds in `body`). A client that leaves cancels its request at once:
+the handler waits on the job's next event or the connection's end, whichever comes first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -21,7 +24,9 @@ from starlette.exceptions import HTTPException
 
 from runtime.inputs.chat import Media
 from runtime.sampling import SamplingError
-from runtime.serve.errors import ApiError
+from runtime.serve.body import read_json
+from runtime.serve.errors import ApiError, shown
+from runtime.serve.guard import LOOPBACK, Guard
 from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import parse_chat_request
 from runtime.serve.scheduler import Job, as_api_error
@@ -34,13 +39,16 @@ class Limits:
     max_body_bytes: int = 32 << 20
     max_media: int = 8
     max_image_pixels: int = 64 << 20
+    allowed_hosts: frozenset | None = frozenset(LOOPBACK)  # Host header values answered; None: any
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: ApiError) -> Response:
+    return Response(e.json(), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
 def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_ready=None) -> FastAPI:
+    """The routes behind the guard (inside Starlette's own error middleware, which would
+    answer a crash with text/plain: the guard answers it first)."""
     @asynccontextmanager
     async def lifespan(app):
         if on_ready:
@@ -56,18 +64,8 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
-        return error_response(ApiError(f"{request.method} {request.url.path}: {e.detail}", status=e.status_code))
-
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if limits.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {limits.api_key}".encode()):
-                return error_response(ApiError("missing or wrong API key: expected the header "
-                                               "'Authorization: Bearer <key>' with the server's --api-key",
-                                               status=401, code="invalid_api_key",
-                                               headers={"WWW-Authenticate": "Bearer"}))
-        return await call_next(request)
+        return error_response(ApiError(f"{request.method} {shown(request.url.path)}: {e.detail}",
+                                       status=e.status_code))
 
     @app.get("/health")
     async def health():
@@ -82,56 +80,78 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
                                             "owned_by": "qwen3vl-iree"}]}
 
+    specials = special_tokens(generator.tokenizer)
+
+    async def checked(request: Request) -> tuple[Job, MediaFolder]:
+        """The request as a job, refused (and counted) at its first fault, before it queues."""
+        try:
+            body = await read_json(request, limits.max_body_bytes)
+            job, folder = make_job(body, generator, model_id, limits, specials)
+        except ApiError:
+            metrics.requests.labels("refused").inc()
+            raise
+        try:
+            await refuse_early(generator, job, folder)
+        except BaseException as e:
+            folder.close()
+            if isinstance(e, ApiError):
+                metrics.requests.labels("refused").inc()
+            raise
+        return job, folder
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await read_json(request, limits.max_body_bytes)
-        job, folder = make_job(body, generator, model_id, limits)
+        job, folder = await checked(request)
+        gone, streaming = Departure(request), False
         try:
-            await refuse_early(generator, job)
             engine.submit(job)
-            first = await next_event(job, request)
-        except BaseException:
-            folder.close()
-            job.cancelled.set()
-            raise
-        if first[0] == "error":
-            folder.close()
-            raise first[1]
-        reply = Reply(model_id, job.request, first[1])
-        if job.request.stream:
-            return StreamingResponse(stream(job, reply, folder), media_type="text/event-stream")
-        try:
-            return await collect(job, reply, request)
+            first = await next_event(job, gone)
+            if first[0] == "error":
+                raise folder.scrub(first[1])
+            reply = Reply(model_id, job.request, first[1])
+            if job.request.stream:
+                streaming = True  # the stream watches its client, and cleans up, from here
+                return StreamingResponse(stream(job, reply, folder), media_type="text/event-stream")
+            return await collect(job, reply, gone, folder)
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request": no one reads it
         finally:
-            folder.close()
+            gone.stop()
+            if not streaming:
+                folder.close()
+                job.cancelled.set()  # a no-op once the job is done
 
+    app.add_middleware(Guard, api_key=limits.api_key, hosts=limits.allowed_hosts, metrics=metrics)
     return app
 
 
-async def read_json(request: Request, limit: int):
-    """The body as JSON: 413 past `limit` bytes (before reading it all), 400 if not JSON."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(f"request body of {declared} bytes: more than the {limit} this server accepts "
-                       "(--max-body-mb)", status=413, code="body_too_large")
-    data = bytearray()
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > limit:
-            raise ApiError(f"request body: more than the {limit} bytes this server accepts (--max-body-mb)",
-                           status=413, code="body_too_large")
-    try:
-        return json.loads(bytes(data))
-    except ValueError as e:
-        raise ApiError(f"request body: not valid JSON ({e})", code="invalid_json") from None
+def special_tokens(tokenizer) -> re.Pattern | None:
+    """The tokenizer's special tokens (`<|im_start|>`, `<|image_pad|>`, ...) as one pattern."""
+    names = [t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values() if t.special]
+    return re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True)))) if names else None
 
 
-def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, MediaFolder]:
+def refuse_special_tokens(messages: list[dict], specials: re.Pattern | None) -> None:
+    """A 400 naming the text that holds a special token: the chat template would read it
+    as the token (a turn's end, an image's place), not as the text the user wrote."""
+    for i, message in enumerate(messages if specials else ()):
+        content = message["content"]
+        texts = [(f"messages[{i}].content", content)] if isinstance(content, str) else [
+            (f"messages[{i}].content[{j}].text", part["text"]) for j, part in enumerate(content) if "text" in part]
+        for param, text in texts:
+            found = specials.search(text)
+            if found:
+                raise ApiError(f"{param}: the text holds {found.group()!r}, one of the model's special tokens, "
+                               "which message text cannot carry; expected plain text", param, code="special_token")
+
+
+def make_job(body, generator, model_id: str, limits: Limits, specials=None) -> tuple[Job, MediaFolder]:
     """The checked request as a job; its media written to files (ApiError on any fault)."""
     request = parse_chat_request(body, limits.max_media)
+    refuse_special_tokens(request.messages, specials)
     model = body.get("model")
     if model is not None and model != model_id:
-        raise ApiError(f"model: {model!r}: this server serves {model_id!r}", "model", 404, "model_not_found")
+        raise ApiError(f"model: {shown(model)}: this server serves {model_id!r}", "model", 404, "model_not_found")
     try:
         params = generator.sampling.with_overrides(**request.sampling)
     except SamplingError as e:
@@ -145,25 +165,48 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
     return Job(request, params, media, asyncio.get_running_loop()), folder
 
 
-async def refuse_early(generator, job: Job) -> None:
+async def refuse_early(generator, job: Job, folder: MediaFolder) -> None:
     """A prompt the context cannot hold, or an image whose header is not one, refused
     before the job queues: from the text and the image headers, nothing decoded (a
     video's tokens are counted once its frames are, in the engine)."""
     try:
         await asyncio.to_thread(generator.check_prompt, job.request.messages, job.media)
     except ValueError as e:
-        raise as_api_error(e) from None
+        raise folder.scrub(as_api_error(e)) from None
 
 
-async def next_event(job: Job, request: Request | None):
-    """The job's next event; a client that went away cancels it (polled every 0.25 s)."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), 0.25)
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                job.cancelled.set()
-                raise asyncio.CancelledError("client disconnected") from None
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
+
+
+class Departure:
+    """Completes when the client closes its connection (its body already read): ASGI's
+    `receive()` then says `http.disconnect`."""
+
+    def __init__(self, request: Request):
+        self.task = asyncio.ensure_future(self._wait(request.receive))
+
+    @staticmethod
+    async def _wait(receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
+async def next_event(job: Job, gone: Departure | None):
+    """The job's next event; if the client leaves first, the job is cancelled (the engine
+    frees its lane before its next step) and ClientGone raised."""
+    if gone is None:
+        return await job.events.get()
+    get = asyncio.ensure_future(job.events.get())
+    await asyncio.wait((get, gone.task), return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    job.cancelled.set()
+    raise ClientGone()
 
 
 class Reply:
@@ -193,9 +236,9 @@ def sse(value) -> str:
     return f"data: {json.dumps(value, ensure_ascii=False)}\n\n"
 
 
-async def collect(job: Job, reply: Reply, request: Request) -> JSONResponse:
+async def collect(job: Job, reply: Reply, gone: Departure, folder: MediaFolder) -> JSONResponse:
     while True:
-        event = await next_event(job, request)
+        event = await next_event(job, gone)
         if event[0] == "delta":
             reply.text.append(event[1])
             if event[2]:
@@ -203,7 +246,7 @@ async def collect(job: Job, reply: Reply, request: Request) -> JSONResponse:
         elif event[0] == "done":
             return JSONResponse(reply.completion(event[1], event[2]))
         else:
-            raise event[1]
+            raise folder.scrub(event[1])
 
 
 async def stream(job: Job, reply: Reply, folder: MediaFolder):
@@ -224,7 +267,7 @@ async def stream(job: Job, reply: Reply, folder: MediaFolder):
                     yield sse(dict(reply.head(), object="chat.completion.chunk", choices=[], usage=event[2]))
                 break
             else:
-                yield sse(event[1].body())
+                yield sse(folder.scrub(event[1]).body())
                 break
         yield "data: [DONE]\n\n"
     finally:

@@ -1,9 +1,28 @@
-"""OpenAI's error object: {"error": {"message", "type", "param", "code"}} with a 4xx status."""
+"""OpenAI's error object: {"error": {"message", "type", "param", "code"}} with a 4xx/5xx
+status, and `shown`, the one way a value of the request is echoed in a message (short)."""
 
 from __future__ import annotations
 
+import json
+import reprlib
+
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+         413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error",
+         429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+ECHO_CHARS = 64  # a value of the request is echoed at most this long, then "..."
+
+_echo = reprlib.Repr()
+_echo.maxstring = _echo.maxother = ECHO_CHARS
+_echo.maxlist = _echo.maxdict = 4
+_echo.maxlevel = 2
+
+
+def shown(value) -> str:
+    """`value` as a message quotes it: repr, at most ECHO_CHARS characters and "..."."""
+    if isinstance(value, str) and len(value) > ECHO_CHARS:
+        return repr(value[:ECHO_CHARS]) + "..."
+    text = _echo.repr(value)
+    return text if len(text) <= ECHO_CHARS + 8 else text[:ECHO_CHARS] + "..."
 
 
 class ApiError(Exception):
@@ -18,3 +37,7 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
+
+    def json(self) -> bytes:
+        """The body's bytes (ASCII: a message holding any character cannot fail to encode)."""
+        return json.dumps(self.body()).encode()

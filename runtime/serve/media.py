@@ -7,7 +7,8 @@
 - `http://`, `https://` and anything else: refused; nothing is ever fetched.
 
 Images are sized from their header before anything is decoded: more than
-`max_image_pixels` is refused.
+`max_image_pixels` is refused. No message shows the server's temporary paths: `scrub`
+puts the URL's own parameter in their place.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import re
 import tempfile
 import warnings
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from runtime.serve.errors import ApiError
+from runtime.serve.errors import ApiError, shown
 
 DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 SUFFIXES = {"image/png": ".png", "image/jpeg": ".jpg", "image/jpg": ".jpg", "image/webp": ".webp",
@@ -36,11 +38,21 @@ class MediaFolder:
         self.max_image_pixels = max_image_pixels
         self._dir: tempfile.TemporaryDirectory | None = None
         self._count = 0
+        self._names: dict[str, str] = {}  # a written file's path: the parameter of its URL
 
     def close(self) -> None:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+
+    def scrub(self, error: ApiError) -> ApiError:
+        """`error` with each file this folder wrote named by its URL's parameter instead."""
+        message = error.message
+        for path, param in self._names.items():
+            message = message.replace(path, param)
+        if message != error.message:
+            error = ApiError(message, error.param, error.status, error.code, error.headers)
+        return error
 
     def path(self, url: object, kind: str, param: str) -> str:
         """A local file holding the medium `url` names; ApiError (400) saying why not."""
@@ -55,7 +67,7 @@ class MediaFolder:
             raise ApiError(f"{param}: {scheme}:// URLs are not fetched by this server; send the {kind} inline as a "
                            f"data:{kind}/...;base64, URL", param, code="url_not_allowed")
         else:
-            raise ApiError(f"{param}: {url[:40]!r}: expected a data:{kind}/...;base64, URL (or file:// under "
+            raise ApiError(f"{param}: {shown(url)}: expected a data:{kind}/...;base64, URL (or file:// under "
                            "--allowed-local-media-path)", param)
         if kind == "image":
             self._check_image_header(path, param)
@@ -65,7 +77,7 @@ class MediaFolder:
         header, sep, payload = url.partition(",")
         mime = header[5:].split(";")[0].strip().lower()
         if not sep or ";base64" not in header.lower() or not mime.startswith(kind + "/"):
-            raise ApiError(f"{param}: expected a data:{kind}/<type>;base64,<payload> URL, got {header[:40]!r}", param)
+            raise ApiError(f"{param}: expected a data:{kind}/<type>;base64,<payload> URL, got {shown(header)}", param)
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -78,6 +90,7 @@ class MediaFolder:
         path = os.path.join(self._dir.name, f"{kind}{self._count}{SUFFIXES.get(mime, '')}")
         with open(path, "wb") as f:
             f.write(data)
+        self._names[path] = param
         return path
 
     def _local(self, url: str, param: str) -> str:
@@ -86,13 +99,23 @@ class MediaFolder:
                            "--allowed-local-media-path", param, code="url_not_allowed")
         parsed = urlparse(url)
         if parsed.netloc not in ("", "localhost"):
-            raise ApiError(f"{param}: file:// URL with host {parsed.netloc!r}: expected file:///absolute/path", param)
-        real = Path(unquote(parsed.path)).resolve()
-        if not real.is_relative_to(self.allowed):
-            raise ApiError(f"{param}: {unquote(parsed.path)} is outside the allowed folder {self.allowed} (after "
+            raise ApiError(f"{param}: file:// URL with host {shown(parsed.netloc)}: expected file:///absolute/path",
+                           param)
+        try:
+            given = unquote(parsed.path, errors="strict")
+            if "\0" in given:
+                raise ValueError("it holds a NUL byte (%00)")
+            real = Path(given).resolve()
+            inside, exists = real.is_relative_to(self.allowed), real.is_file()
+        except ValueError as e:  # UnicodeDecodeError too: %-escapes that are not UTF-8
+            reason = ("its %-escapes are not UTF-8" if isinstance(e, UnicodeDecodeError) else
+                      "it holds a lone surrogate" if isinstance(e, UnicodeEncodeError) else str(e))
+            raise ApiError(f"{param}: the file:// URL's path is not a file name: {reason}", param) from None
+        if not inside:
+            raise ApiError(f"{param}: {shown(given)} is outside the allowed folder {self.allowed} (after "
                            "resolving symlinks and ..)", param, code="url_not_allowed")
-        if not real.is_file():
-            raise ApiError(f"{param}: {unquote(parsed.path)}: no such file", param)
+        if not exists:
+            raise ApiError(f"{param}: {shown(given)}: no such file", param)
         return str(real)
 
     def _check_image_header(self, path: str, param: str) -> None:
@@ -103,8 +126,14 @@ class MediaFolder:
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 with Image.open(path) as im:
                     width, height = im.size
+        except Image.DecompressionBombError as e:  # past twice PIL's own limit: sized, not opened
+            pixels = re.search(r"\((\d+) pixels\)", str(e))
+            self._too_large(f"{pixels.group(1)} pixels" if pixels else "more pixels than PIL opens", param)
         except Exception:  # noqa: BLE001 - PIL raises many types for a non-image
             raise ApiError(f"{param}: not an image PIL can read", param, code="invalid_image") from None
         if width * height > self.max_image_pixels:
-            raise ApiError(f"{param}: image of {width}x{height} pixels: more than the {self.max_image_pixels} pixels "
-                           "this server accepts", param, code="image_too_large")
+            self._too_large(f"{width}x{height} pixels", param)
+
+    def _too_large(self, size: str, param: str):
+        raise ApiError(f"{param}: image of {size}: more than the {self.max_image_pixels} pixels this server "
+                       "accepts", param, code="image_too_large")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from runtime.serve.errors import ApiError
+from runtime.serve.errors import ApiError, shown
 
 ROLES = ("system", "user", "assistant")
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
@@ -44,7 +44,7 @@ def _number(body: dict, name: str, kind, low, high):
         ok = ok and float(value).is_integer()
     if not ok or (low is not None and value < low) or (high is not None and value > high):
         span = f" in [{low}, {high}]" if high is not None else f" >= {low}"
-        raise ApiError(f"{name}: {value!r}: expected {'an integer' if kind is int else 'a number'}{span}", name)
+        raise ApiError(f"{name}: {shown(value)}: expected {'an integer' if kind is int else 'a number'}{span}", name)
     return kind(value)
 
 
@@ -75,7 +75,8 @@ def _content(content, role: str, param: str, media: list) -> str | list[dict]:
             media.append((MEDIA_PARTS[kind], url, f"{where}.{kind}.url"))
             parts.append({"type": MEDIA_PARTS[kind]})
         else:
-            raise ApiError(f"{where}.type: {kind!r}: expected 'text', 'image_url' or 'video_url'", f"{where}.type")
+            raise ApiError(f"{where}.type: {shown(kind)}: expected 'text', 'image_url' or 'video_url'",
+                           f"{where}.type")
     return parts
 
 
@@ -90,7 +91,7 @@ def _messages(body: dict) -> tuple[list[dict], list]:
             raise ApiError(f"{where}: expected an object with role and content", where)
         role = message.get("role")
         if role not in ROLES:
-            raise ApiError(f"{where}.role: {role!r}: expected one of {', '.join(ROLES)}", f"{where}.role")
+            raise ApiError(f"{where}.role: {shown(role)}: expected one of {', '.join(ROLES)}", f"{where}.role")
         if message.get("tool_calls"):
             raise ApiError(f"{where}.tool_calls: tools are not supported by this server", f"{where}.tool_calls")
         out.append({"role": role, "content": _content(message.get("content"), role, f"{where}.content", media)})
@@ -107,19 +108,31 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
+    value, param = body.get(name, False), param or name
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(f"{name}: {value!r}: expected true or false", name)
+        raise ApiError(f"{param}: {shown(value)}: expected true or false", param)
     return value
+
+
+def _include_usage(body: dict) -> bool:
+    """stream_options.include_usage: only with stream true (as OpenAI), a boolean."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(f"stream_options: {shown(options)}: expected an object", "stream_options")
+    if not _flag(body, "stream"):
+        raise ApiError("stream_options: only with stream: true", "stream_options")
+    return _flag(options, "include_usage", "stream_options.include_usage")
 
 
 def _refused(body: dict) -> None:
     n = body.get("n")
     if n is not None and n != 1:
-        raise ApiError(f"n: {n!r}: this server returns one choice per request; expected 1", "n")
+        raise ApiError(f"n: {shown(n)}: this server returns one choice per request; expected 1", "n")
     if body.get("tools"):
         raise ApiError("tools: tool calling is not supported by this server", "tools")
     if body.get("tool_choice") not in (None, "none"):
@@ -143,13 +156,10 @@ def parse_chat_request(body, max_media: int) -> ChatRequest:
     if sampling["top_p"] == 0:
         raise ApiError("top_p: 0: expected a number in (0, 1]", "top_p")
     max_tokens = _number(body, "max_completion_tokens", int, 1, None) or _number(body, "max_tokens", int, 1, None)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError("stream_options: expected an object", "stream_options")
     logprobs = _flag(body, "logprobs")
     top = _number(body, "top_logprobs", int, 0, 20) or 0
     if top and not logprobs:
         raise ApiError("top_logprobs: only with logprobs: true", "top_logprobs")
     return ChatRequest(messages, media, {k: v for k, v in sampling.items() if v is not None}, max_tokens,
-                       _stop(body), _flag(body, "stream"), bool(options.get("include_usage")), logprobs, top,
+                       _stop(body), _flag(body, "stream"), _include_usage(body), logprobs, top,
                        _flag(body, "ignore_eos"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -112,8 +113,9 @@ class Engine:
             self.metrics.waiting.set(self.waiting)
         self.queue.put(job)
 
-    def stop(self) -> None:
-        """Cancel what waits and what runs; the thread ends after the current step."""
+    def cut(self) -> None:
+        """Every request ends now with a 503 (the grace after SIGTERM is over): what waits at
+        once, what runs at its next token. Returns at once."""
         self.stopping = True  # the engine thread cancels its running sequences at their next token
         while True:
             try:
@@ -121,8 +123,15 @@ class Engine:
             except queue.Empty:
                 break
             if job is not None:
+                with self.lock:
+                    self.waiting -= 1
+                    self.metrics.waiting.set(self.waiting)
                 job.cancelled.set()
-                job.send("error", ApiError("server shutting down", status=503, code="shutting_down"))
+                job.send("error", shutting_down())
+
+    def stop(self) -> None:
+        """Cancel what waits and what runs; the thread ends after the current step."""
+        self.cut()
         self.queue.put(None)
         self.thread.join(timeout=30)
 
@@ -252,7 +261,7 @@ class Engine:
         job, request = seq.job, seq.job.request
         if job.cancelled.is_set() or self.stopping or logits is None:
             if self.stopping:
-                job.send("error", ApiError("server shutting down", status=503, code="shutting_down"))
+                job.send("error", shutting_down())
             return self._end(seq, "cancelled")
         check_finite("logits", logits, "the language model")  # no token from an overflowed row
         token = seq.sampler.choose(logits)
@@ -298,6 +307,11 @@ class Engine:
                 "bytes": list(tokenizer.token_bytes(token))}
 
 
+def shutting_down() -> ApiError:
+    return ApiError("server shutting down: requests still in flight past the --grace period are ended", status=503,
+                    code="shutting_down")
+
+
 def as_api_error(e: Exception) -> ApiError:
     """A failure inside a request as a 400 (its input) or 500 (anything else), one line."""
     message = " ".join(str(e).split()) or type(e).__name__
@@ -305,6 +319,7 @@ def as_api_error(e: Exception) -> ApiError:
         return ApiError(message, "messages", code="context_length_exceeded")
     if isinstance(e, NonFiniteError):
         return ApiError(message, status=500, code="model_overflow")
-    if isinstance(e, ValueError):
-        return ApiError(message, "messages")
+    if isinstance(e, ValueError):  # a medium's fault names its URL's parameter first
+        named = re.match(r"(messages\[\d+\]\.content\[\d+\]\.\w+\.url): ", message)
+        return ApiError(message, named.group(1) if named else "messages")
     return ApiError(f"internal error: {type(e).__name__}: {message}", status=500, code="internal_error")
