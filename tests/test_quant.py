@@ -1,0 +1,149 @@
+"""--precision int8 (emitter/quant.py): the language model's matmul weights and embedding
+table in i8 with an f32 scale per 64 inputs. The quantized session against the f32 session
+over the dequantized weights (the same numbers, so relL2 <= 1e-5), and against the
+unquantized model (a distance quantization must show); the decode dispatches read i8; the
+resident weights are the i8 ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import rel_l2
+from emitter import quant
+from emitter.config import ConfigError
+from emitter.text import text_weights
+from emitter.text_config import TEXT_PRESETS
+from runtime.artifact.compiler import compile_mlir
+from runtime.bench.decode_profile import decode_module
+from runtime.checkpoints.synthetic import write_safetensors
+from runtime.checkpoints.synthetic_text import write_text_model
+from runtime.checkpoints.text import load_text_weights
+from runtime.text import TextSession
+
+# The tiny preset at widths the group of 64 divides, embeddings tied (one quantized table
+# for the input rows and lm_head).
+CFG = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          tie_word_embeddings=True)
+TOL = 1e-5
+
+
+def test_quantize_is_symmetric_groupwise():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 256), dtype=np.float32)
+    w[2, 64:128] = 0  # an all-zero group
+    q, scales = quant.quantize(w, 8)
+    assert q.dtype == np.int8 and scales.shape == (6, 4) and scales.dtype == np.float32
+    groups = w.reshape(6, 4, 64)
+    assert np.array_equal(scales, np.abs(groups).max(axis=2) / np.float32(127))
+    assert np.abs(q).max() == 127 and scales[2, 1] == 0 and not q[2, 64:128].any()
+    error = np.abs(quant.dequantize(q, scales) - w).reshape(6, 4, 64)
+    assert (error <= scales[:, :, None] / 2 * (1 + 1e-6)).all()  # round to nearest
+
+
+def test_a_width_the_group_does_not_divide_is_one_line():
+    with pytest.raises(ConfigError, match=r"embed_tokens.weight: shape \[384, 48\]: expected \[N, K\] with K a "
+                                          r"multiple of the quantization group 64"):
+        text_weights(TEXT_PRESETS["tiny"], "int8")
+
+
+def test_int8_is_part_of_the_identity():
+    from emitter.identity import text_artifact_fields
+    from emitter.text import TextShape
+    shape = TextShape((32,), 64)
+    fields = {p: text_artifact_fields(CFG, shape, 0, p) for p in ("f32", "int8")}
+    assert fields["int8"]["precision"] == "int8"
+    assert fields["int8"]["weight_schema"] != fields["f32"]["weight_schema"]
+    assert fields["int8"]["graph_sha256"] != fields["f32"]["graph_sha256"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The checkpoint, and its reference: the same folder with every quantized weight
+    replaced by its dequantization (`quant.dequantize`), in f32."""
+    root = tmp_path_factory.mktemp("quant")
+    write_text_model(root / "model", CFG, seed=5)
+    weights = load_text_weights(root / "model", CFG)
+    for spec in text_weights(CFG, "int8"):
+        if spec.dtype == "i8":
+            weights[spec.name] = quant.dequantize(*quant.quantize(weights[spec.name], 8))
+    (root / "reference").mkdir()
+    shutil.copy(root / "model" / "config.json", root / "reference")
+    write_safetensors(root / "reference" / "model.safetensors",
+                      {k: ("F32", w.shape, np.ascontiguousarray(w).tobytes()) for k, w in weights.items()})
+    return root
+
+
+def answer(model_dir, cache, precision: str, steps: int = 4) -> np.ndarray:
+    """Logits of a 37-token prompt (two chunks: 32 rows dequantize, the last row and the
+    decode steps run split-K) and of `steps` greedy decode steps, [1 + steps, vocab]."""
+    session = TextSession(model_dir, buckets=(32,), context=64, cache_dir=cache, precision=precision)
+    n = 37
+    rows = [session.prefill(np.arange(n) * 7 % CFG.vocab_size, np.broadcast_to(np.arange(n), (3, n)))]
+    for step in range(steps):
+        rows.append(session.decode(int(np.argmax(rows[-1])), n + step))
+    return np.stack(rows)
+
+
+def test_int8_equals_f32_over_the_dequantized_weights(models):
+    int8 = answer(models / "model", models / "cache", "int8")
+    reference = answer(models / "reference", models / "cache", "f32")
+    unquantized = answer(models / "model", models / "cache", "f32")
+    errors = [rel_l2(a, b) for a, b in zip(int8, reference)]
+    away = [rel_l2(a, b) for a, b in zip(int8, unquantized)]
+    print(f"int8 against f32 over its dequantized weights: relL2 {max(errors):.1e}; against the unquantized "
+          f"model: {min(away):.1e}-{max(away):.1e}")
+    assert max(errors) <= TOL, errors
+    assert min(away) > 100 * TOL, away  # it is quantized: the comparison above can fail
+
+
+def test_decode_dispatches_read_int8(tmp_path):
+    """The decode dispatches contract the quantized weights as i8 (f32 x i8 -> f32); none
+    widens one to an f32 copy (an i8 -> f32 dispatch that is no contraction; the embedding
+    row's gather is i32 x i8)."""
+    compile_mlir(decode_module(CFG, 64, "int8"), extra_flags=[f"--iree-hal-dump-executable-sources-to={tmp_path}"])
+    names = [m for f in tmp_path.glob("*decode*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]
+    contractions = [n for n in names if re.search(r"_(matmul|vecmat|matvec)\w*_f32xi8xf32$", n)]
+    widening = [n for n in names if n.endswith("i8xf32") and n not in contractions]
+    assert contractions and not widening, names
+
+
+RESIDENT_INT8 = """
+import sys, numpy as np
+from runtime.text import TextSession
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")) * 1024
+start = anon()
+session = TextSession(sys.argv[1], buckets=(64,), context=80, cache_dir=sys.argv[2], precision="int8")
+session.module
+loaded = anon() - start
+logits = session.prefill(np.arange(40) + 5, np.broadcast_to(np.arange(40), (3, 40)))
+session.decode(int(np.argmax(logits)), 40)
+print(loaded, anon() - start)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_int8_weights_resident_in_their_bits(tmp_path):
+    """Once loaded, the int8 session holds its weights in i8: under 2.5x the bytes of the
+    i8 weights and scales (measured 1.84x), where one f32 copy of them would be 4x and more.
+    (2.5x and 2.8x before the scales went behind the barrier: their broadcasts to the
+    weights' shape, hoisted into f32 globals.) A prefill then adds IREE's pool of per-call
+    transients (the dequantized weights of a chunk), printed."""
+    cfg = dataclasses.replace(CFG, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
+                              num_attention_heads=8, num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20))
+    write_text_model(tmp_path / "m", cfg, seed=1)
+    stored = sum(int(np.prod(s.shape)) * (1 if s.dtype == "i8" else 4) for s in text_weights(cfg, "int8"))
+    for _ in range(2):  # the first fills the cache; the second, a fresh process, is measured
+        out = subprocess.run([sys.executable, "-c", RESIDENT_INT8, tmp_path / "m", tmp_path / "cache"],
+                             capture_output=True, text=True, check=True)
+    loaded, answered = map(int, out.stdout.split()[-2:])
+    print(f"resident: {loaded / stored:.2f}x the {stored / 1e6:.0f} MB of i8 weights and scales once loaded, "
+          f"{answered / stored:.2f}x after a prefill and a decode step")
+    assert loaded < 2.5 * stored, (loaded, stored)
