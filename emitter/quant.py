@@ -3,10 +3,13 @@
 
 A weight w [N, K] is cut along K into groups of GROUP (64) consecutive inputs. Each group
 has one f32 scale, max|w| / 127 over its 64 weights, and its weights are stored as
-q = clamp(round(w / scale), -127, 127) in i8. So w ~ q * scale, exactly that product in f32
+q = clamp(round(w / scale), -127, 127) in i8 (`--precision int8`). So w ~ q * scale, exactly that product in f32
 (`dequantize`): the quantized graph computes with these numbers and nothing else.
 
-In the archive the weight's checkpoint name holds q transposed, [K, N] (i8: `stored`), and
+At 4 bits (`--precision int4`) the same with 7 in place of 127, q in -7..7, stored as i4
+(two to a byte, `nibbles`).
+
+In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / GROUP]
 (f32). The graph reads them as they are (`QuantizedWeight`, emitter/layers.py's
 `quantized_project`). Transposed because the one-row contraction runs over q as [G, g, N]
@@ -24,8 +27,8 @@ import numpy as np
 from .config import ConfigError
 
 GROUP = 64  # inputs per scale
-QUANTIZED_BITS = {"int8": 8}  # precision -> bits of a stored weight
-STORAGE_DTYPE = {8: "i8"}  # bits -> the graph's element type of q
+QUANTIZED_BITS = {"int8": 8, "int4": 4}  # precision -> bits of a stored weight
+STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 
 
 def bits_of(precision: str) -> int | None:
@@ -34,7 +37,7 @@ def bits_of(precision: str) -> int | None:
 
 
 def levels(bits: int) -> int:
-    """The largest magnitude a stored value takes: 127 at 8 bits (symmetric: -127..127)."""
+    """The largest magnitude a stored value takes: 127 at 8 bits, 7 at 4 (symmetric: -127..127, -7..7)."""
     return (1 << (bits - 1)) - 1
 
 
@@ -75,10 +78,18 @@ def quantize(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, 
 
 
 def stored(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
-    """(q transposed [K, N] int8, scales [N, K / group] f32): an f32 weight [N, K] as the
-    archive holds it (`quantize`)."""
+    """(q transposed [K, N], scales [N, K / group] f32): an f32 weight [N, K] as the
+    archive holds it (`quantize`): q int8, or at 4 bits its K*N/2 bytes of nibbles (`nibbles`)."""
     q, scales = quantize(w, bits, group)
-    return np.ascontiguousarray(q.T), scales
+    q = np.ascontiguousarray(q.T)
+    return (nibbles(q) if bits == 4 else q), scales
+
+
+def nibbles(q: np.ndarray) -> np.ndarray:
+    """Values in -8..7 packed two to a byte, as IREE reads a tensor of i4: element 2i in the
+    low nibble of byte i, element 2i+1 in the high one (two's complement)."""
+    flat = q.reshape(-1).astype(np.uint8) & 0xF
+    return flat[0::2] | (flat[1::2] << 4)
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray, group: int = GROUP) -> np.ndarray:
@@ -90,7 +101,7 @@ def dequantize(q: np.ndarray, scales: np.ndarray, group: int = GROUP) -> np.ndar
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantized [N, K] weight in a graph: q transposed [K, N] (i8) and its scales
+    """A quantized [N, K] weight in a graph: q transposed [K, N] (i8 or i4) and its scales
     [N, K / group] (f32)."""
     q: object  # builder.Value
     scales: object  # builder.Value

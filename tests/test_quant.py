@@ -1,5 +1,5 @@
-"""--precision int8 (emitter/quant.py): the language model's matmul weights and embedding
-table in i8 with an f32 scale per 64 inputs. The quantized session against the f32 session
+"""--precision int8 and int4 (emitter/quant.py): the language model's matmul weights and
+embedding table in i8 / i4 with an f32 scale per 64 inputs. The quantized session against the f32 session
 over the dequantized weights (the same numbers, so relL2 <= 1e-5), and against the
 unquantized model (a distance quantization must show); the decode dispatches read i8; the
 resident weights are the i8 ones."""
@@ -45,6 +45,12 @@ def test_quantize_is_symmetric_groupwise():
     assert np.abs(q).max() == 127 and scales[2, 1] == 0 and not q[2, 64:128].any()
     error = np.abs(quant.dequantize(q, scales) - w).reshape(6, 4, 64)
     assert (error <= scales[:, :, None] / 2 * (1 + 1e-6)).all()  # round to nearest
+    q4, scales4 = quant.quantize(w, 4)
+    assert np.array_equal(scales4, np.abs(groups).max(axis=2) / np.float32(7)) and np.abs(q4).max() == 7
+    packed, _ = quant.stored(w, 4)  # transposed [K, N], element 2i in byte i's low nibble
+    low, high = (packed & 15).astype(np.int8), (packed >> 4).astype(np.int8)
+    unpacked = np.stack([low, high], 1).reshape(-1)
+    assert np.array_equal(np.where(unpacked > 7, unpacked - 16, unpacked), q4.T.reshape(-1))
 
 
 def test_a_width_the_group_does_not_divide_is_one_line():
@@ -69,14 +75,16 @@ def models(tmp_path_factory):
     replaced by its dequantization (`quant.dequantize`), in f32."""
     root = tmp_path_factory.mktemp("quant")
     write_text_model(root / "model", CFG, seed=5)
-    weights = load_text_weights(root / "model", CFG)
-    for spec in text_weights(CFG, "int8"):
-        if spec.dtype == "i8":
-            weights[spec.name] = quant.dequantize(*quant.quantize(weights[spec.name], 8))
-    (root / "reference").mkdir()
-    shutil.copy(root / "model" / "config.json", root / "reference")
-    write_safetensors(root / "reference" / "model.safetensors",
-                      {k: ("F32", w.shape, np.ascontiguousarray(w).tobytes()) for k, w in weights.items()})
+    for precision in quant.QUANTIZED_BITS:
+        weights = load_text_weights(root / "model", CFG)
+        for spec in text_weights(CFG, precision):
+            if spec.dtype in ("i8", "i4"):
+                weights[spec.name] = quant.dequantize(*quant.quantize(weights[spec.name], quant.bits_of(precision)))
+        folder = root / f"reference-{precision}"
+        folder.mkdir()
+        shutil.copy(root / "model" / "config.json", folder)
+        write_safetensors(folder / "model.safetensors",
+                          {k: ("F32", w.shape, np.ascontiguousarray(w).tobytes()) for k, w in weights.items()})
     return root
 
 
@@ -91,26 +99,30 @@ def answer(model_dir, cache, precision: str, steps: int = 4) -> np.ndarray:
     return np.stack(rows)
 
 
-def test_int8_equals_f32_over_the_dequantized_weights(models):
-    int8 = answer(models / "model", models / "cache", "int8")
-    reference = answer(models / "reference", models / "cache", "f32")
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_equals_f32_over_the_dequantized_weights(models, precision):
+    quantized = answer(models / "model", models / "cache", precision)
+    reference = answer(models / f"reference-{precision}", models / "cache", "f32")
     unquantized = answer(models / "model", models / "cache", "f32")
-    errors = [rel_l2(a, b) for a, b in zip(int8, reference)]
-    away = [rel_l2(a, b) for a, b in zip(int8, unquantized)]
-    print(f"int8 against f32 over its dequantized weights: relL2 {max(errors):.1e}; against the unquantized "
-          f"model: {min(away):.1e}-{max(away):.1e}")
+    errors = [rel_l2(a, b) for a, b in zip(quantized, reference)]
+    away = [rel_l2(a, b) for a, b in zip(quantized, unquantized)]
+    print(f"{precision} against f32 over its dequantized weights: relL2 {max(errors):.1e}; against the "
+          f"unquantized model: {min(away):.1e}-{max(away):.1e}")
     assert max(errors) <= TOL, errors
     assert min(away) > 100 * TOL, away  # it is quantized: the comparison above can fail
 
 
-def test_decode_dispatches_read_int8(tmp_path):
-    """The decode dispatches contract the quantized weights as i8 (f32 x i8 -> f32); none
-    widens one to an f32 copy (an i8 -> f32 dispatch that is no contraction; the embedding
-    row's gather is i32 x i8)."""
-    compile_mlir(decode_module(CFG, 64, "int8"), extra_flags=[f"--iree-hal-dump-executable-sources-to={tmp_path}"])
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_decode_dispatches_read_the_bits(tmp_path, precision):
+    """The decode dispatches contract the quantized weights in their bits (f32 x i8 -> f32,
+    f32 x i4 -> f32); none widens one to an f32 copy (an i8 -> f32 dispatch that is no
+    contraction; the embedding row's gather is i32 x i8)."""
+    bits = quant.STORAGE_DTYPE[quant.bits_of(precision)]
+    compile_mlir(decode_module(CFG, 64, precision),
+                 extra_flags=[f"--iree-hal-dump-executable-sources-to={tmp_path}"])
     names = [m for f in tmp_path.glob("*decode*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]
-    contractions = [n for n in names if re.search(r"_(matmul|vecmat|matvec)\w*_f32xi8xf32$", n)]
-    widening = [n for n in names if n.endswith("i8xf32") and n not in contractions]
+    contractions = [n for n in names if re.search(rf"_(matmul|vecmat|matvec)\w*_f32x{bits}xf32$", n)]
+    widening = [n for n in names if n.endswith(f"{bits}xf32") and n not in contractions]
     assert contractions and not widening, names
 
 

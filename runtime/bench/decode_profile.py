@@ -41,7 +41,7 @@ def write_archive(cfg, precision: str, path: Path) -> None:
     for spec in text_weights(cfg, precision):
         if spec.name in weights:  # a quantized weight's scales, made with it
             continue
-        quantized = spec.dtype == "i8"  # stored [K, N], drawn [N, K]
+        quantized = spec.dtype in ("i8", "i4")  # stored [K, N], drawn [N, K]
         w = rng.standard_normal(spec.shape[::-1] if quantized else spec.shape, dtype=np.float32) * np.float32(0.02)
         if quantized:
             weights[spec.name], weights[quant.scales_name(spec.name)] = quant.stored(w, quant.bits_of(precision))
@@ -52,8 +52,8 @@ def write_archive(cfg, precision: str, path: Path) -> None:
 
 def weight_bytes(cfg, precision: str) -> int:
     """Bytes of the module's weights under `precision` (archive and resident alike)."""
-    size = {"f32": 4, "bf16": 2, "i8": 1}
-    return sum(int(np.prod(s.shape)) * size[s.dtype] for s in text_weights(cfg, precision))
+    bits = {"f32": 32, "bf16": 16, "i8": 8, "i4": 4}
+    return sum(int(np.prod(s.shape)) * bits[s.dtype] // 8 for s in text_weights(cfg, precision))
 
 
 def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None,
