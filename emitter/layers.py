@@ -233,7 +233,7 @@ def packed(b: Builder, weight: QuantizedWeight) -> QuantizedWeight:
 
 def dequantized(b: Builder, q: Value, scales: Value, hint: str) -> Value:
     """q * scale of its group, f32 [K, N] (the numbers of `quant.dequantize`, transposed),
-    for q [K, N] (i8, as stored) and scales [N, G]: a weight, or columns of the embedding table."""
+    for q [K, N] (i8 or i4, as stored) and scales [N, G]: a weight, or columns of the embedding table."""
     k, n = q.shape
     g = scales.shape[1]
     wide = b.convert(b.reshape(q, (g, k // g, n), hint=hint + "_groups"), "f32", hint=hint + "_wide")
@@ -245,14 +245,13 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     """x @ weight.T for a quantized [N, K] weight (emitter/quant.py: q stored [K, N]), f32 [M, N].
 
     Up to SPLIT_K_ROWS rows, split-K, so that the dispatch reads q in its bits: x [M, K] as
-    [G, M, g]; one dot_general of it (f32) against q as [G, g, N] (i8, widened inside the
+    [G, M, g]; one dot_general of it (f32) against q as [G, g, N] (i8 or i4, widened inside the
     contraction), batching over the groups G, gives the groups' partial sums [G, M, N];
     each times its group's scale, then summed over G. (Dequantize-then-dot makes IREE 3.13
-    write the whole f32 weight each call, and so does a barrier, a `convert` that a transpose
-    separates from the dot, or a reduce form in place of the dot_general:
-    /work/shared/notes/iree.md, "Decode matvecs, measured", and docs/text.md.) More rows:
-    the weight dequantized per call (`dequantized`) into the ordinary matmul, under 5% over
-    f32 at 512 rows."""
+    write the whole f32 weight each call, and so do a `convert` that a transpose separates
+    from the dot and a reduce form in place of the dot_general: docs/text.md, "int8 and
+    int4 weights".) More rows: the weight dequantized per call (`dequantized`) into the
+    ordinary matmul."""
     if x.rank != 2 or x.shape[0] > SPLIT_K_ROWS:
         held = packed(b, weight)
         w_t = dequantized(b, held.q, held.scales, hint + "_weight")
