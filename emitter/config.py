@@ -226,6 +226,7 @@ PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf1
               "int4": ("i4", "f32")}
 USER_PRECISIONS = ("f32", "bf16")
 TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4")  # what generate and serve offer
+VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
 PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
                    "int8": ", int8 weights with f32 scales per 64, f32 matmuls",
                    "int4": ", int4 weights with f32 scales per 64, f32 matmuls"}  # module headers
@@ -271,7 +272,9 @@ def activation_dtype(precision: str) -> str | None:
 def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
     """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
     (exact for bf16 checkpoints); norms, biases and the position table stay f32."""
-    check_precision(precision)
+    if check_precision(precision) not in VISION_PRECISIONS:
+        raise ConfigError(f"--precision {precision}: the language model's only; the vision tower takes one of "
+                          f"{', '.join(VISION_PRECISIONS)}")
     specs = []
     for name, shape in weight_schema(cfg):
         transforms = ["conv3d_flatten"] if name == CONV_WEIGHT else []
