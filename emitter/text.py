@@ -179,8 +179,8 @@ def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | No
 def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
     under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16;
-    under int8 each of them is i8, transposed to [in, out], followed by its group scales
-    (emitter/quant.py)."""
+    under int8 and int4 each of them is i8 / i4, transposed to [in, out], followed by its group
+    scales (emitter/quant.py)."""
     check_precision(precision)
     d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     p = TEXT_PREFIX

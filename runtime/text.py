@@ -406,8 +406,8 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
 
 
 def vision_precision(precision: str) -> str:
-    """The vision tower's precision beside the language model's: f32 under int8 (its
-    linears are not quantized), else the same."""
+    """The vision tower's precision beside the language model's: f32 under int8 and int4
+    (its linears are not quantized), else the same."""
     return "f32" if quant.bits_of(precision) else precision
 
 
