@@ -2,12 +2,13 @@
 
 The module's `decode` function alone (emitter/text.py), at a preset's widths with
 `--layers` decoder layers and a small vocabulary (lm_head out of the way), random weights in
-a parameter archive; `iree-benchmark-module` times a step at each `--contexts` size,
-alternating, in one run. `--profile` adds, per context, IREE's per-dispatch times
+a parameter archive; `iree-benchmark-module` times a step at each `--contexts` size
+and `--precision`, alternating, in one run. `--profile` adds, per context, IREE's per-dispatch times
 (`iree-profile`, host-execution events) and the copies the step's command buffer makes.
 
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 4096 --rounds 3
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 4096 --profile
+    .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 --precision f32 bf16 int8
 
 Memory: the archive (2B widths: ~0.2 GB per layer in f32) and one module at a time.
 """
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
-from runtime.bench.decode_profile import decode_module, profile_report, step_ms, write_archive
+from emitter.config import PRECISIONS
+from runtime.bench.decode_profile import decode_module, profile_report, step_ms, weight_bytes, write_archive
 
 
 def main(argv=None) -> int:
@@ -32,37 +34,42 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size (lm_head rows)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096])
-    parser.add_argument("--precision", default="f32", choices=["f32", "bf16"])
+    parser.add_argument("--precision", nargs="+", default=["f32"], choices=[p for p in PRECISIONS],
+                        help="one or more graph precisions, timed alternating (the first is the base)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the contexts")
     parser.add_argument("--repeats", type=int, default=10, help="decode calls per timing")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="per-dispatch times and copies per context")
     args = parser.parse_args(argv)
     cfg = replace(TEXT_PRESETS[args.preset], num_hidden_layers=args.layers, vocab_size=args.vocab)
+    runs = [(p, c) for p in args.precision for c in args.contexts]
     with tempfile.TemporaryDirectory(prefix="bench_decode.") as tmp:
         tmp = Path(tmp)
-        archive = tmp / "weights.irpa"
-        write_archive(cfg, args.precision, archive)
-        vmfbs = {}
-        for context in args.contexts:
-            vmfbs[context] = tmp / f"decode_{context}.vmfb"
-            vmfbs[context].write_bytes(compile_mlir(decode_module(cfg, context, args.precision)))
-        times = {c: [] for c in args.contexts}
+        archives, vmfbs = {}, {}
+        for precision in args.precision:
+            archives[precision] = tmp / f"weights_{precision}.irpa"
+            write_archive(cfg, precision, archives[precision])
+        for precision, context in runs:
+            vmfbs[precision, context] = tmp / f"decode_{precision}_{context}.vmfb"
+            vmfbs[precision, context].write_bytes(compile_mlir(decode_module(cfg, context, precision)))
+        times = {run: [] for run in runs}
         for _ in range(args.rounds):
-            for context in args.contexts:  # the last slot: every key but the new one masked in
-                times[context].append(step_ms(vmfbs[context], archive, context - 1, args.repeats, args.threads))
-        print(f"{args.preset} widths, {args.layers} layers, vocab {args.vocab}, {args.precision}, "
-              f"{args.threads} threads: ms per decode step, median (min-max) of {args.rounds} rounds")
-        base = statistics.median(times[args.contexts[0]])
-        for context in args.contexts:
-            t = times[context]
-            print(f"  context {context:6d}: {statistics.median(t):7.2f} ({min(t):.2f}-{max(t):.2f})"
-                  f"  x{statistics.median(t) / base:.2f} of context {args.contexts[0]}")
+            for precision, context in runs:  # the last slot: every key but the new one masked in
+                times[precision, context].append(step_ms(vmfbs[precision, context], archives[precision], context - 1,
+                                                         args.repeats, args.threads))
+        print(f"{args.preset} widths, {args.layers} layers, vocab {args.vocab}, {args.threads} threads: ms per "
+              f"decode step, median (min-max) of {args.rounds} rounds")
+        base = statistics.median(times[runs[0]])
+        for precision, context in runs:
+            t = times[precision, context]
+            print(f"  {precision:8s} context {context:6d}: {statistics.median(t):7.2f} ({min(t):.2f}-{max(t):.2f})"
+                  f"  x{statistics.median(t) / base:.2f} of {runs[0][0]} at context {runs[0][1]}; weights "
+                  f"{weight_bytes(cfg, precision) / 1e6:.0f} MB")
         if args.profile:
-            for context in args.contexts:
-                path = tmp / f"decode_{context}.ireeprof"
-                step_ms(vmfbs[context], archive, context - 1, 3, args.threads, profile=path)
-                print(f"  context {context} (profiled, 3 steps):")
+            for precision, context in runs:
+                path = tmp / f"decode_{precision}_{context}.ireeprof"
+                step_ms(vmfbs[precision, context], archives[precision], context - 1, 3, args.threads, profile=path)
+                print(f"  {precision} context {context} (profiled, 3 steps):")
                 print("\n".join(profile_report(path, 3)))
     return 0
 

@@ -14,7 +14,8 @@ from math import prod
 
 import numpy as np
 
-DTYPES = ("f32", "bf16", "i32", "i64", "i1")
+DTYPES = ("f32", "bf16", "i32", "i64", "i8", "i4", "i1")
+MIXED_DOTS = ({"f32", "bf16"}, {"f32", "i8"}, {"f32", "i4"})  # dot_general operand dtypes that may differ
 COMPARE_DIRECTIONS = ("EQ", "NE", "GE", "GT", "LE", "LT")
 REDUCE_INIT = {  # (kind, dtype) -> identity element
     ("add", "f32"): 0.0, ("maximum", "f32"): float("-inf"),
@@ -349,12 +350,12 @@ class Builder:
                     hint=None, result_dtype: str | None = None) -> Value:
         """Result dims: batch dims, then a's free dims, then b's free dims; the result
         dtype may be wider than the operands' (bf16 x bf16 -> f32 accumulates in f32), and
-        one float operand may be f32 beside a bf16 one (bf16 widened inside the matmul)."""
+        one operand may be f32 beside a bf16, i8 or i4 one (`MIXED_DOTS`: widened inside the matmul)."""
         (ca, cb), (ba, bb) = contract, batch
         for dims, v in ((list(ca) + list(ba), a), (list(cb) + list(bb), b)):
             if len(set(dims)) != len(dims) or any(not 0 <= d < v.rank for d in dims):
                 raise BuildError(f"dot_general: dims {dims} do not name distinct dims of {v.type}")
-        if (a.dtype != b.dtype and {a.dtype, b.dtype} != {"f32", "bf16"}) or [a.shape[i] for i in ca] != [b.shape[i] for i in cb] or \
+        if (a.dtype != b.dtype and {a.dtype, b.dtype} not in MIXED_DOTS) or [a.shape[i] for i in ca] != [b.shape[i] for i in cb] or \
                 [a.shape[i] for i in ba] != [b.shape[i] for i in bb]:
             raise BuildError(f"dot_general: {a.type} x {b.type} cannot contract {contract} batch {batch}")
         free_a = [d for i, d in enumerate(a.shape) if i not in ca and i not in ba]

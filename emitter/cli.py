@@ -7,7 +7,7 @@ import sys
 import click
 
 from .atomic import check_writable, write_atomic
-from .config import DEFAULT_PRESET, PRECISIONS, resolve_config
+from .config import DEFAULT_PRESET, VISION_PRECISIONS, resolve_config
 from .errors import command_errors, fail  # noqa: F401 - fail: the commands' one-line exit
 from .vision import parse_bucket
 
@@ -33,7 +33,7 @@ def write_stdout(text: str) -> None:
 @click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
               help="With --diagnostics: a block whose inner stages to return (repeatable; "
                    "default the first and the last block).")
-@click.option("--precision", type=click.Choice(list(PRECISIONS)), default="f32", show_default=True,
+@click.option("--precision", type=click.Choice(VISION_PRECISIONS), default="f32", show_default=True,
               help="f32; bf16: matmul weights and operands in bf16, f32 accumulation, norms and softmax; "
                    "bf16-f32: bf16 weights widened to f32 inside each matmul (what `qwen3vl` builds for bf16 "
                    "on a CPU without a double-rate bf16 dot product).")

@@ -220,14 +220,24 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 # IREE 3.13 lowers a bf16 x bf16 matmul to scalar code (~50x slower than f32;
 # docs/performance.md, "bf16 on every CPU").
 # Users ask for "f32" or "bf16"; `identity.graph_precision` picks the bf16 form for a target.
-PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32")}
+# "int8" and "int4" (the language model only): its matmul weights stored in i8 / i4 with f32
+# group scales (emitter/quant.py), f32 activations.
+PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32"), "int8": ("i8", "f32"),
+              "int4": ("i4", "f32")}
 USER_PRECISIONS = ("f32", "bf16")
-PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls"}  # module headers
+TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4")  # what generate and serve offer
+VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
+PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
+                   "int8": ", int8 weights with f32 scales per 64, f32 matmuls",
+                   "int4": ", int4 weights with f32 scales per 64, f32 matmuls"}  # module headers
 # The parameter scope every module's weight globals are read from (keys: checkpoint names).
 PARAMETER_SCOPE = "model"
 PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulation, ~1e-3 error; operands in bf16 "
                   "where the CPU's bf16 dot product runs at twice the f32 rate, else widened to f32 in the matmul "
                   "(bf16-f32, said in one line). f32 is exact.")
+QUANT_HELP = ("int8 (the language model): its projections, embedding table and lm_head stored in int8 with one "
+              "f32 scale per 64 weights (8.5 bits a weight, 27% of f32's bytes), f32 activations; the vision tower "
+              "runs in f32. int4: the same in 4 bits (4.5 bits a weight). docs/text.md gives their distance from f32.")
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
@@ -262,7 +272,9 @@ def activation_dtype(precision: str) -> str | None:
 def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
     """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
     (exact for bf16 checkpoints); norms, biases and the position table stay f32."""
-    check_precision(precision)
+    if check_precision(precision) not in VISION_PRECISIONS:
+        raise ConfigError(f"--precision {precision}: the language model's only; the vision tower takes one of "
+                          f"{', '.join(VISION_PRECISIONS)}")
     specs = []
     for name, shape in weight_schema(cfg):
         transforms = ["conv3d_flatten"] if name == CONV_WEIGHT else []

@@ -12,6 +12,7 @@ import numpy as np
 
 from .builder import Builder, Value
 from .config import LAYER_NORM_EPS
+from .quant import QuantizedWeight
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_TANH_CUBIC = 0.044715
@@ -201,18 +202,68 @@ def merger(b: Builder, x: Value, w: dict, merge_unit: int, postshuffle_norm: boo
 # -- the language model's layers ---------------------------------------------------------
 
 
-def project(b: Builder, x: Value, weight: Value, hint: str = "proj") -> Value:
-    """x @ weight.T for a bias-free [out, in] weight (`weight_matmul`). One
+def project(b: Builder, x: Value, weight: Value | QuantizedWeight, hint: str = "proj") -> Value:
+    """x @ weight.T for a bias-free [out, in] weight (`weight_matmul`; a quantized one:
+    `quantized_project`). One
     row [1, in] is computed as weight @ x.T: IREE's data tiling then packs the weight in
     the layout the many-row form packs it in, so a module with both (prefill and decode)
     holds one packed copy; as x @ weight.T it packed a second, transposed one. Decode
     time (2B widths, 2 layers, bf16, medians): the same for the layers' projections, but
     lm_head [vocab, hidden] in this form took about 1.35x its time as x @ weight.T, which
     instead needs a transposed transient at load (1.2 GB at 2B): memory chosen here."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_project(b, x, weight, hint)
     if x.shape[0] != 1 or x.rank != 2:
         return weight_matmul(b, x, weight, hint)
     column = weight_matmul(b, x, weight, hint, weight_first=True)
     return b.reshape(column, (1, weight.shape[0]), hint=hint)
+
+
+# Rows up to which a quantized projection runs split-K (decode's lanes, prefill's last row);
+# more rows (prefill chunks, 16 and up) dequantize into the ordinary matmul.
+SPLIT_K_ROWS = 8
+
+
+def packed(b: Builder, weight: QuantizedWeight) -> QuantizedWeight:
+    """q and the scales behind one barrier, for a dequantization: without it IREE hoists
+    what depends only on globals into module initialization, resident f32 copies of weight
+    size (the dequantized weight; the scales broadcast to the weight's shape)."""
+    return QuantizedWeight(*b.optimization_barriers([weight.q, weight.scales], hint="packed"))
+
+
+def dequantized(b: Builder, q: Value, scales: Value, hint: str) -> Value:
+    """q * scale of its group, f32 [K, N] (the numbers of `quant.dequantize`, transposed),
+    for q [K, N] (i8 or i4, as stored) and scales [N, G]: a weight, or columns of the embedding table."""
+    k, n = q.shape
+    g = scales.shape[1]
+    wide = b.convert(b.reshape(q, (g, k // g, n), hint=hint + "_groups"), "f32", hint=hint + "_wide")
+    scaled = b.multiply(wide, b.broadcast_in_dim(scales, wide.shape, [2, 0], hint=hint + "_scales"), hint=hint)
+    return b.reshape(scaled, (k, n), hint=hint)
+
+
+def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str = "proj") -> Value:
+    """x @ weight.T for a quantized [N, K] weight (emitter/quant.py: q stored [K, N]), f32 [M, N].
+
+    Up to SPLIT_K_ROWS rows, split-K, so that the dispatch reads q in its bits: x [M, K] as
+    [G, M, g]; one dot_general of it (f32) against q as [G, g, N] (i8 or i4, widened inside the
+    contraction), batching over the groups G, gives the groups' partial sums [G, M, N];
+    each times its group's scale, then summed over G. (Dequantize-then-dot makes IREE 3.13
+    write the whole f32 weight each call, and so do a `convert` that a transpose separates
+    from the dot and a reduce form in place of the dot_general: docs/text.md, "int8 and
+    int4 weights".) More rows: the weight dequantized per call (`dequantized`) into the
+    ordinary matmul."""
+    if x.rank != 2 or x.shape[0] > SPLIT_K_ROWS:
+        held = packed(b, weight)
+        w_t = dequantized(b, held.q, held.scales, hint + "_weight")
+        return b.dot_general(cast(b, x, "f32", hint + "_f32"), w_t, ([x.rank - 1], [0]), hint=hint,
+                             result_dtype="f32")
+    (m, k), (n, _), g = x.shape, weight.shape, weight.scales.shape[1]
+    x3 = b.transpose(b.reshape(cast(b, x, "f32", hint + "_f32"), (m, g, k // g), hint=hint + "_groups"), [1, 0, 2],
+                     hint=hint + "_groups")
+    q3 = b.reshape(weight.q, (g, k // g, n), hint=hint + "_q")
+    partial = b.dot_general(x3, q3, ([2], [1]), ([0], [0]), hint=hint + "_partial", result_dtype="f32")
+    scales = b.broadcast_in_dim(weight.scales, partial.shape, [2, 0], hint=hint + "_scales")
+    return b.reduce(b.multiply(partial, scales, hint=hint + "_scaled"), [0], "add", hint=hint)
 
 
 def rms_norm(b: Builder, x: Value, weight: Value, eps: float) -> Value:

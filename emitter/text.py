@@ -41,12 +41,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import __version__
+from . import __version__, quant
 from .builder import Builder, Value
 from .config import PARAMETER_SCOPE, PRECISION_NOTES, WeightSpec, activation_dtype, check_precision, weight_dtype
 from .attention import grouped_attention, token_attention
 from .kv_pages import BLOCK, pool_shape, read_blocks, read_span, write_chunk, write_token
-from .layers import apply_rotary, gated_mlp, mrope_tables, project, rms_norm, rope_inv_freq
+from .layers import apply_rotary, dequantized, gated_mlp, mrope_tables, packed, project, rms_norm, rope_inv_freq
 from .module import function, render
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
@@ -178,7 +178,9 @@ def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | No
 
 def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
-    under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16."""
+    under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16;
+    under int8 and int4 each of them is i8 / i4, transposed to [in, out], followed by its group
+    scales (emitter/quant.py)."""
     check_precision(precision)
     d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     p = TEXT_PREFIX
@@ -198,10 +200,17 @@ def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     shapes.append((p + "norm.weight", (d,)))
     if not cfg.tie_word_embeddings:
         shapes.append((LM_HEAD, (cfg.vocab_size, d)))
-    bf16 = weight_dtype(precision) == "bf16"
-    return [WeightSpec(name, shape, "bf16" if bf16 and name.endswith(MATMUL_SUFFIXES) else "f32",
-                       "round_to_bf16" if bf16 and name.endswith(MATMUL_SUFFIXES) else "none")
-            for name, shape in shapes]
+    bf16, bits = weight_dtype(precision) == "bf16", quant.bits_of(precision)
+    specs = []
+    for name, shape in shapes:
+        if bits and name.endswith(MATMUL_SUFFIXES):
+            specs += [WeightSpec(name, shape[::-1], quant.STORAGE_DTYPE[bits], quant.weight_transform(bits)),
+                      WeightSpec(quant.scales_name(name), (shape[0], quant.groups(name, shape)), "f32",
+                                 quant.scales_transform(bits))]
+        else:
+            matmul = bf16 and name.endswith(MATMUL_SUFFIXES)
+            specs.append(WeightSpec(name, shape, "bf16" if matmul else "f32", "round_to_bf16" if matmul else "none"))
+    return specs
 
 
 class TextGraph:
@@ -214,6 +223,8 @@ class TextGraph:
         self.inputs: dict[str, Value] = {}
         self.w = {s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype, key=s.name,
                                            scope=PARAMETER_SCOPE) for s in text_weights(cfg, precision)}
+        for name in [n for n in self.w if n.endswith(MATMUL_SUFFIXES) and quant.scales_name(n) in self.w]:
+            self.w[name] = quant.QuantizedWeight(self.w[name], self.w.pop(quant.scales_name(name)))
         pool = pool_shape(cfg.num_key_value_heads, shape.blocks, cfg.head_dim)
         self.pages = [(self.b.state(f"layers.{n}.k_pages", pool, shape.kv_dtype),
                        self.b.state(f"layers.{n}.v_pages", pool, shape.kv_dtype)) for n in range(cfg.num_hidden_layers)]
@@ -272,6 +283,11 @@ class TextGraph:
 
     def embed(self, tokens: Value) -> Value:
         table = self.w[TEXT_PREFIX + "embed_tokens.weight"]
+        if isinstance(table, quant.QuantizedWeight):  # the rows (q's columns) dequantized
+            table = packed(self.b, table)
+            columns = dequantized(self.b, self.b.gather_slices(table.q, 1, tokens, hint="embed_q"),
+                                  self.b.gather_rows(table.scales, tokens, hint="embed_scales"), "embed")
+            return self.b.transpose(columns, [1, 0], hint="embed")
         rows = self.b.gather_rows(table, tokens, hint="embed")
         return rows if rows.dtype == "f32" else self.b.convert(rows, "f32", hint="embed")
 

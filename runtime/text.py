@@ -30,8 +30,9 @@ import iree.runtime as rt
 from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
+from emitter import quant
 from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_name, emit_text_module,
-                          lane_counts, prefill_chunks, prefill_inputs)
+                          lane_counts, prefill_chunks, prefill_inputs, text_weights)
 from emitter.text_config import load_text_config
 
 from runtime.artifact.archive import release_mapped_pages
@@ -137,6 +138,7 @@ class TextSession:
         self.deepstack_layers = deepstack_layers
         self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 unless bf16 dots pay
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
+        text_weights(self.cfg, self.precision)  # a width the quantization group does not divide: one line, now
         self.model_dir, self.seconds = Path(model_dir), {}
         self.cache = ArtifactCache(cache_dir)
         self.config = config or device_config(self.target)
@@ -403,6 +405,12 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
     return run_tokens(text, prompt, sampler, max_new_tokens, eos_ids, on_token)
 
 
+def vision_precision(precision: str) -> str:
+    """The vision tower's precision beside the language model's: f32 under int8 and int4
+    (its linears are not quantized), else the same."""
+    return "f32" if quant.bits_of(precision) else precision
+
+
 class Generator:
     """The whole Qwen3-VL of a checkpoint folder on IREE: images and a prompt in, greedy
     tokens and text out. The vision session is opened on the first request with images.
@@ -455,7 +463,8 @@ class Generator:
 
         buckets = ladder_for([patches])
         if self._vision is None or self._vision.buckets[-1] < patches:
-            self._vision = VisionSession(self.model_dir, buckets=buckets, **self.options)
+            self._vision = VisionSession(self.model_dir, buckets=buckets,
+                                         **dict(self.options, precision=vision_precision(self.options["precision"])))
         return self._vision
 
     def prepare(self, messages, media=(), max_new_tokens: int = 1, encode=None):

@@ -1,6 +1,7 @@
 """The weight archive (.irpa), of the vision tower and of the language model alike: the
 graph's weights exactly as it takes them (MLX weights dequantized, the patch-embed conv
-flattened to [hidden, patch_dim], matmul weights in bf16 under the bf16 precisions), one
+flattened to [hidden, patch_dim], matmul weights in bf16 under the bf16 precisions, in i8
+with their f32 group scales beside them under int8: emitter/quant.py), one
 entry per weight, keyed by its checkpoint name; read by the module's globals under scope
 `model`.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import iree.runtime as rt
 
+from emitter import quant
 from emitter.config import VisionConfig, graph_weights, weight_dtype
 from emitter.text import text_weights
 from emitter.text_config import TextConfig
@@ -34,8 +36,8 @@ from runtime.checkpoints import mlx_quant, text as text_checkpoint, vision as ch
 # Bump when what an archive holds changes in a way no other field records.
 ARCHIVE_FORMAT = 1
 METADATA_PREFIX = "TENSORv0:"
-DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16"}  # graph dtype -> IREE's metadata name
-ITEMSIZE = {"f32": 4, "bf16": 2}
+DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "i8": "int8", "i4": "int4"}  # graph dtype -> metadata name
+BITS = {"f32": 32, "bf16": 16, "i8": 8, "i4": 4}
 MADV_DONTNEED = 4  # Linux and macOS
 _CODE = (Path(checkpoint.__file__), Path(__file__))  # the host transforms
 
@@ -157,7 +159,7 @@ def open_entries(path: str | os.PathLike, specs) -> rt.ParameterIndex:
         shape, dtype = _entry_shape_dtype(entry)
         if shape != list(spec.shape) or dtype != DTYPE_NAMES[spec.dtype]:
             raise ArchiveError(f"{spec.name}: is {dtype} {shape} in {path}; expected {want}")
-        nbytes = int(np.prod(spec.shape)) * ITEMSIZE[spec.dtype]
+        nbytes = int(np.prod(spec.shape)) * BITS[spec.dtype] // 8
         if entry.length != nbytes:
             raise ArchiveError(f"{spec.name}: holds {entry.length} bytes in {path}; expected {nbytes} ({want})")
     if entries:
@@ -168,11 +170,12 @@ def open_entries(path: str | os.PathLike, specs) -> rt.ParameterIndex:
 
 def entry_arrays(index: rt.ParameterIndex, specs) -> list[np.ndarray]:
     """Read-only numpy views of the archive's entries for `specs` (graph weights), in order:
-    no copy, they read the mapped file."""
+    no copy, they read the mapped file (an i4 entry: its bytes, two values to a byte)."""
     import ml_dtypes
     entries = dict(index.items())
-    dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
-    return [np.asarray(entries[w.name].file_view).view(dtypes[w.dtype]).reshape(w.shape) for w in specs]
+    dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "i8": np.int8}
+    return [np.asarray(entries[w.name].file_view) if w.dtype == "i4" else
+            np.asarray(entries[w.name].file_view).view(dtypes[w.dtype]).reshape(w.shape) for w in specs]
 
 
 def release_mapped_pages(index: rt.ParameterIndex) -> bool:
@@ -220,7 +223,8 @@ def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress
 
 # Bump when what a text archive holds changes in a way no other field records.
 TEXT_ARCHIVE_FORMAT = 1
-_TEXT_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(text_checkpoint.__file__), Path(__file__))
+_TEXT_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(text_checkpoint.__file__), Path(quant.__file__),
+              Path(__file__))
 
 
 def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from emitter import quant
 from emitter.module import render
 from emitter.kv_pages import BLOCK
 from emitter.text import MODULE_NAME, TextShape, decode_function, decode_name, text_weights
@@ -38,9 +39,21 @@ def write_archive(cfg, precision: str, path: Path) -> None:
     rng = np.random.default_rng(0)
     weights = {}
     for spec in text_weights(cfg, precision):
-        w = rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(0.02)
-        weights[spec.name] = w if spec.dtype == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)
+        if spec.name in weights:  # a quantized weight's scales, made with it
+            continue
+        quantized = spec.dtype in ("i8", "i4")  # stored [K, N], drawn [N, K]
+        w = rng.standard_normal(spec.shape[::-1] if quantized else spec.shape, dtype=np.float32) * np.float32(0.02)
+        if quantized:
+            weights[spec.name], weights[quant.scales_name(spec.name)] = quant.stored(w, quant.bits_of(precision))
+        else:
+            weights[spec.name] = w if spec.dtype == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)
     rt.save_archive_file(weights, str(path))
+
+
+def weight_bytes(cfg, precision: str) -> int:
+    """Bytes of the module's weights under `precision` (archive and resident alike)."""
+    bits = {"f32": 32, "bf16": 16, "i8": 8, "i4": 4}
+    return sum(int(np.prod(s.shape)) * bits[s.dtype] // 8 for s in text_weights(cfg, precision))
 
 
 def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from emitter import quant
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
@@ -116,8 +117,17 @@ def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
 
 def text_weights_in_order(weights: dict[str, np.ndarray], cfg: TextConfig, precision: str = "f32") -> list:
     """(name, array) in graph order, each in the dtype the graph takes (bf16: round to nearest
-    even). Takes the arrays out of `weights` as it goes, so an f32 array is freed once its
-    bf16 copy is made."""
+    even; int8, int4: `quant.stored`, the weight then its scales). Takes the arrays out of
+    `weights` as it goes, so an f32 array is freed once its converted copy is made."""
     import ml_dtypes
-    return [(s.name, weights.pop(s.name) if s.dtype == "f32" else weights.pop(s.name).astype(ml_dtypes.bfloat16))
-            for s in text_weights(cfg, precision)]
+    out, scales = [], {}
+    for s in text_weights(cfg, precision):
+        if s.name in scales:  # written with its weight, just before
+            out.append((s.name, scales.pop(s.name)))
+        elif s.dtype in ("i8", "i4"):
+            q, scales[quant.scales_name(s.name)] = quant.stored(weights.pop(s.name), quant.bits_of(precision))
+            out.append((s.name, q))
+        else:
+            w = weights.pop(s.name)
+            out.append((s.name, w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)))
+    return out

@@ -1,0 +1,186 @@
+"""--precision int8 and int4 (emitter/quant.py): the language model's matmul weights and
+embedding table in i8 / i4 with an f32 scale per 64 inputs. The quantized session against the f32 session
+over the dequantized weights (the same numbers, so relL2 <= 1e-5), and against the
+unquantized model (a distance quantization must show); the decode dispatches read i8; the
+resident weights are the i8 ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import rel_l2
+from emitter import quant
+from emitter.config import ConfigError
+from emitter.text import text_weights
+from emitter.text_config import TEXT_PRESETS
+from runtime.artifact.compiler import compile_mlir
+from runtime.bench.decode_profile import decode_module
+from runtime.checkpoints.synthetic import write_safetensors
+from runtime.checkpoints.synthetic_text import write_text_model
+from runtime.checkpoints.text import load_text_weights
+from runtime.text import TextSession
+
+# The tiny preset at widths the group of 64 divides, embeddings tied (one quantized table
+# for the input rows and lm_head).
+CFG = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          tie_word_embeddings=True)
+TOL = 1e-5
+
+
+def test_quantize_is_symmetric_groupwise():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 256), dtype=np.float32)
+    w[2, 64:128] = 0  # an all-zero group
+    q, scales = quant.quantize(w, 8)
+    assert q.dtype == np.int8 and scales.shape == (6, 4) and scales.dtype == np.float32
+    groups = w.reshape(6, 4, 64)
+    assert np.array_equal(scales, np.abs(groups).max(axis=2) / np.float32(127))
+    assert np.abs(q).max() == 127 and scales[2, 1] == 0 and not q[2, 64:128].any()
+    error = np.abs(quant.dequantize(q, scales) - w).reshape(6, 4, 64)
+    assert (error <= scales[:, :, None] / 2 * (1 + 1e-6)).all()  # round to nearest
+    q4, scales4 = quant.quantize(w, 4)
+    assert np.array_equal(scales4, np.abs(groups).max(axis=2) / np.float32(7)) and np.abs(q4).max() == 7
+    packed, _ = quant.stored(w, 4)  # transposed [K, N], element 2i in byte i's low nibble
+    low, high = (packed & 15).astype(np.int8), (packed >> 4).astype(np.int8)
+    unpacked = np.stack([low, high], 1).reshape(-1)
+    assert np.array_equal(np.where(unpacked > 7, unpacked - 16, unpacked), q4.T.reshape(-1))
+
+
+def test_a_width_the_group_does_not_divide_is_one_line():
+    with pytest.raises(ConfigError, match=r"embed_tokens.weight: shape \[384, 48\]: expected \[N, K\] with K a "
+                                          r"multiple of the quantization group 64"):
+        text_weights(TEXT_PRESETS["tiny"], "int8")
+
+
+def test_int8_is_part_of_the_identity():
+    from emitter.identity import text_artifact_fields
+    from emitter.text import TextShape
+    shape = TextShape((32,), 64)
+    fields = {p: text_artifact_fields(CFG, shape, 0, p) for p in ("f32", "int8")}
+    assert fields["int8"]["precision"] == "int8"
+    assert fields["int8"]["weight_schema"] != fields["f32"]["weight_schema"]
+    assert fields["int8"]["graph_sha256"] != fields["f32"]["graph_sha256"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The checkpoint, and its reference: the same folder with every quantized weight
+    replaced by its dequantization (`quant.dequantize`), in f32."""
+    root = tmp_path_factory.mktemp("quant")
+    write_text_model(root / "model", CFG, seed=5)
+    for precision in quant.QUANTIZED_BITS:
+        weights = load_text_weights(root / "model", CFG)
+        for spec in text_weights(CFG, precision):
+            if spec.dtype in ("i8", "i4"):
+                weights[spec.name] = quant.dequantize(*quant.quantize(weights[spec.name], quant.bits_of(precision)))
+        folder = root / f"reference-{precision}"
+        folder.mkdir()
+        shutil.copy(root / "model" / "config.json", folder)
+        write_safetensors(folder / "model.safetensors",
+                          {k: ("F32", w.shape, np.ascontiguousarray(w).tobytes()) for k, w in weights.items()})
+    return root
+
+
+def answer(model_dir, cache, precision: str, steps: int = 4) -> np.ndarray:
+    """Logits of a 37-token prompt (two chunks: 32 rows dequantize, the last row and the
+    decode steps run split-K) and of `steps` greedy decode steps, [1 + steps, vocab]."""
+    session = TextSession(model_dir, buckets=(32,), context=64, cache_dir=cache, precision=precision)
+    n = 37
+    rows = [session.prefill(np.arange(n) * 7 % CFG.vocab_size, np.broadcast_to(np.arange(n), (3, n)))]
+    for step in range(steps):
+        rows.append(session.decode(int(np.argmax(rows[-1])), n + step))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_equals_f32_over_the_dequantized_weights(models, precision):
+    quantized = answer(models / "model", models / "cache", precision)
+    reference = answer(models / f"reference-{precision}", models / "cache", "f32")
+    unquantized = answer(models / "model", models / "cache", "f32")
+    errors = [rel_l2(a, b) for a, b in zip(quantized, reference)]
+    away = [rel_l2(a, b) for a, b in zip(quantized, unquantized)]
+    print(f"{precision} against f32 over its dequantized weights: relL2 {max(errors):.1e}; against the "
+          f"unquantized model: {min(away):.1e}-{max(away):.1e}")
+    assert max(errors) <= TOL, errors
+    assert min(away) > 100 * TOL, away  # it is quantized: the comparison above can fail
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_decode_dispatches_read_the_bits(tmp_path, precision):
+    """The decode dispatches contract the quantized weights in their bits (f32 x i8 -> f32,
+    f32 x i4 -> f32); none widens one to an f32 copy (an i8 -> f32 dispatch that is no
+    contraction; the embedding row's gather is i32 x i8)."""
+    bits = quant.STORAGE_DTYPE[quant.bits_of(precision)]
+    compile_mlir(decode_module(CFG, 64, precision),
+                 extra_flags=[f"--iree-hal-dump-executable-sources-to={tmp_path}"])
+    names = [m for f in tmp_path.glob("*decode*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]
+    contractions = [n for n in names if re.search(rf"_(matmul|vecmat|matvec)\w*_f32x{bits}xf32$", n)]
+    widening = [n for n in names if n.endswith(f"{bits}xf32") and n not in contractions]
+    assert contractions and not widening, names
+
+
+RESIDENT_INT8 = """
+import sys, numpy as np
+from runtime.text import TextSession
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")) * 1024
+start = anon()
+session = TextSession(sys.argv[1], buckets=(64,), context=80, cache_dir=sys.argv[2], precision="int8")
+session.module
+loaded = anon() - start
+logits = session.prefill(np.arange(40) + 5, np.broadcast_to(np.arange(40), (3, 40)))
+session.decode(int(np.argmax(logits)), 40)
+print(loaded, anon() - start)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_int8_weights_resident_in_their_bits(tmp_path):
+    """Once loaded, the int8 session holds its weights in i8: under 2.5x the bytes of the
+    i8 weights and scales (measured 1.84x), where one f32 copy of them would be 4x and more.
+    (2.5x and 2.8x before the scales went behind the barrier: their broadcasts to the
+    weights' shape, hoisted into f32 globals.) A prefill then adds IREE's pool of per-call
+    transients (the dequantized weights of a chunk), printed."""
+    cfg = dataclasses.replace(CFG, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
+                              num_attention_heads=8, num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20))
+    write_text_model(tmp_path / "m", cfg, seed=1)
+    stored = sum(int(np.prod(s.shape)) * (1 if s.dtype == "i8" else 4) for s in text_weights(cfg, "int8"))
+    for _ in range(2):  # the first fills the cache; the second, a fresh process, is measured
+        out = subprocess.run([sys.executable, "-c", RESIDENT_INT8, tmp_path / "m", tmp_path / "cache"],
+                             capture_output=True, text=True, check=True)
+    loaded, answered = map(int, out.stdout.split()[-2:])
+    print(f"resident: {loaded / stored:.2f}x the {stored / 1e6:.0f} MB of i8 weights and scales once loaded, "
+          f"{answered / stored:.2f}x after a prefill and a decode step")
+    assert loaded < 2.5 * stored, (loaded, stored)
+
+
+def test_generate_int8_from_the_command_line(tmp_path):
+    """`qwen3vl generate --precision int8` with an image (the vision tower in f32 beside the
+    int8 language model): it answers, its first logits near the f32 command's."""
+    from helpers import write_images
+    from emitter.config import PRESETS
+    from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
+    from runtime.checkpoints.synthetic_text import write_generation_checkpoint
+
+    policy = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
+    write_generation_checkpoint(tmp_path / "m", dataclasses.replace(PRESETS["tiny"], out_hidden_size=64),
+                                dataclasses.replace(CFG, tie_word_embeddings=False), seed=3,
+                                processor_policy_dict=policy)
+    (image,) = write_images(tmp_path, ((64, 64),))
+    logits = {}
+    for precision in ("int8", "f32"):
+        out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
+                              "--model", tmp_path / "m", "--image", image, "--prompt", "What is it?",
+                              "--max-new-tokens", "2", "--precision", precision, "--prompt-bucket", "64",
+                              "--context", "96", "--cache-dir", tmp_path / "cache", "--save-logits",
+                              tmp_path / f"{precision}.npy"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        logits[precision] = np.load(tmp_path / f"{precision}.npy")
+    assert 1e-4 < rel_l2(logits["int8"][0], logits["f32"][0]) < 5e-2
