@@ -91,11 +91,13 @@ def encode_joint(vision_for: Callable, processed: list[ProcessedMedia]) -> list[
     return [(out.image_embeds[a:b], out.deepstack_features[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def prompt_ids(tokenizer, token_ids, messages, processed: list[ProcessedMedia]) -> np.ndarray:
-    """The chat's token ids, each medium's pads expanded."""
+def prompt_ids(tokenizer, token_ids, messages, processed: list[ProcessedMedia],
+               template_kwargs: dict | None = None) -> np.ndarray:
+    """The chat's token ids, each medium's pads expanded (`template_kwargs`: the template's
+    other variables, `tools` and the like)."""
     images = [m.prompt for m in processed if m.kind == "image"]
     videos = [m.prompt for m in processed if m.kind == "video"]
-    return tokenizer.messages_ids(messages, token_ids, images, videos)
+    return tokenizer.messages_ids(messages, token_ids, images, videos, template_kwargs)
 
 
 def build_prompt(ids: np.ndarray, token_ids, merge_size: int, processed: list[ProcessedMedia],
