@@ -121,14 +121,25 @@ class ToolParser:
         properties = (self.schemas.get(name) or {}).get("properties") or {}
         arguments = {}
         for key, value in re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", match.group(2), re.S):
-            arguments[key.strip()] = _typed(value, (properties.get(key.strip()) or {}).get("type"))
+            arguments[key.strip()] = _typed(value, properties.get(key.strip()))
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _typed(value: str, kind) -> object:
-    """A qwen3_coder parameter's text as its schema type says (vLLM's conversion): a string
-    stays text; a number, boolean, object or array is read as JSON, left as text if not."""
-    if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
+def _stringy(schema) -> bool:
+    """A parameter written as bare text: type string, an enum/const of strings, or no schema."""
+    if not isinstance(schema, dict):
+        return True
+    kind = schema.get("type")
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if choices is not None:
+        return all(isinstance(c, str) for c in choices)
+    return kind in (None, "string") or (isinstance(kind, list) and "string" in kind)
+
+
+def _typed(value: str, schema) -> object:
+    """A qwen3_coder parameter's text as its schema says (vLLM's conversion): a string stays
+    text; a number, boolean, object or array is read as JSON, left as text if not."""
+    if _stringy(schema):
         return value
     try:
         return json.loads(value)
@@ -170,9 +181,16 @@ def _xml_function(rule: str, name: str, parameters: dict) -> list[str]:
     parts, rules = [], []
     for i, (key, schema) in enumerate(properties.items()):
         value = f"{rule}_v{i}"
-        kind = schema.get("type") if isinstance(schema, dict) else None
-        if kind == "string" and not any(k in schema for k in ("enum", "const", "pattern")):
-            rules.append(f"{value}: /[^<]*/")
+        schema = schema if isinstance(schema, dict) else {}
+        choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if choices is not None and _stringy(schema):
+            rules.append(f"{value}: " + " | ".join(_literal(c) for c in choices))
+        elif _stringy(schema) and "pattern" not in schema:
+            most = schema.get("maxLength")
+            rules.append(f"{value}: /[^<]{{{schema.get('minLength', 0)},{most}}}/" if isinstance(most, int)
+                         else f"{value}: /[^<]*/")
+        elif _stringy(schema):
+            rules.append(f"{value}: %regex {json.dumps(schema['pattern'])}")
         else:
             rules.append(f"{value}: %json {json.dumps(dict(schema, **{'x-guidance': JSON_STYLE}))}")
         part = f'{_literal(f"<parameter={key}>" + chr(10))} {value} {_literal(chr(10) + "</parameter>" + chr(10))}'
