@@ -8,7 +8,8 @@ checkpoint's `generation_config.json` with transformers' defaults for absent fie
 1. the repetition penalty (`RepetitionPenaltyLogitsProcessor`: every id seen so far,
    prompt included, has its logit divided by the penalty if positive, else multiplied);
 2. OpenAI's presence and frequency penalties (over the generated ids only, as vLLM:
-   `logit -= frequency * count + presence * (count > 0)`);
+   `logit -= frequency * count + presence * (count > 0)`), then OpenAI's `logit_bias`
+   (added to the logits of its token ids, as vLLM adds it);
 3. when sampling: temperature, top-k, top-p, min-p (`TemperatureLogitsWarper`,
    `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`, each keeping at least one
    token), then a draw from the softmax with the sampler's own seeded generator;
@@ -47,6 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: tuple = ()  # ((token id, bias in [-100, 100]), ...)
 
     def with_overrides(self, **fields) -> "SamplingParams":
         """These settings with the given (non-None) fields replaced; a `temperature` given
@@ -68,7 +70,9 @@ class SamplingParams:
                   "a number > 0"),
                  ("presence_penalty", -2 <= self.presence_penalty <= 2, "a number in [-2, 2]"),
                  ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
-                 ("seed", self.seed is None or self.seed >= 0, "an integer >= 0")]
+                 ("seed", self.seed is None or self.seed >= 0, "an integer >= 0"),
+                 ("logit_bias", all(i >= 0 and -100 <= b <= 100 for i, b in self.logit_bias),
+                  "token ids with biases in [-100, 100]")]
         for name, ok, expected in rules:
             if not ok:
                 raise SamplingError(f"{name} {getattr(self, name)!r}: expected {expected}")
@@ -166,6 +170,9 @@ class Sampler:
         if p.presence_penalty or p.frequency_penalty:
             out -= (np.float32(p.frequency_penalty) * self.counts + np.float32(p.presence_penalty) *
                     (self.counts > 0)).astype(np.float32)
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            out[list(ids)] += np.asarray(biases, np.float32)
         return out
 
     def warped(self, logits: np.ndarray) -> np.ndarray:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from runtime.inputs.chat import Media
 from runtime.sampling import SamplingError
+from runtime.serve.answer import Answer, resolve
 from runtime.serve.errors import ApiError
 from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import parse_chat_request
@@ -132,6 +133,12 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(f"model: {model!r}: this server serves {model_id!r}", "model", 404, "model_not_found")
+    vocab = generator.text.cfg.vocab_size
+    bad = [t for t, _ in request.sampling.get("logit_bias", ()) if t >= vocab]
+    if bad:
+        raise ApiError(f"logit_bias: key '{bad[0]}': expected a token id below the vocabulary's {vocab}", "logit_bias")
+    request.answer = resolve(request, generator.tokenizer, vocab)
+    request.fingerprint = fingerprint(generator)
     try:
         params = generator.sampling.with_overrides(**request.sampling)
     except SamplingError as e:
@@ -145,12 +152,21 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
     return Job(request, params, media, asyncio.get_running_loop()), folder
 
 
+def fingerprint(generator) -> str | None:
+    """system_fingerprint: the text module's artifact identity (its cache key), once built."""
+    from pathlib import Path
+
+    path = getattr(generator.text, "vmfb_path", None)
+    return f"fp_{Path(path).parent.name[:16]}" if path else None
+
+
 async def refuse_early(generator, job: Job) -> None:
     """A prompt the context cannot hold, or an image whose header is not one, refused
     before the job queues: from the text and the image headers, nothing decoded (a
     video's tokens are counted once its frames are, in the engine)."""
     try:
-        await asyncio.to_thread(generator.check_prompt, job.request.messages, job.media)
+        await asyncio.to_thread(generator.check_prompt, job.request.messages, job.media, 1,
+                                job.request.agents.template_kwargs)
     except ValueError as e:
         raise as_api_error(e) from None
 
@@ -173,9 +189,11 @@ class Reply:
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.model, self.request, self.prompt_tokens = model_id, request, prompt_tokens
         self.text, self.logprobs = [], []
+        self.answer = Answer(request.answer)
 
     def head(self) -> dict:
-        return {"id": self.id, "created": self.created, "model": self.model}
+        return {"id": self.id, "created": self.created, "model": self.model,
+                "system_fingerprint": self.request.fingerprint}
 
     def chunk(self, delta: dict, logprobs=None, finish=None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
@@ -184,9 +202,10 @@ class Reply:
 
     def completion(self, finish: str, usage: dict) -> dict:
         logprobs = {"content": self.logprobs} if self.request.logprobs else None
-        message = {"role": "assistant", "content": "".join(self.text)}
+        message = self.answer.message("".join(self.text))
         return dict(self.head(), object="chat.completion", usage=usage,
-                    choices=[{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}])
+                    choices=[{"index": 0, "message": message, "logprobs": logprobs,
+                              "finish_reason": self.answer.finish_reason(finish)}])
 
 
 def sse(value) -> str:
@@ -215,11 +234,14 @@ async def stream(job: Job, reply: Reply, folder: MediaFolder):
             event = await next_event(job, None)
             if event[0] == "delta":
                 pending += [event[2]] if event[2] else []
-                if event[1]:
-                    yield reply.chunk({"content": event[1]}, pending)
+                for delta in reply.answer.feed(event[1]) if event[1] else []:
+                    yield reply.chunk(delta, pending)
                     pending = []
             elif event[0] == "done":
-                yield reply.chunk({}, pending, event[1])
+                for delta in reply.answer.finish():
+                    yield reply.chunk(delta, pending)
+                    pending = []
+                yield reply.chunk({}, pending, reply.answer.finish_reason(event[1]))
                 if job.request.include_usage:
                     yield sse(dict(reply.head(), object="chat.completion.chunk", choices=[], usage=event[2]))
                 break
