@@ -109,7 +109,7 @@ def server(tmp_path_factory):
 
 def create(server, **kw):
     return server.client.chat.completions.create(model="model", messages=kw.pop("messages", [user("Weather?")]),
-                                                 temperature=0, max_tokens=kw.pop("max_tokens", 60), **kw)
+                                                 temperature=0, max_tokens=kw.pop("max_tokens", 200), **kw)
 
 
 def streamed_calls(server, **kw):
@@ -282,3 +282,29 @@ def test_constraint_with_an_open_think_is_refused_then_works_closed(thinking):
     assert r.status_code == 400 and "enable_thinking" in r.json()["error"]["message"]
     r = create(thinking, extra_body={"guided_choice": ["a", "b"], "chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content in ("a", "b")
+
+
+def test_models_by_id_completions_tokenize_detokenize(server):
+    """/v1/completions over the chat's own prompt ids (from /tokenize) answers what the chat
+    answers, greedy, streamed or not; /detokenize gives the prompt's text back."""
+    import httpx2 as httpx
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert server.client.models.retrieve("model").id == "model"
+    missing = httpx.get(server.url + "/v1/models/other", headers=headers)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    messages = [{"role": "user", "content": "Say something."}]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=headers).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, headers=headers).json()["prompt"]
+    assert text == tokenizer(server).render(messages)
+    chat = create(server, messages=messages, max_tokens=8, extra_body={"ignore_eos": True})
+    done = server.client.completions.create(model="model", prompt=ids, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert done.choices[0].text == chat.choices[0].message.content and done.usage == chat.usage
+    assert done.system_fingerprint == chat.system_fingerprint
+    pieces = server.client.completions.create(model="model", prompt=text, max_tokens=8, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == chat.choices[0].message.content
+    r = server.client.completions.create(model="model", prompt="the", extra_body={"guided_choice": ["red", "blue"]})
+    assert r.choices[0].text in ("red", "blue")
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "tools": TOOLS}, headers=headers)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from runtime.inputs.chat import Media
 from runtime.sampling import SamplingError
 from runtime.serve.answer import Answer, resolve
+from runtime.serve.endpoints import add_routes
 from runtime.serve.errors import ApiError
 from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import parse_chat_request
@@ -82,6 +83,8 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
                                             "owned_by": "qwen3vl-iree"}]}
+
+    add_routes(app, generator, engine, model_id, limits)  # /v1/models/{id}, /v1/completions, /tokenize, ...
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -157,7 +160,7 @@ def fingerprint(generator) -> str | None:
     from pathlib import Path
 
     path = getattr(generator.text, "vmfb_path", None)
-    return f"fp_{Path(path).parent.name[:16]}" if path else None
+    return f"fp_{Path(path).stem[:16]}" if path else None
 
 
 async def refuse_early(generator, job: Job) -> None:

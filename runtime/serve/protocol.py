@@ -41,6 +41,7 @@ class ChatRequest:
     agents: object = None  # agents.AgentFields: tools, tool_choice, constraint, template kwargs
     answer: object = None  # answer.AnswerSpec, set by the app: how the text becomes the message
     fingerprint: str | None = None  # system_fingerprint
+    echo: str = ""  # /v1/completions' echo: the prompt's text, returned before the answer
 
 
 def _number(body: dict, name: str, kind, low, high):
@@ -131,13 +132,16 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
-def _refused(body: dict, known=KNOWN) -> None:
+def _refused(body: dict, known=None) -> None:
+    """400 for `n` > 1 and for any field not `known` (default: chat's)."""
     n = body.get("n")
     if n is not None and n != 1:
         raise ApiError(f"n: {n!r}: this server returns one choice per request; expected 1", "n")
-    from runtime.serve.agents import FIELDS
+    if known is None:
+        from runtime.serve.agents import FIELDS
+        known = KNOWN + FIELDS
     for name in body:
-        if name not in known and name not in FIELDS:
+        if name not in known:
             raise ApiError(f"{name}: not supported by this server (refused rather than ignored)", name,
                            code="unsupported_field")
 
