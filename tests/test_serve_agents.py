@@ -43,8 +43,12 @@ def streamed(fmt: str, text: str, step: int):
 
 
 def test_format_read_from_the_template():
+    import hashlib
     from runtime.checkpoints.synthetic_text import chat_template
-    assert tool_format(chat_template()) == "hermes"
+    # Qwen3-VL-Instruct's shipped chat template, byte for byte (the 2B/8B chat_template.json's).
+    assert hashlib.sha256(chat_template().encode()).hexdigest() == \
+        "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4"
+    assert tool_format(chat_template()) == "hermes" and tool_format(chat_template(thinking=True)) == "hermes"
     assert tool_format("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}") == "qwen3_coder"
     assert tool_format("{{ messages }}") is None
 

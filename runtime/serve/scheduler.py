@@ -100,6 +100,8 @@ class Engine:
         self.running: list[Sequence] = []  # touched by the engine thread only
         self.stopping = False
         self._count_running()
+        from runtime.serve.structured import Grammars
+        Grammars.warm(generator.tokenizer, self.text.cfg.vocab_size)  # the grammars' tokenizer, built once
         self.thread = threading.Thread(target=self._loop, name="qwen3vl-engine", daemon=True)
         self.thread.start()
 

@@ -14,11 +14,13 @@ sequence, the matcher's token mask applied to the sequence's logits before sampl
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 
 import numpy as np
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -36,10 +38,18 @@ class Grammars:
 
     @staticmethod
     def of(tokenizer, vocab_size: int) -> "Grammars":
-        """One per tokenizer (building the LLTokenizer of a 151k vocabulary takes a while)."""
-        if tokenizer not in _CACHE:
-            _CACHE[tokenizer] = Grammars(tokenizer, vocab_size)
-        return _CACHE[tokenizer]
+        """One per tokenizer (building the LLTokenizer of a 151k vocabulary takes seconds: the
+        engine starts it in the background, `warm`)."""
+        with _LOCK:
+            if tokenizer not in _CACHE:
+                _CACHE[tokenizer] = Grammars(tokenizer, vocab_size)
+            return _CACHE[tokenizer]
+
+    @staticmethod
+    def warm(tokenizer, vocab_size: int) -> None:
+        """Build it on a daemon thread now, so the first constrained request does not wait."""
+        threading.Thread(target=Grammars.of, args=(tokenizer, vocab_size), name="llguidance-tokenizer",
+                         daemon=True).start()
 
     def compile(self, kind: str, value, param: str) -> str:
         """The grammar of one constraint, validated; ValueError '<param>: why' if it is not one."""
