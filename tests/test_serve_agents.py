@@ -105,7 +105,7 @@ from serve_helpers import KEY, Server, user  # noqa: E402
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("agents"))
+    s = Server(tmp_path_factory.mktemp("agents"), extra=["--image-min-tokens", "4", "--image-max-tokens", "64"])
     yield s
     s.process.kill()
     s.process.wait()
@@ -312,3 +312,20 @@ def test_models_by_id_completions_tokenize_detokenize(server):
     assert r.choices[0].text in ("red", "blue")
     refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "tools": TOOLS}, headers=headers)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
+def test_image_budget_per_request_within_the_server_bounds(server):
+    """mm_processor_kwargs' max_pixels shrinks the image's tokens; a second budget for the
+    same image is encoded anew (the encoder cache tells them apart); outside the server's
+    --image-min-tokens 4 / --image-max-tokens 64 (x 32 x 32 pixels) it is a 400."""
+    messages = [user("Describe the image.", server.images[:1])]
+    misses = server.metric("qwen3vl_encoder_cache_misses_total")
+    full = create(server, messages=messages, max_tokens=1)
+    small = create(server, messages=messages, max_tokens=1, extra_body={"mm_processor_kwargs": {"max_pixels": 4096}})
+    assert small.usage.prompt_tokens < full.usage.prompt_tokens
+    assert server.metric("qwen3vl_encoder_cache_misses_total") - misses == 2
+    for kwargs, param in (({"max_pixels": 65537}, "mm_processor_kwargs.max_pixels"),
+                          ({"min_pixels": 1024}, "mm_processor_kwargs.min_pixels"),
+                          ({"size": 3}, "mm_processor_kwargs.size")):
+        status, error = bad(server, {"messages": messages, "mm_processor_kwargs": kwargs})
+        assert status == 400 and error["param"] == param, error

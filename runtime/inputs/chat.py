@@ -28,6 +28,7 @@ class Media:
     kind: str  # "image" or "video"
     source: object  # a path (or a PIL image for "image")
     name: str | None = None  # what error messages call it
+    policy: object = None  # an image's own ProcessorPolicy (a request's budget); None: the checkpoint's
 
 
 @dataclass
@@ -60,7 +61,7 @@ def process_media(items, policy, video_policy, merge_unit: int) -> list[Processe
     out = []
     for item in items:
         if item.kind == "image":
-            pixels, grid = process_image(item.source, policy, name=item.name)
+            pixels, grid = process_image(item.source, item.policy or policy, name=item.name)
             out.append(ProcessedMedia("image", pixels, grid, [grid], patch_count(grid) // merge_unit, item))
         elif item.kind == "video":
             pixels, grid, decoded = process_video(item.source, video_policy, item.name)
@@ -74,7 +75,8 @@ def process_media(items, policy, video_policy, merge_unit: int) -> list[Processe
 def image_tokens(items, policy, merge_unit: int) -> int:
     """The prompt tokens the images among `items` will take, from their headers alone
     (nothing decoded): a too-large image is refused before it costs its decoding."""
-    return sum(patch_count(image_grid(m.source, policy, m.name)) // merge_unit for m in items if m.kind == "image")
+    return sum(patch_count(image_grid(m.source, m.policy or policy, m.name)) // merge_unit
+               for m in items if m.kind == "image")
 
 
 Rows = tuple[np.ndarray, np.ndarray]  # embeds [m, D], deepstack [K, m, D] of one medium

@@ -24,6 +24,7 @@ from runtime.sampling import SamplingError
 from runtime.serve.answer import Answer, resolve
 from runtime.serve.endpoints import add_routes
 from runtime.serve.errors import ApiError
+from runtime.serve.image_budget import ImageBudget
 from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import parse_chat_request
 from runtime.serve.scheduler import Job, as_api_error
@@ -36,6 +37,7 @@ class Limits:
     max_body_bytes: int = 32 << 20
     max_media: int = 8
     max_image_pixels: int = 64 << 20
+    image_budget: ImageBudget = ImageBudget()  # --image-min-tokens / --image-max-tokens
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -146,9 +148,13 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
         params = generator.sampling.with_overrides(**request.sampling)
     except SamplingError as e:
         raise ApiError(str(e), str(e).split(" ")[0]) from None
+    budget = limits.image_budget
+    policy = budget.policy(body, generator.policy) or (budget.default(generator.policy) if budget.min_tokens or
+                                                       budget.max_tokens else None)
     folder = MediaFolder(limits.allowed_local_media, limits.max_image_pixels)
     try:
-        media = [Media(kind, folder.path(url, kind, param), name=param) for kind, url, param in request.media]
+        media = [Media(kind, folder.path(url, kind, param), name=param, policy=policy if kind == "image" else None)
+                 for kind, url, param in request.media]
     except BaseException:
         folder.close()
         raise

@@ -23,7 +23,7 @@ SAMPLING_FIELDS = {"temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0),
 MAX_STOPS = 4
 IGNORED = ("user", "metadata", "store", "service_tier")
 KNOWN = ("messages", "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-         "logprobs", "top_logprobs", "ignore_eos", "logit_bias", *SAMPLING_FIELDS, *IGNORED)
+         "logprobs", "top_logprobs", "ignore_eos", "logit_bias", "mm_processor_kwargs", *SAMPLING_FIELDS, *IGNORED)
 
 
 @dataclass
