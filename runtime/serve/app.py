@@ -1,7 +1,9 @@
 """The HTTP side: OpenAI's chat completions API over the engine (FastAPI).
 
 POST /v1/chat/completions (streamed as Server-Sent Events or not), GET /v1/models,
-GET /health, GET /metrics. Every refusal is OpenAI's error object with a 4xx status.
+GET /health, GET /metrics; the rest (GET /v1/models/{id}, POST /v1/completions, /tokenize,
+/detokenize) in runtime/serve/endpoints.py. Every refusal is OpenAI's error object with a
+4xx status.
 """
 
 from __future__ import annotations
