@@ -280,11 +280,22 @@ def test_reasoning_split_on_a_thinking_template(thinking):
     assert off.usage.prompt_tokens > r.usage.prompt_tokens  # the closed, empty think block
 
 
-def test_constraint_with_an_open_think_is_refused_then_works_closed(thinking):
-    body = {"messages": [user("Hi")], "guided_choice": ["a", "b"]}
-    r = thinking.post(body)
+def test_constraints_follow_the_reasoning(thinking):
+    """With <think> open, a constraint holds after `</think>`: the reasoning is free (here
+    closed at once by a logit_bias on `</think>`, which random weights would not write), the
+    content forced; a tool call is parsed from the content. A client's own grammar cannot
+    follow the reasoning (400) unless thinking is off."""
+    close = {str(tokenizer(thinking).tokenizer.token_to_id("</think>")): 100}
+    r = create(thinking, logit_bias=close, extra_body={"guided_choice": ["a", "b"]})
+    assert r.choices[0].message.content in ("a", "b") and r.choices[0].message.model_dump()["reasoning"] == ""
+    calls, finish = streamed_calls(thinking, logit_bias=close, tools=TOOLS, tool_choice="required",
+                                   parallel_tool_calls=False)
+    assert len(calls) == 1 and finish == "tool_calls"
+    check_call(calls[0]["name"], calls[0]["arguments"])
+    r = thinking.post({"messages": [user("Hi")], "guided_grammar": 'start: "a"'})
     assert r.status_code == 400 and "enable_thinking" in r.json()["error"]["message"]
-    r = create(thinking, extra_body={"guided_choice": ["a", "b"], "chat_template_kwargs": {"enable_thinking": False}})
+    r = create(thinking, extra_body={"guided_grammar": 'start: "a" | "b"',
+                                     "chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content in ("a", "b")
 
 

@@ -26,7 +26,7 @@ class AnswerSpec:
 def resolve(request, tokenizer, vocab_size: int) -> AnswerSpec:
     """The answer's spec and the request's template kwargs (tools, chat_template_kwargs) set;
     ApiError naming the field the checkpoint cannot honour."""
-    from runtime.serve.structured import Grammars
+    from runtime.serve.structured import Grammars, think_first
 
     agents = request.agents
     fmt = tools.tool_format(tokenizer.template_text)
@@ -45,14 +45,17 @@ def resolve(request, tokenizer, vocab_size: int) -> AnswerSpec:
     if forced is None and agents.constraint is None:
         return spec
     grammars = Grammars.of(tokenizer, vocab_size)
+    start = "answer" if spec.think_open else "start"
     if forced is not None:
-        kind, value, param = "lark", tools.forced_call_grammar(fmt, forced, agents.parallel, grammars.single_tokens), \
-            "tool_choice"
+        kind, value, param = "lark", tools.forced_call_grammar(fmt, forced, agents.parallel, grammars.single_tokens,
+                                                               start), "tool_choice"
     else:
         kind, value, param = agents.constraint
-    if spec.think_open:
-        raise ApiError(f"{param}: the chat template opens <think> for the answer, and a constraint holds from its "
-                       "first token; pass chat_template_kwargs {\"enable_thinking\": false}", param)
+    if spec.think_open:  # the reasoning first, free, then the constraint
+        if kind == "grammar" or "</think>" not in grammars.single_tokens:
+            raise ApiError(f"{param}: the chat template opens <think> for the answer, and this constraint cannot "
+                           "follow the reasoning; pass chat_template_kwargs {\"enable_thinking\": false}", param)
+        kind, value = "lark", think_first(kind, value, value if kind == "lark" else None)
     try:
         spec.grammar = (grammars, grammars.compile(kind, value, param))
     except ValueError as e:

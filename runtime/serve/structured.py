@@ -78,6 +78,27 @@ class Grammars:
         return grammar
 
 
+def think_first(kind: str, value, forced_lark: str | None = None) -> str:
+    """Lark that lets a thinking model think first: free text up to the `</think>` token (its
+    text never matches it: llguidance keeps special tokens out of the lexer), the newlines
+    Qwen's templates write after it, then the constraint (`kind`, `value`; a forced call's
+    Lark with its top rule named `answer`). Not for `grammar` (a grammar of the client's)."""
+    from llguidance import regex_to_lark
+
+    if kind == "lark":
+        body = forced_lark
+    elif kind in ("json_schema", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else value
+        body = f"answer: %json {json.dumps(dict(schema, **{'x-guidance': JSON_OPTIONS}))}"
+    elif kind == "regex":
+        body = f"answer: /{regex_to_lark(value)}/"
+    elif kind == "choice":
+        body = "answer: " + " | ".join(json.dumps(c) for c in value)
+    else:
+        raise ValueError(f"{kind}: not after a thinking model's reasoning")
+    return "start: thinking </think> /\\n{0,2}/ answer\nthinking: /(?s:.*)/\n" + body
+
+
 def _one_line(e) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return "; ".join(lines[:3])[:300] or type(e).__name__

@@ -199,9 +199,10 @@ def _xml_function(rule: str, name: str, parameters: dict) -> list[str]:
     return rules
 
 
-def forced_call_grammar(fmt: str, functions: dict[str, dict], parallel: bool, single_tokens: set[str]) -> str:
+def forced_call_grammar(fmt: str, functions: dict[str, dict], parallel: bool, single_tokens: set[str],
+                        start: str = "start") -> str:
     """Lark for one tool call (or several when `parallel`) of one of `functions` (name ->
-    parameters schema), in the template's format, and nothing else."""
+    parameters schema), in the template's format, and nothing else (its top rule `start`)."""
     open_, close = _marker(OPEN, single_tokens), _marker(CLOSE, single_tokens)
     if fmt == "hermes":
         calls = [_hermes_call(name, schema) for name, schema in functions.items()]
@@ -213,5 +214,5 @@ def forced_call_grammar(fmt: str, functions: dict[str, dict], parallel: bool, si
             rules += _xml_function(f"f{i}", name, schema)
         rules.append("call: " + " | ".join(f"f{i}" for i in range(len(functions))))
     block = f'{open_} "\\n" call "\\n" {close}'
-    start = f'start: block ("\\n" block)*' if parallel else "start: block"
-    return "\n".join([start, f"block: {block}", *rules])
+    top = f'{start}: block ("\\n" block)*' if parallel else f"{start}: block"
+    return "\n".join([top, f"block: {block}", *rules])
