@@ -94,6 +94,38 @@ def test_reasoning_split_whole_and_streamed():
         assert (r + a, c + b) == ("The user asks.\nThink more.\n", "The answer.")
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder"])
+def test_forced_call_grammar_parses_and_validates_whatever_the_logits(fmt, tmp_path_factory):
+    """The grammar of a forced call in each format, over the tiny checkpoint's tokenizer:
+    random logits, masked, give text the format's parser reads into a call whose
+    arguments validate (30 draws each)."""
+    import numpy as np
+    jsonschema = pytest.importorskip("jsonschema")
+    from runtime.checkpoints.synthetic_text import train_tokenizer
+    from runtime.inputs.tokenizer import ChatTokenizer
+    from runtime.serve.structured import Constraint, Grammars
+    from runtime.serve.tools import forced_call_grammar
+
+    folder = tmp_path_factory.mktemp("tok")
+    (folder / "tokenizer.json").write_text(train_tokenizer(384, 3).to_str())
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "x"}')
+    (folder / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
+    tok = ChatTokenizer(folder)
+    grammars = Grammars(tok, 400)  # rows past the tokenizer's 384: always masked
+    grammar = grammars.compile("lark", forced_call_grammar(fmt, SCHEMAS, False, grammars.single_tokens), "tool_choice")
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        constraint, tokens = Constraint(grammars, grammar), []
+        while not constraint.done and len(tokens) < 400:
+            token = int(np.argmax(constraint.mask(rng.standard_normal(400).astype(np.float32) * 3)))
+            assert token < 384
+            constraint.accept(token)
+            tokens.append(token)
+        content, calls = parse_tool_calls(fmt, SCHEMAS, tok.decode(tokens))
+        assert content is None and len(calls) == 1, tok.decode(tokens)
+        jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+
+
 # -- the real server ------------------------------------------------------------------
 
 pytest.importorskip("openai")
@@ -232,6 +264,9 @@ def bad(server, body) -> tuple[int, dict]:
     ({"logit_bias": {"999999": 1}}, "logit_bias", "below the vocabulary"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one constraint"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "set by the request"),
+    ({"messages": [user("Hi"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, user("And?")]},
+     "messages[1].tool_calls[0].function.arguments", "not a JSON object"),
 ])
 def test_bad_fields_are_400s_naming_them(server, body, param, pattern):
     status, error = bad(server, body)
