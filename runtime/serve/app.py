@@ -28,7 +28,7 @@ from runtime.serve.endpoints import add_routes
 from runtime.serve.errors import ApiError
 from runtime.serve.image_budget import ImageBudget
 from runtime.serve.media import MediaFolder
-from runtime.serve.protocol import parse_chat_request
+from runtime.serve.protocol import check_logit_bias, parse_chat_request
 from runtime.serve.scheduler import Job, as_api_error
 
 
@@ -141,18 +141,14 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
     if model is not None and model != model_id:
         raise ApiError(f"model: {model!r}: this server serves {model_id!r}", "model", 404, "model_not_found")
     vocab = generator.text.cfg.vocab_size
-    bad = [t for t, _ in request.sampling.get("logit_bias", ()) if t >= vocab]
-    if bad:
-        raise ApiError(f"logit_bias: key '{bad[0]}': expected a token id below the vocabulary's {vocab}", "logit_bias")
+    check_logit_bias(request.sampling, vocab)
     request.answer = resolve(request, generator.tokenizer, vocab)
     request.fingerprint = fingerprint(generator)
     try:
         params = generator.sampling.with_overrides(**request.sampling)
     except SamplingError as e:
         raise ApiError(str(e), str(e).split(" ")[0]) from None
-    budget = limits.image_budget
-    policy = budget.policy(body, generator.policy) or (budget.default(generator.policy) if budget.min_tokens or
-                                                       budget.max_tokens else None)
+    policy = limits.image_budget.for_request(body, generator.policy)
     folder = MediaFolder(limits.allowed_local_media, limits.max_image_pixels)
     try:
         media = [Media(kind, folder.path(url, kind, param), name=param, policy=policy if kind == "image" else None)

@@ -143,8 +143,7 @@ def completion_job(body, generator, model_id: str) -> Job:
         sampling["top_k"] = 0 if sampling["top_k"] is not None else None
     sampling["logit_bias"] = tuple(sorted(protocol.logit_bias(body).items())) or None
     vocab = generator.text.cfg.vocab_size
-    if any(t >= vocab for t, _ in sampling["logit_bias"] or ()):
-        raise ApiError(f"logit_bias: a key beyond the vocabulary's {vocab} token ids", "logit_bias")
+    protocol.check_logit_bias(sampling, vocab)
     max_tokens = protocol._number(body, "max_tokens", int, 1, None) or DEFAULT_MAX_TOKENS
     options = body.get("stream_options") or {}
     constraints = _constraints(body)

@@ -40,6 +40,14 @@ class ImageBudget:
         least = min(max(policy.min_pixels, low), most)
         return replace(policy, min_pixels=least, max_pixels=most)
 
+    def for_request(self, body: dict, policy):
+        """The images' policy for this request: its own budget, else the flags' default,
+        else None (the checkpoint's policy, untouched: answers equal `generate`'s)."""
+        own = self.policy(body, policy)
+        if own is not None or not (self.min_tokens or self.max_tokens):
+            return own
+        return self.default(policy)
+
     def policy(self, body: dict, policy):
         """The images' processor policy for this request (`mm_processor_kwargs` checked), or
         None for the server's default (`default`)."""

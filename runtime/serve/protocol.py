@@ -196,6 +196,13 @@ def parse_chat_request(body, max_media: int) -> ChatRequest:
                        _flag(body, "ignore_eos"), agents)
 
 
+def check_logit_bias(sampling: dict, vocab: int) -> None:
+    """400 for a logit_bias key past the model's vocabulary."""
+    bad = [t for t, _ in sampling.get("logit_bias") or () if t >= vocab]
+    if bad:
+        raise ApiError(f"logit_bias: key '{bad[0]}': expected a token id below the vocabulary's {vocab}", "logit_bias")
+
+
 def history_tool_calls(calls, param: str) -> list[dict]:
     """An assistant turn's tool_calls as the template takes them: arguments parsed into an
     object (Qwen's newer templates iterate them)."""
