@@ -112,7 +112,10 @@ def test_forced_call_grammar_parses_and_validates_whatever_the_logits(fmt, tmp_p
     (folder / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
     tok = ChatTokenizer(folder)
     grammars = Grammars(tok, 400)  # rows past the tokenizer's 384: always masked
-    grammar = grammars.compile("lark", forced_call_grammar(fmt, SCHEMAS, False, grammars.single_tokens), "tool_choice")
+    schemas = dict(SCHEMAS, lookup={"type": "object", "properties": {  # a pattern and a bounded free string
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"}, "note": {"type": "string", "maxLength": 8}},
+        "required": ["code", "note"], "additionalProperties": False})
+    grammar = grammars.compile("lark", forced_call_grammar(fmt, schemas, False, grammars.single_tokens), "tool_choice")
     rng = np.random.default_rng(0)
     for _ in range(30):
         constraint, tokens = Constraint(grammars, grammar), []
@@ -121,9 +124,9 @@ def test_forced_call_grammar_parses_and_validates_whatever_the_logits(fmt, tmp_p
             assert token < 384
             constraint.accept(token)
             tokens.append(token)
-        content, calls = parse_tool_calls(fmt, SCHEMAS, tok.decode(tokens))
+        content, calls = parse_tool_calls(fmt, schemas, tok.decode(tokens))
         assert content is None and len(calls) == 1, tok.decode(tokens)
-        jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+        jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
 
 
 # -- the real server ------------------------------------------------------------------

@@ -190,7 +190,9 @@ def _xml_function(rule: str, name: str, parameters: dict) -> list[str]:
             rules.append(f"{value}: /[^<]{{{schema.get('minLength', 0)},{most}}}/" if isinstance(most, int)
                          else f"{value}: /[^<]*/")
         elif _stringy(schema):
-            rules.append(f"{value}: %regex {json.dumps(schema['pattern'])}")
+            from llguidance import regex_to_lark
+            pattern = schema["pattern"].removeprefix("^").removesuffix("$")  # the value is the whole match
+            rules.append(f"{value}: /{regex_to_lark(pattern)}/")
         else:
             rules.append(f"{value}: %json {json.dumps(dict(schema, **{'x-guidance': JSON_STYLE}))}")
         part = f'{_literal(f"<parameter={key}>" + chr(10))} {value} {_literal(chr(10) + "</parameter>" + chr(10))}'
