@@ -72,6 +72,31 @@ def test_qwen3_coder_whole_and_streamed_typed_by_schema():
         assert streamed("qwen3_coder", XML, step) == ("", [("get_weather", {"city": "Rome", "days": 2})])
 
 
+def test_streamed_hermes_arguments_come_in_pieces_that_join_to_the_call():
+    """Streaming, a hermes call's name goes out first, then its arguments piece by piece
+    (a '}' inside a string or a nested object is no end); joined by index, as the official
+    client joins them, they are the calls of the whole answer."""
+    from runtime.serve.answer import Answer, AnswerSpec
+    text = HERMES.replace('"days": 3}', '"days": 3, "note": {"text": "a } b"}}')
+    whole = [(c.name, json.loads(c.arguments)) for c in parse_tool_calls("hermes", SCHEMAS, text)[1]]
+    for step in (1, 4, len(text)):
+        answer, deltas = Answer(AnswerSpec("hermes", SCHEMAS)), []
+        for i in range(0, len(text), step):
+            deltas += answer.feed(text[i:i + step])
+        deltas += answer.finish()
+        calls = {}
+        for delta in deltas:
+            for piece in delta.get("tool_calls", []):
+                call = calls.setdefault(piece["index"], {"name": "", "arguments": ""})
+                call["name"] += piece["function"].get("name", "")
+                call["arguments"] += piece["function"]["arguments"]
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == whole
+        assert "".join(d.get("content", "") for d in deltas) == "Let me check.\n"
+        assert answer.finish_reason("stop") == "tool_calls"
+        if step == 1:
+            assert sum(1 for d in deltas if "tool_calls" in d) > 20  # in pieces, not whole
+
+
 def test_unparsable_or_unclosed_blocks_stay_content():
     for text in ("<tool_call>\n{not json}\n</tool_call>", "Hi <tool_call>\n{\"name\": \"get_time\""):
         assert parse_tool_calls("hermes", SCHEMAS, text) == (text, [])

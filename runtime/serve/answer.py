@@ -69,7 +69,7 @@ class Answer:
     def __init__(self, spec: AnswerSpec):
         self.spec = spec
         self.split = reasoning.ReasoningSplitter(spec.think_open) if spec.thinks else None
-        self.parser = tools.ToolParser(spec.tool_format, spec.schemas) if spec.tool_format else None
+        self.parser = tools.ToolParser(spec.tool_format, spec.schemas, incremental=True) if spec.tool_format else None
         self.calls = 0
 
     def feed(self, text: str) -> list[dict]:
@@ -86,8 +86,12 @@ class Answer:
         for event in events:
             if event[0] == "content" and event[1]:
                 out.append({"content": event[1]})
-            elif event[0] == "call":
+            elif event[0] in ("call", "call_start"):  # a whole call, or one whose arguments follow
                 out.append({"tool_calls": [event[1].openai(self.calls)]})
+                self.calls += event[0] == "call"
+            elif event[0] == "call_args":
+                out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": event[1]}}]})
+            elif event[0] == "call_end":
                 self.calls += 1
         return out
 

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # json.dumps'
 
 
@@ -52,12 +53,19 @@ def _held(text: str, marker: str) -> int:
 class ToolParser:
     """The model's text, fed as it streams, split into content and tool calls: `feed(text)`
     and `finish()` return events ("content", text) and ("call", ToolCall). A block that does
-    not parse stays content, as vLLM's parsers leave it."""
+    not parse stays content, as vLLM's parsers leave it.
 
-    def __init__(self, fmt: str, schemas: dict[str, dict]):
+    `incremental` (hermes only, for streaming): a call's arguments go out as they come,
+    ("call_start", ToolCall with no arguments) once its name is read, ("call_args", text)
+    pieces (joined: the arguments' JSON as the model wrote it), ("call_end",) at its close.
+    A started block that then does not parse ends with what was sent (vLLM does the same)."""
+
+    def __init__(self, fmt: str, schemas: dict[str, dict], incremental: bool = False):
         self.parse_body = {"hermes": self._hermes, "qwen3_coder": self._xml}[fmt]
         self.schemas = schemas  # function name -> its parameters schema
         self.buffer, self.inside, self.calls = "", False, 0
+        self.incremental = incremental and fmt == "hermes"
+        self.args_at, self.sent = None, 0  # where the started call's arguments begin; characters sent
 
     def feed(self, text: str) -> list[tuple]:
         self.buffer += text
@@ -74,11 +82,16 @@ class ToolParser:
                 self.buffer, self.inside = self.buffer[at + len(OPEN):], True
             else:
                 at = self.buffer.find(CLOSE)
+                if self.incremental:
+                    self._stream_arguments(events, at)
                 if at < 0:
                     return events
                 body, self.buffer, self.inside = self.buffer[:at], self.buffer[at + len(CLOSE):], False
                 call = self.parse_body(body)
-                if call is None:
+                if self.args_at is not None:
+                    self.args_at, self.sent, self.calls = None, 0, self.calls + 1
+                    events.append(("call_end",))
+                elif call is None:
                     self._content(events, OPEN + body + CLOSE)
                 else:
                     self.calls += 1
@@ -91,6 +104,24 @@ class ToolParser:
         events = []
         self._content(events, rest)
         return events
+
+    def _stream_arguments(self, events: list, close: int) -> None:
+        """The started call's arguments so far: while the block is open, all but what follows
+        the last '}' seen (that one may be the outer object's); at its close, up to the outer
+        '}'. Joined, the pieces are the arguments as the model wrote them."""
+        if self.args_at is None:
+            head = HERMES_HEAD.match(self.buffer)
+            if head is None:
+                return
+            events.append(("call_start", ToolCall(json.loads(f'"{head.group(1)}"'), "")))
+            self.args_at = head.end()
+        region = self.buffer[self.args_at:close if close >= 0 else len(self.buffer)]
+        end = region.rfind("}")
+        if close < 0 and end < 0:
+            end = len(region)
+        if end > self.sent:
+            events.append(("call_args", region[self.sent:end]))
+            self.sent = end
 
     def _content(self, events: list, text: str) -> None:
         if text and not (self.calls and not text.strip()):  # the newlines between calls are no content
