@@ -98,7 +98,10 @@ class ToolParser:
                     events.append(("call", call))
 
     def finish(self) -> list[tuple]:
-        """The rest: an unclosed block is content."""
+        """The rest: an unclosed block is content (a started call ends with what was sent)."""
+        if self.args_at is not None:
+            self.buffer, self.inside, self.args_at, self.sent, self.calls = "", False, None, 0, self.calls + 1
+            return [("call_end",)]
         rest = (OPEN if self.inside else "") + self.buffer
         self.buffer, self.inside = "", False
         events = []
