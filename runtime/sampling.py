@@ -5,11 +5,12 @@ checkpoint's `generation_config.json` with transformers' defaults for absent fie
 (`do_sample` false, `temperature` 1.0, `top_k` 50, `top_p` 1.0, `repetition_penalty`
 1.0; `min_p` none). `Sampler` applies, in transformers' order, to the model's f32 logits:
 
+0. OpenAI's `logit_bias`, added to the logits of its token ids (before the penalties, as
+   vLLM's sampler applies it);
 1. the repetition penalty (`RepetitionPenaltyLogitsProcessor`: every id seen so far,
    prompt included, has its logit divided by the penalty if positive, else multiplied);
 2. OpenAI's presence and frequency penalties (over the generated ids only, as vLLM:
-   `logit -= frequency * count + presence * (count > 0)`), then OpenAI's `logit_bias`
-   (added to the logits of its token ids, as vLLM adds it);
+   `logit -= frequency * count + presence * (count > 0)`);
 3. when sampling: temperature, top-k, top-p, min-p (`TemperatureLogitsWarper`,
    `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`, each keeping at least one
    token), then a draw from the softmax with the sampler's own seeded generator;
@@ -160,9 +161,12 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def penalized(self, logits: np.ndarray) -> np.ndarray:
-        """Steps 1 and 2 of the module docstring, on a copy (f32, as transformers computes)."""
+        """Steps 0 to 2 of the module docstring, on a copy (f32, as transformers computes)."""
         p = self.params
         out = np.asarray(logits, np.float32).copy()
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            out[list(ids)] += np.asarray(biases, np.float32)
         if p.repetition_penalty != 1.0:
             seen = out[self.seen]
             penalty = np.float32(p.repetition_penalty)
@@ -170,9 +174,6 @@ class Sampler:
         if p.presence_penalty or p.frequency_penalty:
             out -= (np.float32(p.frequency_penalty) * self.counts + np.float32(p.presence_penalty) *
                     (self.counts > 0)).astype(np.float32)
-        if p.logit_bias:
-            ids, biases = zip(*p.logit_bias)
-            out[list(ids)] += np.asarray(biases, np.float32)
         return out
 
     def warped(self, logits: np.ndarray) -> np.ndarray:
