@@ -5,6 +5,8 @@ checkpoint's `generation_config.json` with transformers' defaults for absent fie
 (`do_sample` false, `temperature` 1.0, `top_k` 50, `top_p` 1.0, `repetition_penalty`
 1.0; `min_p` none). `Sampler` applies, in transformers' order, to the model's f32 logits:
 
+0. OpenAI's `logit_bias`, added to the logits of its token ids (before the penalties, as
+   vLLM's sampler applies it);
 1. the repetition penalty (`RepetitionPenaltyLogitsProcessor`: every id seen so far,
    prompt included, has its logit divided by the penalty if positive, else multiplied);
 2. OpenAI's presence and frequency penalties (over the generated ids only, as vLLM:
@@ -47,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: tuple = ()  # ((token id, bias in [-100, 100]), ...)
 
     def with_overrides(self, **fields) -> "SamplingParams":
         """These settings with the given (non-None) fields replaced; a `temperature` given
@@ -68,7 +71,9 @@ class SamplingParams:
                   "a number > 0"),
                  ("presence_penalty", -2 <= self.presence_penalty <= 2, "a number in [-2, 2]"),
                  ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
-                 ("seed", self.seed is None or self.seed >= 0, "an integer >= 0")]
+                 ("seed", self.seed is None or self.seed >= 0, "an integer >= 0"),
+                 ("logit_bias", all(i >= 0 and -100 <= b <= 100 for i, b in self.logit_bias),
+                  "token ids with biases in [-100, 100]")]
         for name, ok, expected in rules:
             if not ok:
                 raise SamplingError(f"{name} {getattr(self, name)!r}: expected {expected}")
@@ -156,9 +161,12 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def penalized(self, logits: np.ndarray) -> np.ndarray:
-        """Steps 1 and 2 of the module docstring, on a copy (f32, as transformers computes)."""
+        """Steps 0 to 2 of the module docstring, on a copy (f32, as transformers computes)."""
         p = self.params
         out = np.asarray(logits, np.float32).copy()
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            out[list(ids)] += np.asarray(biases, np.float32)
         if p.repetition_penalty != 1.0:
             seen = out[self.seen]
             penalty = np.float32(p.repetition_penalty)

@@ -467,11 +467,12 @@ class Generator:
                                          **dict(self.options, precision=vision_precision(self.options["precision"])))
         return self._vision
 
-    def prepare(self, messages, media=(), max_new_tokens: int = 1, encode=None):
+    def prepare(self, messages, media=(), max_new_tokens: int = 1, encode=None, template_kwargs=None):
         """The `chat.Prompt` of `messages` (media: `chat.Media` in prompt order), checked
         against the context before any compile (callers refuse what `check_prompt` can tell
         before decoding anything); `encode(processed)` gives each medium's
-        rows (default: one tower call for all, `chat.encode_joint`). Its `seconds` hold
+        rows (default: one tower call for all, `chat.encode_joint`); `template_kwargs`: the
+        chat template's other variables (`tools`, `enable_thinking`). Its `seconds` hold
         vision (processing and encoding) and build (compiling or loading)."""
         from runtime.inputs.chat import build_prompt, encode_joint, process_media, prompt_ids
 
@@ -479,7 +480,7 @@ class Generator:
         start = time.perf_counter()
         processed = process_media(media, self.policy, self.video_policy, self.vision_cfg.merge_unit)
         seconds["vision"] = time.perf_counter() - start
-        ids = prompt_ids(self.tokenizer, self.text.token_ids, messages, processed)
+        ids = prompt_ids(self.tokenizer, self.text.token_ids, messages, processed, template_kwargs)
         self.text.check_request(ids.size, max_new_tokens)  # before any compile
         self._fit_context(ids.size + max_new_tokens)
         rows = None
@@ -503,7 +504,7 @@ class Generator:
         if self.fits and context != self.text.context:
             self.text = TextSession(self.model_dir, context=context, **self.text_options)
 
-    def check_prompt(self, messages, media=(), max_new_tokens: int = 1) -> None:
+    def check_prompt(self, messages, media=(), max_new_tokens: int = 1, template_kwargs=None) -> None:
         """Refuse (GenerateError) a chat the context cannot hold, from the text and the image
         headers alone: nothing decoded, encoded or compiled. A video's tokens are known only
         once its frames are decoded (`prepare` checks again then)."""
@@ -516,7 +517,7 @@ class Generator:
             raise GenerateError(f"the images alone: {e}") from None
         if any(m.kind == "video" for m in media):
             return
-        ids = self.tokenizer.messages_ids(messages, self.text.token_ids, counts)
+        ids = self.tokenizer.messages_ids(messages, self.text.token_ids, counts, template_kwargs=template_kwargs)
         self.text.check_request(ids.size, max_new_tokens)
 
     def generate(self, prompt: str, images=(), max_new_tokens: int = 64, on_text=None, videos=(),

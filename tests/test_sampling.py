@@ -119,3 +119,14 @@ def test_logprobs_of_the_model_distribution():
 def test_out_of_range_named(field, value, message):
     with pytest.raises(SamplingError, match=message):
         SamplingParams().with_overrides(**{field: value})
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    logits = np.array([3.0, 1.0, 2.0, -1.0], np.float32)
+    sampler = Sampler(SamplingParams(logit_bias=((1, 2.5), (0, -100.0))), [], 4)
+    assert sampler.penalized(logits).tolist() == [-97.0, 3.5, 2.0, -1.0]
+    penalized = Sampler(SamplingParams(logit_bias=((1, 3.0),), repetition_penalty=2.0), [1], 4)
+    assert penalized.penalized(logits).tolist() == [3.0, 2.0, 2.0, -1.0]  # (1 + 3) / 2, as vLLM orders them
+    assert sampler.choose(logits) == 1
+    with pytest.raises(SamplingError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),)).checked()

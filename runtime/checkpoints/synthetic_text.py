@@ -21,32 +21,48 @@ from runtime.checkpoints.synthetic import check_new_folder, write_checkpoint, wr
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
-# Qwen3-VL's template, cut to what one user turn with images, videos and text needs.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
-    "{%- if message.content is string %}{{ message.content }}{%- else %}{%- for content in message.content %}"
-    "{%- if content.type == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif content.type == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{%- elif content.type == 'text' %}{{ content.text }}{%- endif %}{%- endfor %}{%- endif %}<|im_end|>\n"
-    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Added after training, as Qwen3's vocabulary adds them (not special: they decode as text).
+TOOL_AND_THINK_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+def chat_template(thinking: bool = False) -> str:
+    """Qwen3-VL-Instruct's chat template (chat_template.json of Qwen/Qwen3-VL-2B/8B-Instruct,
+    byte for byte: tools rendered into the system turn, calls as `<tool_call>{json}</tool_call>`);
+    `thinking`: the same with the Thinking models' generation prompt (`<think>` opened),
+    closed empty when `enable_thinking` is false (as Qwen3's templates do)."""
+    text = (TEMPLATES / "qwen3_vl_instruct.jinja").read_text(encoding="utf-8")
+    if thinking:
+        prompt = "    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+        assert text.endswith(prompt)
+        text = text[:-len(prompt)] + ("    {{- '<|im_start|>assistant\\n' }}\n"
+                                      "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+                                      "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+                                      "    {%- else %}\n"
+                                      "        {{- '<think>\\n' }}\n"
+                                      "    {%- endif %}\n{%- endif %}\n")
+    return text
+
+
 WORDS = ("the a image cat dog bird red green blue left right small large describe what is shown here "
          "picture photo sky tree house road two three one and of in on with near far").split()
 
 
 def train_tokenizer(vocab_size: int, seed: int = 0):
     """A byte-level BPE (the `tokenizers` library) trained on random sentences of WORDS:
-    the special tokens first (ids 0..6), then the 256 bytes, then merges up to vocab_size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    the special tokens first (ids 0..6), then the 256 bytes, then merges, then the four
+    TOOL_AND_THINK_TOKENS as added tokens (the last ids below vocab_size)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = np.random.default_rng(seed)
     corpus = [" ".join(rng.choice(WORDS, 12)) + "." for _ in range(400)]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TOOL_AND_THINK_TOKENS), special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_AND_THINK_TOKENS])
     return tokenizer
 
 
@@ -105,9 +121,10 @@ def write_text_model(folder, cfg: TextConfig, seed: int = 0, config: dict | None
 
 
 def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfig, seed: int = 0,
-                                processor_policy_dict: dict | None = None) -> None:
+                                processor_policy_dict: dict | None = None, thinking: bool = False) -> None:
     """Write the folder (new or empty; whole or not at all: built in a temp folder beside
-    it, then renamed). The text hidden size must be the vision tower's out_hidden_size."""
+    it, then renamed). The text hidden size must be the vision tower's out_hidden_size.
+    `thinking`: the Thinking variant of the chat template (`chat_template`)."""
     if text.hidden_size != vision.out_hidden_size:
         raise ValueError(f"text hidden_size {text.hidden_size} != vision out_hidden_size {vision.out_hidden_size}")
     model_dir = Path(model_dir)
@@ -115,10 +132,10 @@ def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfi
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     with folder_atomic(model_dir) as tmp:
         write_checkpoint(tmp, vision, seed=seed, processor_policy_dict=processor_policy_dict)
-        _add_language_model(tmp, text, seed)
+        _add_language_model(tmp, text, seed, thinking)
 
 
-def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> None:
+def _add_language_model(model_dir: Path, text: TextConfig, seed: int, thinking: bool = False) -> None:
     """Tokenizer, template, generation config and the whole text model into a vision checkpoint."""
     tokenizer = train_tokenizer(text.vocab_size, seed)
     if tokenizer.get_vocab_size() > text.vocab_size:
@@ -141,7 +158,7 @@ def _add_language_model(model_dir: Path, text: TextConfig, seed: int) -> None:
     _write_json(model_dir / "tokenizer_config.json", {
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "model_max_length": 262144, "add_prefix_space": False})
-    write_atomic(model_dir / "chat_template.jinja", CHAT_TEMPLATE.encode())
+    write_atomic(model_dir / "chat_template.jinja", chat_template(thinking).encode())
     _write_json(model_dir / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos[1],
                                                        "do_sample": False})
 

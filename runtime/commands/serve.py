@@ -76,15 +76,24 @@ def positive(name: str, value: int) -> int:
 @click.option("--grace", type=float, default=10.0, show_default=True, metavar="S",
               help="On SIGTERM: seconds to let requests in flight finish; then each still running gets a 503 "
                    "error object (a stream: an error event, then [DONE]).")
+@click.option("--image-min-tokens", type=int, metavar="N",
+              help="Least tokens an image may take (bounds the checkpoint's and each request's mm_processor_kwargs).")
+@click.option("--image-max-tokens", type=int, metavar="N",
+              help="Most tokens an image may take (bounds the checkpoint's and each request's mm_processor_kwargs).")
 def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cache_memory, buckets, precision, api_key,
                   allowed_hosts, allowed_local_media_path,
                   cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
-                  grace):
+                  grace, image_min_tokens, image_max_tokens):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
     is compiled and loaded before the first request is accepted."""
     for name, value in (("--max-batch", max_batch), ("--max-waiting", max_waiting), ("--max-media", max_media),
                         ("--max-body-mb", max_body_mb), ("--encoder-cache-mb", encoder_cache_mb)):
         positive(name, value)
+    for name, value in (("--image-min-tokens", image_min_tokens), ("--image-max-tokens", image_max_tokens)):
+        if value is not None:
+            positive(name, value)
+    if image_min_tokens and image_max_tokens and image_min_tokens > image_max_tokens:
+        raise ValueError(f"--image-min-tokens {image_min_tokens} > --image-max-tokens {image_max_tokens}")
     if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     check_access(host, api_key)
@@ -96,7 +105,8 @@ def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cach
     server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
                           allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
                           max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype,
-                          kv_cache_memory, allowed_hosts)  # bad input, failures: one line
+                          kv_cache_memory, allowed_hosts,
+                          (image_min_tokens, image_max_tokens))  # bad input, failures: one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
 
@@ -118,12 +128,13 @@ def check_access(host: str, api_key: str | None) -> None:
 
 def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads,
                  target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
-                 kv_cache_dtype="f32", kv_cache_memory=None, allowed_hosts=()):
+                 kv_cache_dtype="f32", kv_cache_memory=None, allowed_hosts=(), image_tokens=(None, None)):
     """Everything loaded (text module, vision module, weights), then a uvicorn server."""
     from runtime.text import Generator, kv_blocks
     from runtime.serve.app import Limits, create_app
     from runtime.serve.guard import allowed_hosts as host_names
     from runtime.serve.server import GracefulServer
+    from runtime.serve.image_budget import ImageBudget
     from runtime.serve.encoder_cache import EncoderCache
     from runtime.serve.metrics import Metrics
     from runtime.serve.scheduler import Engine
@@ -141,7 +152,8 @@ def build_server(model, host, port, max_batch, context, buckets, precision, api_
     metrics = Metrics()
     encoder = EncoderCache(generator.vision_for, encoder_cache_mb << 20, metrics)
     engine = Engine(generator, metrics, encoder, max_waiting)
-    limits = Limits(api_key, allowed, max_body_mb << 20, max_media, allowed_hosts=host_names(host, port, allowed_hosts))
+    limits = Limits(api_key, allowed, max_body_mb << 20, max_media, allowed_hosts=host_names(host, port, allowed_hosts),
+                    image_budget=ImageBudget(*image_tokens))
     model_id = Path(model).resolve().name
     url = f"http://{host}:{port}/v1"
     app = create_app(generator, engine, metrics, model_id, limits,

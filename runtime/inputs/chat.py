@@ -28,6 +28,7 @@ class Media:
     kind: str  # "image" or "video"
     source: object  # a path (or a PIL image for "image")
     name: str | None = None  # what error messages call it
+    policy: object = None  # an image's own ProcessorPolicy (a request's budget); None: the checkpoint's
 
 
 @dataclass
@@ -60,7 +61,7 @@ def process_media(items, policy, video_policy, merge_unit: int) -> list[Processe
     out = []
     for item in items:
         if item.kind == "image":
-            pixels, grid = process_image(item.source, policy, name=item.name)
+            pixels, grid = process_image(item.source, item.policy or policy, name=item.name)
             out.append(ProcessedMedia("image", pixels, grid, [grid], patch_count(grid) // merge_unit, item))
         elif item.kind == "video":
             pixels, grid, decoded = process_video(item.source, video_policy, item.name)
@@ -74,7 +75,8 @@ def process_media(items, policy, video_policy, merge_unit: int) -> list[Processe
 def image_tokens(items, policy, merge_unit: int) -> int:
     """The prompt tokens the images among `items` will take, from their headers alone
     (nothing decoded): a too-large image is refused before it costs its decoding."""
-    return sum(patch_count(image_grid(m.source, policy, m.name)) // merge_unit for m in items if m.kind == "image")
+    return sum(patch_count(image_grid(m.source, m.policy or policy, m.name)) // merge_unit
+               for m in items if m.kind == "image")
 
 
 Rows = tuple[np.ndarray, np.ndarray]  # embeds [m, D], deepstack [K, m, D] of one medium
@@ -91,11 +93,13 @@ def encode_joint(vision_for: Callable, processed: list[ProcessedMedia]) -> list[
     return [(out.image_embeds[a:b], out.deepstack_features[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def prompt_ids(tokenizer, token_ids, messages, processed: list[ProcessedMedia]) -> np.ndarray:
-    """The chat's token ids, each medium's pads expanded."""
+def prompt_ids(tokenizer, token_ids, messages, processed: list[ProcessedMedia],
+               template_kwargs: dict | None = None) -> np.ndarray:
+    """The chat's token ids, each medium's pads expanded (`template_kwargs`: the template's
+    other variables, `tools` and the like)."""
     images = [m.prompt for m in processed if m.kind == "image"]
     videos = [m.prompt for m in processed if m.kind == "video"]
-    return tokenizer.messages_ids(messages, token_ids, images, videos)
+    return tokenizer.messages_ids(messages, token_ids, images, videos, template_kwargs)
 
 
 def build_prompt(ids: np.ndarray, token_ids, merge_size: int, processed: list[ProcessedMedia],

@@ -117,7 +117,8 @@ class ChatTokenizer:
             raise TokenizerError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from None
         config_path = self.model_dir / "tokenizer_config.json"
         self.config = _read_json(config_path) if config_path.is_file() else {}
-        self.template = compile_template(load_chat_template(self.model_dir, self.config))
+        self.template_text = load_chat_template(self.model_dir, self.config)
+        self.template = compile_template(self.template_text)
         self.eos_ids = self._eos_ids()
         self.repetition_penalty = self._repetition_penalty()
 
@@ -147,13 +148,15 @@ class ChatTokenizer:
             raise TokenizerError(f"{path}: field 'repetition_penalty' = {value!r}: expected a positive number")
         return float(value)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The chat as text; `extra` variables (`tools`, `chat_template_kwargs` such as
+        `enable_thinking`) reach the template as transformers passes them."""
         import jinja2
 
         variables = {k: _token_text(self.config.get(k)) for k in SPECIAL_TOKEN_VARIABLES}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **{k: v for k, v in variables.items() if v is not None})
+            return self.template.render(**{k: v for k, v in variables.items() if v is not None},
+                                        **extra, messages=messages, add_generation_prompt=add_generation_prompt)
         except jinja2.exceptions.TemplateError as e:
             raise TokenizerError(f"chat template: {e}") from None
 
@@ -175,12 +178,13 @@ class ChatTokenizer:
         return self.messages_ids(user_message(prompt, len(image_tokens), len(videos)), token_ids, image_tokens,
                                  videos)
 
-    def messages_ids(self, messages: list[dict], token_ids: TokenIds, image_tokens=(), videos=()) -> np.ndarray:
+    def messages_ids(self, messages: list[dict], token_ids: TokenIds, image_tokens=(), videos=(),
+                     template_kwargs: dict | None = None) -> np.ndarray:
         """Token ids of a whole chat (`messages` as the template takes them, parts
         {"type": "image"}, {"type": "video"}, {"type": "text", "text": ...}), rendered with
-        the generation prompt; images and videos counted as in `prompt_ids`, each kind in
-        its order of appearance."""
-        text = self.render(messages)
+        the generation prompt (and `template_kwargs`, see `render`); images and videos
+        counted as in `prompt_ids`, each kind in its order of appearance."""
+        text = self.render(messages, **(template_kwargs or {}))
         strings = self.video_strings(token_ids)
         text = expand_video_text(text, [video_placeholder(times, tokens, strings) for times, tokens in videos],
                                  strings.pad)

@@ -7,6 +7,12 @@
 - `errors`: OpenAI's error object; `shown`, how a request's value is echoed.
 - `protocol`: the request body checked into a `ChatRequest`.
 - `media`: image_url / video_url to files (data: URLs; file:// under an allowed folder).
+- `agents`: tools, tool_choice, structured output and chat_template_kwargs checked.
+- `answer`: the answer's text into the message (reasoning, content, tool calls), whole or streamed.
+- `tools`, `reasoning`: the tool-call formats of Qwen's templates; the <think> split.
+- `structured`: llguidance grammars and the per-sequence token masks.
+- `endpoints`: /v1/models/{id}, /v1/completions, /tokenize, /detokenize.
+- `image_budget`: mm_processor_kwargs within --image-min-tokens / --image-max-tokens.
 - `scheduler`: the engine thread that runs requests on the model.
 - `encoder_cache`: the tower's rows of media already seen (LRU in bytes).
 - `metrics`: Prometheus metrics.

@@ -1,10 +1,12 @@
 """The HTTP side: OpenAI's chat completions API over the engine (FastAPI).
 
 POST /v1/chat/completions (streamed as Server-Sent Events or not), GET /v1/models,
-GET /health, GET /metrics. Every response that is not a success is OpenAI's error object
-with a 4xx/5xx status (the Host, API-key and Content-Type checks and the catch-all are in
-`guard`; the body's bounds in `body`). A client that leaves cancels its request at once:
-the handler waits on the job's next event or the connection's end, whichever comes first.
+GET /health, GET /metrics; the rest (GET /v1/models/{id}, POST /v1/completions, /tokenize,
+/detokenize) in runtime/serve/endpoints.py. Every response that is not a success is
+OpenAI's error object with a 4xx/5xx status (the Host, API-key and Content-Type checks and
+the catch-all are in `guard`; the body's bounds in `body`). A client that leaves cancels
+its request at once: the handler waits on the job's next event or the connection's end,
+whichever comes first.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from runtime.sampling import SamplingError
 from runtime.serve.body import read_json
 from runtime.serve.errors import ApiError, shown
 from runtime.serve.guard import LOOPBACK, Guard
+from runtime.serve.answer import Answer, resolve
+from runtime.serve.endpoints import add_routes
+from runtime.serve.image_budget import ImageBudget
 from runtime.serve.media import MediaFolder
-from runtime.serve.protocol import parse_chat_request
+from runtime.serve.protocol import check_logit_bias, parse_chat_request
 from runtime.serve.scheduler import Job, as_api_error
 
 
@@ -40,6 +45,7 @@ class Limits:
     max_media: int = 8
     max_image_pixels: int = 64 << 20
     allowed_hosts: frozenset | None = frozenset(LOOPBACK)  # Host header values answered; None: any
+    image_budget: ImageBudget = ImageBudget()  # --image-min-tokens / --image-max-tokens
 
 
 def error_response(e: ApiError) -> Response:
@@ -99,6 +105,8 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
             raise
         return job, folder
 
+    add_routes(app, generator, engine, model_id, limits)  # /v1/models/{id}, /v1/completions, /tokenize, ...
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         job, folder = await checked(request)
@@ -152,17 +160,31 @@ def make_job(body, generator, model_id: str, limits: Limits, specials=None) -> t
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(f"model: {shown(model)}: this server serves {model_id!r}", "model", 404, "model_not_found")
+    vocab = generator.text.cfg.vocab_size
+    check_logit_bias(request.sampling, vocab)
+    request.answer = resolve(request, generator.tokenizer, vocab)
+    request.fingerprint = fingerprint(generator)
     try:
         params = generator.sampling.with_overrides(**request.sampling)
     except SamplingError as e:
         raise ApiError(str(e), str(e).split(" ")[0]) from None
+    policy = limits.image_budget.for_request(body, generator.policy)
     folder = MediaFolder(limits.allowed_local_media, limits.max_image_pixels)
     try:
-        media = [Media(kind, folder.path(url, kind, param), name=param) for kind, url, param in request.media]
+        media = [Media(kind, folder.path(url, kind, param), name=param, policy=policy if kind == "image" else None)
+                 for kind, url, param in request.media]
     except BaseException:
         folder.close()
         raise
     return Job(request, params, media, asyncio.get_running_loop()), folder
+
+
+def fingerprint(generator) -> str | None:
+    """system_fingerprint: the text module's artifact identity (its cache key), once built."""
+    from pathlib import Path
+
+    path = getattr(generator.text, "vmfb_path", None)
+    return f"fp_{Path(path).stem[:16]}" if path else None
 
 
 async def refuse_early(generator, job: Job, folder: MediaFolder) -> None:
@@ -170,7 +192,8 @@ async def refuse_early(generator, job: Job, folder: MediaFolder) -> None:
     before the job queues: from the text and the image headers, nothing decoded (a
     video's tokens are counted once its frames are, in the engine)."""
     try:
-        await asyncio.to_thread(generator.check_prompt, job.request.messages, job.media)
+        await asyncio.to_thread(generator.check_prompt, job.request.messages, job.media, 1,
+                                job.request.agents.template_kwargs)
     except ValueError as e:
         raise folder.scrub(as_api_error(e)) from None
 
@@ -216,9 +239,11 @@ class Reply:
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.model, self.request, self.prompt_tokens = model_id, request, prompt_tokens
         self.text, self.logprobs = [], []
+        self.answer = Answer(request.answer)
 
     def head(self) -> dict:
-        return {"id": self.id, "created": self.created, "model": self.model}
+        return {"id": self.id, "created": self.created, "model": self.model,
+                "system_fingerprint": self.request.fingerprint}
 
     def chunk(self, delta: dict, logprobs=None, finish=None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
@@ -227,9 +252,10 @@ class Reply:
 
     def completion(self, finish: str, usage: dict) -> dict:
         logprobs = {"content": self.logprobs} if self.request.logprobs else None
-        message = {"role": "assistant", "content": "".join(self.text)}
+        message = self.answer.message("".join(self.text))
         return dict(self.head(), object="chat.completion", usage=usage,
-                    choices=[{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}])
+                    choices=[{"index": 0, "message": message, "logprobs": logprobs,
+                              "finish_reason": self.answer.finish_reason(finish)}])
 
 
 def sse(value) -> str:
@@ -258,11 +284,14 @@ async def stream(job: Job, reply: Reply, folder: MediaFolder):
             event = await next_event(job, None)
             if event[0] == "delta":
                 pending += [event[2]] if event[2] else []
-                if event[1]:
-                    yield reply.chunk({"content": event[1]}, pending)
+                for delta in reply.answer.feed(event[1]) if event[1] else []:
+                    yield reply.chunk(delta, pending)
                     pending = []
             elif event[0] == "done":
-                yield reply.chunk({}, pending, event[1])
+                for delta in reply.answer.finish():
+                    yield reply.chunk(delta, pending)
+                    pending = []
+                yield reply.chunk({}, pending, reply.answer.finish_reason(event[1]))
                 if job.request.include_usage:
                     yield sse(dict(reply.head(), object="chat.completion.chunk", choices=[], usage=event[2]))
                 break

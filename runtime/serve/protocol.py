@@ -1,9 +1,11 @@
 """A `/v1/chat/completions` body checked and turned into what the engine runs.
 
 Every field is checked for its type and range; anything wrong is an `ApiError` (400)
-naming the field (`messages[1].content[0].image_url.url`, `temperature`, ...). `n` other
-than 1 and `tools` are refused rather than ignored. Fields this server does not read
-(`user`, `metadata`, ...) are accepted and have no effect.
+naming the field (`messages[1].content[0].image_url.url`, `temperature`, ...). A field
+this server does not know is refused by name, never dropped; `n` other than 1 is refused.
+Only IGNORED (`user`, `metadata`, `store`, `service_tier`: bookkeeping, nothing about the
+answer) are accepted without effect. Tools, `tool_choice`, structured output and the
+chat template's kwargs are checked in runtime/serve/agents.py.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from dataclasses import dataclass, field
 
 from runtime.serve.errors import ApiError, shown
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool", "developer")  # developer: taken as system
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 SAMPLING_FIELDS = {"temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0), "top_k": (int, -1, None),
                    "min_p": (float, 0.0, 1.0), "seed": (int, 0, None), "presence_penalty": (float, -2.0, 2.0),
                    "frequency_penalty": (float, -2.0, 2.0), "repetition_penalty": (float, 0.0, None)}
 MAX_STOPS = 4
+IGNORED = ("user", "metadata", "store", "service_tier")
+KNOWN = ("messages", "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
+         "logprobs", "top_logprobs", "ignore_eos", "logit_bias", "mm_processor_kwargs", *SAMPLING_FIELDS, *IGNORED)
 
 
 @dataclass
@@ -33,6 +38,10 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False  # vLLM's extension: decode to max_tokens past EOS ids
+    agents: object = None  # agents.AgentFields: tools, tool_choice, constraint, template kwargs
+    answer: object = None  # answer.AnswerSpec, set by the app: how the text becomes the message
+    fingerprint: str | None = None  # system_fingerprint
+    echo: str = ""  # /v1/completions' echo: the prompt's text, returned before the answer
 
 
 def _number(body: dict, name: str, kind, low, high):
@@ -57,6 +66,8 @@ def _text(part: dict, param: str) -> str:
 
 def _content(content, role: str, param: str, media: list) -> str | list[dict]:
     """A message's content as the template takes it; media URLs appended to `media`."""
+    if content is None and role == "assistant":
+        return ""  # an assistant turn of tool calls only
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
@@ -92,9 +103,14 @@ def _messages(body: dict) -> tuple[list[dict], list]:
         role = message.get("role")
         if role not in ROLES:
             raise ApiError(f"{where}.role: {shown(role)}: expected one of {', '.join(ROLES)}", f"{where}.role")
-        if message.get("tool_calls"):
-            raise ApiError(f"{where}.tool_calls: tools are not supported by this server", f"{where}.tool_calls")
-        out.append({"role": role, "content": _content(message.get("content"), role, f"{where}.content", media)})
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(message.get("content"), role, f"{where}.content", media)})
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ApiError(f"{where}.tool_calls: only in assistant messages", f"{where}.tool_calls")
+            out[-1]["tool_calls"] = history_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            out[-1]["tool_call_id"] = message["tool_call_id"]
     return out, media
 
 
@@ -129,22 +145,46 @@ def _include_usage(body: dict) -> bool:
     return _flag(options, "include_usage", "stream_options.include_usage")
 
 
-def _refused(body: dict) -> None:
+def _refused(body: dict, known=None) -> None:
+    """400 for `n` > 1 and for any field not `known` (default: chat's)."""
     n = body.get("n")
     if n is not None and n != 1:
         raise ApiError(f"n: {shown(n)}: this server returns one choice per request; expected 1", "n")
-    if body.get("tools"):
-        raise ApiError("tools: tool calling is not supported by this server", "tools")
-    if body.get("tool_choice") not in (None, "none"):
-        raise ApiError("tool_choice: tool calling is not supported by this server", "tool_choice")
+    if known is None:
+        from runtime.serve.agents import FIELDS
+        known = KNOWN + FIELDS
+    for name in body:
+        if name not in known:
+            raise ApiError(f"{name}: not supported by this server (refused rather than ignored)", name,
+                           code="unsupported_field")
+
+
+def logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: {token id (a string of digits): bias in [-100, 100]}."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError("logit_bias: expected an object of token id -> bias", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ApiError(f"logit_bias: key {key!r}: expected a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(f"logit_bias: {key}: {bias!r}: expected a number in [-100, 100]", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
 
 
 def parse_chat_request(body, max_media: int) -> ChatRequest:
     """The checked request; ApiError (400) at the first field that is wrong."""
+    from runtime.serve.agents import agent_fields
+
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     _refused(body)
     messages, media = _messages(body)
+    agents = agent_fields(body)
     if len(media) > max_media:
         raise ApiError(f"messages: {len(media)} images and videos: more than the {max_media} this server accepts "
                        "per request (--max-media)", "messages", code="too_many_media")
@@ -160,6 +200,39 @@ def parse_chat_request(body, max_media: int) -> ChatRequest:
     top = _number(body, "top_logprobs", int, 0, 20) or 0
     if top and not logprobs:
         raise ApiError("top_logprobs: only with logprobs: true", "top_logprobs")
+    sampling["logit_bias"] = tuple(sorted(logit_bias(body).items())) or None
     return ChatRequest(messages, media, {k: v for k, v in sampling.items() if v is not None}, max_tokens,
                        _stop(body), _flag(body, "stream"), _include_usage(body), logprobs, top,
-                       _flag(body, "ignore_eos"))
+                       _flag(body, "ignore_eos"), agents)
+
+
+def check_logit_bias(sampling: dict, vocab: int) -> None:
+    """400 for a logit_bias key past the model's vocabulary."""
+    bad = [t for t, _ in sampling.get("logit_bias") or () if t >= vocab]
+    if bad:
+        raise ApiError(f"logit_bias: key '{bad[0]}': expected a token id below the vocabulary's {vocab}", "logit_bias")
+
+
+def history_tool_calls(calls, param: str) -> list[dict]:
+    """An assistant turn's tool_calls as the template takes them: arguments parsed into an
+    object (Qwen's newer templates iterate them)."""
+    import json
+
+    if not isinstance(calls, list):
+        raise ApiError(f"{param}: expected a list of tool calls", param)
+    out = []
+    for i, call in enumerate(calls):
+        where = f"{param}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(f"{where}.function: expected {{name, arguments}}", f"{where}.function")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ApiError(f"{where}.function.arguments: not a JSON object", f"{where}.function.arguments")
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"],
+                                                                             "arguments": arguments}})
+    return out

@@ -52,6 +52,7 @@ class Sequence:
     sampler: Sampler
     stream: TextStream
     eos: tuple
+    constraint: object = None  # structured.Constraint: the grammar's token mask, when the request has one
     length: int = 0  # cache slots filled: the next fed token's slot
     tokens: list = field(default_factory=list)  # tokens chosen; the last is fed at the next step
     at: float = 0.0  # when the last was chosen
@@ -100,6 +101,8 @@ class Engine:
         self.running: list[Sequence] = []  # touched by the engine thread only
         self.stopping = False
         self._count_running()
+        from runtime.serve.structured import Grammars
+        Grammars.warm(generator.tokenizer, self.text.cfg.vocab_size)  # the grammars' tokenizer, built once
         self.thread = threading.Thread(target=self._loop, name="qwen3vl-engine", daemon=True)
         self.thread.start()
 
@@ -193,7 +196,8 @@ class Engine:
             return True
         gen, request = self.generator, job.request
         if job.prompt is None:
-            job.prompt = gen.prepare(request.messages, job.media, 1, encode=self.encode)
+            job.prompt = gen.prepare(request.messages, job.media, 1, encode=self.encode,
+                                     template_kwargs=request.agents.template_kwargs if request.agents else None)
         prompt = job.prompt
         placed = self.text.admit(prompt)
         if placed is None:
@@ -202,7 +206,7 @@ class Engine:
         room = gen.text.context - prompt.ids.size + 1
         seq = Sequence(job, prompt, blocks, min(request.max_tokens or room, room), Sampler(job.params, prompt.ids,
                        gen.text.cfg.vocab_size), TextStream(gen.tokenizer, request.stop),
-                       () if request.ignore_eos else gen.tokenizer.eos_ids)
+                       () if request.ignore_eos else gen.tokenizer.eos_ids, constraint(request))
         self.running.append(seq)  # ended with its blocks given back if the prefill fails
         self.metrics.prefix_hit_tokens.inc(start)
         self.metrics.prompt_tokens.inc(int(prompt.ids.size))
@@ -264,14 +268,17 @@ class Engine:
                 job.send("error", shutting_down())
             return self._end(seq, "cancelled")
         check_finite("logits", logits, "the language model")  # no token from an overflowed row
-        token = seq.sampler.choose(logits)
+        token = seq.sampler.choose(seq.constraint.mask(logits) if seq.constraint else logits)
+        if seq.constraint:
+            seq.constraint.accept(token)
         now = time.monotonic()
         (self.metrics.per_token.observe(now - seq.at) if seq.count else self.metrics.ttft.observe(now - job.arrived))
         seq.at = now
         seq.tokens.append(token)
         self.metrics.generated_tokens.inc()
         job.send("delta", seq.stream.add(token), self._logprobs(job, logits, token) if request.logprobs else None)
-        finish = "stop" if token in seq.eos or seq.stream.stopped else "length" if seq.count == seq.max_new else None
+        done = token in seq.eos or seq.stream.stopped or (seq.constraint is not None and seq.constraint.done)
+        finish = "stop" if done else "length" if seq.count == seq.max_new else None
         if finish:
             job.send("delta", seq.stream.flush(), None)
             job.send("done", finish, {"prompt_tokens": int(seq.prompt.ids.size), "completion_tokens": seq.count,
@@ -310,6 +317,15 @@ class Engine:
 def shutting_down() -> ApiError:
     return ApiError("server shutting down: requests still in flight past the --grace period are ended", status=503,
                     code="shutting_down")
+
+
+def constraint(request):
+    """The request's grammar as a matcher of its own (structured.Constraint), or None."""
+    grammar = getattr(request.answer, "grammar", None)
+    if grammar is None:
+        return None
+    from runtime.serve.structured import Constraint
+    return Constraint(*grammar)
 
 
 def as_api_error(e: Exception) -> ApiError:
