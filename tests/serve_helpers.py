@@ -90,6 +90,15 @@ class Server:
         return float(match.group(1)) if match else 0.0
 
 
+def module_server(root: Path, cache: Path | None = None, extra=()):
+    """A test module's server (its `server` fixture yields from this): killed after its tests."""
+    s = Server(root, cache=cache, extra=extra)
+    yield s
+    if s.process.poll() is None:
+        s.process.kill()
+        s.process.wait()
+
+
 def data_url(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 

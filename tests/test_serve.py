@@ -17,17 +17,13 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("httpx2")
 
-from serve_helpers import (QWEN3VL, Server, chat, corrupt_png, generate, httpx,  # noqa: E402
-                           long_stream, raw_request, resident_bytes, user, wait_for)
+from serve_helpers import (QWEN3VL, Server, chat, corrupt_png, generate, httpx, long_stream,  # noqa: E402
+                           module_server, raw_request, resident_bytes, user, wait_for)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, serve_cache):
-    s = Server(tmp_path_factory.mktemp("serve"), cache=serve_cache)
-    yield s
-    if s.process.poll() is None:
-        s.process.kill()
-        s.process.wait()
+    yield from module_server(tmp_path_factory.mktemp("serve"), serve_cache)
 
 
 SHAPES = {"text": ("Say something.", 0), "one image": ("Describe the image.", 1), "two images": ("Compare them.", 2)}

@@ -160,15 +160,13 @@ pytest.importorskip("openai")
 pytest.importorskip("httpx2")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_helpers import KEY, Server, user  # noqa: E402
+from serve_helpers import KEY, Server, module_server, user  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("agents"), extra=["--image-min-tokens", "4", "--image-max-tokens", "64"])
-    yield s
-    s.process.kill()
-    s.process.wait()
+def server(tmp_path_factory, serve_cache):
+    yield from module_server(tmp_path_factory.mktemp("agents"), serve_cache,
+                             ["--image-min-tokens", "4", "--image-max-tokens", "64"])
 
 
 def create(server, **kw):

@@ -21,17 +21,13 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("httpx2")
 
-from serve_helpers import (KEY, QWEN3VL, Server, chat, corrupt_png, httpx, long_stream, user,  # noqa: E402
-                           wait_for)
+from serve_helpers import (KEY, QWEN3VL, Server, chat, corrupt_png, httpx, long_stream,  # noqa: E402
+                           module_server, user, wait_for)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, serve_cache):
-    s = Server(tmp_path_factory.mktemp("serve"), cache=serve_cache)
-    yield s
-    if s.process.poll() is None:
-        s.process.kill()
-        s.process.wait()
+    yield from module_server(tmp_path_factory.mktemp("serve"), serve_cache)
 
 
 def png_header(width: int, height: int) -> bytes:
