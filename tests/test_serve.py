@@ -318,9 +318,10 @@ def test_a_sequence_overflowing_mid_decode_fails_alone(server, tmp_path):
     save_file(tensors, weights)
     poisoned = Server(tmp_path, model, server.cache, ["--no-prompt-cache"])
     try:
-        # Long enough to be running when the failing one starts (a tiny decode step is ~1 ms);
-        # its run alone shows it never feeds the poisoned token.
-        other = dict(max_tokens=1000, temperature=0, extra_body={"ignore_eos": True})
+        # Long enough to be running when the failing one starts (a tiny decode step is ~1 ms),
+        # and never choosing the poisoned token.
+        other = dict(max_tokens=3000, temperature=0, extra_body={"ignore_eos": True},
+                     logit_bias={str(first[2]): -100})
         alone = chat(poisoned, [user("Go on.")], **other)
         results = {}
         beside = threading.Thread(target=lambda: results.update(b=chat(poisoned, [user("Go on.")], **other)))

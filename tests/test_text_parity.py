@@ -157,7 +157,9 @@ def test_repetition_penalty_of_generation_config(setup, tmp_path):
     folder = tmp_path / "penalized"
     shutil.copytree(model_dir, folder)
     config = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps(dict(config, repetition_penalty=1.8)))
+    # Below 1: the prompt's tokens are favoured, so the greedy choice moves (a penalty above 1
+    # left this checkpoint's answer as it was: it repeats nothing).
+    (folder / "generation_config.json").write_text(json.dumps(dict(config, repetition_penalty=0.25)))
     _, tokens, logits = reference(folder, PROMPT, [], STEPS)
     ours = Generator(folder, buckets=(32, 64), context=96, cache_dir=gen.text.cache.root).generate(
         PROMPT, max_new_tokens=STEPS)
