@@ -500,8 +500,10 @@ class Generator:
     def _fit_context(self, tokens: int) -> None:
         """With a fitted context: the text session of the least ladder context that holds
         `tokens` (compiled on first use, cached like any other)."""
+        if not self.fits:
+            return
         context = fitting_context(tokens, self.limit)
-        if self.fits and context != self.text.context:
+        if context != self.text.context:
             self.text = TextSession(self.model_dir, context=context, **self.text_options)
 
     def check_prompt(self, messages, media=(), max_new_tokens: int = 1, template_kwargs=None) -> None:

@@ -152,17 +152,14 @@ def completion_job(body, generator, model_id: str) -> Job:
         raise ApiError(f"model: {shown(body['model'])}: this server serves {model_id!r}", "model", 404,
                        "model_not_found")
     ids, text = _prompt_ids(body, generator)
-    sampling = {name: protocol._number(body, name, *rule) for name, rule in protocol.SAMPLING_FIELDS.items()}
-    if sampling["top_k"] in (-1, 0):
-        sampling["top_k"] = 0 if sampling["top_k"] is not None else None
-    sampling["logit_bias"] = tuple(sorted(protocol.logit_bias(body).items())) or None
+    sampling = protocol.sampling_overrides(body)
     vocab = generator.text.cfg.vocab_size
     protocol.check_logit_bias(sampling, vocab)
     max_tokens = protocol._number(body, "max_tokens", int, 1, None) or DEFAULT_MAX_TOKENS
     constraints = _constraints(body)
     if len(constraints) > 1:
         raise ApiError(f"{constraints[1][2]}: one constraint per request", constraints[1][2])
-    request = protocol.ChatRequest([], [], {k: v for k, v in sampling.items() if v is not None}, max_tokens,
+    request = protocol.ChatRequest([], [], sampling, max_tokens,
                                    protocol._stop(body), protocol._flag(body, "stream"), protocol._include_usage(body),
                                    ignore_eos=protocol._flag(body, "ignore_eos"), agents=AgentFields())
     request.echo = text if protocol._flag(body, "echo") else ""

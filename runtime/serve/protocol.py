@@ -176,6 +176,20 @@ def logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
+def sampling_overrides(body: dict) -> dict:
+    """The sampling fields given (SamplingParams overrides, `logit_bias` as sorted (id, bias)
+    pairs), checked; absent ones left out (chat completions and completions alike)."""
+    sampling = {name: _number(body, name, *rule) for name, rule in SAMPLING_FIELDS.items()}
+    if sampling["top_k"] in (-1, 0):
+        sampling["top_k"] = 0 if sampling["top_k"] is not None else None
+    if sampling["temperature"] == 0 and sampling["top_p"] is not None:
+        sampling["top_p"] = None  # greedy: nucleus mass has no effect
+    if sampling["top_p"] == 0:
+        raise ApiError("top_p: 0: expected a number in (0, 1]", "top_p")
+    sampling["logit_bias"] = tuple(sorted(logit_bias(body).items())) or None
+    return {k: v for k, v in sampling.items() if v is not None}
+
+
 def parse_chat_request(body, max_media: int) -> ChatRequest:
     """The checked request; ApiError (400) at the first field that is wrong."""
     from runtime.serve.agents import agent_fields
@@ -188,20 +202,13 @@ def parse_chat_request(body, max_media: int) -> ChatRequest:
     if len(media) > max_media:
         raise ApiError(f"messages: {len(media)} images and videos: more than the {max_media} this server accepts "
                        "per request (--max-media)", "messages", code="too_many_media")
-    sampling = {name: _number(body, name, *rule) for name, rule in SAMPLING_FIELDS.items()}
-    if sampling["top_k"] in (-1, 0):
-        sampling["top_k"] = 0 if sampling["top_k"] is not None else None
-    if sampling["temperature"] == 0 and sampling["top_p"] is not None:
-        sampling["top_p"] = None  # greedy: nucleus mass has no effect
-    if sampling["top_p"] == 0:
-        raise ApiError("top_p: 0: expected a number in (0, 1]", "top_p")
+    sampling = sampling_overrides(body)
     max_tokens = _number(body, "max_completion_tokens", int, 1, None) or _number(body, "max_tokens", int, 1, None)
     logprobs = _flag(body, "logprobs")
     top = _number(body, "top_logprobs", int, 0, 20) or 0
     if top and not logprobs:
         raise ApiError("top_logprobs: only with logprobs: true", "top_logprobs")
-    sampling["logit_bias"] = tuple(sorted(logit_bias(body).items())) or None
-    return ChatRequest(messages, media, {k: v for k, v in sampling.items() if v is not None}, max_tokens,
+    return ChatRequest(messages, media, sampling, max_tokens,
                        _stop(body), _flag(body, "stream"), _include_usage(body), logprobs, top,
                        _flag(body, "ignore_eos"), agents)
 
