@@ -163,6 +163,12 @@ class TextSession:
             self._module, self.seconds["upload"] = timed(self._load)
         return self._module
 
+    def build(self) -> None:
+        """The weight archive and the module's vmfb into the cache (or found there), nothing
+        loaded: a driver's work before its workers open them."""
+        self.archive_path = cached_text_archive(self.model_dir, self.cfg, self.precision, self.cache, self.progress)
+        self.vmfb_path = self._build()
+
     def _open_weights(self) -> rt.ParameterIndex:
         """The weight archive from the cache (written on a miss), memory-mapped and checked."""
         self.archive_path = cached_text_archive(self.model_dir, self.cfg, self.precision, self.cache, self.progress)

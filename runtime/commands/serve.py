@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import threading
 from pathlib import Path
 
 import click
@@ -12,6 +14,7 @@ from emitter.config import PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
 
 from emitter.text import KV_CACHE_HELP, KV_DTYPES
 
+from runtime.serve.assemble import ServeOptions
 from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -80,10 +83,19 @@ def positive(name: str, value: int) -> int:
               help="Least tokens an image may take (bounds the checkpoint's and each request's mm_processor_kwargs).")
 @click.option("--image-max-tokens", type=int, metavar="N",
               help="Most tokens an image may take (bounds the checkpoint's and each request's mm_processor_kwargs).")
+@click.option("--ray", metavar="ADDRESS",
+              help="Serve as replicas on Ray Serve: 'local' starts a cluster on this machine, else the HOST:PORT "
+                   "of a running one (`ray start --head`). The HTTP proxy listens at --host/--port; see "
+                   "docs/serve.md.")
+@click.option("--replicas", type=int, default=1, show_default=True, metavar="N",
+              help="With --ray: replicas, each one engine with its own caches (--threads CPUs each, default 1).")
+@click.option("--min-replicas", type=int, metavar="N",
+              help="With --ray: autoscale, down to N replicas (target: --max-batch ongoing requests each).")
+@click.option("--max-replicas", type=int, metavar="N", help="With --ray: autoscale, up to N replicas.")
 def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cache_memory, buckets, precision, api_key,
                   allowed_hosts, allowed_local_media_path,
                   cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
-                  grace, image_min_tokens, image_max_tokens):
+                  grace, image_min_tokens, image_max_tokens, ray, replicas, min_replicas, max_replicas):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
     is compiled and loaded before the first request is accepted."""
     for name, value in (("--max-batch", max_batch), ("--max-waiting", max_waiting), ("--max-media", max_media),
@@ -97,18 +109,64 @@ def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cach
     if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     check_access(host, api_key)
+    scaling = check_replicas(ray, replicas, min_replicas, max_replicas)
     if context is None:
         from runtime.text import default_context
 
         context, why = default_context(model, kv_cache_dtype)
         click.echo(f"context: {context} tokens ({why}; --context to change)", err=True)
-    server = build_server(model, host, port, max_batch, context, prompt_buckets(buckets, context), precision, api_key,
-                          allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
-                          max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype,
-                          kv_cache_memory, allowed_hosts,
-                          (image_min_tokens, image_max_tokens))  # bad input, failures: one line
+    options = ServeOptions(model, context, prompt_buckets(buckets, context), host, port, max_batch, precision,
+                           api_key, allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
+                           max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype, kv_cache_memory,
+                           tuple(allowed_hosts), (image_min_tokens, image_max_tokens))
+    if ray is not None:
+        return serve_on_ray(dataclasses.replace(options, threads=threads or 1), scaling, ray)
+    server = build_server(options)  # bad input, failures: one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
+
+
+def check_replicas(ray, replicas: int, least, most):
+    """The replica options checked: Scaling (None without --ray, where they must be left)."""
+    given = [f"--{name} {value}" for name, value in (("replicas", replicas if replicas != 1 else None),
+                                                     ("min-replicas", least), ("max-replicas", most))
+             if value is not None]
+    if ray is None:
+        if given:
+            raise ValueError(f"{given[0]}: replicas need --ray (local, or a cluster's HOST:PORT)")
+        return None
+    positive("--replicas", replicas)
+    if least is not None and least < 0:
+        raise ValueError(f"--min-replicas {least}: expected 0 or more")
+    if most is not None:
+        positive("--max-replicas", most)
+    if least is not None and most is not None and least > most:
+        raise ValueError(f"--min-replicas {least} > --max-replicas {most}")
+    from runtime.serve.scaling import Scaling
+
+    return Scaling(replicas, least, most)
+
+
+def serve_on_ray(options, scaling, address: str) -> None:
+    """Build the artifacts into the cache once, then run the replicas on Ray Serve until
+    SIGTERM or Ctrl-C (the application then deleted; a local cluster shut down)."""
+    from runtime.ray_cluster import check_ray_serve
+    from runtime.serve.assemble import build_artifacts
+
+    check_ray_serve(address)
+    build_artifacts(options, say)
+    from runtime.serve import ray_app
+
+    ray_app.start(options, scaling, address, say)
+    say(f"qwen3vl serve: {options.model_id} ready at http://{options.host}:{options.port}/v1 "
+        f"({scaling.describe()} on Ray Serve)")
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stopped.set())
+    while not stopped.wait(1):
+        pass
+    say("qwen3vl serve: stopping the replicas")
+    ray_app.stop(address)
 
 
 def check_access(host: str, api_key: str | None) -> None:
@@ -126,36 +184,15 @@ def check_access(host: str, api_key: str | None) -> None:
                    "server", err=True)
 
 
-def build_server(model, host, port, max_batch, context, buckets, precision, api_key, allowed, cache_dir, threads,
-                 target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
-                 kv_cache_dtype="f32", kv_cache_memory=None, allowed_hosts=(), image_tokens=(None, None)):
+def build_server(options: ServeOptions):
     """Everything loaded (text module, vision module, weights), then a uvicorn server."""
-    from runtime.text import Generator, kv_blocks
-    from runtime.serve.app import Limits, create_app
-    from runtime.serve.guard import allowed_hosts as host_names
+    from runtime.serve.assemble import assemble
     from runtime.serve.server import GracefulServer
-    from runtime.serve.image_budget import ImageBudget
-    from runtime.serve.encoder_cache import EncoderCache
-    from runtime.serve.metrics import Metrics
-    from runtime.serve.scheduler import Engine
 
-    def say(message: str) -> None:
-        click.echo(message, err=True)
+    url = f"http://{options.host}:{options.port}/v1"
+    app, engine, _ = assemble(options, say, on_ready=lambda: say(f"qwen3vl serve: {options.model_id} ready at {url}"))
+    return GracefulServer(app, engine.cut, options.grace, host=options.host, port=options.port, log_level="warning")
 
-    blocks, note = kv_blocks(model, buckets, context, max_batch, kv_cache_dtype, kv_cache_memory)
-    say(f"KV cache: {note}")
-    generator = Generator(model, buckets, context, target=target, cache_dir=cache_dir, precision=precision,
-                          threads=threads, progress=say, kv_cache_dtype=kv_cache_dtype, lanes=max_batch,
-                          kv_blocks=blocks, prefix_cache=prompt_cache)
-    generator.text.module  # noqa: B018 - compiled and loaded now, not at the first request
-    generator.vision.artifact()
-    metrics = Metrics()
-    encoder = EncoderCache(generator.vision_for, encoder_cache_mb << 20, metrics)
-    engine = Engine(generator, metrics, encoder, max_waiting)
-    limits = Limits(api_key, allowed, max_body_mb << 20, max_media, allowed_hosts=host_names(host, port, allowed_hosts),
-                    image_budget=ImageBudget(*image_tokens))
-    model_id = Path(model).resolve().name
-    url = f"http://{host}:{port}/v1"
-    app = create_app(generator, engine, metrics, model_id, limits,
-                     on_ready=lambda: say(f"qwen3vl serve: {model_id} ready at {url}"))
-    return GracefulServer(app, engine.cut, grace, host=host, port=port, log_level="warning")
+
+def say(message: str) -> None:
+    click.echo(message, err=True)

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Iterator
 
 import numpy as np
 
 from runtime.jobs.embed_engine import Embedded, EngineError, SessionSpec, encode_batch
-
-INSTALL_HINT = "install the ray extra: pip install 'qwen3vl-iree[ray]' (in a checkout: pip install -e '.[ray]')"
-LOCAL_OBJECT_STORE = 512 * 2**20  # --ray-local: rows pass through it on their way to the driver
+from runtime.ray_cluster import INSTALL_HINT, LOCAL_OBJECT_STORE, check_reachable, last_line
 
 
 def check_ray(ray_local: int | None, address: str | None) -> None:
@@ -41,19 +38,6 @@ def check_ray(ray_local: int | None, address: str | None) -> None:
         import ray.data  # noqa: F401
     except ImportError as e:
         raise ValueError(f"{flag}: needs Ray Data, which is not installed ({e}); {INSTALL_HINT}") from None
-
-
-def check_reachable(address: str) -> None:
-    """A HOST:PORT address must answer a TCP connect within 5 s (Ray itself retries for
-    minutes); `auto` and `ray://` addresses are left to Ray."""
-    host, _, port = address.rpartition(":")
-    if address == "auto" or "://" in address or not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as e:
-        raise ValueError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e}); expected the "
-                         f"HOST:PORT that `ray start --head` printed") from None
 
 
 class Encoder:
@@ -124,12 +108,6 @@ class RayEngine:
     def close(self) -> None:
         import ray
         ray.shutdown()
-
-
-def last_line(e: BaseException) -> str:
-    """The reason Ray gives last (its messages carry the remote traceback first)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
 
 
 def _embedded(row: dict, cfg) -> Embedded:

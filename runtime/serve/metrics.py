@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
+LOAD_GAUGES = ("qwen3vl_requests_waiting", "qwen3vl_requests_running", "qwen3vl_kv_cache_usage_perc")
+
 
 class Metrics:
     def __init__(self):
@@ -37,6 +39,11 @@ class Metrics:
         self.encoder_misses = Counter("qwen3vl_encoder_cache_misses", "Images/videos run through the tower",
                                       registry=r)
         self.encoder_bytes = Gauge("qwen3vl_encoder_cache_bytes", "Bytes held by the encoder cache", registry=r)
+
+    def load(self) -> dict[str, float]:
+        """The gauges a router reads of this server (queue, running sequences, KV cache), by
+        their /metrics names."""
+        return {name: self.registry.get_sample_value(name) for name in LOAD_GAUGES}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,80 @@
+"""The routing key of a request for cache-affine routing over replicas (Ray Serve's
+router in runtime/serve/ray_router.py): a hash of the start of its prompt, about one
+KV-cache block of it, in which each image or video stands as the hash of its URL.
+
+Two requests with the same key share their first block (the same system prompt or the
+same first user text, the same first image), so the replica that ran one holds the other's
+leading prefix-cache blocks and, for an image there, its encoder-cache rows; a chat's later
+turns repeat its first turn's start, so they keep its key. No tokenizer is needed: the key
+is taken from the request's JSON, before any replica sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from emitter.kv_pages import BLOCK
+
+PREFIX_CHARS = 4 * BLOCK  # about one block of tokens, at about 4 characters a token
+MEDIA_PARTS = ("image_url", "video_url")
+
+
+@dataclass(frozen=True)
+class Route:
+    """What the router reads of a request: its key (None: any replica, the least loaded),
+    or the replica asked for by name (`X-Qwen3VL-Replica`), which wins while it lives."""
+    key: str | None = None
+    replica: str | None = None
+
+
+def routing_key(path: str, body: bytes) -> str | None:
+    """The key of a POST body to `path` (None when it has no prompt to key on: not JSON,
+    another endpoint, an empty prompt)."""
+    if path not in ("/v1/chat/completions", "/v1/completions"):
+        return None
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    start = prompt_start(request)[:PREFIX_CHARS]
+    return hashlib.sha256(start.encode()).hexdigest()[:32] if start else None
+
+
+def prompt_start(request: dict) -> str:
+    """The prompt as the template lays it out, roughly: the tools, then each message's role
+    and content in order, media as `<image_url:HASH>`; a legacy completion's prompt as is."""
+    prompt = request.get("prompt")
+    if prompt is not None:
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    pieces = [f"<tools:{digest(json.dumps(request['tools'], sort_keys=True))}>"] if request.get("tools") else []
+    messages = request.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        if isinstance(message, dict):
+            pieces.append(f"<{message.get('role')}>")
+            pieces.extend(content_pieces(message.get("content")))
+        if sum(map(len, pieces)) >= PREFIX_CHARS:
+            break
+    return "".join(pieces)
+
+
+def content_pieces(content) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    pieces = []
+    for part in content if isinstance(content, list) else ():
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            pieces.append(part["text"])
+        elif kind in MEDIA_PARTS and isinstance(part.get(kind), dict):
+            pieces.append(f"<{kind}:{digest(str(part[kind].get('url')))}>")
+    return pieces
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,86 @@
+"""One server's parts from its options: the generator (text and vision modules, weights),
+the engine, the metrics and the FastAPI app. `qwen3vl serve` runs the app under uvicorn;
+each Ray Serve replica (runtime/serve/ray_app.py) runs one in its own process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `qwen3vl serve`'s options say about one engine and its HTTP side."""
+    model: str
+    context: int
+    buckets: tuple
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 4
+    precision: str = "f32"
+    api_key: str | None = None
+    allowed_local_media: str | None = None
+    cache_dir: str | None = None
+    threads: int | None = None
+    target: str | None = None
+    max_waiting: int = 16
+    max_media: int = 8
+    max_body_mb: int = 32
+    encoder_cache_mb: int = 512
+    prompt_cache: bool = True
+    grace: float = 10.0
+    kv_cache_dtype: str = "f32"
+    kv_cache_memory: float | None = None
+    allowed_hosts: tuple = ()
+    image_tokens: tuple = (None, None)
+
+    @property
+    def model_id(self) -> str:
+        return Path(self.model).resolve().name
+
+
+def generator_for(options: ServeOptions, say):
+    """The Generator of these options (nothing compiled or loaded yet)."""
+    from runtime.text import Generator, kv_blocks
+
+    blocks, note = kv_blocks(options.model, options.buckets, options.context, options.max_batch,
+                             options.kv_cache_dtype, options.kv_cache_memory)
+    say(f"KV cache: {note}")
+    return Generator(options.model, options.buckets, options.context, target=options.target,
+                     cache_dir=options.cache_dir, precision=options.precision, threads=options.threads, progress=say,
+                     kv_cache_dtype=options.kv_cache_dtype, lanes=options.max_batch, kv_blocks=blocks,
+                     prefix_cache=options.prompt_cache)
+
+
+def build_artifacts(options: ServeOptions, say) -> None:
+    """The text and vision modules and their weight archives built into the cache (or found
+    there), none loaded: what a Ray driver does once before its replicas open them."""
+    from runtime.artifact.build import build_artifact
+
+    generator = generator_for(options, say)
+    generator.text.build()
+    vision = generator.vision
+    build_artifact(vision.plan, vision.cache, say)
+
+
+def assemble(options: ServeOptions, say, on_ready=None):
+    """(app, engine): everything loaded (text module, vision module, weights) and the
+    engine thread started; the app's lifespan stops the engine."""
+    from runtime.serve.app import Limits, create_app
+    from runtime.serve.encoder_cache import EncoderCache
+    from runtime.serve.guard import allowed_hosts as host_names
+    from runtime.serve.image_budget import ImageBudget
+    from runtime.serve.metrics import Metrics
+    from runtime.serve.scheduler import Engine
+
+    generator = generator_for(options, say)
+    generator.text.module  # noqa: B018 - compiled and loaded now, not at the first request
+    generator.vision.artifact()
+    metrics = Metrics()
+    encoder = EncoderCache(generator.vision_for, options.encoder_cache_mb << 20, metrics)
+    engine = Engine(generator, metrics, encoder, options.max_waiting)
+    limits = Limits(options.api_key, options.allowed_local_media, options.max_body_mb << 20, options.max_media,
+                    allowed_hosts=host_names(options.host, options.port, options.allowed_hosts),
+                    image_budget=ImageBudget(*options.image_tokens))
+    app = create_app(generator, engine, metrics, options.model_id, limits, on_ready=on_ready)
+    return app, engine, metrics

@@ -1,0 +1,134 @@
+"""`qwen3vl serve --ray local`: two replicas of the tiny checkpoint, one thread each, on a
+local Ray cluster the server starts, driven by the official `openai` client and raw HTTP:
+the single server's answers, requests spread over the replicas, a chat's turns on one
+replica and its caches, a replica killed mid-request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from serve_helpers import KEY, Server, chat, long_stream, module_server, user, wait_for
+
+import httpx2 as httpx
+
+REPLICA = "x-qwen3vl-replica"
+READY = re.compile(r"Replica pid=(\d+)\)\S*\s+replica (\w+) ready")
+
+
+class RayServer(Server):
+    def replicas(self) -> dict[str, int]:
+        """Every replica that said it was ready: its id -> its process id."""
+        return {name: int(pid) for pid, name in READY.findall(self.output())}
+
+    def get(self, path: str, replica: str | None = None):
+        return httpx.get(self.url + path, headers={REPLICA: replica} if replica else {}, timeout=60)
+
+    def replica_metric(self, replica: str, name: str) -> float:
+        response = self.get("/metrics", replica)
+        assert response.headers[REPLICA] == replica
+        match = re.search(rf"^{re.escape(name)} (\S+)$", response.text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    def stop(self) -> None:
+        """SIGTERM: the driver deletes the application and shuts its cluster down."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=120)
+        except Exception:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, serve_cache):
+    yield from module_server(tmp_path_factory.mktemp("single"), serve_cache)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, serve_cache, single):
+    server = RayServer(tmp_path_factory.mktemp("ray"), model=single.model, cache=serve_cache,
+                       extra=["--ray", "local", "--replicas", "2", "--threads", "1"])
+    yield server
+    server.stop()
+    assert server.process.returncode == 0, server.output()
+
+
+def post(server, body: dict, replica: str | None = None):
+    headers = {"Authorization": f"Bearer {KEY}", **({REPLICA: replica} if replica else {})}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+def test_answers_equal_the_single_server(cluster, single):
+    for messages in ([user("Tell me a story.")], [user("What is here?", [single.images[0]])]):
+        for stream in (False, True):
+            assert chat(cluster, messages, stream, max_tokens=8) == chat(single, messages, stream, max_tokens=8)
+    missing = cluster.post({"messages": []})
+    assert missing.status_code == single.post({"messages": []}).status_code == 400
+    assert missing.json() == single.post({"messages": []}).json()
+
+
+def test_concurrent_requests_spread_over_both_replicas(cluster):
+    bodies = [{"messages": [user(f"Request {i} wants its own words.")], "max_tokens": 24, "ignore_eos": True}
+              for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(lambda body: post(cluster, body), bodies))
+    assert all(r.status_code == 200 for r in responses)
+    assert {r.headers[REPLICA] for r in responses} == set(cluster.replicas())
+
+
+def test_a_chats_second_turn_runs_where_its_first_did_and_hits_its_caches(cluster):
+    chats = [[user(f"Chat {i}: look at this picture and describe it.", [cluster.images[i % 2]])] for i in range(4)]
+    homes = []
+    for messages in chats:
+        first = post(cluster, {"messages": messages, "max_tokens": 6, "temperature": 0})
+        assert first.status_code == 200, first.text
+        homes.append(first.headers[REPLICA])
+        messages += [first.json()["choices"][0]["message"], user("And what else?")]
+    for messages, home in zip(chats, homes):
+        prefix = cluster.replica_metric(home, "qwen3vl_prefix_cache_hit_tokens_total")
+        encoder = cluster.replica_metric(home, "qwen3vl_encoder_cache_hits_total")
+        second = post(cluster, {"messages": messages, "max_tokens": 6, "temperature": 0})
+        assert second.status_code == 200, second.text
+        assert second.headers[REPLICA] == home
+        assert cluster.replica_metric(home, "qwen3vl_prefix_cache_hit_tokens_total") >= prefix + 16
+        assert cluster.replica_metric(home, "qwen3vl_encoder_cache_hits_total") == encoder + 1
+
+
+def test_each_replica_reports_its_load_under_the_metric_names(cluster):
+    for replica in cluster.replicas():
+        text = cluster.get("/metrics", replica).text
+        for name in ("qwen3vl_requests_waiting", "qwen3vl_requests_running", "qwen3vl_kv_cache_usage_perc"):
+            assert re.search(rf"^{name} \S+$", text, re.M), name
+
+
+def test_a_killed_replica_ends_its_requests_cleanly_and_is_replaced(cluster):
+    response, client = long_stream(cluster)
+    victim = response.headers[REPLICA]
+    lines = response.iter_lines()
+    assert next(lines).startswith("data: ")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        plain = pool.submit(post, cluster, {"messages": [user("Go on.")], "max_tokens": 100000, "ignore_eos": True},
+                            victim)
+        assert wait_for(lambda: cluster.replica_metric(victim, "qwen3vl_requests_running") == 2, 60)
+        os.kill(cluster.replicas()[victim], signal.SIGKILL)
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        answer = plain.result()
+    client.close()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "replica_lost"
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "replica_lost"
+    for i in range(3):  # the survivor takes new requests
+        survivor = post(cluster, {"messages": [user(f"After {i}.")], "max_tokens": 4})
+        assert survivor.status_code == 200, survivor.text
+        assert survivor.headers[REPLICA] != victim
+    assert wait_for(lambda: len(cluster.replicas()) == 3, 180), cluster.output()  # Ray starts a new one
+    (new,) = set(cluster.replicas()) - {victim, survivor.headers[REPLICA]}
+    assert wait_for(lambda: cluster.get("/health", new).headers[REPLICA] == new, 60)
+    assert post(cluster, {"messages": [user("Hello again.")], "max_tokens": 4}, new).headers[REPLICA] == new
