@@ -10,14 +10,18 @@ import json
 import os
 import re
 import signal
+import subprocess
 
 import pytest
 
-from serve_helpers import KEY, Server, chat, long_stream, module_server, user, wait_for
+from runtime.serve.affinity import PREFIX_CHARS, routing_key
+from runtime.serve.scaling import Scaling
+from serve_helpers import KEY, QWEN3VL, Server, chat, free_port, long_stream, module_server, user, wait_for
 
 import httpx2 as httpx
 
 REPLICA = "x-qwen3vl-replica"
+CHAT = "/v1/chat/completions"
 READY = re.compile(r"Replica pid=(\d+)\)\S*\s+replica (\w+) ready")
 
 
@@ -132,3 +136,55 @@ def test_a_killed_replica_ends_its_requests_cleanly_and_is_replaced(cluster):
     (new,) = set(cluster.replicas()) - {victim, survivor.headers[REPLICA]}
     assert wait_for(lambda: cluster.get("/health", new).headers[REPLICA] == new, 60)
     assert post(cluster, {"messages": [user("Hello again.")], "max_tokens": 4}, new).headers[REPLICA] == new
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--replicas", "2"], "--replicas 2: replicas need --ray (local, or a cluster's HOST:PORT)"),
+    (["--max-replicas", "3"], "--max-replicas 3: replicas need --ray (local, or a cluster's HOST:PORT)"),
+    (["--ray", "local", "--replicas", "0"], "--replicas 0: expected 1 or more"),
+    (["--ray", "local", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 > --max-replicas 2"),
+])
+def test_bad_replica_options_are_one_line_before_anything_else(tmp_path, options, message):
+    run = subprocess.run([QWEN3VL, "serve", "--model", tmp_path / "absent", *options], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [f"error: {message}"], run.stderr
+
+
+def test_an_address_where_no_cluster_answers_is_one_line(tmp_path):
+    port = free_port()
+    run = subprocess.run([QWEN3VL, "serve", "--model", tmp_path / "absent", "--ray", f"127.0.0.1:{port}"],
+                         capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith(f"error: --ray 127.0.0.1:{port}: no Ray cluster answers there")
+
+
+def test_autoscaling_targets_the_decode_lanes():
+    assert Scaling(2).deployment_options(4) == {"num_replicas": 2}
+    assert Scaling(1, 1, 3).deployment_options(4) == {"num_replicas": "auto", "autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 3, "initial_replicas": 1, "target_ongoing_requests": 4}}
+    assert Scaling(2, None, 4).peak == 4 and Scaling(2).peak == 2
+
+
+def body(*messages, **fields) -> bytes:
+    return json.dumps({"messages": list(messages), **fields}).encode()
+
+
+def test_the_routing_key_follows_the_prompts_first_block_and_images(tmp_path):
+    image = tmp_path / "a.png"
+    image.write_bytes(b"\x89PNG one")
+    other = tmp_path / "b.png"
+    other.write_bytes(b"\x89PNG two")
+    first = user("Describe the picture, please, in a few words.", [image])
+    key = routing_key(CHAT, body(first))
+    turn_two = body(first, {"role": "assistant", "content": "A cat."}, user("And the other one?", [other]))
+    assert key is not None and routing_key(CHAT, turn_two) == key  # a later turn keeps its chat's key
+    assert routing_key(CHAT, body(user("Describe the picture, please, in a few words.", [other]))) != key
+    assert routing_key(CHAT, body(first, max_tokens=3)) == key  # sampling fields are not the prompt
+    long = "x" * PREFIX_CHARS
+    assert routing_key(CHAT, body(user(long + "one"))) == routing_key(CHAT, body(user(long + "two")))
+    assert routing_key(CHAT, body(user("one" + long))) != routing_key(CHAT, body(user("two" + long)))
+    assert routing_key("/v1/completions", b'{"prompt": "Once upon"}') != routing_key(
+        "/v1/completions", b'{"prompt": "Twice upon"}')
+    for path, data in ((CHAT, b"not json"), (CHAT, b"[1]"), (CHAT, b'{"messages": []}'), ("/tokenize", body(first))):
+        assert routing_key(path, data) is None

@@ -142,18 +142,18 @@ def check_replicas(ray, replicas: int, least, most):
         positive("--max-replicas", most)
     if least is not None and most is not None and least > most:
         raise ValueError(f"--min-replicas {least} > --max-replicas {most}")
+    from runtime.ray_cluster import check_ray_serve
     from runtime.serve.scaling import Scaling
 
+    check_ray_serve(ray)
     return Scaling(replicas, least, most)
 
 
 def serve_on_ray(options, scaling, address: str) -> None:
     """Build the artifacts into the cache once, then run the replicas on Ray Serve until
     SIGTERM or Ctrl-C (the application then deleted; a local cluster shut down)."""
-    from runtime.ray_cluster import check_ray_serve
     from runtime.serve.assemble import build_artifacts
 
-    check_ray_serve(address)
     build_artifacts(options, say)
     from runtime.serve import ray_app
 

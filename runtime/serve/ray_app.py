@@ -156,6 +156,7 @@ def application(options: ServeOptions, scaling: Scaling):
                                  request_routing_stats_period_s=2)
     replica = serve.deployment(Replica, name="Replica", max_ongoing_requests=options.max_batch + options.max_waiting,
                                ray_actor_options={"num_cpus": options.threads}, request_router_config=router,
+                               graceful_shutdown_timeout_s=options.grace,
                                logging_config=QUIET, **scaling.deployment_options(options.max_batch))
     return Front.bind(replica.bind(options))
 
