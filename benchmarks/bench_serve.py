@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
+RAY = False  # --ray-replicas given
 
 
 def machine() -> dict:
@@ -71,6 +72,8 @@ def start_server(args, model: Path, port: int, extra=()) -> subprocess.Popen:
                "--cache-dir", args.cache_dir, *extra]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if args.ray_replicas:
+        command += ["--ray", "local", "--replicas", str(args.ray_replicas)]
     server = subprocess.Popen(command)
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
@@ -173,7 +176,11 @@ def multi_turn(args, model: Path) -> list[dict]:
     return out
 
 
-def batch_sizes(port: int) -> dict:
+def batch_sizes(port: int) -> dict | None:
+    """The decode steps so far, from the server's /metrics (None on Ray, where /metrics is
+    one replica's)."""
+    if RAY:
+        return None
     text = get(port, "/metrics")[1]
     value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
     return {"steps": value("qwen3vl_decode_batch_size_count"), "sequences": value("qwen3vl_decode_batch_size_sum"),
@@ -197,7 +204,7 @@ def round_of(port: int, bodies, clients: int, requests: int) -> dict:
             with lock:
                 results.append(r)
 
-    before = batch_sizes(port)
+    before = batch_sizes(port) or {"steps": 0, "sequences": 0, "step_seconds": 0}
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
@@ -205,7 +212,7 @@ def round_of(port: int, bodies, clients: int, requests: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    after = batch_sizes(port)
+    after = batch_sizes(port) or before
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["times"][0] - r["start"] for r in results]
     per_token = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
@@ -236,6 +243,9 @@ def main(argv=None) -> None:
                    help="Number each request's text (default), or send one prompt throughout.")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--threads", type=int)
+    p.add_argument("--ray-replicas", type=int, metavar="N",
+                   help="Serve as N replicas on a local Ray cluster (`qwen3vl serve --ray local`); the decode rate "
+                        "and batch are then not reported (0), each replica has its own /metrics.")
     p.add_argument("--startup-timeout", type=float, default=3600)
     p.add_argument("--multi-turn", type=int, metavar="LINES",
                    help="Instead: a chat of LINES lines and an image, then its second turn, with and without the "
@@ -243,6 +253,8 @@ def main(argv=None) -> None:
                         "(the server's peak RSS).")
     p.add_argument("--json", help="Write the report here.")
     args = p.parse_args(argv)
+    global RAY
+    RAY = bool(args.ray_replicas)
     model = checkpoint(args)
     if args.multi_turn:
         rows = multi_turn(args, model)
@@ -262,6 +274,7 @@ def main(argv=None) -> None:
         server.terminate()
         server.wait(60)
     report = {"machine": machine(), "model": str(model), "precision": args.precision, "new_tokens": args.new,
+              "threads": args.threads, "ray_replicas": args.ray_replicas,
               "context": args.context, "prompts": args.prompts, "rounds": rounds}
     print(f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {model.name}, {args.precision}, "
           f"{args.new} new tokens, one image, {args.prompts} prompts")
