@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -112,6 +113,27 @@ def test_each_replica_reports_its_load_under_the_metric_names(cluster):
             assert re.search(rf"^{name} \S+$", text, re.M), name
 
 
+def running(cluster, replica: str) -> float:
+    return cluster.replica_metric(replica, "qwen3vl_requests_running")
+
+
+def test_a_client_that_leaves_cancels_its_request_on_the_replica(cluster):
+    response, client = long_stream(cluster)
+    replica = response.headers[REPLICA]
+    assert next(response.iter_lines()).startswith("data: ")
+    response.close()
+    client.close()
+    assert wait_for(lambda: running(cluster, replica) == 0, 60)
+    data = json.dumps({"messages": [user("Go on.")], "max_tokens": 100000, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", cluster.port))
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{cluster.port}\r\nAuthorization: Bearer "
+                 f"{KEY}\r\n{REPLICA}: {replica}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+                 "\r\n\r\n".encode() + data)
+    assert wait_for(lambda: running(cluster, replica) == 1, 60)
+    sock.close()  # a plain request's client gone before its answer
+    assert wait_for(lambda: running(cluster, replica) == 0, 60)
+
+
 def test_a_killed_replica_ends_its_requests_cleanly_and_is_replaced(cluster):
     response, client = long_stream(cluster)
     victim = response.headers[REPLICA]
@@ -120,7 +142,7 @@ def test_a_killed_replica_ends_its_requests_cleanly_and_is_replaced(cluster):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         plain = pool.submit(post, cluster, {"messages": [user("Go on.")], "max_tokens": 100000, "ignore_eos": True},
                             victim)
-        assert wait_for(lambda: cluster.replica_metric(victim, "qwen3vl_requests_running") == 2, 60)
+        assert wait_for(lambda: running(cluster, victim) == 2, 60)
         os.kill(cluster.replicas()[victim], signal.SIGKILL)
         events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
         answer = plain.result()

@@ -78,6 +78,9 @@ class Front:
             answer.cancel()
             error = lost(e)
             return Response(error.json(), status_code=error.status, media_type="application/json")
+        except BaseException:  # the client gone before the head: the replica's request cancelled
+            answer.cancel()
+            raise
         status, headers = head
         response_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers
                             if k.lower() not in (b"content-length", b"transfer-encoding")}
