@@ -70,6 +70,12 @@ def post(server, body: dict, replica: str | None = None):
     return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
+def test_the_replicas_open_what_was_built(cluster, single):
+    """The single server built the artifacts into the shared cache: the driver found them
+    (as a restarted driver does) and the replicas compiled nothing."""
+    assert "compiling" not in cluster.output() and len(cluster.replicas()) == 2
+
+
 def test_answers_equal_the_single_server(cluster, single):
     for messages in ([user("Tell me a story.")], [user("What is here?", [single.images[0]])]):
         for stream in (False, True):
