@@ -64,7 +64,8 @@ def positive(name: str, value: int) -> int:
 @click.option("--allowed-local-media-path", metavar="DIR",
               help="Accept file:// image and video URLs, only for files under DIR (symlinks resolved).")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
-@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
+@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core; with --ray: 1 per replica, the CPUs "
+                   "Ray reserves for it).")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--max-waiting", type=int, default=16, show_default=True, metavar="N",
               help="Requests that may wait for the engine; more get 429 with Retry-After.")
@@ -96,8 +97,9 @@ def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cach
                   allowed_hosts, allowed_local_media_path,
                   cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
                   grace, image_min_tokens, image_max_tokens, ray, replicas, min_replicas, max_replicas):
-    """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn). Everything
-    is compiled and loaded before the first request is accepted."""
+    """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn), or as
+    replicas on Ray Serve (--ray). Everything is compiled and loaded before the first
+    request is accepted."""
     for name, value in (("--max-batch", max_batch), ("--max-waiting", max_waiting), ("--max-media", max_media),
                         ("--max-body-mb", max_body_mb), ("--encoder-cache-mb", encoder_cache_mb)):
         positive(name, value)
