@@ -64,7 +64,8 @@ def positive(name: str, value: int) -> int:
 @click.option("--allowed-local-media-path", metavar="DIR",
               help="Accept file:// image and video URLs, only for files under DIR (symlinks resolved).")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
-@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core; with --ray: 1 per replica, the CPUs "
+@click.option("--threads", type=int, metavar="N",
+              help="IREE worker threads, 1 or more (default: one per core; with --ray: 1 per replica, the CPUs "
                    "Ray reserves for it).")
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--max-waiting", type=int, default=16, show_default=True, metavar="N",
