@@ -4,8 +4,9 @@ KV-cache block of it, in which each image or video stands as the hash of its URL
 
 Two requests with the same key share their first block (the same system prompt or the
 same first user text, the same first image), so the replica that ran one holds the other's
-leading prefix-cache blocks and, for an image there, its encoder-cache rows; a chat's later
-turns repeat its first turn's start, so they keep its key. No tokenizer is needed: the key
+leading prefix-cache blocks and, for an image there, its encoder-cache rows. The key reads
+no further than the first turn (the system messages and the first other message), which a
+chat's later turns repeat, so they keep its key. No tokenizer is needed: the key
 is taken from the request's JSON, before any replica sees it.
 """
 
@@ -19,6 +20,7 @@ from emitter.kv_pages import BLOCK
 
 PREFIX_CHARS = 4 * BLOCK  # about one block of tokens, at about 4 characters a token
 MEDIA_PARTS = ("image_url", "video_url")
+SYSTEM_ROLES = ("system", "developer")
 
 
 @dataclass(frozen=True)
@@ -45,18 +47,21 @@ def routing_key(path: str, body: bytes) -> str | None:
 
 
 def prompt_start(request: dict) -> str:
-    """The prompt as the template lays it out, roughly: the tools, then each message's role
-    and content in order, media as `<image_url:HASH>`; a legacy completion's prompt as is."""
+    """The prompt as the template lays it out, roughly, up to the end of its first turn: the
+    tools, the system messages, the first other message (roles and contents in order, media
+    as `<image_url:HASH>`); a legacy completion's prompt as is. (The first turn only, so
+    that a chat's later turns keep its key however short its first message.)"""
     prompt = request.get("prompt")
     if prompt is not None:
         return prompt if isinstance(prompt, str) else json.dumps(prompt)
     pieces = [f"<tools:{digest(json.dumps(request['tools'], sort_keys=True))}>"] if request.get("tools") else []
     messages = request.get("messages")
     for message in messages if isinstance(messages, list) else ():
-        if isinstance(message, dict):
-            pieces.append(f"<{message.get('role')}>")
-            pieces.extend(content_pieces(message.get("content")))
-        if sum(map(len, pieces)) >= PREFIX_CHARS:
+        if not isinstance(message, dict):
+            continue
+        pieces.append(f"<{message.get('role')}>")
+        pieces.extend(content_pieces(message.get("content")))
+        if message.get("role") not in SYSTEM_ROLES or sum(map(len, pieces)) >= PREFIX_CHARS:
             break
     return "".join(pieces)
 
