@@ -113,6 +113,8 @@ class Replica:
         say(f"replica {self.name} ready")
 
     async def __call__(self, route: Route, scope: dict, body: bytes):
+        """`route` is for the router (it chose this replica by it); the request is `scope`
+        and `body`."""
         sent, messages = asyncio.Event(), asyncio.Queue()
 
         async def receive():
