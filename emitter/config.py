@@ -225,7 +225,11 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32"), "int8": ("i8", "f32"),
               "int4": ("i4", "f32")}
 USER_PRECISIONS = ("f32", "bf16")
-TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4")  # what generate and serve offer
+# "mlx" (the language model of an MLX-quantized checkpoint): each weight it stores affine-quantized
+# in 8 or 4 bits kept in those bits with its group's scale and bias (emitter/quant.py), the rest
+# f32; not a graph precision of its own (TextConfig.affine_weights says which weights).
+MLX_PRECISION = "mlx"
+TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", MLX_PRECISION)  # what generate and serve offer
 VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
 PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
                    "int8": ", int8 weights with f32 scales per 64, f32 matmuls",
@@ -237,7 +241,10 @@ PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulat
                   "(bf16-f32, said in one line). f32 is exact.")
 QUANT_HELP = ("int8 (the language model): its projections, embedding table and lm_head stored in int8 with one "
               "f32 scale per 64 weights (8.5 bits a weight, 27% of f32's bytes), f32 activations; the vision tower "
-              "runs in f32. int4: the same in 4 bits (4.5 bits a weight). docs/text.md gives their distance from f32.")
+              "runs in f32. int4: the same in 4 bits (4.5 bits a weight). docs/text.md gives their distance from f32. "
+              "mlx (an MLX-quantized checkpoint, as mlx-vlm writes it): its 8- and 4-bit weights run in their own "
+              "bits, group size and per-module settings, exact against mx.dequantize; under f32 they are "
+              "expanded to f32 at load.")
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
 from emitter import quant
+from emitter.config import MLX_PRECISION
 from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_name, emit_text_module,
                           lane_counts, prefill_chunks, prefill_inputs, text_weights)
 from emitter.text_config import load_text_config
@@ -44,7 +45,7 @@ from runtime.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
-from runtime.checkpoints.text import text_entries
+from runtime.checkpoints.text import affine_weights, text_entries
 from runtime.kv_cache import BlockPool, Blocks, block_keys
 
 DEFAULT_PROMPT_BUCKETS = (128, 512)  # a longer prompt runs in chunks of the largest
@@ -136,6 +137,8 @@ class TextSession:
         self.target = target or DEFAULT_TARGET
         self.progress = progress or (lambda message: None)
         self.deepstack_layers = deepstack_layers
+        if precision == MLX_PRECISION:  # the checkpoint's quantized weights in their bits, the rest f32
+            self.cfg, precision = replace(self.cfg, affine_weights=affine_weights(model_dir, self.cfg)), "f32"
         self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 unless bf16 dots pay
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         text_weights(self.cfg, self.precision)  # a width the quantization group does not divide: one line, now
@@ -406,9 +409,9 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
 
 
 def vision_precision(precision: str) -> str:
-    """The vision tower's precision beside the language model's: f32 under int8 and int4
-    (its linears are not quantized), else the same."""
-    return "f32" if quant.bits_of(precision) else precision
+    """The vision tower's precision beside the language model's: f32 under int8, int4 and
+    mlx (its linears are not quantized; an MLX tower's are expanded to f32), else the same."""
+    return "f32" if quant.bits_of(precision) or precision == MLX_PRECISION else precision
 
 
 class Generator:

@@ -1,0 +1,165 @@
+"""`--precision mlx`: an MLX-quantized checkpoint's language model run in its bits
+(emitter/quant.py's affine layout). Checkpoints quantized by the real `mx.quantize` in
+mlx-vlm's layout, 4 and 8 bits, groups of 32, 64 and 128, per-module settings and a module
+left unquantized. The session in its bits against the f32 session over the same folder
+(its weights dequantized at load, bit for bit `mx.dequantize`'s): relL2 <= 1e-5; the
+archive holds the quantized weights in i8 / i4; bad settings are one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pytest
+
+from conftest import rel_l2
+from emitter import quant
+from emitter.config import ConfigError
+from emitter.text import text_weights
+from emitter.text_config import LM_HEAD, TEXT_PREFIX, TEXT_PRESETS
+from runtime.checkpoints.synthetic_text import random_text_tensors
+from runtime.checkpoints.text import affine_weights, load_text_weights
+from runtime.checkpoints.vision import CheckpointError
+from runtime.text import TextSession
+
+mx = pytest.importorskip("mlx.core")
+
+# Widths that groups of 32, 64 and 128 all divide.
+CFG = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, mrope_section=(6, 5, 5))
+TOL = 1e-5
+STORED_PREFIX = "language_model.model."
+STORED_HEAD = "language_model.lm_head"
+# (bits, group, per-module settings keyed by module path as mlx-vlm writes them, tied embeddings)
+CASES = {
+    "4bit-g32": (4, 32, {STORED_PREFIX + "layers.0.mlp.down_proj": {"bits": 8, "group_size": 64},
+                         STORED_PREFIX + "layers.1.self_attn.o_proj": False,
+                         STORED_HEAD: {"bits": 8, "group_size": 128}}, False),
+    "8bit-g128": (8, 128, {STORED_PREFIX + "layers.1.mlp.gate_proj": {"bits": 4, "group_size": 64}}, True),
+}
+
+
+def stored_name(name: str) -> str:
+    return STORED_HEAD + ".weight" if name == LM_HEAD else STORED_PREFIX + name[len(TEXT_PREFIX):]
+
+
+def write_mlx_text(folder, cfg, bits: int, group: int, modules: dict, seed: int = 3) -> dict:
+    """A language model quantized by mx.quantize in mlx-vlm's layout: every 2-D weight at
+    `bits` / `group` unless `modules` gives its module other settings (or False: kept float).
+    Returns {HF name: mx.dequantize of each quantized weight, f32}."""
+    folder.mkdir(parents=True)
+    arrays, expected = {}, {}
+    for name, w in random_text_tensors(cfg, seed=seed):
+        key = stored_name(name)
+        module = key[: -len(".weight")]
+        settings = modules.get(module, {"bits": bits, "group_size": group})
+        if w.ndim != 2 or settings is False:
+            arrays[key] = mx.array(w)
+            continue
+        packed, scales, biases = mx.quantize(mx.array(w), group_size=settings["group_size"], bits=settings["bits"])
+        arrays.update({key: packed, module + ".scales": scales, module + ".biases": biases})
+        expected[name] = np.array(mx.dequantize(packed, scales, biases, group_size=settings["group_size"],
+                                                bits=settings["bits"]), np.float32)
+    mx.save_safetensors(str(folder / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_vl", "tie_word_embeddings": cfg.tie_word_embeddings,
+        "text_config": cfg.to_hf_text_config(),
+        "quantization": {"group_size": group, "bits": bits, "mode": "affine", **modules}}))
+    return expected
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    bits, group, modules, tied = CASES[request.param]
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    folder = tmp_path_factory.mktemp(request.param) / "m"
+    expected = write_mlx_text(folder, cfg, bits, group, modules)
+    return folder, cfg, expected
+
+
+def answer(model_dir, cache, precision: str, steps: int = 3) -> np.ndarray:
+    """Logits of a 37-token prompt (a 32-row chunk dequantizes, the last row and the decode
+    steps run split-K) and of `steps` greedy decode steps, [1 + steps, vocab]."""
+    session = TextSession(model_dir, buckets=(32,), context=64, cache_dir=cache, precision=precision)
+    n = 37
+    rows = [session.prefill(np.arange(n) * 7 % CFG.vocab_size, np.broadcast_to(np.arange(n), (3, n)))]
+    for step in range(steps):
+        rows.append(session.decode(int(np.argmax(rows[-1])), n + step))
+    return np.stack(rows), session
+
+
+def test_layouts_follow_the_checkpoint(checkpoint):
+    """Each quantized weight's bits and group as stored (per-module settings first); a
+    module kept float is not among them; the f32 reader is mx.dequantize bit for bit."""
+    folder, cfg, expected = checkpoint
+    layouts = {name: (bits, group) for name, bits, group in affine_weights(folder, cfg)}
+    assert set(layouts) == set(expected)
+    weights = load_text_weights(folder, cfg)
+    for name, theirs in expected.items():
+        np.testing.assert_array_equal(weights[name].view(np.uint32), theirs.view(np.uint32), err_msg=name)
+    if not cfg.tie_word_embeddings:
+        assert layouts[TEXT_PREFIX + "layers.0.mlp.down_proj.weight"] == (8, 64)
+        assert layouts[LM_HEAD] == (8, 128)
+        assert TEXT_PREFIX + "layers.1.self_attn.o_proj.weight" not in layouts
+
+
+def test_in_its_bits_equals_f32_over_mx_dequantize(checkpoint):
+    """The session in its bits against the f32 session over the same checkpoint, whose
+    weights are mx.dequantize's: the same numbers, so relL2 <= 1e-5 (prefill and decode)."""
+    folder, cfg, _ = checkpoint
+    ours, session = answer(folder, folder.parent / "cache", "mlx")
+    reference, _ = answer(folder, folder.parent / "cache", "f32")
+    errors = [rel_l2(a, b) for a, b in zip(ours, reference)]
+    print(f"{folder.parent.name}: relL2 against f32 over mx.dequantize {max(errors):.1e}")
+    assert max(errors) <= TOL, errors
+    dtypes = {s.name: s.dtype for s in text_weights(session.cfg, session.precision)}
+    for name, bits, _ in session.cfg.affine_weights:  # the archive's entries in their bits
+        assert dtypes[name] == quant.STORAGE_DTYPE[bits] and dtypes[quant.biases_name(name)] == "f32"
+
+
+def test_the_archive_is_in_its_bits(checkpoint):
+    """The mlx archive beside the f32 one: each quantized weight q plus scales and biases
+    (about 1/8 or 1/4 of its f32 bytes, plus 2 x 4 bytes per group); no f32 copy of one."""
+    folder, cfg, expected = checkpoint
+    cache = folder.parent / "cache"
+    sizes = {}
+    for precision in ("mlx", "f32"):
+        session = TextSession(folder, buckets=(32,), context=64, cache_dir=cache, precision=precision)
+        session._open_weights()
+        sizes[precision] = session.archive_path.stat().st_size
+    specs = text_weights(dataclasses.replace(cfg, affine_weights=affine_weights(folder, cfg)))
+    stored = sum(int(np.prod(s.shape)) * {"i8": 1, "i4": 0.5, "f32": 4}[s.dtype] for s in specs)
+    print(f"archive: {sizes['mlx'] / 1e6:.2f} MB in its bits, {sizes['f32'] / 1e6:.2f} MB in f32")
+    assert sizes["mlx"] < 1.05 * stored + 65536 and sizes["mlx"] < 0.45 * sizes["f32"]
+
+
+def test_mlx_precision_is_part_of_the_identity(checkpoint):
+    from emitter.identity import text_artifact_fields
+    from emitter.text import TextShape
+    folder, cfg, _ = checkpoint
+    shape = TextShape((32,), 64)
+    stored = dataclasses.replace(cfg, affine_weights=affine_weights(folder, cfg))
+    other = dataclasses.replace(cfg, affine_weights=tuple((n, b, 32 if g != 32 else 64) for n, b, g in
+                                                          stored.affine_weights))
+    fields = [text_artifact_fields(c, shape, 0, "f32") for c in (cfg, stored, other)]
+    assert len({f["graph_sha256"] for f in fields}) == 3
+    assert len({json.dumps(f["weight_schema"]) for f in fields}) == 3
+
+
+def test_mlx_precision_needs_a_quantized_checkpoint(tmp_path):
+    folder = tmp_path / "m"
+    write_mlx_text(folder, CFG, 4, 32, {f"{STORED_PREFIX}layers.{n}.{m}": False for n in range(2) for m in
+                                       ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+                   | {STORED_PREFIX + "embed_tokens": False, STORED_HEAD: False})
+    with pytest.raises(CheckpointError, match=r"--precision mlx: no language-model weight is MLX-quantized in 8 or 4"):
+        TextSession(folder, buckets=(32,), context=64, cache_dir=tmp_path / "cache", precision="mlx")
+
+
+def test_int8_over_an_affine_checkpoint_is_one_line(checkpoint):
+    folder, cfg, _ = checkpoint
+    stored = dataclasses.replace(cfg, affine_weights=affine_weights(folder, cfg))
+    with pytest.raises(ConfigError, match=re.escape("--precision int8: the checkpoint's weights are MLX-quantized")):
+        text_weights(stored, "int8")
