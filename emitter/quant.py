@@ -32,6 +32,7 @@ from .config import ConfigError, WeightSpec
 GROUP = 64  # inputs per scale of `--precision int8|int4`
 QUANTIZED_BITS = {"int8": 8, "int4": 4}  # precision -> bits of a stored weight
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
+BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
 
 
 def bits_of(precision: str) -> int | None:
@@ -110,26 +111,45 @@ def stored(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, np
     """(q transposed [K, N], scales [N, K / group] f32): an f32 weight [N, K] as the
     archive holds it (`quantize`, `arranged`)."""
     q, scales = quantize(w, bits, group)
-    return arranged(q, bits), scales
+    return arranged(row_blocks(q), q.shape, bits), scales
 
 
-def from_affine(codes: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+def from_affine(code_blocks, shape: tuple[int, int], scales: np.ndarray, biases: np.ndarray,
                 bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q transposed [K, N], scales, biases [N, K / group] f32): an affine-quantized weight,
-    w = scales*codes + biases with unsigned codes [N, K] (uint8, 0..2^bits-1; MLX's), as the
+    """(q transposed [K, N], scales, biases [N, K / group] f32): an affine-quantized [N, K]
+    weight, w = scales*codes + biases with unsigned codes (0..2^bits-1; MLX's), as the
     archive holds it: q = codes - 2^(bits-1) (`arranged`), biases + 2^(bits-1)*scales, in f32.
-    Nothing of weight size is made in f32."""
+    `code_blocks`: the codes as consecutive blocks of rows (uint8 [rows, K] each), so that
+    no more than a block is ever held beside q unpacked; nothing of weight size in f32."""
     half = 1 << (bits - 1)
-    q = (np.asarray(codes, np.uint8) - np.uint8(half)).view(np.int8)  # modulo 256, read signed
+    recentred = ((np.asarray(c, np.uint8) - np.uint8(half)).view(np.int8) for c in code_blocks)  # modulo 256
     scales = np.asarray(scales, np.float32)
-    return arranged(q, bits), scales, (np.asarray(biases, np.float32) + np.float32(half) * scales).astype(np.float32)
+    return (arranged(recentred, shape, bits), scales,
+            (np.asarray(biases, np.float32) + np.float32(half) * scales).astype(np.float32))
 
 
-def arranged(q: np.ndarray, bits: int) -> np.ndarray:
-    """Signed values q [N, K] (int8) as the archive holds them: transposed [K, N], int8, or
-    at 4 bits its K*N/2 bytes of nibbles (`nibbles`)."""
-    q = np.ascontiguousarray(q.T)
-    return nibbles(q) if bits == 4 else q
+def row_blocks(q: np.ndarray, rows: int = BLOCK_ROWS):
+    """q's consecutive blocks of `rows` rows (views)."""
+    return (q[r:r + rows] for r in range(0, q.shape[0], rows))
+
+
+def arranged(blocks, shape: tuple[int, int], bits: int) -> np.ndarray:
+    """Signed values q [N, K] (int8, given as consecutive blocks of an even number of rows:
+    `row_blocks`) as the archive holds them: transposed [K, N], int8, or at 4 bits its K*N/2
+    bytes of nibbles (`nibbles`: pairs along N). Written block by block into the result."""
+    n, k = shape
+    out = np.empty((k, n // 2), np.uint8) if bits == 4 else np.empty((k, n), np.int8)
+    start = 0
+    for block in blocks:
+        t = np.ascontiguousarray(np.asarray(block, np.int8).T)
+        rows = t.shape[1]
+        if bits == 4:
+            out[:, start // 2:(start + rows) // 2] = nibbles(t).reshape(k, rows // 2)
+        else:
+            out[:, start:start + rows] = t
+        start += rows
+    assert start == n, (start, shape)
+    return out.reshape(-1) if bits == 4 else out
 
 
 def nibbles(q: np.ndarray) -> np.ndarray:

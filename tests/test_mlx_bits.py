@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from emitter import quant
 from emitter.config import ConfigError
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TEXT_PRESETS
-from runtime.checkpoints.synthetic_text import random_text_tensors
+from runtime.bench.mlx_memory import STORED_HEAD, STORED_PREFIX, measure, write_mlx_text
 from runtime.checkpoints.text import affine_weights, load_text_weights
 from runtime.checkpoints.vision import CheckpointError
 from runtime.text import TextSession
@@ -30,8 +31,6 @@ mx = pytest.importorskip("mlx.core")
 CFG = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, mrope_section=(6, 5, 5))
 TOL = 1e-5
-STORED_PREFIX = "language_model.model."
-STORED_HEAD = "language_model.lm_head"
 # (bits, group, per-module settings keyed by module path as mlx-vlm writes them, tied embeddings)
 CASES = {
     "4bit-g32": (4, 32, {STORED_PREFIX + "layers.0.mlp.down_proj": {"bits": 8, "group_size": 64},
@@ -39,35 +38,6 @@ CASES = {
                          STORED_HEAD: {"bits": 8, "group_size": 128}}, False),
     "8bit-g128": (8, 128, {STORED_PREFIX + "layers.1.mlp.gate_proj": {"bits": 4, "group_size": 64}}, True),
 }
-
-
-def stored_name(name: str) -> str:
-    return STORED_HEAD + ".weight" if name == LM_HEAD else STORED_PREFIX + name[len(TEXT_PREFIX):]
-
-
-def write_mlx_text(folder, cfg, bits: int, group: int, modules: dict, seed: int = 3) -> dict:
-    """A language model quantized by mx.quantize in mlx-vlm's layout: every 2-D weight at
-    `bits` / `group` unless `modules` gives its module other settings (or False: kept float).
-    Returns {HF name: mx.dequantize of each quantized weight, f32}."""
-    folder.mkdir(parents=True)
-    arrays, expected = {}, {}
-    for name, w in random_text_tensors(cfg, seed=seed):
-        key = stored_name(name)
-        module = key[: -len(".weight")]
-        settings = modules.get(module, {"bits": bits, "group_size": group})
-        if w.ndim != 2 or settings is False:
-            arrays[key] = mx.array(w)
-            continue
-        packed, scales, biases = mx.quantize(mx.array(w), group_size=settings["group_size"], bits=settings["bits"])
-        arrays.update({key: packed, module + ".scales": scales, module + ".biases": biases})
-        expected[name] = np.array(mx.dequantize(packed, scales, biases, group_size=settings["group_size"],
-                                                bits=settings["bits"]), np.float32)
-    mx.save_safetensors(str(folder / "model.safetensors"), arrays, metadata={"format": "mlx"})
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_vl", "tie_word_embeddings": cfg.tie_word_embeddings,
-        "text_config": cfg.to_hf_text_config(),
-        "quantization": {"group_size": group, "bits": bits, "mode": "affine", **modules}}))
-    return expected
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -163,3 +133,60 @@ def test_int8_over_an_affine_checkpoint_is_one_line(checkpoint):
     stored = dataclasses.replace(cfg, affine_weights=affine_weights(folder, cfg))
     with pytest.raises(ConfigError, match=re.escape("--precision int8: the checkpoint's weights are MLX-quantized")):
         text_weights(stored, "int8")
+
+
+@pytest.mark.parametrize("form", ["mlx4", "mlx8"])
+def test_decode_dispatches_read_the_bits(tmp_path, form):
+    """With biases too, the decode dispatches contract the weights in their bits (f32 x i4
+    or i8 -> f32), and none widens one to an f32 copy (as tests/test_quant.py checks int8/int4)."""
+    from runtime.artifact.compiler import compile_mlir
+    from runtime.bench.decode_profile import MLX_FORMS, decode_module
+
+    bits = quant.STORAGE_DTYPE[MLX_FORMS[form]]
+    compile_mlir(decode_module(dataclasses.replace(CFG, tie_word_embeddings=False), 64, form),
+                 extra_flags=[f"--iree-hal-dump-executable-sources-to={tmp_path}"])
+    names = [m for f in tmp_path.glob("*decode*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]
+    contractions = [n for n in names if re.search(rf"_(matmul|vecmat|matvec)\w*_f32x{bits}xf32$", n)]
+    widening = [n for n in names if n.endswith(f"{bits}xf32") and n not in contractions]
+    assert contractions and not widening, names
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_nothing_is_expanded_to_f32(tmp_path):
+    """A 4-bit checkpoint at wider shapes, in fresh processes: writing its archive and
+    answering peaks below the f32 bytes of its weights (an f32 expansion alone would be
+    1x; the f32 run, printed, is over 2x), and once loaded its anonymous memory is under
+    2.5x the bytes of q, scales and biases (as for int8: tests/test_quant.py)."""
+    cfg = dataclasses.replace(CFG, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
+                              num_attention_heads=8, num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20))
+    write_mlx_text(tmp_path / "m", cfg, 4, 64)
+    f32_bytes = sum(int(np.prod(s.shape)) * 4 for s in text_weights(cfg))
+    stored = dataclasses.replace(cfg, affine_weights=affine_weights(tmp_path / "m", cfg))
+    in_bits = sum(int(np.prod(s.shape)) * {"i4": 0.5, "f32": 4}[s.dtype] for s in text_weights(stored))
+    runs = {p: [measure(tmp_path / "m", tmp_path / "cache", p) for _ in range(2)] for p in ("mlx", "f32")}
+    for p, (first, second) in runs.items():
+        print(f"{p}: peak RSS {first['peak'] / f32_bytes:.2f}x the f32 weights writing the archive, "
+              f"{second['peak'] / f32_bytes:.2f}x from the cache; resident once loaded "
+              f"{second['loaded'] / in_bits:.2f}x the weights in their bits; archive {first['archive'] / 1e6:.0f} MB")
+    mlx = runs["mlx"]
+    assert max(r["peak"] for r in mlx) < f32_bytes, mlx
+    assert mlx[1]["loaded"] < 2.5 * in_bits, (mlx, in_bits)
+    assert mlx[0]["archive"] < 1.05 * in_bits + 65536
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_recentred_weights_are_mx_dequantize(bits):
+    """q = u - 2^(bits-1) and bias + 2^(bits-1)*scale (quant.from_affine, in row blocks of
+    3 here) give mx.dequantize's weight to f32 rounding; the stored q is q transposed."""
+    from runtime.checkpoints.mlx_quant import unpack_bytes
+
+    w = np.random.default_rng(bits).standard_normal((10, 128)).astype(np.float32)
+    packed, scales, biases = mx.quantize(mx.array(w), group_size=64, bits=bits)
+    theirs = np.array(mx.dequantize(packed, scales, biases, group_size=64, bits=bits), np.float32)
+    codes = unpack_bytes(np.array(packed), bits)
+    stored, s, b = quant.from_affine(quant.row_blocks(codes, 4), (10, 128), np.array(scales), np.array(biases), bits)
+    q = (codes.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+    expected = quant.nibbles(np.ascontiguousarray(q.T)) if bits == 4 else q.T
+    np.testing.assert_array_equal(stored, expected)
+    ours = quant.dequantize(q, s, 64, b)
+    assert rel_l2(ours, theirs) < 1e-6 and np.abs(ours - theirs).max() <= 1e-6 * np.abs(theirs).max()

@@ -84,7 +84,9 @@ def read_affine(key: str, entry: TensorEntry, found: dict[str, TensorEntry], sha
     scales, biases = read_float_tensor(scales_e), read_float_tensor(biases_e)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         raise CheckpointError(f"{key}: non-finite scales or biases (in {scales_e.file})")
-    return quant.from_affine(unpack_bytes(read_uint32_tensor(entry), bits), scales, biases, bits)
+    packed = read_uint32_tensor(entry)
+    return quant.from_affine((unpack_bytes(rows, bits) for rows in quant.row_blocks(packed)), shape, scales, biases,
+                             bits)
 
 
 def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, TensorEntry]], dict[str, TensorEntry]]:
