@@ -190,3 +190,56 @@ def test_recentred_weights_are_mx_dequantize(bits):
     np.testing.assert_array_equal(stored, expected)
     ours = quant.dequantize(q, s, 64, b)
     assert rel_l2(ours, theirs) < 1e-6 and np.abs(ours - theirs).max() <= 1e-6 * np.abs(theirs).max()
+
+
+def quantize_text_in_place(folder, bits: int, group: int) -> None:
+    """A generation checkpoint's language model re-stored by mx.quantize in mlx-vlm's names
+    (the vision tower left as it is), config.json given mlx-vlm's `quantization` block."""
+    from safetensors.numpy import load_file
+
+    arrays = {}
+    for name, w in load_file(str(folder / "model.safetensors")).items():
+        if not (name.startswith(TEXT_PREFIX) or name == LM_HEAD):
+            arrays[name] = mx.array(w)
+            continue
+        key = STORED_HEAD + ".weight" if name == LM_HEAD else STORED_PREFIX + name[len(TEXT_PREFIX):]
+        if w.ndim != 2:
+            arrays[key] = mx.array(w)
+            continue
+        packed, scales, biases = mx.quantize(mx.array(w), group_size=group, bits=bits)
+        module = key[: -len(".weight")]
+        arrays.update({key: packed, module + ".scales": scales, module + ".biases": biases})
+    mx.save_safetensors(str(folder / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"] = {"group_size": group, "bits": bits, "mode": "affine"}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_generate_mlx_from_the_command_line(tmp_path):
+    """`qwen3vl generate --precision mlx` with an image on a 4-bit MLX checkpoint (the vision
+    tower in f32 beside it): the same tokens as `--precision f32`, every step's logits within
+    relL2 1e-5 of them (the f32 run expands the same weights at load)."""
+    import subprocess
+
+    from helpers import write_images
+    from emitter.config import PRESETS
+    from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
+    from runtime.checkpoints.synthetic_text import write_generation_checkpoint
+
+    policy = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
+    write_generation_checkpoint(tmp_path / "m", dataclasses.replace(PRESETS["tiny"], out_hidden_size=128),
+                                dataclasses.replace(CFG, vocab_size=512), seed=3, processor_policy_dict=policy)
+    quantize_text_in_place(tmp_path / "m", 4, 64)
+    (image,) = write_images(tmp_path, ((64, 64),))
+    logits = {}
+    for precision in ("mlx", "f32"):
+        out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
+                              "--model", tmp_path / "m", "--image", image, "--prompt", "What is it?",
+                              "--max-new-tokens", "3", "--precision", precision, "--prompt-bucket", "64",
+                              "--context", "96", "--cache-dir", tmp_path / "cache", "--save-logits",
+                              tmp_path / f"{precision}.npy"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        logits[precision] = np.load(tmp_path / f"{precision}.npy")
+    assert logits["mlx"].shape == logits["f32"].shape
+    errors = [rel_l2(a, b) for a, b in zip(logits["mlx"], logits["f32"])]
+    assert max(errors) <= TOL, errors
