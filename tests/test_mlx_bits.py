@@ -219,9 +219,7 @@ def test_generate_mlx_from_the_command_line(tmp_path):
     """`qwen3vl generate --precision mlx` with an image on a 4-bit MLX checkpoint (the vision
     tower in f32 beside it): the same tokens as `--precision f32`, every step's logits within
     relL2 1e-5 of them (the f32 run expands the same weights at load)."""
-    import subprocess
-
-    from helpers import write_images
+    from helpers import generate_logits, write_images
     from emitter.config import PRESETS
     from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
     from runtime.checkpoints.synthetic_text import write_generation_checkpoint
@@ -231,15 +229,7 @@ def test_generate_mlx_from_the_command_line(tmp_path):
                                 dataclasses.replace(CFG, vocab_size=512), seed=3, processor_policy_dict=policy)
     quantize_text_in_place(tmp_path / "m", 4, 64)
     (image,) = write_images(tmp_path, ((64, 64),))
-    logits = {}
-    for precision in ("mlx", "f32"):
-        out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
-                              "--model", tmp_path / "m", "--image", image, "--prompt", "What is it?",
-                              "--max-new-tokens", "3", "--precision", precision, "--prompt-bucket", "64",
-                              "--context", "96", "--cache-dir", tmp_path / "cache", "--save-logits",
-                              tmp_path / f"{precision}.npy"], capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        logits[precision] = np.load(tmp_path / f"{precision}.npy")
+    logits = {p: generate_logits(tmp_path / "m", image, p, tmp_path / "cache", tmp_path, 3) for p in ("mlx", "f32")}
     assert logits["mlx"].shape == logits["f32"].shape
     errors = [rel_l2(a, b) for a, b in zip(logits["mlx"], logits["f32"])]
     assert max(errors) <= TOL, errors
