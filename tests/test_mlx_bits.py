@@ -233,3 +233,18 @@ def test_generate_mlx_from_the_command_line(tmp_path):
     assert logits["mlx"].shape == logits["f32"].shape
     errors = [rel_l2(a, b) for a, b in zip(logits["mlx"], logits["f32"])]
     assert max(errors) <= TOL, errors
+
+
+def test_bits_that_disagree_with_the_config_are_one_line(tmp_path):
+    """A 4-bit checkpoint whose config.json says 8 bits: refused naming the tensor and the
+    stored shapes, before anything is compiled."""
+    folder = tmp_path / "m"
+    write_mlx_text(folder, CFG, 4, 64)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"]["bits"] = 8
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"^language_model\.model\.embed_tokens\.weight: stored shapes "
+                                              r"\[384, 16\], \[384, 2\], \[384, 2\] do not pack a \[384, 128\] "
+                                              r"weight at 8 bits, group 64"):
+        TextSession(folder, buckets=(32,), context=64, cache_dir=tmp_path / "cache", precision="mlx")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.vmfb"))
