@@ -245,6 +245,7 @@ QUANT_HELP = ("int8 (the language model): its projections, embedding table and l
               "mlx (an MLX-quantized checkpoint, as mlx-vlm writes it): its 8- and 4-bit weights run in their own "
               "bits, group size and per-module settings, exact against mx.dequantize; under f32 they are "
               "expanded to f32 at load.")
+DEFAULT_PRECISION_HELP = "[default: mlx for an MLX-quantized checkpoint (8- or 4-bit language model), else f32]"
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 

@@ -46,6 +46,7 @@ from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
 from runtime.checkpoints.text import affine_weights, text_entries
+from runtime.checkpoints.vision import CheckpointError
 from runtime.kv_cache import BlockPool, Blocks, block_keys
 
 DEFAULT_PROMPT_BUCKETS = (128, 512)  # a longer prompt runs in chunks of the largest
@@ -408,6 +409,17 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
     return run_tokens(text, prompt, sampler, max_new_tokens, eos_ids, on_token)
 
 
+def checkpoint_precision(model_dir) -> str:
+    """The language model's precision when none is asked: mlx for a checkpoint that stores
+    it MLX-quantized in 8 or 4 bits (run in its bits), else f32."""
+    cfg, _ = load_text_config(model_dir)
+    try:
+        affine_weights(model_dir, cfg)
+    except CheckpointError:
+        return "f32"
+    return MLX_PRECISION
+
+
 def vision_precision(precision: str) -> str:
     """The vision tower's precision beside the language model's: f32 under int8, int4 and
     mlx (its linears are not quantized; an MLX tower's are expanded to f32), else the same."""
@@ -418,10 +430,11 @@ class Generator:
     """The whole Qwen3-VL of a checkpoint folder on IREE: images and a prompt in, greedy
     tokens and text out. The vision session is opened on the first request with images.
     `context` None: each request gets the least context of CONTEXT_LADDER that holds it, up
-    to `default_context` (generate's default; the KV cache then follows the request)."""
+    to `default_context` (generate's default; the KV cache then follows the request).
+    `precision` None: the checkpoint's own (`checkpoint_precision`)."""
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int | None = DEFAULT_CONTEXT,
-                 target: str | None = None, cache_dir=None, precision: str = "f32", threads: int | None = None,
+                 target: str | None = None, cache_dir=None, precision: str | None = "f32", threads: int | None = None,
                  progress=None, kv_cache_dtype: str = "f32", lanes: int = 1, kv_blocks: int = 0,
                  prefix_cache: bool = True):
         from emitter.config import load_model_config
@@ -436,6 +449,11 @@ class Generator:
         self.model_dir = Path(model_dir)
         self.vision_cfg = load_model_config(model_dir)
         self.tokenizer = ChatTokenizer(model_dir)
+        if precision is None:
+            precision = checkpoint_precision(model_dir)
+            if precision == MLX_PRECISION and progress:
+                progress("precision: mlx (the checkpoint's MLX-quantized weights in their bits; --precision f32 "
+                         "expands them)")
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
         self.fits = context is None  # the context fitted to each request
         if self.fits:

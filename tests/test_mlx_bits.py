@@ -217,8 +217,8 @@ def quantize_text_in_place(folder, bits: int, group: int) -> None:
 
 def test_generate_mlx_from_the_command_line(tmp_path):
     """`qwen3vl generate --precision mlx` with an image on a 4-bit MLX checkpoint (the vision
-    tower in f32 beside it): the same tokens as `--precision f32`, every step's logits within
-    relL2 1e-5 of them (the f32 run expands the same weights at load)."""
+    tower in f32 beside it): every step's logits within relL2 1e-5 of `--precision f32`'s
+    (which expands the same weights at load); with no --precision it runs as mlx."""
     from helpers import generate_logits, write_images
     from emitter.config import PRESETS
     from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
@@ -229,7 +229,9 @@ def test_generate_mlx_from_the_command_line(tmp_path):
                                 dataclasses.replace(CFG, vocab_size=512), seed=3, processor_policy_dict=policy)
     quantize_text_in_place(tmp_path / "m", 4, 64)
     (image,) = write_images(tmp_path, ((64, 64),))
-    logits = {p: generate_logits(tmp_path / "m", image, p, tmp_path / "cache", tmp_path, 3) for p in ("mlx", "f32")}
+    logits = {p: generate_logits(tmp_path / "m", image, p, tmp_path / "cache", tmp_path, 3)
+              for p in ("mlx", "f32", None)}
+    np.testing.assert_array_equal(logits[None], logits["mlx"])  # the default for such a checkpoint
     assert logits["mlx"].shape == logits["f32"].shape
     errors = [rel_l2(a, b) for a, b in zip(logits["mlx"], logits["f32"])]
     assert max(errors) <= TOL, errors
