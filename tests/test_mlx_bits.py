@@ -26,6 +26,7 @@ from runtime.checkpoints.vision import CheckpointError
 from runtime.text import TextSession
 
 mx = pytest.importorskip("mlx.core")
+pytestmark = pytest.mark.parity  # the checkpoints are quantized by mlx itself, the reference
 
 # Widths that groups of 32, 64 and 128 all divide.
 CFG = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
