@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 from . import __version__, quant
 from .builder import Builder, Value
-from .config import PARAMETER_SCOPE, PRECISION_NOTES, ConfigError, WeightSpec, activation_dtype, check_precision, weight_dtype
+from .config import (PARAMETER_SCOPE, PRECISION_NOTES, ConfigError, WeightSpec, activation_dtype, check_precision,
+                     weight_dtype)
 from .attention import grouped_attention, token_attention
 from .kv_pages import BLOCK, pool_shape, read_blocks, read_span, write_chunk, write_token
 from .layers import apply_rotary, dequantized, gated_mlp, mrope_tables, packed, project, rms_norm, rope_inv_freq

@@ -7,8 +7,8 @@ exactly). MLX names (`language_model.model.*`, `language_model.lm_head.weight`, 
 mlx-vlm's sanitize writes them) too, affine-quantized or not: dequantized to f32 as the
 vision loader does (bits and group size from config.json's `quantization`), or, under
 `--precision mlx`, kept in their bits (`affine_weights`, `read_affine`). Only the
-text tensors' byte ranges are read, one weight at a time. Every problem is a `CheckpointError` naming the tensor
-and the file.
+text tensors' byte ranges are read, one weight at a time. Every problem is a
+`CheckpointError` naming the tensor and the file.
 
 The session does not hold these arrays: `artifact.archive.cached_text_archive` writes them once, in the
 dtypes the graph takes, as a weight archive (.irpa) in the artifact cache, keyed by the
