@@ -34,9 +34,14 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     hidden_act: str = "gelu_pytorch_tanh"
     rope_theta: float = ROPE_THETA
+    # An MLX-quantized tower run in its bits (`--precision mlx`): (Hugging Face name, bits, group
+    # size) of each affine-quantized linear, as the checkpoint stores it (emitter/quant.py;
+    # runtime/checkpoints/vision.py's `vision_affine_weights`); empty otherwise.
+    affine_weights: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
+        object.__setattr__(self, "affine_weights", tuple(tuple(w) for w in self.affine_weights))
         self.validate()
 
     # Derived sizes, one place each.
@@ -106,12 +111,15 @@ class VisionConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
+        if not self.affine_weights:
+            del d["affine_weights"]  # the identity of a float checkpoint's tower as it was
         return d
 
     def to_hf_vision_config(self) -> dict:
         """The `vision_config` block of a Hugging Face `config.json` for this config."""
         d = self.to_dict()
         d.pop("rope_theta")
+        d.pop("affine_weights", None)
         d["initializer_range"] = 0.02
         return d
 
@@ -279,12 +287,23 @@ def activation_dtype(precision: str) -> str | None:
 
 def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
     """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
-    (exact for bf16 checkpoints); norms, biases and the position table stay f32."""
+    (exact for bf16 checkpoints); norms, biases and the position table stay f32. The linears
+    of `cfg.affine_weights` (an MLX tower run in its bits) are i8 / i4 with their scales and
+    biases (emitter/quant.py's `Layout.specs`)."""
     if check_precision(precision) not in VISION_PRECISIONS:
         raise ConfigError(f"--precision {precision}: the language model's only; the vision tower takes one of "
                           f"{', '.join(VISION_PRECISIONS)}")
+    from .quant import Layout
+    schema = weight_schema(cfg)
+    layouts = {name: Layout(bits, group, affine=True) for name, bits, group in cfg.affine_weights}
+    odd = [n for n in layouts if not n.endswith(MATMUL_WEIGHT_SUFFIXES) or n not in dict(schema)]
+    if odd:
+        raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the tower's linears can run quantized")
     specs = []
-    for name, shape in weight_schema(cfg):
+    for name, shape in schema:
+        if name in layouts:
+            specs += layouts[name].specs(name, shape)
+            continue
         transforms = ["conv3d_flatten"] if name == CONV_WEIGHT else []
         dtype = "f32"
         if weight_dtype(precision) == "bf16" and name.endswith(MATMUL_WEIGHT_SUFFIXES):

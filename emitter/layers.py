@@ -54,10 +54,11 @@ def matmul(b: Builder, x: Value, y: Value, contract, batch=([], []), operand_dty
     return b.dot_general(x, y, contract=contract, batch=batch, hint=hint, result_dtype="f32")
 
 
-def activation_dtype(b: Builder, weight: Value) -> str:
+def activation_dtype(b: Builder, weight: Value | QuantizedWeight) -> str:
     """The dtype a matmul against `weight` takes its activations in: the graph's
-    (`Builder.activations`, "f32" under the bf16-f32 precision), else the weight's."""
-    return b.activations or weight.dtype
+    (`Builder.activations`, "f32" under the bf16-f32 precision), else the weight's (f32 for
+    a quantized one)."""
+    return b.activations or ("f32" if isinstance(weight, QuantizedWeight) else weight.dtype)
 
 
 def weight_matmul(b: Builder, x: Value, weight: Value, hint: str, weight_first: bool = False) -> Value:
@@ -72,10 +73,13 @@ def weight_matmul(b: Builder, x: Value, weight: Value, hint: str, weight_first: 
     return b.dot_general(x, weight, ([x.rank - 1], [1]), hint=hint, result_dtype="f32")
 
 
-def linear(b: Builder, x: Value, weight: Value, bias: Value, hint: str = "linear") -> Value:
+def linear(b: Builder, x: Value, weight: Value | QuantizedWeight, bias: Value, hint: str = "linear") -> Value:
     """x @ weight.T + bias for a [out, in] weight, as the checkpoint stores it (f32, or bf16
-    under the bf16 precisions; `weight_matmul`)."""
-    y = weight_matmul(b, x, weight, hint + "_matmul")
+    under the bf16 precisions; `weight_matmul`), or quantized (`quantized_project`)."""
+    if isinstance(weight, QuantizedWeight):
+        y = quantized_project(b, x, weight, hint + "_matmul")
+    else:
+        y = weight_matmul(b, x, weight, hint + "_matmul")
     return b.add(y, b.broadcast_in_dim(bias, y.shape, [y.rank - 1], hint=hint + "_bias"), hint=hint)
 
 

@@ -190,3 +190,12 @@ class QuantizedWeight:
     def parts(self) -> list:
         """q, the scales and any biases."""
         return [v for v in (self.q, self.scales, self.biases) if v is not None]
+
+
+def grouped(weights: dict) -> dict:
+    """A graph's weights by name with each quantized weight's q, scales and any biases
+    (`scales_name`, `biases_name`) bound as one `QuantizedWeight` under the weight's name."""
+    out = dict(weights)
+    for name in [n for n in out if n.endswith("weight") and scales_name(n) in out]:
+        out[name] = QuantizedWeight(out[name], out.pop(scales_name(name)), out.pop(biases_name(name), None))
+    return out

@@ -244,11 +244,9 @@ class TextGraph:
         self.cfg, self.shape, self.b = cfg, shape, Builder(activations=activation_dtype(precision))
         self.kv_dtype = shape.kv_dtype
         self.inputs: dict[str, Value] = {}
-        self.w = {s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype, key=s.name,
-                                           scope=PARAMETER_SCOPE) for s in text_weights(cfg, precision)}
-        for name in [n for n in self.w if n.endswith(MATMUL_SUFFIXES) and quant.scales_name(n) in self.w]:
-            self.w[name] = quant.QuantizedWeight(self.w[name], self.w.pop(quant.scales_name(name)),
-                                                 self.w.pop(quant.biases_name(name), None))
+        self.w = quant.grouped({s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype,
+                                                         key=s.name, scope=PARAMETER_SCOPE)
+                                for s in text_weights(cfg, precision)})
         pool = pool_shape(cfg.num_key_value_heads, shape.blocks, cfg.head_dim)
         self.pages = [(self.b.state(f"layers.{n}.k_pages", pool, shape.kv_dtype),
                        self.b.state(f"layers.{n}.v_pages", pool, shape.kv_dtype)) for n in range(cfg.num_hidden_layers)]

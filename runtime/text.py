@@ -421,9 +421,10 @@ def checkpoint_precision(model_dir) -> str:
 
 
 def vision_precision(precision: str) -> str:
-    """The vision tower's precision beside the language model's: f32 under int8, int4 and
-    mlx (its linears are not quantized; an MLX tower's are expanded to f32), else the same."""
-    return "f32" if quant.bits_of(precision) or precision == MLX_PRECISION else precision
+    """The vision tower's precision beside the language model's: f32 under int8 and int4
+    (its linears are not quantized), else the same (under mlx the linears an MLX tower
+    stores in 8 or 4 bits run in those bits, `build.make_plan`)."""
+    return "f32" if quant.bits_of(precision) else precision
 
 
 class Generator:

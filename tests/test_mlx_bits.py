@@ -251,3 +251,33 @@ def test_bits_that_disagree_with_the_config_are_one_line(tmp_path):
                                               r"weight at 8 bits, group 64"):
         TextSession(folder, buckets=(32,), context=64, cache_dir=tmp_path / "cache", precision="mlx")
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.vmfb"))
+
+
+@pytest.mark.parametrize("bits, group", [(8, 32), (4, 64)])
+def test_vision_tower_in_its_bits(tmp_path, bits, group):
+    """An MLX-quantized tower's linears in their bits (`--precision mlx`: the position table
+    expanded): its outputs within relL2 1e-5 of the f32 session over the same folder (the
+    same weights dequantized at load), its archive holding the linears in i8 / i4."""
+    from PIL import Image
+
+    from emitter.config import PRESETS, graph_weights
+    from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
+    from runtime.vision import VisionSession
+
+    policy = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
+    write_checkpoint(tmp_path / "m", PRESETS["tiny"], seed=2, layout="mlx", bits=bits, group_size=group,
+                     processor_policy_dict=policy)
+    rng = np.random.default_rng(3)
+    images = [Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8))]
+    sessions = {p: VisionSession(tmp_path / "m", buckets=(64,), cache_dir=tmp_path / "cache", precision=p)
+                for p in ("mlx", "f32")}
+    ours, reference = (sessions[p].encode(images) for p in ("mlx", "f32"))
+    errors = [rel_l2(ours.image_embeds, reference.image_embeds)]
+    errors += [rel_l2(a, b) for a, b in zip(ours.deepstack_features, reference.deepstack_features)]
+    assert max(errors) <= TOL, errors
+    cfg = sessions["mlx"].cfg
+    dtypes = {s.name: s.dtype for s in graph_weights(cfg)}
+    assert cfg.affine_weights and all(dtypes[n] == quant.STORAGE_DTYPE[bits] for n, _, _ in cfg.affine_weights)
+    assert not any(n.endswith("pos_embed.weight") for n, _, _ in cfg.affine_weights)
+    sizes = {p: s.archive_path.stat().st_size for p, s in sessions.items()}
+    assert sizes["mlx"] < 0.6 * sizes["f32"], sizes

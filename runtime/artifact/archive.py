@@ -89,7 +89,7 @@ def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict
 
 def graph_arrays(model_dir, cfg: VisionConfig, precision: str = "f32") -> list[tuple[str, np.ndarray]]:
     """(checkpoint name, array as the graph takes it) for every weight, in graph order."""
-    weights = checkpoint.weights_in_order(checkpoint.load_vision_weights(model_dir, cfg), cfg, precision)
+    weights = checkpoint.vision_arrays(model_dir, cfg, precision)
     return [(spec.name, array) for spec, array in zip(graph_weights(cfg, precision), weights)]
 
 

@@ -28,7 +28,7 @@ from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
 from runtime.checkpoints import vision as checkpoint
 from runtime.checkpoints.vision import CheckpointError, TensorEntry, read_float_tensor, read_uint32_tensor
-from runtime.checkpoints.mlx_quant import QuantConfig, dequantize_mlx, quantization_config, unpack_bytes
+from runtime.checkpoints.mlx_quant import QuantConfig, dequantize_mlx, quantization_config
 
 # (prefix of the decoder's tensors, name of lm_head) per layout, in order of preference.
 LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_head.weight"))
@@ -81,12 +81,7 @@ def read_affine(key: str, entry: TensorEntry, found: dict[str, TensorEntry], sha
     """An MLX affine-quantized [out, in] weight as the archive holds it in its bits
     (`quant.from_affine`: q [in, out] re-centred, scales and biases f32), never in f32."""
     bits, _, scales_e, biases_e = quantized_layout(key, entry, found, shape, qconfig)
-    scales, biases = read_float_tensor(scales_e), read_float_tensor(biases_e)
-    if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
-        raise CheckpointError(f"{key}: non-finite scales or biases (in {scales_e.file})")
-    packed = read_uint32_tensor(entry)
-    return quant.from_affine((unpack_bytes(rows, bits) for rows in quant.row_blocks(packed)), shape, scales, biases,
-                             bits)
+    return checkpoint.read_affine(entry, bits, scales_e, biases_e, shape)
 
 
 def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, TensorEntry]], dict[str, TensorEntry]]:
