@@ -9,6 +9,7 @@ and `--precision`, alternating, in one run. `--profile` adds, per context, IREE'
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 4096 --rounds 3
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 4096 --profile
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 --precision f32 bf16 int8
+    .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 --precision int4 mlx4
 
 Memory: the archive (2B widths: ~0.2 GB per layer in f32) and one module at a time.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
 from emitter.config import PRECISIONS
-from runtime.bench.decode_profile import decode_module, profile_report, step_ms, weight_bytes, write_archive
+from runtime.bench.decode_profile import MLX_FORMS, decode_module, profile_report, step_ms, weight_bytes, write_archive
 
 
 def main(argv=None) -> int:
@@ -34,8 +35,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size (lm_head rows)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096])
-    parser.add_argument("--precision", nargs="+", default=["f32"], choices=[p for p in PRECISIONS],
-                        help="one or more graph precisions, timed alternating (the first is the base)")
+    parser.add_argument("--precision", nargs="+", default=["f32"], choices=[*PRECISIONS, *MLX_FORMS],
+                        help="one or more graph precisions, timed alternating (the first is the base); mlx4, "
+                             "mlx8: an MLX checkpoint's affine weights in their bits, groups of 64")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the contexts")
     parser.add_argument("--repeats", type=int, default=10, help="decode calls per timing")
     parser.add_argument("--threads", type=int, default=2)

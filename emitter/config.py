@@ -34,9 +34,14 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     hidden_act: str = "gelu_pytorch_tanh"
     rope_theta: float = ROPE_THETA
+    # An MLX-quantized tower run in its bits (`--precision mlx`): (Hugging Face name, bits, group
+    # size) of each affine-quantized linear, as the checkpoint stores it (emitter/quant.py;
+    # runtime/checkpoints/vision.py's `vision_affine_weights`); empty otherwise.
+    affine_weights: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
+        object.__setattr__(self, "affine_weights", tuple(tuple(w) for w in self.affine_weights))
         self.validate()
 
     # Derived sizes, one place each.
@@ -106,12 +111,15 @@ class VisionConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
+        if not self.affine_weights:
+            del d["affine_weights"]  # the identity of a float checkpoint's tower as it was
         return d
 
     def to_hf_vision_config(self) -> dict:
         """The `vision_config` block of a Hugging Face `config.json` for this config."""
         d = self.to_dict()
         d.pop("rope_theta")
+        d.pop("affine_weights", None)
         d["initializer_range"] = 0.02
         return d
 
@@ -225,7 +233,11 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32"), "int8": ("i8", "f32"),
               "int4": ("i4", "f32")}
 USER_PRECISIONS = ("f32", "bf16")
-TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4")  # what generate and serve offer
+# "mlx" (the language model of an MLX-quantized checkpoint): each weight it stores affine-quantized
+# in 8 or 4 bits kept in those bits with its group's scale and bias (emitter/quant.py), the rest
+# f32; not a graph precision of its own (TextConfig.affine_weights says which weights).
+MLX_PRECISION = "mlx"
+TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", MLX_PRECISION)  # what generate and serve offer
 VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
 PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
                    "int8": ", int8 weights with f32 scales per 64, f32 matmuls",
@@ -237,7 +249,11 @@ PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulat
                   "(bf16-f32, said in one line). f32 is exact.")
 QUANT_HELP = ("int8 (the language model): its projections, embedding table and lm_head stored in int8 with one "
               "f32 scale per 64 weights (8.5 bits a weight, 27% of f32's bytes), f32 activations; the vision tower "
-              "runs in f32. int4: the same in 4 bits (4.5 bits a weight). docs/text.md gives their distance from f32.")
+              "runs in f32. int4: the same in 4 bits (4.5 bits a weight). docs/text.md gives their distance from f32. "
+              "mlx (an MLX-quantized checkpoint, as mlx-vlm writes it): its 8- and 4-bit weights run in their own "
+              "bits, group size and per-module settings, exact against mx.dequantize; under f32 they are "
+              "expanded to f32 at load.")
+DEFAULT_PRECISION_HELP = "[default: mlx for an MLX-quantized checkpoint (8- or 4-bit language model), else f32]"
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
@@ -271,12 +287,23 @@ def activation_dtype(precision: str) -> str | None:
 
 def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
     """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
-    (exact for bf16 checkpoints); norms, biases and the position table stay f32."""
+    (exact for bf16 checkpoints); norms, biases and the position table stay f32. The linears
+    of `cfg.affine_weights` (an MLX tower run in its bits) are i8 / i4 with their scales and
+    biases (emitter/quant.py's `Layout.specs`)."""
     if check_precision(precision) not in VISION_PRECISIONS:
         raise ConfigError(f"--precision {precision}: the language model's only; the vision tower takes one of "
                           f"{', '.join(VISION_PRECISIONS)}")
+    from .quant import Layout
+    schema = weight_schema(cfg)
+    layouts = {name: Layout(bits, group, affine=True) for name, bits, group in cfg.affine_weights}
+    odd = [n for n in layouts if not n.endswith(MATMUL_WEIGHT_SUFFIXES) or n not in dict(schema)]
+    if odd:
+        raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the tower's linears can run quantized")
     specs = []
-    for name, shape in weight_schema(cfg):
+    for name, shape in schema:
+        if name in layouts:
+            specs += layouts[name].specs(name, shape)
+            continue
         transforms = ["conv3d_flatten"] if name == CONV_WEIGHT else []
         dtype = "f32"
         if weight_dtype(precision) == "bf16" and name.endswith(MATMUL_WEIGHT_SUFFIXES):

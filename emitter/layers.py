@@ -54,10 +54,11 @@ def matmul(b: Builder, x: Value, y: Value, contract, batch=([], []), operand_dty
     return b.dot_general(x, y, contract=contract, batch=batch, hint=hint, result_dtype="f32")
 
 
-def activation_dtype(b: Builder, weight: Value) -> str:
+def activation_dtype(b: Builder, weight: Value | QuantizedWeight) -> str:
     """The dtype a matmul against `weight` takes its activations in: the graph's
-    (`Builder.activations`, "f32" under the bf16-f32 precision), else the weight's."""
-    return b.activations or weight.dtype
+    (`Builder.activations`, "f32" under the bf16-f32 precision), else the weight's (f32 for
+    a quantized one)."""
+    return b.activations or ("f32" if isinstance(weight, QuantizedWeight) else weight.dtype)
 
 
 def weight_matmul(b: Builder, x: Value, weight: Value, hint: str, weight_first: bool = False) -> Value:
@@ -72,10 +73,13 @@ def weight_matmul(b: Builder, x: Value, weight: Value, hint: str, weight_first: 
     return b.dot_general(x, weight, ([x.rank - 1], [1]), hint=hint, result_dtype="f32")
 
 
-def linear(b: Builder, x: Value, weight: Value, bias: Value, hint: str = "linear") -> Value:
+def linear(b: Builder, x: Value, weight: Value | QuantizedWeight, bias: Value, hint: str = "linear") -> Value:
     """x @ weight.T + bias for a [out, in] weight, as the checkpoint stores it (f32, or bf16
-    under the bf16 precisions; `weight_matmul`)."""
-    y = weight_matmul(b, x, weight, hint + "_matmul")
+    under the bf16 precisions; `weight_matmul`), or quantized (`quantized_project`)."""
+    if isinstance(weight, QuantizedWeight):
+        y = quantized_project(b, x, weight, hint + "_matmul")
+    else:
+        y = weight_matmul(b, x, weight, hint + "_matmul")
     return b.add(y, b.broadcast_in_dim(bias, y.shape, [y.rank - 1], hint=hint + "_bias"), hint=hint)
 
 
@@ -225,19 +229,22 @@ SPLIT_K_ROWS = 8
 
 
 def packed(b: Builder, weight: QuantizedWeight) -> QuantizedWeight:
-    """q and the scales behind one barrier, for a dequantization: without it IREE hoists
-    what depends only on globals into module initialization, resident f32 copies of weight
-    size (the dequantized weight; the scales broadcast to the weight's shape)."""
-    return QuantizedWeight(*b.optimization_barriers([weight.q, weight.scales], hint="packed"))
+    """q, the scales (and any biases) behind one barrier, for a dequantization: without it
+    IREE hoists what depends only on globals into module initialization, resident f32 copies
+    of weight size (the dequantized weight; the scales broadcast to the weight's shape)."""
+    return QuantizedWeight(*b.optimization_barriers(weight.parts, hint="packed"))
 
 
-def dequantized(b: Builder, q: Value, scales: Value, hint: str) -> Value:
-    """q * scale of its group, f32 [K, N] (the numbers of `quant.dequantize`, transposed),
-    for q [K, N] (i8 or i4, as stored) and scales [N, G]: a weight, or columns of the embedding table."""
+def dequantized(b: Builder, q: Value, scales: Value, hint: str, biases: Value | None = None) -> Value:
+    """q * scale (+ bias) of its group, f32 [K, N] (the numbers of `quant.dequantize`,
+    transposed), for q [K, N] (i8 or i4, as stored), scales and any biases [N, G]: a weight,
+    or columns of the embedding table."""
     k, n = q.shape
     g = scales.shape[1]
     wide = b.convert(b.reshape(q, (g, k // g, n), hint=hint + "_groups"), "f32", hint=hint + "_wide")
     scaled = b.multiply(wide, b.broadcast_in_dim(scales, wide.shape, [2, 0], hint=hint + "_scales"), hint=hint)
+    if biases is not None:
+        scaled = b.add(scaled, b.broadcast_in_dim(biases, wide.shape, [2, 0], hint=hint + "_biases"), hint=hint)
     return b.reshape(scaled, (k, n), hint=hint)
 
 
@@ -247,14 +254,15 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     Up to SPLIT_K_ROWS rows, split-K, so that the dispatch reads q in its bits: x [M, K] as
     [G, M, g]; one dot_general of it (f32) against q as [G, g, N] (i8 or i4, widened inside the
     contraction), batching over the groups G, gives the groups' partial sums [G, M, N];
-    each times its group's scale, then summed over G. (Dequantize-then-dot makes IREE 3.13
+    each times its group's scale (an affine weight's plus its group's bias times the sum of
+    x over the group), then summed over G. (Dequantize-then-dot makes IREE 3.13
     write the whole f32 weight each call, and so do a `convert` that a transpose separates
     from the dot and a reduce form in place of the dot_general: docs/text.md, "int8 and
     int4 weights".) More rows: the weight dequantized per call (`dequantized`) into the
     ordinary matmul."""
     if x.rank != 2 or x.shape[0] > SPLIT_K_ROWS:
         held = packed(b, weight)
-        w_t = dequantized(b, held.q, held.scales, hint + "_weight")
+        w_t = dequantized(b, held.q, held.scales, hint + "_weight", held.biases)
         return b.dot_general(cast(b, x, "f32", hint + "_f32"), w_t, ([x.rank - 1], [0]), hint=hint,
                              result_dtype="f32")
     (m, k), (n, _), g = x.shape, weight.shape, weight.scales.shape[1]
@@ -263,7 +271,14 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     q3 = b.reshape(weight.q, (g, k // g, n), hint=hint + "_q")
     partial = b.dot_general(x3, q3, ([2], [1]), ([0], [0]), hint=hint + "_partial", result_dtype="f32")
     scales = b.broadcast_in_dim(weight.scales, partial.shape, [2, 0], hint=hint + "_scales")
-    return b.reduce(b.multiply(partial, scales, hint=hint + "_scaled"), [0], "add", hint=hint)
+    scaled = b.multiply(partial, scales, hint=hint + "_scaled")
+    if weight.biases is not None:
+        sums = b.broadcast_in_dim(b.reduce(x3, [2], "add", hint=hint + "_sums"), partial.shape, [0, 1],
+                                  hint=hint + "_sums")
+        offsets = b.multiply(sums, b.broadcast_in_dim(weight.biases, partial.shape, [2, 0], hint=hint + "_biases"),
+                             hint=hint + "_offsets")
+        scaled = b.add(scaled, offsets, hint=hint + "_affine")
+    return b.reduce(scaled, [0], "add", hint=hint)
 
 
 def rms_norm(b: Builder, x: Value, weight: Value, eps: float) -> Value:

@@ -1,21 +1,24 @@
-"""Weight-only, group-wise, symmetric quantization of the language model's matmul weights
-(`--precision int8`): the layout in the archive and in the graph, and the numbers, in one place.
+"""Weight-only, group-wise quantization of the language model's matmul weights: the layout
+in the archive and in the graph, and the numbers, in one place. A weight's `Layout` is its
+bits (8 or 4), its group (inputs per scale: 32, 64, 128, ...) and whether it is affine.
 
-A weight w [N, K] is cut along K into groups of GROUP (64) consecutive inputs. Each group
-has one f32 scale, max|w| / 127 over its 64 weights, and its weights are stored as
-q = clamp(round(w / scale), -127, 127) in i8 (`--precision int8`). So w ~ q * scale, exactly that product in f32
-(`dequantize`): the quantized graph computes with these numbers and nothing else.
-
-At 4 bits (`--precision int4`) the same with 7 in place of 127, q in -7..7, stored as i4
-(two to a byte, `nibbles`).
+A weight w [N, K] is cut along K into groups of `group` consecutive inputs, each with one
+f32 scale; its values are stored as signed q in i8 (-128..127) or i4 (-8..7).
+- Symmetric (`--precision int8|int4`, groups of GROUP): scale = max|w| / 127 (or / 7),
+  q = clamp(round(w / scale), -127, 127) (or -7..7), and w ~ q * scale, exactly that product
+  in f32 (`dequantize`): the quantized graph computes with these numbers and nothing else.
+- Affine (an MLX-quantized checkpoint run in its bits, `--precision mlx`: mlx's
+  `mx.quantize` layout, w = s*u + b per group, u unsigned 0..2^bits-1): re-centred once, when
+  the archive is written (`from_affine`), to q = u - 2^(bits-1) and bias = b + 2^(bits-1)*s,
+  so w = s*q + bias with q in the same signed storage (`dequantize` with the biases).
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
-`scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / GROUP]
-(f32). The graph reads them as they are (`QuantizedWeight`, emitter/layers.py's
-`quantized_project`). Transposed because the one-row contraction runs over q as [G, g, N]
-(N contiguous: a vector of outputs per input), which IREE 3.13 otherwise makes at load by
-a transposed copy that stays resident beside the packed one (measured: 2.0x the i8 bytes
-resident, against 1.1x when stored so).
+`scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
+(f32), an affine weight's `biases_name` its biases [N, K / group] (f32). The graph reads them
+as they are (`QuantizedWeight`, emitter/layers.py's `quantized_project`). Transposed because
+the one-row contraction runs over q as [G, g, N] (N contiguous: a vector of outputs per
+input), which IREE 3.13 otherwise makes at load by a transposed copy that stays resident
+beside the packed one (measured: 2.0x the i8 bytes resident, against 1.1x when stored so).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ConfigError
+from .config import ConfigError, WeightSpec
 
-GROUP = 64  # inputs per scale
+GROUP = 64  # inputs per scale of `--precision int8|int4`
 QUANTIZED_BITS = {"int8": 8, "int4": 4}  # precision -> bits of a stored weight
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
+BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
 
 
 def bits_of(precision: str) -> int | None:
@@ -37,7 +41,7 @@ def bits_of(precision: str) -> int | None:
 
 
 def levels(bits: int) -> int:
-    """The largest magnitude a stored value takes: 127 at 8 bits, 7 at 4 (symmetric: -127..127, -7..7)."""
+    """The largest magnitude a symmetric value takes: 127 at 8 bits, 7 at 4 (-127..127, -7..7)."""
     return (1 << (bits - 1)) - 1
 
 
@@ -46,13 +50,9 @@ def scales_name(weight_name: str) -> str:
     return weight_name[: -len("weight")] + "scales"
 
 
-def weight_transform(bits: int, group: int = GROUP) -> str:
-    """A quantized weight's `WeightSpec.host_transform` (part of the artifact identity)."""
-    return f"quantize_int{bits}_g{group}"
-
-
-def scales_transform(bits: int, group: int = GROUP) -> str:
-    return f"group_scales_int{bits}_g{group}"
+def biases_name(weight_name: str) -> str:
+    """`...proj.weight` -> `...proj.biases` (an affine weight's)."""
+    return weight_name[: -len("weight")] + "biases"
 
 
 def groups(name: str, shape: tuple[int, ...], group: int = GROUP) -> int:
@@ -62,6 +62,36 @@ def groups(name: str, shape: tuple[int, ...], group: int = GROUP) -> int:
         raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] with K a multiple of the quantization "
                           f"group {group}")
     return shape[1] // group
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one [N, K] weight is quantized: `bits` (8 or 4) per stored value, one scale per
+    `group` inputs, and for an `affine` one a bias per group too (module docstring)."""
+    bits: int
+    group: int = GROUP
+    affine: bool = False
+
+    def __post_init__(self):
+        if self.bits not in STORAGE_DTYPE:
+            raise ConfigError(f"quantization bits {self.bits}: expected one of {', '.join(map(str, STORAGE_DTYPE))}")
+
+    @property
+    def dtype(self) -> str:
+        """The graph's element type of q."""
+        return STORAGE_DTYPE[self.bits]
+
+    def specs(self, name: str, shape: tuple[int, int]) -> list[WeightSpec]:
+        """The graph weights of the [N, K] weight `name`: q [K, N], its scales [N, K / group]
+        and an affine weight's biases; their host transforms name the layout (so the artifact
+        identity changes with the bits, the group and the form)."""
+        tag = f"int{self.bits}_g{self.group}"
+        cut = (shape[0], groups(name, shape, self.group))
+        out = [WeightSpec(name, shape[::-1], self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
+               WeightSpec(scales_name(name), cut, "f32", f"group_scales_{tag}")]
+        if self.affine:
+            out.append(WeightSpec(biases_name(name), cut, "f32", f"recentred_biases_{tag}"))
+        return out
 
 
 def quantize(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
@@ -79,32 +109,73 @@ def quantize(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, 
 
 def stored(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
     """(q transposed [K, N], scales [N, K / group] f32): an f32 weight [N, K] as the
-    archive holds it (`quantize`): q int8, or at 4 bits its K*N/2 bytes of nibbles (`nibbles`)."""
+    archive holds it (`quantize`, `arranged`)."""
     q, scales = quantize(w, bits, group)
-    q = np.ascontiguousarray(q.T)
-    return (nibbles(q) if bits == 4 else q), scales
+    return arranged(row_blocks(q), q.shape, bits), scales
+
+
+def from_affine(code_blocks, shape: tuple[int, int], scales: np.ndarray, biases: np.ndarray,
+                bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q transposed [K, N], scales, biases [N, K / group] f32): an affine-quantized [N, K]
+    weight, w = scales*codes + biases with unsigned codes (0..2^bits-1; MLX's), as the
+    archive holds it: q = codes - 2^(bits-1) (`arranged`), biases + 2^(bits-1)*scales, in f32.
+    `code_blocks`: the codes as consecutive blocks of rows (uint8 [rows, K] each), so that
+    no more than a block is ever held beside q unpacked; nothing of weight size in f32."""
+    half = 1 << (bits - 1)
+    recentred = ((np.asarray(c, np.uint8) - np.uint8(half)).view(np.int8) for c in code_blocks)  # modulo 256
+    scales = np.asarray(scales, np.float32)
+    return (arranged(recentred, shape, bits), scales,
+            (np.asarray(biases, np.float32) + np.float32(half) * scales).astype(np.float32))
+
+
+def row_blocks(q: np.ndarray, rows: int = BLOCK_ROWS):
+    """q's consecutive blocks of `rows` rows (views)."""
+    return (q[r:r + rows] for r in range(0, q.shape[0], rows))
+
+
+def arranged(blocks, shape: tuple[int, int], bits: int) -> np.ndarray:
+    """Signed values q [N, K] (int8, given as consecutive blocks of an even number of rows:
+    `row_blocks`) as the archive holds them: transposed [K, N], int8, or at 4 bits its K*N/2
+    bytes of nibbles (`nibbles`: pairs along N). Written block by block into the result."""
+    n, k = shape
+    out = np.empty((k, n // 2), np.uint8) if bits == 4 else np.empty((k, n), np.int8)
+    start = 0
+    for block in blocks:
+        t = np.ascontiguousarray(np.asarray(block, np.int8).T)
+        rows = t.shape[1]
+        if bits == 4:
+            out[:, start // 2:(start + rows) // 2] = nibbles(t).reshape(k, rows // 2)
+        else:
+            out[:, start:start + rows] = t
+        start += rows
+    assert start == n, (start, shape)
+    return out.reshape(-1) if bits == 4 else out
 
 
 def nibbles(q: np.ndarray) -> np.ndarray:
     """Values in -8..7 packed two to a byte, as IREE reads a tensor of i4: element 2i in the
     low nibble of byte i, element 2i+1 in the high one (two's complement)."""
-    flat = q.reshape(-1).astype(np.uint8) & 0xF
-    return flat[0::2] | (flat[1::2] << 4)
+    flat = q.reshape(-1).view(np.uint8) & np.uint8(0xF)
+    return flat[0::2] | (flat[1::2] << np.uint8(4))
 
 
-def dequantize(q: np.ndarray, scales: np.ndarray, group: int = GROUP) -> np.ndarray:
-    """The f32 weight [N, K] the quantized graph computes with: q * scale of its group."""
+def dequantize(q: np.ndarray, scales: np.ndarray, group: int = GROUP, biases: np.ndarray | None = None) -> np.ndarray:
+    """The f32 weight [N, K] the quantized graph computes with: q * scale of its group
+    (+ the group's bias for an affine weight)."""
     n, k = q.shape
     g = q.reshape(n, k // group, group).astype(np.float32) * scales[:, :, None]
+    if biases is not None:
+        g += biases[:, :, None]
     return g.reshape(n, k)
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantized [N, K] weight in a graph: q transposed [K, N] (i8 or i4) and its scales
-    [N, K / group] (f32)."""
+    """A quantized [N, K] weight in a graph: q transposed [K, N] (i8 or i4), its scales
+    [N, K / group] (f32) and, affine, its biases (f32, like the scales; else None)."""
     q: object  # builder.Value
     scales: object  # builder.Value
+    biases: object = None  # builder.Value
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -114,3 +185,17 @@ class QuantizedWeight:
     @property
     def group(self) -> int:
         return self.q.shape[0] // self.scales.shape[1]
+
+    @property
+    def parts(self) -> list:
+        """q, the scales and any biases."""
+        return [v for v in (self.q, self.scales, self.biases) if v is not None]
+
+
+def grouped(weights: dict) -> dict:
+    """A graph's weights by name with each quantized weight's q, scales and any biases
+    (`scales_name`, `biases_name`) bound as one `QuantizedWeight` under the weight's name."""
+    out = dict(weights)
+    for name in [n for n in out if n.endswith("weight") and scales_name(n) in out]:
+        out[name] = QuantizedWeight(out[name], out.pop(scales_name(name)), out.pop(biases_name(name), None))
+    return out

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 from . import __version__, quant
 from .builder import Builder, Value
-from .config import PARAMETER_SCOPE, PRECISION_NOTES, WeightSpec, activation_dtype, check_precision, weight_dtype
+from .config import (PARAMETER_SCOPE, PRECISION_NOTES, ConfigError, WeightSpec, activation_dtype, check_precision,
+                     weight_dtype)
 from .attention import grouped_attention, token_attention
 from .kv_pages import BLOCK, pool_shape, read_blocks, read_span, write_chunk, write_token
 from .layers import apply_rotary, dequantized, gated_mlp, mrope_tables, packed, project, rms_norm, rope_inv_freq
@@ -179,9 +180,24 @@ def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | No
 def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
     under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16;
-    under int8 and int4 each of them is i8 / i4, transposed to [in, out], followed by its group
-    scales (emitter/quant.py)."""
+    those quantized (`weight_layouts`: int8, int4, an MLX checkpoint's own bits) are i8 / i4,
+    transposed to [in, out], followed by their group scales (and an affine one's biases;
+    emitter/quant.py)."""
     check_precision(precision)
+    shapes = weight_shapes(cfg)
+    bf16, layouts = weight_dtype(precision) == "bf16", weight_layouts(cfg, precision, [n for n, _ in shapes])
+    specs = []
+    for name, shape in shapes:
+        if name in layouts:
+            specs += layouts[name].specs(name, shape)
+        else:
+            matmul = bf16 and name.endswith(MATMUL_SUFFIXES)
+            specs.append(WeightSpec(name, shape, "bf16" if matmul else "f32", "round_to_bf16" if matmul else "none"))
+    return specs
+
+
+def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of each of the decoder's weights, in checkpoint order."""
     d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     p = TEXT_PREFIX
     shapes = [(p + "embed_tokens.weight", (cfg.vocab_size, d))]
@@ -200,17 +216,24 @@ def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     shapes.append((p + "norm.weight", (d,)))
     if not cfg.tie_word_embeddings:
         shapes.append((LM_HEAD, (cfg.vocab_size, d)))
-    bf16, bits = weight_dtype(precision) == "bf16", quant.bits_of(precision)
-    specs = []
-    for name, shape in shapes:
-        if bits and name.endswith(MATMUL_SUFFIXES):
-            specs += [WeightSpec(name, shape[::-1], quant.STORAGE_DTYPE[bits], quant.weight_transform(bits)),
-                      WeightSpec(quant.scales_name(name), (shape[0], quant.groups(name, shape)), "f32",
-                                 quant.scales_transform(bits))]
-        else:
-            matmul = bf16 and name.endswith(MATMUL_SUFFIXES)
-            specs.append(WeightSpec(name, shape, "bf16" if matmul else "f32", "round_to_bf16" if matmul else "none"))
-    return specs
+    return shapes
+
+
+def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
+    """{name: quant.Layout} of the weights the graph takes quantized: under int8 and int4 every
+    matmul weight (symmetric, groups of quant.GROUP); an MLX checkpoint run in its bits
+    (`cfg.affine_weights`) the ones it stores quantized, affine, in their own bits and group.
+    `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
+    bits = quant.bits_of(precision)
+    if cfg.affine_weights and bits:
+        raise ConfigError(f"--precision {precision}: the checkpoint's weights are MLX-quantized and run in their "
+                          "own bits (or expanded under f32)")
+    layouts = {name: quant.Layout(b, g, affine=True) for name, b, g in cfg.affine_weights}
+    odd = [name for name in layouts if name not in names or not name.endswith(MATMUL_SUFFIXES)]
+    if odd:
+        raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the projections, the embedding table "
+                          "and lm_head can run quantized")
+    return layouts or {n: quant.Layout(bits) for n in names if bits and n.endswith(MATMUL_SUFFIXES)}
 
 
 class TextGraph:
@@ -221,10 +244,9 @@ class TextGraph:
         self.cfg, self.shape, self.b = cfg, shape, Builder(activations=activation_dtype(precision))
         self.kv_dtype = shape.kv_dtype
         self.inputs: dict[str, Value] = {}
-        self.w = {s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype, key=s.name,
-                                           scope=PARAMETER_SCOPE) for s in text_weights(cfg, precision)}
-        for name in [n for n in self.w if n.endswith(MATMUL_SUFFIXES) and quant.scales_name(n) in self.w]:
-            self.w[name] = quant.QuantizedWeight(self.w[name], self.w.pop(quant.scales_name(name)))
+        self.w = quant.grouped({s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype,
+                                                         key=s.name, scope=PARAMETER_SCOPE)
+                                for s in text_weights(cfg, precision)})
         pool = pool_shape(cfg.num_key_value_heads, shape.blocks, cfg.head_dim)
         self.pages = [(self.b.state(f"layers.{n}.k_pages", pool, shape.kv_dtype),
                        self.b.state(f"layers.{n}.v_pages", pool, shape.kv_dtype)) for n in range(cfg.num_hidden_layers)]
@@ -285,8 +307,9 @@ class TextGraph:
         table = self.w[TEXT_PREFIX + "embed_tokens.weight"]
         if isinstance(table, quant.QuantizedWeight):  # the rows (q's columns) dequantized
             table = packed(self.b, table)
+            biases = None if table.biases is None else self.b.gather_rows(table.biases, tokens, hint="embed_biases")
             columns = dequantized(self.b, self.b.gather_slices(table.q, 1, tokens, hint="embed_q"),
-                                  self.b.gather_rows(table.scales, tokens, hint="embed_scales"), "embed")
+                                  self.b.gather_rows(table.scales, tokens, hint="embed_scales"), "embed", biases)
             return self.b.transpose(columns, [1, 0], hint="embed")
         rows = self.b.gather_rows(table, tokens, hint="embed")
         return rows if rows.dtype == "f32" else self.b.convert(rows, "f32", hint="embed")
@@ -473,7 +496,17 @@ def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, p
     kv = "" if shape.kv_dtype == "f32" else f" in {shape.kv_dtype}"
     header = (f"// Qwen3-VL language model, prompt buckets {', '.join(map(str, shape.buckets))}, context "
               f"{shape.context}, {shape.lanes} lanes, KV cache of {shape.blocks} blocks of {BLOCK}{kv}, "
-              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}.\n"
+              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}{affine_note(cfg)}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
-              f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items())}\n")
+              f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items() if k != 'affine_weights')}\n")
     return render(MODULE_NAME, header, shared, functions_)
+
+
+def affine_note(cfg: TextConfig) -> str:
+    """The module header's words for an MLX checkpoint run in its bits: how many weights at
+    which bits and groups (the per-weight list is in the weight schema)."""
+    kinds = sorted({(bits, group) for _, bits, group in cfg.affine_weights})
+    if not kinds:
+        return ""
+    return (f", {len(cfg.affine_weights)} weights MLX-affine in their bits "
+            f"({', '.join(f'{bits}-bit groups of {group}' for bits, group in kinds)}), f32 matmuls")

@@ -23,6 +23,7 @@ from .config import HF_PREFIX, PARAMETER_SCOPE, PRECISION_NOTES, VisionConfig, a
 from .attention import ATTENTION_FORMS, attention, attention_chunk, attention_form, attention_inputs
 from .layers import Stages, layer_norm, linear, merger, mlp, rope_inv_freq, rotary_tables
 from .module import function, render
+from .quant import grouped
 
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
@@ -150,8 +151,8 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: st
     (those a diagnostics variant returns) are written out as they are (`layers.Stages`).
     `attention` names the attention form (`check_attention`; default: by bucket)."""
     inputs = {name: b.argument(name, shape, dtype) for name, shape, dtype in input_specs(cfg, bucket)}
-    weights = {w.name[len(HF_PREFIX):]: bind_weight(b, w, check_binding(binding))
-               for w in graph_weights(cfg, precision)}
+    weights = grouped({w.name[len(HF_PREFIX):]: bind_weight(b, w, check_binding(binding))
+                       for w in graph_weights(cfg, precision)})
 
     def group(prefix):
         return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
 from emitter import quant
+from emitter.config import MLX_PRECISION
 from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_name, emit_text_module,
                           lane_counts, prefill_chunks, prefill_inputs, text_weights)
 from emitter.text_config import load_text_config
@@ -44,7 +45,8 @@ from runtime.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
-from runtime.checkpoints.text import text_entries
+from runtime.checkpoints.text import affine_weights, text_entries
+from runtime.checkpoints.vision import CheckpointError
 from runtime.kv_cache import BlockPool, Blocks, block_keys
 
 DEFAULT_PROMPT_BUCKETS = (128, 512)  # a longer prompt runs in chunks of the largest
@@ -136,6 +138,8 @@ class TextSession:
         self.target = target or DEFAULT_TARGET
         self.progress = progress or (lambda message: None)
         self.deepstack_layers = deepstack_layers
+        if precision == MLX_PRECISION:  # the checkpoint's quantized weights in their bits, the rest f32
+            self.cfg, precision = replace(self.cfg, affine_weights=affine_weights(model_dir, self.cfg)), "f32"
         self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 unless bf16 dots pay
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         text_weights(self.cfg, self.precision)  # a width the quantization group does not divide: one line, now
@@ -411,9 +415,21 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
     return run_tokens(text, prompt, sampler, max_new_tokens, eos_ids, on_token)
 
 
+def checkpoint_precision(model_dir) -> str:
+    """The language model's precision when none is asked: mlx for a checkpoint that stores
+    it MLX-quantized in 8 or 4 bits (run in its bits), else f32."""
+    cfg, _ = load_text_config(model_dir)
+    try:
+        affine_weights(model_dir, cfg)
+    except CheckpointError:
+        return "f32"
+    return MLX_PRECISION
+
+
 def vision_precision(precision: str) -> str:
     """The vision tower's precision beside the language model's: f32 under int8 and int4
-    (its linears are not quantized), else the same."""
+    (its linears are not quantized), else the same (under mlx the linears an MLX tower
+    stores in 8 or 4 bits run in those bits, `build.make_plan`)."""
     return "f32" if quant.bits_of(precision) else precision
 
 
@@ -421,10 +437,11 @@ class Generator:
     """The whole Qwen3-VL of a checkpoint folder on IREE: images and a prompt in, greedy
     tokens and text out. The vision session is opened on the first request with images.
     `context` None: each request gets the least context of CONTEXT_LADDER that holds it, up
-    to `default_context` (generate's default; the KV cache then follows the request)."""
+    to `default_context` (generate's default; the KV cache then follows the request).
+    `precision` None: the checkpoint's own (`checkpoint_precision`)."""
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int | None = DEFAULT_CONTEXT,
-                 target: str | None = None, cache_dir=None, precision: str = "f32", threads: int | None = None,
+                 target: str | None = None, cache_dir=None, precision: str | None = "f32", threads: int | None = None,
                  progress=None, kv_cache_dtype: str = "f32", lanes: int = 1, kv_blocks: int = 0,
                  prefix_cache: bool = True):
         from emitter.config import load_model_config
@@ -439,6 +456,11 @@ class Generator:
         self.model_dir = Path(model_dir)
         self.vision_cfg = load_model_config(model_dir)
         self.tokenizer = ChatTokenizer(model_dir)
+        if precision is None:
+            precision = checkpoint_precision(model_dir)
+            if precision == MLX_PRECISION and progress:
+                progress("precision: mlx (the checkpoint's MLX-quantized weights in their bits; --precision f32 "
+                         "expands them)")
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
         self.fits = context is None  # the context fitted to each request
         if self.fits:

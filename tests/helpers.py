@@ -28,3 +28,20 @@ def write_images(folder: Path, sizes, seed: int = 0, stem: str = "img") -> list[
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
         paths.append(str(path))
     return paths
+
+
+def generate_logits(model, image, precision: str | None, cache, out_dir: Path, max_new_tokens: int = 2) -> np.ndarray:
+    """`qwen3vl generate` with one image at `precision` (None: no --precision, the default;
+    prompt bucket 64, context 96) in a subprocess: its saved [new tokens, vocab] logits; the
+    command's stderr on failure."""
+    import subprocess
+    import sys
+
+    path = Path(out_dir) / f"{precision or 'default'}.npy"
+    flag = ["--precision", precision] if precision else []
+    out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
+                          "--model", model, "--image", image, "--prompt", "What is it?", "--max-new-tokens",
+                          str(max_new_tokens), *flag, "--prompt-bucket", "64", "--context", "96",
+                          "--cache-dir", cache, "--save-logits", path], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return np.load(path)

@@ -177,16 +177,21 @@ def test_mlx_vlm_checkpoint_dequantizes_exactly(mlx_vlm_checkpoint):
     assert_bit_equal_to_mx_dequantize(load_vision_weights(folder, TINY), quantized)
 
 
-def test_tower_matches_mlx_vlm(mlx_vlm_checkpoint, tmp_path):
+@pytest.mark.parametrize("precision", ["f32", "mlx"])
+def test_tower_matches_mlx_vlm(mlx_vlm_checkpoint, tmp_path, precision):
     """The compiled graph on the mlx-vlm checkpoint against mlx-vlm's VisionModel (quantized
-    matmuls, f32 activations) on the same pixels: main and DeepStack outputs."""
+    matmuls, f32 activations) on the same pixels: main and DeepStack outputs; the linears
+    expanded to f32 at load, or (mlx) the 4- and 8-bit ones in their bits (the 3- and 6-bit
+    ones expanded)."""
     from runtime.inputs.processor import process_images
     from runtime.vision import VisionSession
 
     folder, model = mlx_vlm_checkpoint
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((64, 96), (96, 64))]
-    session = VisionSession(folder, buckets=(64,), cache_dir=tmp_path / "cache")
+    session = VisionSession(folder, buckets=(64,), cache_dir=tmp_path / "cache", precision=precision)
+    if precision == "mlx":
+        assert {bits for _, bits, _ in session.cfg.affine_weights} == {4, 8}
     ours = session.encode(images)
     pixel_values, grid_thw = process_images(images, session.policy)
     embeds, deepstack = model.vision_tower(mx.array(pixel_values), mx.array(grid_thw))

@@ -164,7 +164,7 @@ def test_int8_weights_resident_in_their_bits(tmp_path):
 def test_generate_int8_from_the_command_line(tmp_path):
     """`qwen3vl generate --precision int8` with an image (the vision tower in f32 beside the
     int8 language model): it answers, its first logits near the f32 command's."""
-    from helpers import write_images
+    from helpers import generate_logits, write_images
     from emitter.config import PRESETS
     from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
     from runtime.checkpoints.synthetic_text import write_generation_checkpoint
@@ -174,13 +174,5 @@ def test_generate_int8_from_the_command_line(tmp_path):
                                 dataclasses.replace(CFG, tie_word_embeddings=False), seed=3,
                                 processor_policy_dict=policy)
     (image,) = write_images(tmp_path, ((64, 64),))
-    logits = {}
-    for precision in ("int8", "f32"):
-        out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
-                              "--model", tmp_path / "m", "--image", image, "--prompt", "What is it?",
-                              "--max-new-tokens", "2", "--precision", precision, "--prompt-bucket", "64",
-                              "--context", "96", "--cache-dir", tmp_path / "cache", "--save-logits",
-                              tmp_path / f"{precision}.npy"], capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        logits[precision] = np.load(tmp_path / f"{precision}.npy")
+    logits = {p: generate_logits(tmp_path / "m", image, p, tmp_path / "cache", tmp_path) for p in ("int8", "f32")}
     assert 1e-4 < rel_l2(logits["int8"][0], logits["f32"][0]) < 5e-2

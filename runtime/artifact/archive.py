@@ -1,7 +1,8 @@
 """The weight archive (.irpa), of the vision tower and of the language model alike: the
-graph's weights exactly as it takes them (MLX weights dequantized, the patch-embed conv
-flattened to [hidden, patch_dim], matmul weights in bf16 under the bf16 precisions, in i8
-with their f32 group scales beside them under int8: emitter/quant.py), one
+graph's weights exactly as it takes them (MLX weights dequantized, or in their bits under
+`--precision mlx`, the patch-embed conv flattened to [hidden, patch_dim], matmul weights in
+bf16 under the bf16 precisions, in i8 / i4 with their f32 group scales (and an MLX weight's
+biases) beside them: emitter/quant.py), one
 entry per weight, keyed by its checkpoint name; read by the module's globals under scope
 `model`.
 
@@ -88,7 +89,7 @@ def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict
 
 def graph_arrays(model_dir, cfg: VisionConfig, precision: str = "f32") -> list[tuple[str, np.ndarray]]:
     """(checkpoint name, array as the graph takes it) for every weight, in graph order."""
-    weights = checkpoint.weights_in_order(checkpoint.load_vision_weights(model_dir, cfg), cfg, precision)
+    weights = checkpoint.vision_arrays(model_dir, cfg, precision)
     return [(spec.name, array) for spec, array in zip(graph_weights(cfg, precision), weights)]
 
 
@@ -241,8 +242,7 @@ def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progr
     sha256 checked against the manifest), written on a miss: the checkpoint is read, checked
     and converted only then."""
     return cached_entries(cache, text_archive_fields(model_dir, cfg, precision), text_weights(cfg, precision),
-                          lambda: text_checkpoint.text_weights_in_order(text_checkpoint.load_text_weights(model_dir, cfg), cfg,
-                                                                         precision),
+                          lambda: text_checkpoint.text_arrays(model_dir, cfg, precision),
                           "text weights", precision, progress)
 
 

@@ -4,11 +4,11 @@ bucket, `encode_<B>`) into the cache; `compiled_module` builds the language mode
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from emitter.config import VisionConfig, resolve_config
+from emitter.config import MLX_PRECISION, VisionConfig, resolve_config
 from emitter.identity import DEFAULT_LADDER, artifact_identity, format_explanation, vision_artifact_fields
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy, load_video_policy
@@ -58,14 +58,17 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
               weights: str | None = None, progress=None) -> BuildPlan:
     """Check every input before anything is compiled; ValueError naming the bad one. The
     plan's precision is the target's form of the one asked (`compiler.resolve_precision`:
-    bf16 is built as bf16-f32 for a CPU without a double-rate bf16 dot product; `progress` hears so)."""
+    bf16 is built as bf16-f32 for a CPU without a double-rate bf16 dot product; `progress` hears so);
+    mlx (a checkpoint's MLX-quantized linears in their bits) is f32 over a config naming them."""
     if model and not Path(model).is_dir():
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
                          f"(config.json, preprocessor_config.json, *.safetensors)")
     cfg, title = resolve_config(model, preset_name)
     if model:  # the config against the weights' headers, before anything is sized by it
-        from runtime.checkpoints.vision import check_checkpoint
+        from runtime.checkpoints.vision import check_checkpoint, vision_affine_weights
         check_checkpoint(model, cfg)
+        if precision == MLX_PRECISION:  # the linears MLX stores in 8 or 4 bits in those bits, the rest f32
+            cfg, precision = replace(cfg, affine_weights=vision_affine_weights(model, cfg)), "f32"
     policy = load_policy(model, cfg) if model else DEFAULT_POLICY
     video_policy = load_video_policy(model, cfg) if model else DEFAULT_VIDEO_POLICY
     target = target or DEFAULT_TARGET

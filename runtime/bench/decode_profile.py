@@ -12,12 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 import numpy as np
 
 from emitter import quant
 from emitter.module import render
 from emitter.kv_pages import BLOCK
-from emitter.text import MODULE_NAME, TextShape, decode_function, decode_name, text_weights
+from emitter.text import (MATMUL_SUFFIXES, MODULE_NAME, TextShape, decode_function, decode_name, text_weights,
+                          weight_layouts, weight_shapes)
 
 TOOLS = Path(sys.executable).parent
 
@@ -27,24 +30,41 @@ def decode_shape(context: int) -> TextShape:
     return TextShape((min(512, context),), context)
 
 
+# Benchmark names of an MLX checkpoint run in its bits (`--precision mlx`): every matmul weight
+# affine at these bits, groups of 64 (mlx-vlm's default), over f32.
+MLX_FORMS = {"mlx4": 4, "mlx8": 8}
+
+
+def graph_form(cfg, precision: str):
+    """(config, graph precision) of a benchmark precision: a graph precision as it is, or
+    an `MLX_FORMS` name as the config of such a checkpoint over f32."""
+    if precision not in MLX_FORMS:
+        return cfg, precision
+    names = [s.name for s in text_weights(cfg) if s.name.endswith(MATMUL_SUFFIXES)]
+    return replace(cfg, affine_weights=tuple((n, MLX_FORMS[precision], quant.GROUP) for n in names)), "f32"
+
+
 def decode_module(cfg, context: int, precision: str) -> str:
     """decode_1_<context> alone, over a pool of one context's blocks."""
-    shape = decode_shape(context)
+    shape, (cfg, precision) = decode_shape(context), graph_form(cfg, precision)
     function, shared = decode_function(cfg, shape, 1, shape.slots, precision)
     return render(MODULE_NAME, "", shared, [function])
 
 
 def write_archive(cfg, precision: str, path: Path) -> None:
+    """Random weights for `decode_module` (a quantized weight's biases, where it has them, random too)."""
     import iree.runtime as rt
+    cfg, precision = graph_form(cfg, precision)
+    layouts = weight_layouts(cfg, precision, [name for name, _ in weight_shapes(cfg)])
     rng = np.random.default_rng(0)
     weights = {}
     for spec in text_weights(cfg, precision):
         if spec.name in weights:  # a quantized weight's scales, made with it
             continue
-        quantized = spec.dtype in ("i8", "i4")  # stored [K, N], drawn [N, K]
-        w = rng.standard_normal(spec.shape[::-1] if quantized else spec.shape, dtype=np.float32) * np.float32(0.02)
-        if quantized:
-            weights[spec.name], weights[quant.scales_name(spec.name)] = quant.stored(w, quant.bits_of(precision))
+        layout = layouts.get(spec.name)  # stored [K, N], drawn [N, K]
+        w = rng.standard_normal(spec.shape[::-1] if layout else spec.shape, dtype=np.float32) * np.float32(0.02)
+        if layout:
+            weights[spec.name], weights[quant.scales_name(spec.name)] = quant.stored(w, layout.bits, layout.group)
         else:
             weights[spec.name] = w if spec.dtype == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)
     rt.save_archive_file(weights, str(path))
@@ -53,7 +73,7 @@ def write_archive(cfg, precision: str, path: Path) -> None:
 def weight_bytes(cfg, precision: str) -> int:
     """Bytes of the module's weights under `precision` (archive and resident alike)."""
     bits = {"f32": 32, "bf16": 16, "i8": 8, "i4": 4}
-    return sum(int(np.prod(s.shape)) * bits[s.dtype] // 8 for s in text_weights(cfg, precision))
+    return sum(int(np.prod(s.shape)) * bits[s.dtype] // 8 for s in text_weights(*graph_form(cfg, precision)))
 
 
 def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None,

@@ -35,6 +35,20 @@ def unpack_mlx(packed: np.ndarray, bits: int) -> np.ndarray:
     return (stream << np.arange(bits, dtype=np.uint32)).sum(axis=2, dtype=np.uint32)
 
 
+def unpack_bytes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint32 [rows, words] -> uint8 codes [rows, words*32/bits] at 8 or 4 bits, one byte a
+    code (`unpack_mlx`'s codes without its 4-byte ones): at 8 bits the words' bytes as they
+    are, at 4 each byte's low nibble then its high one."""
+    raw = np.ascontiguousarray(packed, dtype="<u4").view(np.uint8)
+    if bits == 8:
+        return raw
+    if bits != 4:
+        raise ValueError(f"{bits}-bit codes: expected 8 or 4")
+    codes = np.empty((raw.shape[0], raw.shape[1] * 2), np.uint8)
+    codes[:, 0::2], codes[:, 1::2] = raw & np.uint8(0xF), raw >> np.uint8(4)
+    return codes
+
+
 def pack_mlx(codes: np.ndarray, bits: int) -> np.ndarray:
     """Inverse of `unpack_mlx`: codes [rows, n] (each < 2**bits) -> uint32 [rows, n*bits/32]."""
     codes = np.asarray(codes, dtype=np.uint32)

@@ -4,10 +4,11 @@ keyed by their Hugging Face names (`model.language_model.*`, `lm_head.weight`).
 Hugging Face layout (one `model.safetensors`, shards listed by
 `model.safetensors.index.json`, or several `*.safetensors`), f32, bf16 or f16 (widened
 exactly). MLX names (`language_model.model.*`, `language_model.lm_head.weight`, as
-mlx-vlm's sanitize writes them) too, affine-quantized or not (dequantized to f32 as the
-vision loader does: bits and group size from config.json's `quantization`). Only the
-text tensors' byte ranges are read. Every problem is a `CheckpointError` naming the tensor
-and the file.
+mlx-vlm's sanitize writes them) too, affine-quantized or not: dequantized to f32 as the
+vision loader does (bits and group size from config.json's `quantization`), or, under
+`--precision mlx`, kept in their bits (`affine_weights`, `read_affine`). Only the
+text tensors' byte ranges are read, one weight at a time. Every problem is a
+`CheckpointError` naming the tensor and the file.
 
 The session does not hold these arrays: `artifact.archive.cached_text_archive` writes them once, in the
 dtypes the graph takes, as a weight archive (.irpa) in the artifact cache, keyed by the
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from emitter import quant
-from emitter.text import text_weights
+from emitter.text import text_weights, weight_layouts, weight_shapes
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
 from runtime.checkpoints import vision as checkpoint
@@ -44,11 +45,11 @@ def scan_text_tensors(model_dir: Path) -> tuple[dict[str, TensorEntry], str]:
     return checkpoint.scan_tensors(model_dir, TEXT)
 
 
-def read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
-                   qconfig: QuantConfig | None) -> np.ndarray:
-    """An MLX affine-quantized [out, in] weight dequantized to f32; bits, group size and mode
-    from config.json's `quantization` (the module's own entry first; `checkpoint.quant_settings`,
-    as the vision side checks them), checked against the stored shapes."""
+def quantized_layout(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
+                     qconfig: QuantConfig | None) -> tuple[int, int, TensorEntry, TensorEntry]:
+    """(bits, group, scales entry, biases entry) of an MLX affine-quantized [out, in] weight;
+    bits, group size and mode from config.json's `quantization` (the module's own entry first;
+    `checkpoint.quant_settings`, as the vision side checks them), checked against the stored shapes."""
     module = key[: -len(".weight")]
     out, n_in = shape
     bits, group = checkpoint.quant_settings(key, entry, qconfig, (module,), n_in)
@@ -60,24 +61,43 @@ def read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry], 
         raise CheckpointError(f"{key}: stored shapes {list(entry.shape)}, {list(scales_e.shape)}, "
                               f"{list(biases_e.shape)} do not pack a {list(shape)} weight at {bits} bits, group "
                               f"{group} (in {entry.file})")
+    return bits, group, scales_e, biases_e
+
+
+def is_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry]) -> bool:
+    return entry.dtype == "U32" or key[: -len("weight")] + "scales" in found
+
+
+def read_quantized(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
+                   qconfig: QuantConfig | None) -> np.ndarray:
+    """An MLX affine-quantized [out, in] weight dequantized to f32 (`quantized_layout`)."""
+    bits, group, scales_e, biases_e = quantized_layout(key, entry, found, shape, qconfig)
     return dequantize_mlx(read_uint32_tensor(entry), read_float_tensor(scales_e), read_float_tensor(biases_e),
                           bits, group)
 
 
+def read_affine(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
+                qconfig: QuantConfig | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An MLX affine-quantized [out, in] weight as the archive holds it in its bits
+    (`quant.from_affine`: q [in, out] re-centred, scales and biases f32), never in f32."""
+    bits, _, scales_e, biases_e = quantized_layout(key, entry, found, shape, qconfig)
+    return checkpoint.read_affine(entry, bits, scales_e, biases_e, shape)
+
+
 def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, TensorEntry]], dict[str, TensorEntry]]:
     """Where each of the decoder's weights is stored, from the safetensors headers alone:
-    {Hugging Face name: (stored name, entry)} in `text_weights` order, and every text tensor
+    {Hugging Face name: (stored name, entry)} in `weight_shapes` order, and every text tensor
     found. CheckpointError for a missing weight or a layer count that disagrees with the config."""
     model_dir = Path(model_dir)
     found, where = scan_text_tensors(model_dir)
     prefix, head = next(((p, h) for p, h in LAYOUTS if p + "embed_tokens.weight" in found), LAYOUTS[0])
     out = {}
-    for spec in text_weights(cfg):
-        key = head if spec.name == LM_HEAD else prefix + spec.name[len(TEXT_PREFIX):]
+    for name, _ in weight_shapes(cfg):
+        key = head if name == LM_HEAD else prefix + name[len(TEXT_PREFIX):]
         if key not in found:
             hint = "; config.json says the embeddings are untied (tie_word_embeddings false)" if key == head else ""
             raise CheckpointError(f"{key}: missing{hint} (in {where})")
-        out[spec.name] = (key, found[key])
+        out[name] = (key, found[key])
     stem = prefix + "layers."
     layers = {n[len(stem):].split(".", 1)[0] for n in found if n.startswith(stem)}
     if len(layers) != cfg.num_hidden_layers:
@@ -94,40 +114,73 @@ def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, Tenso
     return out, found
 
 
+def affine_weights(model_dir, cfg: TextConfig) -> tuple[tuple[str, int, int], ...]:
+    """(Hugging Face name, bits, group size) of each weight the folder stores MLX-quantized in
+    bits that run as stored (8 and 4, `quant.STORAGE_DTYPE`), from the headers and config.json
+    (`TextConfig.affine_weights`; other bits are expanded to f32 at load). CheckpointError
+    where there is none."""
+    entries, found = text_entries(model_dir, cfg)
+    qconfig = quantization_config(Path(model_dir))
+    out = []
+    for name, shape in weight_shapes(cfg):
+        key, entry = entries[name]
+        if is_quantized(key, entry, found):
+            bits, group, _, _ = quantized_layout(key, entry, found, shape, qconfig)
+            if bits in quant.STORAGE_DTYPE:
+                out.append((name, bits, group))
+    if not out:
+        raise CheckpointError(f"{model_dir}: --precision mlx: no language-model weight is MLX-quantized in 8 or 4 "
+                              "bits (expected a checkpoint as mlx-vlm's convert --quantize writes it)")
+    return tuple(out)
+
+
+def read_text_weight(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
+                     qconfig: QuantConfig | None) -> np.ndarray:
+    """One of the decoder's weights as exact f32 (widened, or dequantized from MLX's layout),
+    checked for its shape and for non-finite values."""
+    if is_quantized(key, entry, found):
+        w = read_quantized(key, entry, found, shape, qconfig)
+    else:
+        w = read_float_tensor(entry)
+    if w.shape != shape:
+        raise CheckpointError(f"{key}: unexpected shape {list(w.shape)} (expected {list(shape)}) (in {entry.file})")
+    if not np.isfinite(w).all():
+        raise CheckpointError(f"{key}: non-finite values (in {entry.file})")
+    return w
+
+
 def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
-    """The decoder's weights as f32 arrays, keyed by Hugging Face name in `text_weights`
+    """The decoder's weights as f32 arrays, keyed by Hugging Face name in `weight_shapes`
     order (lm_head absent when tied)."""
     entries, found = text_entries(model_dir, cfg)
     qconfig = quantization_config(Path(model_dir))
-    out = {}
-    for spec in text_weights(cfg):
-        key, entry = entries[spec.name]
-        if entry.dtype == "U32" or key[: -len("weight")] + "scales" in found:
-            w = read_quantized(key, entry, found, spec.shape, qconfig)
-        else:
-            w = read_float_tensor(entry)
-        if w.shape != spec.shape:
-            raise CheckpointError(f"{key}: unexpected shape {list(w.shape)} (expected {list(spec.shape)}) "
-                                  f"(in {entry.file})")
-        if not np.isfinite(w).all():
-            raise CheckpointError(f"{key}: non-finite values (in {entry.file})")
-        out[spec.name] = w
-    return out
+    return {name: read_text_weight(*entries[name], found, shape, qconfig) for name, shape in weight_shapes(cfg)}
 
 
-def text_weights_in_order(weights: dict[str, np.ndarray], cfg: TextConfig, precision: str = "f32") -> list:
-    """(name, array) in graph order, each in the dtype the graph takes (bf16: round to nearest
-    even; int8, int4: `quant.stored`, the weight then its scales). Takes the arrays out of
-    `weights` as it goes, so an f32 array is freed once its converted copy is made."""
+def text_arrays(model_dir, cfg: TextConfig, precision: str = "f32") -> list:
+    """(name, array) in graph order (`text_weights(cfg, precision)`), each in the dtype the
+    graph takes, read one weight at a time (no f32 copy of the whole model): f32; bf16 (round
+    to nearest even); int8, int4 (`quant.stored`, the weight then its scales); an MLX weight
+    run in its bits (`cfg.affine_weights`: `read_affine`, the weight, its scales and biases)."""
     import ml_dtypes
-    out, scales = [], {}
+    entries, found = text_entries(model_dir, cfg)
+    qconfig = quantization_config(Path(model_dir))
+    layouts = weight_layouts(cfg, precision, [name for name, _ in weight_shapes(cfg)])
+    out, pending = [], {}
     for s in text_weights(cfg, precision):
-        if s.name in scales:  # written with its weight, just before
-            out.append((s.name, scales.pop(s.name)))
-        elif s.dtype in ("i8", "i4"):
-            q, scales[quant.scales_name(s.name)] = quant.stored(weights.pop(s.name), quant.bits_of(precision))
-            out.append((s.name, q))
+        if s.name in pending:  # made with its weight, just before
+            out.append((s.name, pending.pop(s.name)))
+            continue
+        layout, (key, entry) = layouts.get(s.name), entries[s.name]
+        shape = s.shape[::-1] if layout else s.shape
+        if layout and layout.affine:
+            q, pending[quant.scales_name(s.name)], pending[quant.biases_name(s.name)] = read_affine(
+                key, entry, found, shape, qconfig)
+        elif layout:
+            q, pending[quant.scales_name(s.name)] = quant.stored(read_text_weight(key, entry, found, shape, qconfig),
+                                                                 layout.bits, layout.group)
         else:
-            w = weights.pop(s.name)
-            out.append((s.name, w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)))
+            w = read_text_weight(key, entry, found, shape, qconfig)
+            q = w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)
+        out.append((s.name, q))
     return out

@@ -29,9 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter.config import CONV_WEIGHT, HF_PREFIX, VisionConfig, graph_weights, weight_schema
+from emitter import quant
+from emitter.config import (CONV_WEIGHT, HF_PREFIX, MATMUL_WEIGHT_SUFFIXES, VisionConfig, graph_weights,
+                            weight_schema)
 
-from runtime.checkpoints.mlx_quant import QUANT_BITS, QuantConfig, dequantize_mlx, quantization_config
+from runtime.checkpoints.mlx_quant import (QUANT_BITS, QuantConfig, dequantize_mlx, quantization_config,
+                                           unpack_bytes)
 
 MLX_PREFIX = "vision_tower."
 VISION_PREFIXES = (HF_PREFIX, "visual.", MLX_PREFIX)  # in order of preference
@@ -453,6 +456,50 @@ def _read_stored(s: StoredWeight, cfg: VisionConfig) -> np.ndarray:
         bad = int(np.size(w) - np.count_nonzero(np.isfinite(w)))
         raise CheckpointError(f"{s.entry.name}: {bad} non-finite values (in {s.entry.file})")
     return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def read_affine(entry: TensorEntry, bits: int, scales_e: TensorEntry, biases_e: TensorEntry,
+                shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An MLX affine-quantized [out, in] weight (its stored layout checked) as the archive
+    holds it in its bits: `quant.from_affine`'s q [in, out] re-centred, scales and biases f32,
+    converted a block of rows at a time; never in f32."""
+    scales, biases = read_float_tensor(scales_e), read_float_tensor(biases_e)
+    for arr, e in ((scales, scales_e), (biases, biases_e)):
+        if not np.isfinite(arr).all():
+            raise CheckpointError(f"{e.name}: non-finite values (in {e.file})")
+    packed = read_uint32_tensor(entry)
+    return quant.from_affine((unpack_bytes(rows, bits) for rows in quant.row_blocks(packed)), shape, scales, biases,
+                             bits)
+
+
+def vision_affine_weights(model_dir: str | Path, cfg: VisionConfig) -> tuple[tuple[str, int, int], ...]:
+    """(Hugging Face name, bits, group size) of each linear the folder stores MLX-quantized in
+    bits that run as stored (8 and 4), from the headers and config.json
+    (`VisionConfig.affine_weights`; other bits, and the position table, are expanded to f32)."""
+    return tuple((s.hf_name, s.quant[0], s.quant[1]) for s in check_checkpoint(model_dir, cfg)
+                 if s.quant and s.quant[0] in quant.STORAGE_DTYPE and s.hf_name.endswith(MATMUL_WEIGHT_SUFFIXES))
+
+
+def vision_arrays(model_dir: str | Path, cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
+    """The graph's ordered weight arguments (`graph_weights(cfg, precision)`), each in the
+    dtype the graph takes, read one weight at a time: f32, bf16 (round to nearest even), or
+    for `cfg.affine_weights` in their bits (`read_affine`: q, then its scales and biases)."""
+    import ml_dtypes
+    stored = {s.hf_name: s for s in check_checkpoint(model_dir, cfg)}
+    affine = {name for name, _, _ in cfg.affine_weights}
+    out, pending = [], {}
+    for w in graph_weights(cfg, precision):
+        if w.name in pending:  # made with its weight, just before
+            out.append(pending.pop(w.name))
+        elif w.name in affine:
+            s = stored[w.name]
+            q, pending[quant.scales_name(w.name)], pending[quant.biases_name(w.name)] = read_affine(
+                s.entry, s.quant[0], *s.quant[2:], s.shape)
+            out.append(q)
+        else:
+            a = _read_stored(stored[w.name], cfg)
+            out.append(a if w.dtype == "f32" else a.astype(ml_dtypes.bfloat16))
+    return out
 
 
 def load_vision_weights(model_dir: str | Path, cfg: VisionConfig) -> dict[str, np.ndarray]:

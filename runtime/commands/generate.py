@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from emitter.config import PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
+from emitter.config import DEFAULT_PRECISION_HELP, PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
 from emitter.errors import command_errors
 
 from emitter.text import KV_CACHE_HELP, KV_DTYPES
@@ -54,8 +54,8 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
               help="Write {prompt_tokens, tokens, text, seconds: {vision, prefill, decode}} here.")
 @click.option("--save-logits", metavar="FILE.npy", help="Write the [new tokens, vocab] f32 logits of each step.")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
-@click.option("--precision", type=click.Choice(TEXT_PRECISIONS), default="f32", show_default=True,
-              help=f"{PRECISION_HELP} {TEXT_BF16_HELP} {QUANT_HELP}")
+@click.option("--precision", type=click.Choice(TEXT_PRECISIONS), default=None,
+              help=f"{PRECISION_HELP} {TEXT_BF16_HELP} {QUANT_HELP} {DEFAULT_PRECISION_HELP}")
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
               help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}); "
               "a longer prompt runs in chunks of the largest.")

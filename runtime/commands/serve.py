@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from emitter.config import PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
+from emitter.config import DEFAULT_PRECISION_HELP, PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
 
 from emitter.text import KV_CACHE_HELP, KV_DTYPES
 
@@ -54,8 +54,8 @@ def positive(name: str, value: int) -> int:
               help="Prefill bucket in tokens (repeatable; default those of "
                    f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context); a longer prompt runs in "
                    "chunks of the largest.")
-@click.option("--precision", type=click.Choice(TEXT_PRECISIONS), default="f32", show_default=True,
-              help=f"{PRECISION_HELP} {QUANT_HELP}")
+@click.option("--precision", type=click.Choice(TEXT_PRECISIONS), default=None,
+              help=f"{PRECISION_HELP} {QUANT_HELP} {DEFAULT_PRECISION_HELP}")
 @click.option("--api-key", metavar="KEY", envvar="QWEN3VL_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/ (or $QWEN3VL_API_KEY; an empty key is refused).")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="HOST",
