@@ -22,8 +22,8 @@ The server runs with `--max-batch` = the largest concurrency.
 reports the server's peak RSS and the most KV blocks they held, beside the KV memory the
 contiguous design (one whole-context row per --max-batch sequence) would need, computed:
 
-    .venv/bin/python benchmarks/bench_serve.py --model /tmp/b2 --concurrency 8 --chats 170 \\
-        --context 32768 --kv-cache-dtype bf16 --kv-cache-memory 3.8
+    .venv/bin/python benchmarks/bench_serve.py --model /tmp/b2 --concurrency 8 --chats 175 \\
+        --context 8192 --prompt-bucket 512 --kv-cache-dtype bf16 --kv-cache-memory 3.9
 
 A `--preset` writes a random checkpoint (with a language model) under `--work` on first
 use (the 2B one is 8.8 GB in f32); `--model DIR` uses a checkpoint folder instead.
@@ -81,6 +81,8 @@ def start_server(args, model: Path, port: int, extra=()) -> subprocess.Popen:
         command += ["--threads", str(args.threads)]
     if args.kv_cache_memory:
         command += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    for bucket in args.prompt_bucket or ():
+        command += ["--prompt-bucket", str(bucket)]
     server = subprocess.Popen(command)
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
@@ -289,6 +291,7 @@ def main(argv=None) -> None:
     p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     p.add_argument("--kv-cache-dtype", choices=["f32", "bf16"], default="f32")
     p.add_argument("--kv-cache-memory", type=float, metavar="GB", help="The server's KV pool (default: its own).")
+    p.add_argument("--prompt-bucket", type=int, action="append", help="The server's prefill buckets (repeatable).")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--requests", type=int, default=2, help="Requests per client per round.")
     p.add_argument("--new", type=int, default=64, help="New tokens per request.")
