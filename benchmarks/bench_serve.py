@@ -205,7 +205,7 @@ def chats(args, model: Path) -> dict:
         peak, done = [0], threading.Event()
 
         def poll():
-            while not done.wait(0.5):
+            while not done.wait(0.2):
                 peak[0] = max(peak[0], int(metric(get(port, "/metrics")[1], "qwen3vl_kv_cache_blocks_used")))
 
         poller = threading.Thread(target=poll)
