@@ -10,6 +10,10 @@ and `--precision`, alternating, in one run. `--profile` adds, per context, IREE'
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 4096 --profile
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 --precision f32 bf16 int8
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 --precision int4 mlx4
+    .venv/bin/python benchmarks/bench_decode.py --layers 4 --contexts 1024 --lanes 1 4 --precision f32 bf16
+
+`--lanes` times the server's batched step (`decode_<lanes>_<context>`, one token for each of
+that many sequences) instead of one sequence's.
 
 Memory: the archive (2B widths: ~0.2 GB per layer in f32) and one module at a time.
 """
@@ -41,37 +45,41 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the contexts")
     parser.add_argument("--repeats", type=int, default=10, help="decode calls per timing")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lanes", type=int, nargs="+", default=[1], help="sequences per step (the server's lanes)")
     parser.add_argument("--profile", action="store_true", help="per-dispatch times and copies per context")
     args = parser.parse_args(argv)
     cfg = replace(TEXT_PRESETS[args.preset], num_hidden_layers=args.layers, vocab_size=args.vocab)
-    runs = [(p, c) for p in args.precision for c in args.contexts]
+    runs = [(p, c, n) for p in args.precision for c in args.contexts for n in args.lanes]
     with tempfile.TemporaryDirectory(prefix="bench_decode.") as tmp:
         tmp = Path(tmp)
         archives, vmfbs = {}, {}
         for precision in args.precision:
             archives[precision] = tmp / f"weights_{precision}.irpa"
             write_archive(cfg, precision, archives[precision])
-        for precision, context in runs:
-            vmfbs[precision, context] = tmp / f"decode_{precision}_{context}.vmfb"
-            vmfbs[precision, context].write_bytes(compile_mlir(decode_module(cfg, context, precision)))
+        for precision, context, lanes in runs:
+            vmfbs[precision, context, lanes] = tmp / f"decode_{precision}_{context}_{lanes}.vmfb"
+            vmfbs[precision, context, lanes].write_bytes(compile_mlir(decode_module(cfg, context, precision, lanes)))
         times = {run: [] for run in runs}
         for _ in range(args.rounds):
-            for precision, context in runs:  # the last slot: every key but the new one masked in
-                times[precision, context].append(step_ms(vmfbs[precision, context], archives[precision], context - 1,
-                                                         args.repeats, args.threads))
+            for run in runs:  # the last slot: every key but the new one masked in
+                precision, context, lanes = run
+                times[run].append(step_ms(vmfbs[run], archives[precision], context - 1, args.repeats, args.threads,
+                                          lanes=lanes))
         print(f"{args.preset} widths, {args.layers} layers, vocab {args.vocab}, {args.threads} threads: ms per "
               f"decode step, median (min-max) of {args.rounds} rounds")
         base = statistics.median(times[runs[0]])
-        for precision, context in runs:
-            t = times[precision, context]
-            print(f"  {precision:8s} context {context:6d}: {statistics.median(t):7.2f} ({min(t):.2f}-{max(t):.2f})"
-                  f"  x{statistics.median(t) / base:.2f} of {runs[0][0]} at context {runs[0][1]}; weights "
-                  f"{weight_bytes(cfg, precision) / 1e6:.0f} MB")
+        for run in runs:
+            precision, context, lanes = run
+            t = times[run]
+            print(f"  {precision:8s} context {context:6d} lanes {lanes}: {statistics.median(t):7.2f} "
+                  f"({min(t):.2f}-{max(t):.2f})  x{statistics.median(t) / base:.2f} of {runs[0][0]} at context "
+                  f"{runs[0][1]}, {runs[0][2]} lane(s); weights {weight_bytes(cfg, precision) / 1e6:.0f} MB")
         if args.profile:
-            for precision, context in runs:
-                path = tmp / f"decode_{precision}_{context}.ireeprof"
-                step_ms(vmfbs[precision, context], archives[precision], context - 1, 3, args.threads, profile=path)
-                print(f"  {precision} context {context} (profiled, 3 steps):")
+            for run in runs:
+                precision, context, lanes = run
+                path = tmp / f"decode_{precision}_{context}_{lanes}.ireeprof"
+                step_ms(vmfbs[run], archives[precision], context - 1, 3, args.threads, profile=path, lanes=lanes)
+                print(f"  {precision} context {context} lanes {lanes} (profiled, 3 steps):")
                 print("\n".join(profile_report(path, 3)))
     return 0
 

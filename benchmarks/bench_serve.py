@@ -17,6 +17,14 @@ The server runs with `--max-batch` = the largest concurrency.
     .venv/bin/python benchmarks/bench_serve.py --preset qwen3-vl-2b --precision bf16 --context 1024 \\
         --json serve-2b-bf16.json
 
+`--multi-turn LINES` times a chat's second turn with and without the prefix cache instead;
+`--chats LINES` runs max(--concurrency) chats of LINES lines and an image at once and
+reports the server's peak RSS and the most KV blocks they held, beside the KV memory the
+contiguous design (one whole-context row per --max-batch sequence) would need, computed:
+
+    .venv/bin/python benchmarks/bench_serve.py --model /tmp/b2 --concurrency 8 --chats 175 \\
+        --context 8192 --prompt-bucket 512 --kv-cache-dtype bf16 --kv-cache-memory 3.9
+
 A `--preset` writes a random checkpoint (with a language model) under `--work` on first
 use (the 2B one is 8.8 GB in f32); `--model DIR` uses a checkpoint folder instead.
 """
@@ -69,11 +77,15 @@ def checkpoint(args) -> Path:
 def start_server(args, model: Path, port: int, extra=()) -> subprocess.Popen:
     command = [QWEN3VL, "serve", "--model", model, "--port", str(port), "--max-batch", str(max(args.concurrency)),
                "--max-waiting", "1000", "--context", str(args.context), "--precision", args.precision,
-               "--cache-dir", args.cache_dir, *extra]
+               "--kv-cache-dtype", args.kv_cache_dtype, "--cache-dir", args.cache_dir, *extra]
     if args.threads:
         command += ["--threads", str(args.threads)]
     if args.ray_replicas:
         command += ["--ray", "local", "--replicas", str(args.ray_replicas)]
+    if args.kv_cache_memory:
+        command += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    for bucket in args.prompt_bucket or ():
+        command += ["--prompt-bucket", str(bucket)]
     server = subprocess.Popen(command)
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
@@ -176,13 +188,60 @@ def multi_turn(args, model: Path) -> list[dict]:
     return out
 
 
+def chats(args, model: Path) -> dict:
+    """max(--concurrency) distinct chats of `args.chats` lines of text and one image at once,
+    after a warm-up: the server's peak RSS, the most KV blocks in use (polled from /metrics
+    while they run), and the KV memory of the contiguous design (a whole-context row per
+    sequence), computed from the checkpoint's config."""
+    from emitter.kv_pages import BLOCK
+    from emitter.text_config import load_text_config
+    from runtime.text import kv_token_bytes
+
+    clients = max(args.concurrency)
+    token_bytes = kv_token_bytes(load_text_config(model)[0], args.kv_cache_dtype)
+    port = free_port()
+    server = start_server(args, model, port)
+    try:
+        one_request(port, body(args))  # warm-up
+        text = " ".join(f"Line {i}: a note about the picture." for i in range(args.chats))
+        bodies = (chat_body(args, [user_turn(f"Chat {i}. " + text)]) for i in itertools.count())
+        peak, done = [0], threading.Event()
+
+        def poll():
+            while not done.wait(0.2):
+                peak[0] = max(peak[0], int(metric(get(port, "/metrics")[1], "qwen3vl_kv_cache_blocks_used")))
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            result = round_of(port, bodies, clients, 1)
+        finally:
+            done.set()
+            poller.join()
+        rss = peak_rss_gb(server.pid)
+    finally:
+        server.terminate()
+        server.wait(60)
+    prompt = result["prompt_tokens"]
+    return {"chats": clients, "prompt_tokens": prompt, "new_tokens": args.new,
+            "peak_kv_blocks": peak[0], "peak_kv_gb": round(peak[0] * BLOCK * token_bytes / 1e9, 3),
+            "held_tokens_kv_gb": round(sum(p + args.new for p in prompt) * token_bytes / 1e9, 3),
+            "contiguous_kv_gb": round(clients * args.context * token_bytes / 1e9, 3),
+            "peak_rss_gb": rss, "round": result}
+
+
+def metric(text: str, name: str) -> float:
+    """A metric's value in /metrics' text."""
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
 def batch_sizes(port: int) -> dict | None:
     """The decode steps so far, from the server's /metrics (None on Ray, where /metrics is
     one replica's)."""
     if RAY:
         return None
     text = get(port, "/metrics")[1]
-    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+    value = lambda name: metric(text, name)  # noqa: E731
     return {"steps": value("qwen3vl_decode_batch_size_count"), "sequences": value("qwen3vl_decode_batch_size_sum"),
             "step_seconds": value("qwen3vl_decode_step_seconds_sum")}
 
@@ -214,6 +273,7 @@ def round_of(port: int, bodies, clients: int, requests: int) -> dict:
     wall = time.perf_counter() - start
     after = batch_sizes(port) or before
     tokens = sum(r["tokens"] for r in results)
+    prompts = [r["prompt"] for r in results]
     ttft = [r["times"][0] - r["start"] for r in results]
     per_token = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
     steps, decoded = after["steps"] - before["steps"], after["sequences"] - before["sequences"]
@@ -225,7 +285,7 @@ def round_of(port: int, bodies, clients: int, requests: int) -> dict:
             "ttft_p95_s": round(percentile(ttft, 0.95), 4),
             "per_token_p50_ms": round(1000 * percentile(per_token, 0.5), 2),
             "per_token_p95_ms": round(1000 * percentile(per_token, 0.95), 2),
-            "mean_decode_batch": round(decoded / steps, 2) if steps else 0.0}
+            "mean_decode_batch": round(decoded / steps, 2) if steps else 0.0, "prompt_tokens": prompts}
 
 
 def main(argv=None) -> None:
@@ -236,6 +296,9 @@ def main(argv=None) -> None:
     p.add_argument("--work", default="/tmp/qwen3vl-bench-serve", help="Where --preset checkpoints are written.")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "qwen3vl-iree"))
     p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--kv-cache-dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--kv-cache-memory", type=float, metavar="GB", help="The server's KV pool (default: its own).")
+    p.add_argument("--prompt-bucket", type=int, action="append", help="The server's prefill buckets (repeatable).")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--requests", type=int, default=2, help="Requests per client per round.")
     p.add_argument("--new", type=int, default=64, help="New tokens per request.")
@@ -251,15 +314,21 @@ def main(argv=None) -> None:
                    help="Instead: a chat of LINES lines and an image, then its second turn, with and without the "
                         "prefix cache (turn-2 time to first token), and max(--concurrency) such chats at once "
                         "(the server's peak RSS).")
+    p.add_argument("--chats", type=int, metavar="LINES",
+                   help="Instead: max(--concurrency) chats of LINES lines and an image at once (the server's "
+                        "peak RSS and KV blocks, beside a contiguous cache's need).")
     p.add_argument("--json", help="Write the report here.")
     args = p.parse_args(argv)
     global RAY
     RAY = bool(args.ray_replicas)
     model = checkpoint(args)
-    if args.multi_turn:
-        rows = multi_turn(args, model)
-        report = {"machine": machine(), "model": str(model), "precision": args.precision, "context": args.context,
-                  "multi_turn": rows}
+    if args.multi_turn or args.chats:
+        report = {"machine": machine(), "model": str(model), "precision": args.precision,
+                  "kv_cache_dtype": args.kv_cache_dtype, "context": args.context}
+        if args.multi_turn:
+            report["multi_turn"] = multi_turn(args, model)
+        else:
+            report["chats"] = chats(args, model)
         print(json.dumps(report, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
@@ -273,10 +342,11 @@ def main(argv=None) -> None:
     finally:
         server.terminate()
         server.wait(60)
-    report = {"machine": machine(), "model": str(model), "precision": args.precision, "new_tokens": args.new,
-              "threads": args.threads, "ray_replicas": args.ray_replicas,
-              "context": args.context, "prompts": args.prompts, "rounds": rounds}
-    print(f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {model.name}, {args.precision}, "
+    report = {"machine": machine(), "model": str(model), "precision": args.precision,
+              "kv_cache_dtype": args.kv_cache_dtype, "new_tokens": args.new, "threads": args.threads,
+              "ray_replicas": args.ray_replicas, "context": args.context, "prompts": args.prompts, "rounds": rounds}
+    print(f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {model.name}, {args.precision} "
+          f"(KV cache {args.kv_cache_dtype}), "
           f"{args.new} new tokens, one image, {args.prompts} prompts")
     print(f"{'clients':>7} {'decode tok/s':>12} {'output tok/s':>12} {'ttft p50':>9} {'ttft p95':>9} "
           f"{'ms/tok p50':>11} {'ms/tok p95':>11} {'batch':>6}")

@@ -45,3 +45,39 @@ def generate_logits(model, image, precision: str | None, cache, out_dir: Path, m
                           "--cache-dir", cache, "--save-logits", path], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return np.load(path)
+def gradient_frames(n: int, width: int, height: int, seed: int = 0) -> np.ndarray:
+    """n smooth RGB frames (moving gradients plus a little noise): uint8 [n, h, w, 3]."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    frames = []
+    for i in range(n):
+        base = np.stack([x * 3 + i * 11, y * 2 + i * 7, (x + y) + i * 5], -1) % 256
+        frames.append(np.clip(base + rng.integers(-8, 9, base.shape), 0, 255).astype(np.uint8))
+    return np.stack(frames)
+
+
+def write_video(path, frames: np.ndarray, rate: int = 10, codec: str = "mpeg4", fmt: str | None = None) -> str:
+    """Encode uint8 [n, h, w, 3] frames with PyAV; the path."""
+    import av
+    container = av.open(str(path), "w", format=fmt)
+    stream = container.add_stream(codec, rate=rate)
+    stream.height, stream.width = frames.shape[1:3]
+    stream.pix_fmt = "yuv420p"
+    if codec == "mpeg4":
+        stream.options = {"qscale": "2"}
+    for frame in frames:
+        for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+            container.mux(packet)
+    for packet in stream.encode():
+        container.mux(packet)
+    container.close()
+    return str(path)
+
+
+def decode_all(path) -> tuple[np.ndarray, float]:
+    """Every frame of a file, as transformers' PyAV reader decodes them, and its fps."""
+    import av
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        return np.stack(frames), float(stream.average_rate)

@@ -1,10 +1,11 @@
 """Prompts longer than the largest prefill bucket: prefilled in chunks (emitter/text.py's
-`prefill_chunks`), each attending over the cache the earlier chunks wrote, with image rows
-and their DeepStack features injected in whichever chunk holds them. Against transformers
-(f32, same checkpoint, same images): a multi-turn chat of about 4,000 tokens with three
-images and chunk boundaries inside image rows gives the same greedy tokens, every step's
-logits within relL2 1e-5, in `generate`'s one-sequence module and in a row of the
-server's batched module."""
+`prefill_chunks`), each attending over the cache the earlier chunks wrote, with image and
+video rows and their DeepStack features injected in whichever chunk holds them. Against
+transformers (f32, same checkpoint, same images and video file): a multi-turn chat of about
+4,000 tokens with three images, and one of about 3,100 tokens with a 12-frame video, each
+with a chunk boundary inside a medium's rows, give the same greedy tokens, every step's
+logits within relL2 1e-5, in `generate`'s one-sequence module and in a row of the server's
+batched module."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_l2
-from helpers import write_images
+from helpers import gradient_frames, write_images, write_video
 from test_text_parity import SMALL_POLICY, TOL, reference_chat
 from emitter.config import PRESETS
 from emitter.text import prefill_chunks
@@ -56,9 +57,9 @@ def setup(tmp_path_factory):
 
 
 def ours(gen, chat, steps):
-    """Our answer to `chat` (the reference's messages: image parts carry their path)."""
-    media = [Media("image", part["image"]) for m in chat for part in m["content"] if part["type"] == "image"]
-    messages = [{"role": m["role"], "content": [{"type": "image"} if p["type"] == "image" else p
+    """Our answer to `chat` (the reference's messages: image and video parts carry their path)."""
+    media = [Media(part["type"], part[part["type"]]) for m in chat for part in m["content"] if part["type"] != "text"]
+    messages = [{"role": m["role"], "content": [p if p["type"] == "text" else {"type": p["type"]}
                                                 for p in m["content"]]} for m in chat]
     prompt = gen.prepare(messages, media, steps)
     sampler = Sampler(SamplingParams(), prompt.ids, gen.text.cfg.vocab_size)
@@ -74,15 +75,43 @@ def expected(setup):
 
 def test_long_chat_matches_transformers(setup, expected):
     model_dir, root, chat = setup
+    check_parity(model_dir, root, chat, expected, "image_token_id")
+
+
+@pytest.fixture(scope="module")
+def video_chat(setup):
+    """A chat of about 3,100 tokens with a video of 12 sampled 256x256 frames (6 groups of
+    64 rows) whose rows hold the chunk boundary at 768."""
+    _, root, _ = setup
+    video = write_video(root / "clip.mp4", gradient_frames(24, 256, 256, seed=9), rate=4)
+    return [
+        {"role": "user", "content": [{"type": "text", "text": long_text(350, 4)}, {"type": "video", "video": video},
+                                     {"type": "text", "text": long_text(600, 5)}]},
+        {"role": "assistant", "content": [{"type": "text", "text": long_text(200, 6)}]},
+        {"role": "user", "content": [{"type": "text", "text": long_text(300, 7) + " What happens in the video?"}]},
+    ]
+
+
+def test_long_chat_with_a_video_matches_transformers(setup, video_chat):
+    model_dir, root, _ = setup
+    check_parity(model_dir, root, video_chat, reference_chat(model_dir, video_chat, STEPS), "video_token_id")
+
+
+def check_parity(model_dir, root, chat, expected, pad: str):
+    """`chat` through `generate`'s module against transformers' (prompt ids, tokens, logits),
+    with a chunk boundary inside the rows of a medium whose pad is `pad`
+    (image_token_id or video_token_id); then the same prompt as one of two lanes of the
+    server's module, bit-equal to `generate`'s."""
     ids, tokens, logits = expected
     assert 3000 <= ids.size <= CONTEXT - STEPS, ids.size
     gen = Generator(model_dir, buckets=BUCKETS, context=CONTEXT, cache_dir=root / "cache")
     prompt, got, got_logits = ours(gen, chat, STEPS)
     assert prompt.ids.tolist() == ids.tolist()
-    # the chunking this test means to cover: boundaries inside an image's rows
+    # the chunking this test means to cover: a boundary inside a medium's rows (between two of
+    # its DeepStack rows too: they sit at the same positions)
     starts = [c.start for c in prefill_chunks(ids.size, gen.text.shape)][1:]
-    visual = set(prompt.visual.tolist())
-    assert any(s - 1 in visual and s in visual for s in starts), "no chunk boundary inside an image"
+    rows = set(np.flatnonzero(ids == getattr(gen.text.token_ids, pad)).tolist())
+    assert any(s - 1 in rows and s in rows for s in starts), f"no chunk boundary inside the rows of {pad}"
     assert len(tokens) == STEPS and got == tokens
     errors = [rel_l2(a, b) for a, b in zip(got_logits, logits)]
     assert max(errors) <= TOL, errors

@@ -49,21 +49,32 @@ def reference(model_dir, prompt, images, steps):
 
 def reference_chat(model_dir, messages, steps):
     """transformers end to end: Qwen3VLProcessor (the folder's tokenizer and template, the
-    PIL image processor) renders, expands and tokenizes the chat (`messages`, image parts
-    {"type": "image", "image": path}) and returns mm_token_type_ids (without them
-    transformers silently uses 1-D positions); then Qwen3VLForConditionalGeneration.generate,
-    greedy. Returns (prompt ids, new tokens, the logits of each step)."""
+    PIL image processor, the video processor's defaults) renders the chat (`messages`, image
+    parts {"type": "image", "image": path}, video parts {"type": "video", "video": path}),
+    expands and tokenizes it and returns mm_token_type_ids (without them transformers
+    silently uses 1-D positions); each video is every frame PyAV decodes with the file's fps,
+    which the video processor samples (transformers' own loader wants torchcodec). Then
+    Qwen3VLForConditionalGeneration.generate, greedy. Returns (prompt ids, new tokens, the
+    logits of each step)."""
+    from PIL import Image
+    from helpers import decode_all
     from torch_reference import import_torchvision
     import_torchvision()  # the video processor's torchvision, loadable beside torch+cpu
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
 
     processor = Qwen3VLProcessor(Qwen2VLImageProcessorPil(**SMALL_POLICY), AutoTokenizer.from_pretrained(model_dir),
                                  Qwen3VLVideoProcessor(),
                                  chat_template=(Path(model_dir) / "chat_template.jinja").read_text())
-    inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                           return_tensors="pt")
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    parts = [p for m in messages for p in m["content"] if p["type"] != "text"]
+    images = [Image.open(p["image"]).convert("RGB") for p in parts if p["type"] == "image"]
+    videos = [decode_all(p["video"]) for p in parts if p["type"] == "video"]
+    inputs = processor(text=[text], images=images or None, videos=[frames for frames, _ in videos] or None,
+                       video_metadata=[VideoMetadata(total_num_frames=len(frames), fps=fps)
+                                       for frames, fps in videos] or None, return_tensors="pt")
     assert "mm_token_type_ids" in inputs
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
                                                             attn_implementation="eager").eval()

@@ -25,9 +25,10 @@ from emitter.text import (MATMUL_SUFFIXES, MODULE_NAME, TextShape, decode_functi
 TOOLS = Path(sys.executable).parent
 
 
-def decode_shape(context: int) -> TextShape:
-    """One sequence of `context` slots (a multiple of 16), its blocks 1.. in order."""
-    return TextShape((min(512, context),), context)
+def decode_shape(context: int, lanes: int = 1) -> TextShape:
+    """`lanes` sequences of `context` slots (a multiple of 16), lane i's blocks
+    i * context / 16 + 1.. in order."""
+    return TextShape((min(512, context),), context, lanes)
 
 
 # Benchmark names of an MLX checkpoint run in its bits (`--precision mlx`): every matmul weight
@@ -44,10 +45,10 @@ def graph_form(cfg, precision: str):
     return replace(cfg, affine_weights=tuple((n, MLX_FORMS[precision], quant.GROUP) for n in names)), "f32"
 
 
-def decode_module(cfg, context: int, precision: str) -> str:
-    """decode_1_<context> alone, over a pool of one context's blocks."""
-    shape, (cfg, precision) = decode_shape(context), graph_form(cfg, precision)
-    function, shared = decode_function(cfg, shape, 1, shape.slots, precision)
+def decode_module(cfg, context: int, precision: str, lanes: int = 1) -> str:
+    """decode_<lanes>_<context> alone, over a pool of a context's blocks per lane."""
+    shape, (cfg, precision) = decode_shape(context, lanes), graph_form(cfg, precision)
+    function, shared = decode_function(cfg, shape, lanes, shape.slots, precision)
     return render(MODULE_NAME, "", shared, [function])
 
 
@@ -77,14 +78,17 @@ def weight_bytes(cfg, precision: str) -> int:
 
 
 def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None,
-            context: int = 0) -> float:
-    """Mean ms of one decode step (token 5 at cache slot `slot` of a `context`-slot module,
-    default slot + 1 rounded up to a block) over `repeats` calls."""
+            context: int = 0, lanes: int = 1) -> float:
+    """Mean ms of one decode step (token 5 at cache slot `slot` of each of `lanes` sequences
+    of a `context`-slot module, default slot + 1 rounded up to a block) over `repeats` calls."""
     context = context or -(-(slot + 1) // BLOCK) * BLOCK
+    blocks = context // BLOCK
+    table = ",".join(str(i) for i in range(1, lanes * blocks + 1))
     command = [str(TOOLS / "iree-benchmark-module"), "--device=local-task", f"--module={vmfb}",
-               f"--parameters=model={archive}", f"--function={decode_name(1, context)}", "--input=1xi32=5",
-               f"--input=3x1xi32={slot},{slot},{slot}", f"--input=1xi32={slot}",
-               f"--input=1x{context // BLOCK}xi32={','.join(str(i) for i in range(1, context // BLOCK + 1))}",
+               f"--parameters=model={archive}", f"--function={decode_name(lanes, context)}",
+               f"--input={lanes}xi32={','.join(['5'] * lanes)}",
+               f"--input=3x{lanes}xi32={','.join([str(slot)] * 3 * lanes)}",
+               f"--input={lanes}xi32={','.join([str(slot)] * lanes)}", f"--input={lanes}x{blocks}xi32={table}",
                f"--benchmark_min_time={repeats}x",
                f"--task_topology_group_count={threads}", "--benchmark_format=json"]
     if profile:
