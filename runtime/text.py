@@ -34,7 +34,6 @@ from emitter import quant
 from emitter.config import MLX_PRECISION
 from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_name, emit_text_module,
                           lane_counts, prefill_chunks, prefill_inputs, text_weights)
-from emitter.text_config import load_text_config
 
 from runtime.artifact.archive import release_mapped_pages
 from runtime.artifact.build import compiled_module
@@ -45,7 +44,7 @@ from runtime.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
-from runtime.checkpoints.text import affine_weights, text_entries
+from runtime.checkpoints.text import affine_weights, model_text_config as load_text_config, text_entries
 from runtime.checkpoints.vision import CheckpointError
 from runtime.kv_cache import BlockPool, Blocks, block_keys
 
