@@ -8,6 +8,7 @@ as a Hugging Face folder): logits relL2 <= 1e-5. Bad files are one line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -38,6 +39,7 @@ def files(tmp_path_factory):
     ckpt = work / "hf"
     vision = dataclasses.replace(preset("tiny"), out_hidden_size=CFG.hidden_size)
     write_generation_checkpoint(ckpt, vision, CFG, seed=5)
+    qwen2_pre_tokenizer(ckpt / "tokenizer.json")
     llamacpp.DEFAULT_WORK.mkdir(parents=True, exist_ok=True)
     src = llamacpp.fetch_source(llamacpp.DEFAULT_WORK, llamacpp.VERSION)
     llamacpp.patch_converter(src)
@@ -46,6 +48,16 @@ def files(tmp_path_factory):
     out["q4_0"] = requantize(out["f32"], work / "text-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
     out["hf"] = ckpt
     return out
+
+
+def qwen2_pre_tokenizer(path):
+    """The random tokenizer given the pre-tokenizer of Qwen's own tokenizer.json (the split
+    then byte-level without its regex), so that it is the tokenizer a real Qwen3-VL has."""
+    tj = json.loads(path.read_text())
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": gguf_text.QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    path.write_text(json.dumps(tj))
 
 
 def requantize(src, dst, qtype):
@@ -83,7 +95,6 @@ def dequantized_folder(path, folder):
     weights = load_text_weights(path, cfg)
     write_safetensors(folder / "model.safetensors",
                       {k: ("F32", w.shape, memoryview(np.ascontiguousarray(w)).cast("B")) for k, w in weights.items()})
-    import json
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "tie_word_embeddings":
                                                     cfg.tie_word_embeddings, "text_config": cfg.to_hf_text_config()}))
     return folder
@@ -142,3 +153,28 @@ def test_unknown_architecture_is_one_line(files, tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match=r"GGUF architecture 'llama' is not supported; expected 'qwen3vl'"):
         model_text_config(bad)
+
+
+TEXTS = ["Hello world", "  leading spaces and trailing  ", "numbers 12345 and 3.14159, dates 2024-01-05",
+         "I'm sure they'll say we've DONE it", "tabs\tand\nnew\n\nlines\r\n", "émigré naïve 東京 🙂 Ωμέγα",
+         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n</think>\n",
+         "<tool_call>{\"name\": \"f\"}</tool_call><|vision_start|><|image_pad|><|vision_end|>",
+         "a<|endoftext|>b", "!!!??? ... --- ''' ```code```"]
+
+
+def test_tokenizer_equals_the_checkpoints(files):
+    """The tokenizer built from tokenizer.ggml.* gives the checkpoint tokenizer.json's ids
+    on varied text, added and special tokens included, and decodes them back the same."""
+    from tokenizers import Tokenizer
+
+    from runtime.inputs.tokenizer import ChatTokenizer
+
+    ours = ChatTokenizer(files["q8_0"])
+    theirs = Tokenizer.from_file(str(files["hf"] / "tokenizer.json"))
+    for text in TEXTS:
+        ids = theirs.encode(text).ids
+        assert ours.tokenizer.encode(text).ids == ids, text
+        assert ours.tokenizer.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
+    hf = json.loads((files["hf"] / "generation_config.json").read_text())["eos_token_id"]
+    assert ours.eos_ids[0] in hf
+    assert ours.template_text == (files["hf"] / "chat_template.jinja").read_text()

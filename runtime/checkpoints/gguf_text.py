@@ -207,3 +207,52 @@ def content_fields(path) -> dict:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
     return {"gguf_sha256": h.hexdigest()}
+
+
+# Qwen2's pre-tokenizer split (tokenizer.json of the Qwen2/Qwen3 models; llama.cpp's `qwen2` pre)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType: the converter's special and non-special added tokens
+
+
+def tokenizer(path):
+    """The file's byte-level BPE (`tokenizer.ggml.*`, model gpt2, pre qwen2) as a `tokenizers`
+    Tokenizer, the way Qwen's tokenizer.json builds it: Qwen2's split then byte-level, the
+    CONTROL tokens added as special tokens and the USER_DEFINED ones (`<think>`, ...) as
+    added tokens that are not special."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    r = reader(path)
+    model, pre = field(r, "tokenizer.ggml.model", path), field(r, "tokenizer.ggml.pre", path, "")
+    if model != "gpt2" or pre != "qwen2":
+        raise CheckpointError(f"{path}: tokenizer.ggml.model {model!r}, pre {pre!r}: expected 'gpt2', 'qwen2' "
+                              "(Qwen's byte-level BPE)")
+    tokens, types = field(r, "tokenizer.ggml.tokens", path), field(r, "tokenizer.ggml.token_type", path)
+    merges = [tuple(m.split(" ", 1)) for m in field(r, "tokenizer.ggml.merges", path)]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    added = [AddedToken(t, special=ty == CONTROL, normalized=False) for t, ty in zip(tokens, types)
+             if ty in (CONTROL, USER_DEFINED)]
+    tok.add_tokens(added)  # ids are the vocabulary's own (each is already in it)
+    tok.add_special_tokens([a for a in added if a.special])
+    return tok
+
+
+def chat_settings(path) -> tuple[str, tuple[int, ...], dict]:
+    """The chat template (`tokenizer.chat_template`), the EOS ids (eos, then eot where the
+    file names one) and the special tokens as tokenizer_config.json would name them."""
+    r = reader(path)
+    template = field(r, "tokenizer.chat_template", path, "")
+    if not template:
+        raise CheckpointError(f"{path}: no chat template (expected GGUF metadata 'tokenizer.chat_template')")
+    tokens = field(r, "tokenizer.ggml.tokens", path)
+    eos = [field(r, f"tokenizer.ggml.{k}_token_id", path, -1) for k in ("eos", "eot")]
+    ids = tuple(dict.fromkeys(i for i in eos if i >= 0))
+    config = {"eos_token": tokens[ids[0]]} if ids else {}
+    pad = field(r, "tokenizer.ggml.padding_token_id", path, -1)
+    if pad >= 0:
+        config["pad_token"] = tokens[pad]
+    return template, ids, config
