@@ -31,16 +31,17 @@ def write_images(folder: Path, sizes, seed: int = 0, stem: str = "img") -> list[
 
 
 def generate_logits(model, image, precision: str | None, cache, out_dir: Path, max_new_tokens: int = 2) -> np.ndarray:
-    """`qwen3vl generate` with one image at `precision` (None: no --precision, the default;
-    prompt bucket 64, context 96) in a subprocess: its saved [new tokens, vocab] logits; the
-    command's stderr on failure."""
+    """`qwen3vl generate` with one image (None: text only) at `precision` (None: no
+    --precision, the default; prompt bucket 64, context 96) in a subprocess: its saved
+    [new tokens, vocab] logits; the command's stderr on failure."""
     import subprocess
     import sys
 
     path = Path(out_dir) / f"{precision or 'default'}.npy"
     flag = ["--precision", precision] if precision else []
     out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
-                          "--model", model, "--image", image, "--prompt", "What is it?", "--max-new-tokens",
+                          "--model", model, *(["--image", image] if image else []), "--prompt", "What is it?",
+                          "--max-new-tokens",
                           str(max_new_tokens), *flag, "--prompt-bucket", "64", "--context", "96",
                           "--cache-dir", cache, "--save-logits", path], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_l2
+from helpers import generate_logits
 from emitter.config import MLX_PRECISION, preset
 from emitter.text_config import TEXT_PRESETS
 from runtime.bench import llamacpp
@@ -178,3 +179,32 @@ def test_tokenizer_equals_the_checkpoints(files):
     hf = json.loads((files["hf"] / "generation_config.json").read_text())["eos_token_id"]
     assert ours.eos_ids[0] in hf
     assert ours.template_text == (files["hf"] / "chat_template.jinja").read_text()
+
+
+def test_generate_text_only_from_the_gguf_file(files, tmp_path):
+    """`qwen3vl generate --model text-q8_0.gguf` (its bits, tokenizer and template from the
+    file) gives the logits of the same command over the Hugging Face folder whose text
+    weights are gguf's dequantization of the file: within 1e-5. An image without the
+    mmproj is one line."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file, save_file
+
+    path, folder = files["q8_0"], tmp_path / "deq"
+    shutil.copytree(files["hf"], folder)
+    cfg, _ = model_text_config(path)
+    tensors = {**load_file(str(folder / "model.safetensors")), **load_text_weights(path, cfg)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    cache = tmp_path / "cache"
+    ours = generate_logits(path, None, None, cache, tmp_path)
+    ref = generate_logits(folder, None, "f32", cache, tmp_path)
+    assert rel_l2(ours, ref) <= TOL
+    out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
+                          "--model", path, "--image", files["hf"] / "config.json", "--prompt", "hi", "--cache-dir",
+                          cache], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (f"error: --model {path}: a GGUF text file alone has no vision "
+                                                   "tower for the image; expected its mmproj GGUF too (llama.cpp's "
+                                                   "--mmproj)")

@@ -112,6 +112,11 @@ def text_config(path) -> tuple[TextConfig, TokenIds]:
     return text_config_from_hf(config, source=str(path))
 
 
+def deepstack_layers(path) -> int:
+    """The decoder layers that take DeepStack features (`qwen3vl.n_deepstack_layers`)."""
+    return int(field(reader(path), f"{ARCH}.n_deepstack_layers", path, 0))
+
+
 def text_tensors(path, cfg: TextConfig) -> dict:
     """{Hugging Face name: the reader's tensor} of every weight the config needs, each of a
     supported type and shape; CheckpointError naming the first that is missing, unknown, of
