@@ -46,3 +46,17 @@ def generate_logits(model, image, precision: str | None, cache, out_dir: Path, m
                           "--cache-dir", cache, "--save-logits", path], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return np.load(path)
+
+
+def chunked_logits(model, cache, precision: str, vocab: int, steps: int) -> np.ndarray:
+    """A TextSession's logits of a 37-token prompt (two chunks of bucket 32: 32 rows
+    dequantize, the last row and the decode steps run split-K) and of `steps` greedy decode
+    steps, [1 + steps, vocab]."""
+    from runtime.text import TextSession
+
+    session = TextSession(model, buckets=(32,), context=64, cache_dir=cache, precision=precision)
+    n = 37
+    rows = [session.prefill(np.arange(n) * 7 % vocab, np.broadcast_to(np.arange(n), (3, n)))]
+    for step in range(steps):
+        rows.append(session.decode(int(np.argmax(rows[-1])), n + step))
+    return np.stack(rows)

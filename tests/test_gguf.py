@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_l2
-from helpers import generate_logits
+from helpers import chunked_logits, generate_logits
 from emitter.config import MLX_PRECISION, preset
 from emitter.text_config import TEXT_PRESETS
 from runtime.bench import llamacpp
@@ -101,15 +101,9 @@ def dequantized_folder(path, folder):
     return folder
 
 
-def logits(model, cache, precision, steps: int = 2) -> np.ndarray:
-    """A 37-token prompt's last logits (a 32-row chunk dequantizes, the last runs split-K)
-    and `steps` greedy decode steps."""
-    session = TextSession(model, buckets=(32,), context=64, cache_dir=cache, precision=precision)
-    n = 37
-    rows = [session.prefill(np.arange(n) * 7 % CFG.vocab_size, np.broadcast_to(np.arange(n), (3, n)))]
-    for step in range(steps):
-        rows.append(session.decode(int(np.argmax(rows[-1])), n + step))
-    return np.stack(rows)
+def logits(model, cache, precision: str, steps: int = 2) -> np.ndarray:
+    """`helpers.chunked_logits` over this file's vocabulary."""
+    return chunked_logits(model, cache, precision, CFG.vocab_size, steps)
 
 
 def test_config_from_metadata(files):
