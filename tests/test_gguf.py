@@ -138,6 +138,20 @@ def test_unsupported_quant_type_is_one_line(files, tmp_path):
         TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision=MLX_PRECISION)
 
 
+def test_a_folder_holding_the_files(files, tmp_path):
+    """A folder holding the text file and an mmproj file reads as the text file; two text
+    files are one line."""
+    import shutil
+
+    shutil.copy(files["q8_0"], tmp_path / "Qwen3VL-Q8_0.gguf")
+    (tmp_path / "mmproj-Qwen3VL-f16.gguf").write_bytes(b"GGUF")
+    assert gguf_text.text_file(tmp_path) == tmp_path / "Qwen3VL-Q8_0.gguf"
+    assert model_text_config(tmp_path) == model_text_config(files["q8_0"])
+    shutil.copy(files["q4_0"], tmp_path / "Qwen3VL-Q4_0.gguf")
+    with pytest.raises(CheckpointError, match=r"2 GGUF text files \(Qwen3VL-Q4_0.gguf, Qwen3VL-Q8_0.gguf\); expected one"):
+        model_text_config(tmp_path)
+
+
 def test_unknown_architecture_is_one_line(files, tmp_path):
     bad = tmp_path / "llama.gguf"
     w = gguf.GGUFWriter(str(bad), arch="llama")

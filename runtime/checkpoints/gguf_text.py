@@ -41,14 +41,32 @@ SPECIAL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_
                   "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 
 
-def is_gguf(path) -> bool:
+def starts_gguf(path: Path) -> bool:
     """Whether `path` is a file that starts with GGUF's magic."""
-    path = Path(path)
     try:
         with open(path, "rb") as f:
             return path.is_file() and f.read(4) == MAGIC
     except OSError:
         return False
+
+
+def text_file(path) -> Path | None:
+    """The GGUF text file `--model` names: the file itself, or the one `*.gguf` of a folder
+    without config.json whose name does not start with `mmproj` (llama.cpp's naming of the
+    projector beside it); None for anything else."""
+    path = Path(path)
+    if path.is_dir() and not (path / "config.json").exists():
+        found = [p for p in sorted(path.glob("*.gguf")) if not p.name.lower().startswith("mmproj")]
+        if len(found) > 1:
+            raise CheckpointError(f"--model {path}: {len(found)} GGUF text files ({', '.join(p.name for p in found)}); "
+                                  "expected one beside its mmproj, or the file itself")
+        path = found[0] if found else path
+    return path if starts_gguf(path) else None
+
+
+def is_gguf(path) -> bool:
+    """Whether `--model` names a GGUF text file (`text_file`)."""
+    return text_file(path) is not None
 
 
 def hf_name(name: str) -> str | None:
@@ -66,7 +84,7 @@ def reader(path):
     import gguf
 
     try:
-        r = gguf.GGUFReader(path)
+        r = gguf.GGUFReader(text_file(path) or path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
     arch = field(r, "general.architecture", path)
@@ -208,7 +226,7 @@ def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
 def content_fields(path) -> dict:
     """What decides an archive's bytes from this file: its sha256."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(text_file(path), "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
     return {"gguf_sha256": h.hexdigest()}
