@@ -148,7 +148,8 @@ def test_a_folder_holding_the_files(files, tmp_path):
     assert gguf_text.text_file(tmp_path) == tmp_path / "Qwen3VL-Q8_0.gguf"
     assert model_text_config(tmp_path) == model_text_config(files["q8_0"])
     shutil.copy(files["q4_0"], tmp_path / "Qwen3VL-Q4_0.gguf")
-    with pytest.raises(CheckpointError, match=r"2 GGUF text files \(Qwen3VL-Q4_0.gguf, Qwen3VL-Q8_0.gguf\); expected one"):
+    with pytest.raises(CheckpointError,
+                       match=r"2 GGUF text files \(Qwen3VL-Q4_0.gguf, Qwen3VL-Q8_0.gguf\); expected one"):
         model_text_config(tmp_path)
 
 

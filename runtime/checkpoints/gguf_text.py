@@ -31,8 +31,8 @@ GROUP = 32  # values per Q8_0 / Q4_0 block
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BITS = {"Q8_0": 8, "Q4_0": 4}  # block types run in their bits
 # llama.cpp's names of the decoder's tensors (gguf-py's tensor_mapping for qwen3vl)
-GLOBAL_NAMES = {"token_embd.weight": TEXT_PREFIX + "embed_tokens.weight", "output_norm.weight": TEXT_PREFIX + "norm.weight",
-                "output.weight": LM_HEAD}
+GLOBAL_NAMES = {"token_embd.weight": TEXT_PREFIX + "embed_tokens.weight",
+                "output_norm.weight": TEXT_PREFIX + "norm.weight", "output.weight": LM_HEAD}
 BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
@@ -120,7 +120,8 @@ def text_config(path) -> tuple[TextConfig, TokenIds]:
     text = {"vocab_size": len(tokens), "hidden_size": key("embedding_length"),
             "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
             "num_attention_heads": key("attention.head_count"), "num_key_value_heads": key("attention.head_count_kv"),
-            "head_dim": key("attention.key_length"), "rms_norm_eps": f32_decimal(key("attention.layer_norm_rms_epsilon")),
+            "head_dim": key("attention.key_length"),
+            "rms_norm_eps": f32_decimal(key("attention.layer_norm_rms_epsilon")),
             "max_position_embeddings": key("context_length"),
             "rope_parameters": {"rope_type": "default", "rope_theta": f32_decimal(key("rope.freq_base")),
                                 "mrope_section": list(sections[:3]), "mrope_interleaved": True}}
