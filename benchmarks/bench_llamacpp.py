@@ -55,18 +55,16 @@ import re
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runtime.bench.llamacpp import VERSION, convert, fetch_source, patch_converter, run_logged  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 QWEN3VL = str(Path(PYTHON).with_name("qwen3vl"))
-VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-mtmd-cli", "llama-quantize")
-PATCH_MARK = "patched by qwen3vl-iree benchmarks/bench_llamacpp.py: unknown hash -> qwen2"
-PATCH_OLD = ('            raise NotImplementedError("BPE pre-tokenizer was not recognized - '
-             'update get_vocab_base_pre()")')
 IMAGE_SIZES = (256, 512, 1024)
 PROMPT = "Describe the image."
 PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
@@ -81,42 +79,6 @@ PAIRS = (("f32", "f32", "text-f32", "mmproj-f32"), ("bf16", "bf16", "text-bf16",
 
 
 # --- llama.cpp from the sdist -------------------------------------------------------------
-
-def run_logged(cmd, log: Path, cwd=None, env=None) -> None:
-    """Run `cmd` with its output appended to `log`; on failure raise with the log's tail."""
-    with open(log, "a") as out:
-        out.write(f"$ {' '.join(map(str, cmd))}\n")
-        out.flush()
-        rc = subprocess.call([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
-    if rc:
-        raise SystemExit(f"error: {cmd[0]} exited {rc}; last lines of {log}:\n" + "".join(open(log).readlines()[-20:]))
-
-
-def fetch_source(work: Path, version: str) -> Path:
-    """The sdist's vendored llama.cpp, downloaded and extracted once into `work`."""
-    src = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    if (src / "convert_hf_to_gguf.py").exists():
-        return src
-    sdist = work / f"llama_cpp_python-{version}.tar.gz"
-    if not sdist.exists():
-        run_logged([PYTHON, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                    f"llama-cpp-python=={version}", "-d", work], work / "download.log")
-    with tarfile.open(sdist) as tar:
-        tar.extractall(work, filter="data")
-    return src
-
-
-def patch_converter(src: Path) -> str:
-    """Map an unknown BPE pre-tokenizer hash to `qwen2` in the extracted converter (the
-    random tokenizer's hash is in no list); idempotent. Returns what was done, in words."""
-    base = src / "conversion" / "base.py"
-    text = base.read_text()
-    if PATCH_MARK not in text:
-        if text.count(PATCH_OLD) != 1:
-            raise SystemExit(f"error: {base}: the unknown-pre-tokenizer raise was not found once; cannot patch")
-        base.write_text(text.replace(PATCH_OLD, f'            res = "qwen2"  # {PATCH_MARK}'))
-    return f"converter patched at run time ({base.relative_to(src)}): an unknown BPE pre-tokenizer hash -> qwen2"
-
 
 def build_tools(src: Path, build: Path, jobs: int) -> Path:
     """llama.cpp's CPU tools (TOOLS), built once with cmake (Release, GGML_NATIVE);
@@ -147,16 +109,11 @@ def write_checkpoint(work: Path, preset: str) -> Path:
 def convert_all(src: Path, bindir: Path, ckpt: Path, out: Path, log: Path) -> dict[str, Path]:
     """Every GGUF file the rounds use, by name (see PAIRS); each written once."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
     files = {}
     for name, args in (("text-f32", ["--outtype", "f32"]), ("text-bf16", ["--outtype", "bf16"]),
                        ("text-q8_0", ["--outtype", "q8_0"]), ("mmproj-f32", ["--mmproj", "--outtype", "f32"]),
                        ("mmproj-f16", ["--mmproj", "--outtype", "f16"])):
-        files[name] = out / f"{name}.gguf"
-        if not files[name].exists():
-            tmp = out / f"{name}.tmp.gguf"
-            run_logged([PYTHON, src / "convert_hf_to_gguf.py", ckpt, *args, "--outfile", tmp], log, env=env)
-            tmp.rename(files[name])
+        files[name] = convert(src, ckpt, out / f"{name}.gguf", args, log)
     files["text-q4_k_m"] = out / "text-q4_k_m.gguf"
     if not files["text-q4_k_m"].exists():
         tmp = out / "text-q4_k_m.tmp.gguf"

@@ -34,7 +34,6 @@ from emitter import quant
 from emitter.config import MLX_PRECISION
 from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_name, emit_text_module,
                           lane_counts, prefill_chunks, prefill_inputs, text_weights)
-from emitter.text_config import load_text_config
 
 from runtime.artifact.archive import release_mapped_pages
 from runtime.artifact.build import compiled_module
@@ -45,7 +44,8 @@ from runtime.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
-from runtime.checkpoints.text import affine_weights, text_entries
+from runtime.checkpoints import gguf_text
+from runtime.checkpoints.text import affine_weights, model_text_config as load_text_config, text_entries
 from runtime.checkpoints.vision import CheckpointError
 from runtime.kv_cache import BlockPool, Blocks, block_keys
 
@@ -454,25 +454,28 @@ class Generator:
         if threads is not None:
             set_thread_count(threads)
         self.model_dir = Path(model_dir)
-        self.vision_cfg = load_model_config(model_dir)
+        text_only = gguf_text.is_gguf(model_dir)  # a llama.cpp text file without its mmproj: no vision
+        self.vision_cfg = None if text_only else load_model_config(model_dir)
         self.tokenizer = ChatTokenizer(model_dir)
         if precision is None:
             precision = checkpoint_precision(model_dir)
             if precision == MLX_PRECISION and progress:
-                progress("precision: mlx (the checkpoint's MLX-quantized weights in their bits; --precision f32 "
+                progress("precision: mlx (the checkpoint's quantized weights in their bits; --precision f32 "
                          "expands them)")
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
         self.fits = context is None  # the context fitted to each request
         if self.fits:
             context = default_context(model_dir, kv_cache_dtype)[0]
-        self.text_options = dict(buckets=buckets, deepstack_layers=len(self.vision_cfg.deepstack_visual_indexes),
+        deepstack = (gguf_text.deepstack_layers(model_dir) if text_only
+                     else len(self.vision_cfg.deepstack_visual_indexes))
+        self.text_options = dict(buckets=buckets, deepstack_layers=deepstack,
                                  kv_cache_dtype=kv_cache_dtype, lanes=lanes, kv_blocks=kv_blocks,
                                  prefix_cache=prefix_cache, **self.options)
         self.limit = context
         self.text = TextSession(model_dir, context=context, **self.text_options)
         self._vision = None
-        self.policy = load_policy(model_dir, self.vision_cfg)
-        self.video_policy = load_video_policy(model_dir, self.vision_cfg)
+        self.policy = None if text_only else load_policy(model_dir, self.vision_cfg)
+        self.video_policy = None if text_only else load_video_policy(model_dir, self.vision_cfg)
         self.sampling = generation_defaults(model_dir)  # greedy unless do_sample, as transformers
 
     @property
@@ -506,7 +509,8 @@ class Generator:
 
         seconds = {"vision": 0.0, "build": 0.0}
         start = time.perf_counter()
-        processed = process_media(media, self.policy, self.video_policy, self.vision_cfg.merge_unit)
+        self._check_vision(media)
+        processed = process_media(media, self.policy, self.video_policy, self.vision_cfg.merge_unit) if media else []
         seconds["vision"] = time.perf_counter() - start
         ids = prompt_ids(self.tokenizer, self.text.token_ids, messages, processed, template_kwargs)
         self.text.check_request(ids.size, max_new_tokens)  # before any compile
@@ -521,9 +525,17 @@ class Generator:
             rows = encode(processed)
             seconds["vision"] += time.perf_counter() - start
         seconds["build"] += timed(lambda: self.text.module)[1]  # likewise
-        prompt = build_prompt(ids, self.text.token_ids, self.vision_cfg.spatial_merge_size, processed, rows)
+        merge = self.vision_cfg.spatial_merge_size if self.vision_cfg else 1  # no media, no grids to merge
+        prompt = build_prompt(ids, self.text.token_ids, merge, processed, rows)
         prompt.seconds = seconds
         return prompt
+
+    def _check_vision(self, media) -> None:
+        """GenerateError for images or videos given to a model without its vision tower (a
+        GGUF text file given alone, without its mmproj)."""
+        if media and self.vision_cfg is None:
+            raise GenerateError(f"--model {self.model_dir}: a GGUF text file alone has no vision tower for the "
+                                f"{media[0].kind}; expected its mmproj GGUF too (llama.cpp's --mmproj)")
 
     def _fit_context(self, tokens: int) -> None:
         """With a fitted context: the text session of the least ladder context that holds
@@ -540,6 +552,7 @@ class Generator:
         once its frames are decoded (`prepare` checks again then)."""
         from runtime.inputs.chat import image_tokens
 
+        self._check_vision(media)
         counts = [image_tokens([m], self.policy, self.vision_cfg.merge_unit) for m in media if m.kind == "image"]
         try:  # a too-large image is refused before its prompt is even rendered
             self.text.check_request(sum(counts), 1)

@@ -31,20 +31,23 @@ def write_images(folder: Path, sizes, seed: int = 0, stem: str = "img") -> list[
 
 
 def generate_logits(model, image, precision: str | None, cache, out_dir: Path, max_new_tokens: int = 2) -> np.ndarray:
-    """`qwen3vl generate` with one image at `precision` (None: no --precision, the default;
-    prompt bucket 64, context 96) in a subprocess: its saved [new tokens, vocab] logits; the
-    command's stderr on failure."""
+    """`qwen3vl generate` with one image (None: text only) at `precision` (None: no
+    --precision, the default; prompt bucket 64, context 96) in a subprocess: its saved
+    [new tokens, vocab] logits; the command's stderr on failure."""
     import subprocess
     import sys
 
     path = Path(out_dir) / f"{precision or 'default'}.npy"
     flag = ["--precision", precision] if precision else []
     out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
-                          "--model", model, "--image", image, "--prompt", "What is it?", "--max-new-tokens",
+                          "--model", model, *(["--image", image] if image else []), "--prompt", "What is it?",
+                          "--max-new-tokens",
                           str(max_new_tokens), *flag, "--prompt-bucket", "64", "--context", "96",
                           "--cache-dir", cache, "--save-logits", path], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return np.load(path)
+
+
 def gradient_frames(n: int, width: int, height: int, seed: int = 0) -> np.ndarray:
     """n smooth RGB frames (moving gradients plus a little noise): uint8 [n, h, w, 3]."""
     rng = np.random.default_rng(seed)
@@ -81,3 +84,17 @@ def decode_all(path) -> tuple[np.ndarray, float]:
         stream = container.streams.video[0]
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
         return np.stack(frames), float(stream.average_rate)
+
+
+def chunked_logits(model, cache, precision: str, vocab: int, steps: int) -> np.ndarray:
+    """A TextSession's logits of a 37-token prompt (two chunks of bucket 32: 32 rows
+    dequantize, the last row and the decode steps run split-K) and of `steps` greedy decode
+    steps, [1 + steps, vocab]."""
+    from runtime.text import TextSession
+
+    session = TextSession(model, buckets=(32,), context=64, cache_dir=cache, precision=precision)
+    n = 37
+    rows = [session.prefill(np.arange(n) * 7 % vocab, np.broadcast_to(np.arange(n), (3, n)))]
+    for step in range(steps):
+        rows.append(session.decode(int(np.argmax(rows[-1])), n + step))
+    return np.stack(rows)

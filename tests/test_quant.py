@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_l2
+from helpers import chunked_logits
 from emitter import quant
 from emitter.config import ConfigError
 from emitter.text import text_weights
@@ -25,7 +26,6 @@ from runtime.bench.decode_profile import decode_module
 from runtime.checkpoints.synthetic import write_safetensors
 from runtime.checkpoints.synthetic_text import write_text_model
 from runtime.checkpoints.text import load_text_weights
-from runtime.text import TextSession
 
 # The tiny preset at widths the group of 64 divides, embeddings tied (one quantized table
 # for the input rows and lm_head).
@@ -88,15 +88,9 @@ def models(tmp_path_factory):
     return root
 
 
-def answer(model_dir, cache, precision: str, steps: int = 4) -> np.ndarray:
-    """Logits of a 37-token prompt (two chunks: 32 rows dequantize, the last row and the
-    decode steps run split-K) and of `steps` greedy decode steps, [1 + steps, vocab]."""
-    session = TextSession(model_dir, buckets=(32,), context=64, cache_dir=cache, precision=precision)
-    n = 37
-    rows = [session.prefill(np.arange(n) * 7 % CFG.vocab_size, np.broadcast_to(np.arange(n), (3, n)))]
-    for step in range(steps):
-        rows.append(session.decode(int(np.argmax(rows[-1])), n + step))
-    return np.stack(rows)
+def answer(model, cache, precision: str, steps: int = 4) -> np.ndarray:
+    """`helpers.chunked_logits` over this file's vocabulary."""
+    return chunked_logits(model, cache, precision, CFG.vocab_size, steps)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])

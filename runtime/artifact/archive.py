@@ -65,6 +65,11 @@ def stored_quantization(model_dir: Path) -> dict:
     return {k: config[k] for k in ("quantization", "quantization_config") if isinstance(config, dict) and k in config}
 
 
+def code_digest(code) -> str:
+    """sha256 of the source files that transform a checkpoint's weights."""
+    return hashlib.sha256(b"".join(Path(p).read_bytes() for p in code)).hexdigest()
+
+
 def content_fields(model_dir, found: dict, specs, precision: str, code) -> dict:
     """What decides either model's archive bytes beside its config: every stored tensor of
     the part (`found`: name, dtype, shape, sha256 of its bytes), the quantization settings,
@@ -76,7 +81,7 @@ def content_fields(model_dir, found: dict, specs, precision: str, code) -> dict:
         "quantization": stored_quantization(Path(model_dir)),
         "tensors": [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
                     for name, e in sorted(found.items())],
-        "code_sha256": hashlib.sha256(b"".join(Path(p).read_bytes() for p in code)).hexdigest(),
+        "code_sha256": code_digest(code),
     }
 
 
@@ -225,13 +230,20 @@ def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress
 # Bump when what a text archive holds changes in a way no other field records.
 TEXT_ARCHIVE_FORMAT = 1
 _TEXT_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(text_checkpoint.__file__), Path(quant.__file__),
-              Path(__file__))
+              Path(text_checkpoint.gguf_text.__file__), Path(__file__))
 
 
 def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> dict:
     """What decides a text archive's bytes: every stored text tensor (name, dtype, shape,
     sha256 of its bytes), the quantization settings, the config, the precision, the weight
-    schema and the source of the code that transforms them. Reads the text tensors once."""
+    schema and the source of the code that transforms them. Reads the text tensors once (a
+    GGUF file: its sha256 in their place)."""
+    if text_checkpoint.gguf_text.is_gguf(model_dir):
+        return {"kind": "qwen3vl-text-weights", "archive_format": TEXT_ARCHIVE_FORMAT, "text_config": cfg.to_dict(),
+                "precision": weight_dtype(precision),
+                "weight_schema": weight_schema_fields(text_weights(cfg, precision)),
+                **text_checkpoint.gguf_text.content_fields(model_dir),
+                "code_sha256": code_digest(_TEXT_CODE)}
     found, _ = text_checkpoint.scan_text_tensors(Path(model_dir))
     return {"kind": "qwen3vl-text-weights", "archive_format": TEXT_ARCHIVE_FORMAT, "text_config": cfg.to_dict(),
             **content_fields(model_dir, found, text_weights(cfg, precision), precision, _TEXT_CODE)}

@@ -24,11 +24,12 @@ import numpy as np
 
 from emitter import quant
 from emitter.text import text_weights, weight_layouts, weight_shapes
-from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig, TokenIds, load_text_config
 
 from runtime.checkpoints import vision as checkpoint
 from runtime.checkpoints.vision import CheckpointError, TensorEntry, read_float_tensor, read_uint32_tensor
 from runtime.checkpoints.mlx_quant import QuantConfig, dequantize_mlx, quantization_config
+from runtime.checkpoints import gguf_text
 
 # (prefix of the decoder's tensors, name of lm_head) per layout, in order of preference.
 LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_head.weight"))
@@ -37,6 +38,12 @@ LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_
 # lm_head by the module, so that an MLX-quantized head's .scales and .biases come with it.
 TEXT = checkpoint.ModelPart("language-model weights", tuple(prefix for prefix, _ in LAYOUTS) +
                            tuple(head[: -len("weight")] for _, head in LAYOUTS))
+
+
+def model_text_config(model) -> tuple[TextConfig, TokenIds]:
+    """The text config and special-token ids of `--model`: a checkpoint folder's config.json,
+    or a llama.cpp GGUF text file's metadata (runtime/checkpoints/gguf_text.py)."""
+    return gguf_text.text_config(model) if gguf_text.is_gguf(model) else load_text_config(model)
 
 
 def scan_text_tensors(model_dir: Path) -> tuple[dict[str, TensorEntry], str]:
@@ -87,7 +94,11 @@ def read_affine(key: str, entry: TensorEntry, found: dict[str, TensorEntry], sha
 def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, TensorEntry]], dict[str, TensorEntry]]:
     """Where each of the decoder's weights is stored, from the safetensors headers alone:
     {Hugging Face name: (stored name, entry)} in `weight_shapes` order, and every text tensor
-    found. CheckpointError for a missing weight or a layer count that disagrees with the config."""
+    found. CheckpointError for a missing weight or a layer count that disagrees with the config.
+    A GGUF file: its tensors checked (`gguf_text.text_tensors`), ({}, {})."""
+    if gguf_text.is_gguf(model_dir):
+        gguf_text.text_tensors(model_dir, cfg)
+        return {}, {}
     model_dir = Path(model_dir)
     found, where = scan_text_tensors(model_dir)
     prefix, head = next(((p, h) for p, h in LAYOUTS if p + "embed_tokens.weight" in found), LAYOUTS[0])
@@ -118,7 +129,12 @@ def affine_weights(model_dir, cfg: TextConfig) -> tuple[tuple[str, int, int], ..
     """(Hugging Face name, bits, group size) of each weight the folder stores MLX-quantized in
     bits that run as stored (8 and 4, `quant.STORAGE_DTYPE`), from the headers and config.json
     (`TextConfig.affine_weights`; other bits are expanded to f32 at load). CheckpointError
-    where there is none."""
+    where there is none. A GGUF file's Q8_0 / Q4_0 weights (`gguf_text.affine_weights`)."""
+    if gguf_text.is_gguf(model_dir):
+        out = gguf_text.affine_weights(model_dir, cfg)
+        if not out:
+            raise CheckpointError(f"{model_dir}: no language-model weight is Q8_0 or Q4_0 (nothing runs in its bits)")
+        return out
     entries, found = text_entries(model_dir, cfg)
     qconfig = quantization_config(Path(model_dir))
     out = []
@@ -151,7 +167,9 @@ def read_text_weight(key: str, entry: TensorEntry, found: dict[str, TensorEntry]
 
 def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
     """The decoder's weights as f32 arrays, keyed by Hugging Face name in `weight_shapes`
-    order (lm_head absent when tied)."""
+    order (lm_head absent when tied); a GGUF file's by `gguf.quants.dequantize`."""
+    if gguf_text.is_gguf(model_dir):
+        return gguf_text.load_text_weights(model_dir, cfg)
     entries, found = text_entries(model_dir, cfg)
     qconfig = quantization_config(Path(model_dir))
     return {name: read_text_weight(*entries[name], found, shape, qconfig) for name, shape in weight_shapes(cfg)}
@@ -163,6 +181,8 @@ def text_arrays(model_dir, cfg: TextConfig, precision: str = "f32") -> list:
     to nearest even); int8, int4 (`quant.stored`, the weight then its scales); an MLX weight
     run in its bits (`cfg.affine_weights`: `read_affine`, the weight, its scales and biases)."""
     import ml_dtypes
+    if gguf_text.is_gguf(model_dir):
+        return gguf_text.text_arrays(model_dir, cfg, precision)
     entries, found = text_entries(model_dir, cfg)
     qconfig = quantization_config(Path(model_dir))
     layouts = weight_layouts(cfg, precision, [name for name, _ in weight_shapes(cfg)])

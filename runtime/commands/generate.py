@@ -42,8 +42,9 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 
 
 @click.command("generate", context_settings=CONTEXT)
-@click.option("--model", required=True, metavar="DIR",
-              help="Checkpoint folder (config.json, *.safetensors, tokenizer.json, a chat template).")
+@click.option("--model", required=True, metavar="DIR|FILE",
+              help="Checkpoint folder (config.json, *.safetensors, tokenizer.json, a chat template), or a llama.cpp "
+                   "GGUF text file (text only; docs/text.md).")
 @click.option("--image", "images", multiple=True, metavar="PATH", help="An image, in prompt order (repeatable).")
 @click.option("--video", "videos", multiple=True, metavar="PATH",
               help="A video, after the images, in prompt order (repeatable; see qwen3vl run --video).")

@@ -9,6 +9,7 @@
   variables).
 - EOS ids from `generation_config.json` (`eos_token_id`: an int or a list), else
   config.json's; its `repetition_penalty` (1.0 when absent).
+- A llama.cpp GGUF text file: all three from its metadata (runtime/checkpoints/gguf_text.py).
 - Decoding as transformers decodes: `tokenizers`, then its space clean-up when
   tokenizer_config.json asks for it (not for BPE models unless forced).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from emitter.text_config import TokenIds
+from runtime.checkpoints import gguf_text
 
 SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # transformers' clean_up_tokenization, in its order
@@ -107,6 +109,9 @@ class ChatTokenizer:
         from tokenizers import Tokenizer
 
         self.model_dir = Path(model_dir)
+        if gguf_text.is_gguf(self.model_dir):
+            self._from_gguf()
+            return
         path = self.model_dir / "tokenizer.json"
         if not path.is_file():
             what = "is a folder" if path.is_dir() else "not a regular file" if path.exists() else "missing"
@@ -121,6 +126,17 @@ class ChatTokenizer:
         self.template = compile_template(self.template_text)
         self.eos_ids = self._eos_ids()
         self.repetition_penalty = self._repetition_penalty()
+
+    def _from_gguf(self) -> None:
+        """A llama.cpp GGUF text file's tokenizer, template and EOS ids (`gguf_text.tokenizer`,
+        `gguf_text.chat_settings`); its generation settings are llama.cpp's defaults."""
+        try:
+            self.tokenizer = gguf_text.tokenizer(self.model_dir)
+            self.template_text, self.eos_ids, self.config = gguf_text.chat_settings(self.model_dir)
+        except gguf_text.CheckpointError as e:
+            raise TokenizerError(str(e)) from None
+        self.template = compile_template(self.template_text)
+        self.repetition_penalty = 1.0
 
     def _eos_ids(self) -> tuple[int, ...]:
         for name in ("generation_config.json", "config.json"):

@@ -1,0 +1,282 @@
+"""A llama.cpp GGUF text file (what its `convert_hf_to_gguf.py` writes for a Qwen3-VL
+checkpoint, architecture `qwen3vl`) read as it is, through the `gguf` package: the text
+config from the `qwen3vl.*` metadata, the decoder's tensors under their Hugging Face names
+(`hf_name`, the one place llama.cpp's names are mapped), each either exact f32 (F32, F16,
+BF16 widened; Q8_0 / Q4_0 by `gguf.quants.dequantize`) or, run in its bits, in
+emitter/quant.py's layout with group 32:
+- Q8_0 blocks of 32: f16 d, then 32 signed q: w = d*q;
+- Q4_0 blocks of 32: f16 d, then 16 bytes, element j in the low nibble of byte j and
+  element j+16 in its high nibble, u in 0..15: w = d*(u - 8).
+Both are the affine layout with unsigned codes (q + 128, or u) and biases -128*d (-8*d),
+which `quant.from_affine` re-centres to q and biases of exactly 0 (f16 scales widen to f32
+exactly, 128*d and 8*d are exact), so they run through the existing in-bits forms.
+Every problem is a one-line `CheckpointError` naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from emitter import quant
+from emitter.text import text_weights, weight_layouts, weight_shapes
+from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig, TokenIds, text_config_from_hf
+from runtime.checkpoints.vision import CheckpointError
+
+ARCH = "qwen3vl"
+MAGIC = b"GGUF"
+GROUP = 32  # values per Q8_0 / Q4_0 block
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BITS = {"Q8_0": 8, "Q4_0": 4}  # block types run in their bits
+# llama.cpp's names of the decoder's tensors (gguf-py's tensor_mapping for qwen3vl)
+GLOBAL_NAMES = {"token_embd.weight": TEXT_PREFIX + "embed_tokens.weight",
+                "output_norm.weight": TEXT_PREFIX + "norm.weight", "output.weight": LM_HEAD}
+BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+SPECIAL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                  "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+
+
+def starts_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic."""
+    try:
+        with open(path, "rb") as f:
+            return path.is_file() and f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def text_file(path) -> Path | None:
+    """The GGUF text file `--model` names: the file itself, or the one `*.gguf` of a folder
+    without config.json whose name does not start with `mmproj` (llama.cpp's naming of the
+    projector beside it); None for anything else."""
+    path = Path(path)
+    if path.is_dir() and not (path / "config.json").exists():
+        found = [p for p in sorted(path.glob("*.gguf")) if not p.name.lower().startswith("mmproj")]
+        if len(found) > 1:
+            raise CheckpointError(f"--model {path}: {len(found)} GGUF text files ({', '.join(p.name for p in found)}); "
+                                  "expected one beside its mmproj, or the file itself")
+        path = found[0] if found else path
+    return path if starts_gguf(path) else None
+
+
+def is_gguf(path) -> bool:
+    """Whether `--model` names a GGUF text file (`text_file`)."""
+    return text_file(path) is not None
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of one of llama.cpp's decoder tensor names, or None."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK_NAMES:
+        return f"{TEXT_PREFIX}layers.{parts[1]}.{BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def reader(path):
+    """The file's `gguf.GGUFReader`, its architecture checked."""
+    import gguf
+
+    try:
+        r = gguf.GGUFReader(text_file(path) or path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    arch = field(r, "general.architecture", path)
+    if arch != ARCH:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; expected {ARCH!r} "
+                              "(a Qwen3-VL text model as llama.cpp's convert_hf_to_gguf.py writes it)")
+    return r
+
+
+def field(r, key: str, path, default=None):
+    """One metadata value (a list for an array), or `default`; CheckpointError if needed."""
+    f = r.fields.get(key)
+    if f is None:
+        if default is None:
+            raise CheckpointError(f"{path}: GGUF metadata {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def f32_decimal(value) -> float:
+    """A float GGUF stores in f32 as the shortest decimal that rounds to it (1e-06, not
+    9.99999997e-07), the number config.json would have held."""
+    return float(str(np.float32(value)))
+
+
+def text_config(path) -> tuple[TextConfig, TokenIds]:
+    """The text config and special-token ids of a GGUF text file, from its `qwen3vl.*`
+    metadata (tied embeddings where it stores no `output.weight`) and its vocabulary."""
+    r = reader(path)
+    key = lambda k, default=None: field(r, f"{ARCH}.{k}", path, default)  # noqa: E731
+    tokens = field(r, "tokenizer.ggml.tokens", path)
+    sections = key("rope.dimension_sections")
+    text = {"vocab_size": len(tokens), "hidden_size": key("embedding_length"),
+            "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
+            "num_attention_heads": key("attention.head_count"), "num_key_value_heads": key("attention.head_count_kv"),
+            "head_dim": key("attention.key_length"),
+            "rms_norm_eps": f32_decimal(key("attention.layer_norm_rms_epsilon")),
+            "max_position_embeddings": key("context_length"),
+            "rope_parameters": {"rope_type": "default", "rope_theta": f32_decimal(key("rope.freq_base")),
+                                "mrope_section": list(sections[:3]), "mrope_interleaved": True}}
+    ids = {name: tokens.index(tok) for name, tok in SPECIAL_TOKENS.items() if tok in tokens}
+    config = {"model_type": "qwen3_vl", "text_config": text, **ids,
+              "tie_word_embeddings": not any(t.name == "output.weight" for t in r.tensors)}
+    return text_config_from_hf(config, source=str(path))
+
+
+def deepstack_layers(path) -> int:
+    """The decoder layers that take DeepStack features (`qwen3vl.n_deepstack_layers`)."""
+    return int(field(reader(path), f"{ARCH}.n_deepstack_layers", path, 0))
+
+
+def text_tensors(path, cfg: TextConfig) -> dict:
+    """{Hugging Face name: the reader's tensor} of every weight the config needs, each of a
+    supported type and shape; CheckpointError naming the first that is missing, unknown, of
+    an unsupported type or shape."""
+    r = reader(path)
+    found = {}
+    for t in r.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise CheckpointError(f"{t.name}: a tensor of {path} that a Qwen3-VL language model does not have")
+        if t.tensor_type.name not in FLOAT_TYPES + tuple(BITS):
+            raise CheckpointError(f"{t.name}: GGUF type {t.tensor_type.name} is not supported (in {path}); expected "
+                                  f"one of {', '.join(FLOAT_TYPES + tuple(BITS))}")
+        found[name] = t
+    out = {}
+    for name, shape in weight_shapes(cfg):
+        if name not in found:
+            raise CheckpointError(f"{path}: the tensor for {name} is missing")
+        t = found[name]
+        if tuple(int(n) for n in reversed(t.shape)) != tuple(shape):
+            raise CheckpointError(f"{t.name}: shape {list(reversed(t.shape.tolist()))} (expected {list(shape)}) "
+                                  f"(in {path})")
+        out[name] = t
+    return out
+
+
+def dequantized(t) -> np.ndarray:
+    """One tensor as exact f32 in its logical shape (`gguf.quants.dequantize`)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(t.shape))
+    return np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+
+
+def codes(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unsigned codes uint8 [N, K], scales f32 [N, K/32], biases f32 [N, K/32]) of a Q8_0
+    or Q4_0 [N, K] tensor as the affine layout (module docstring)."""
+    n, k = (int(x) for x in reversed(t.shape))
+    bits = BITS[t.tensor_type.name]
+    blocks = np.asarray(t.data, np.uint8).reshape(n, k // GROUP, -1)
+    d = np.ascontiguousarray(blocks[:, :, :2]).view("<f2")[:, :, 0].astype(np.float32)
+    body = blocks[:, :, 2:]
+    if bits == 8:
+        u = (body.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    else:
+        u = np.concatenate([body & np.uint8(0xF), body >> np.uint8(4)], axis=2)
+    half = np.float32(1 << (bits - 1))
+    return u.reshape(n, k), d, (-half * d).astype(np.float32)
+
+
+def affine_weights(path, cfg: TextConfig) -> tuple[tuple[str, int, int], ...]:
+    """(Hugging Face name, bits, 32) of each Q8_0 / Q4_0 weight (`TextConfig.affine_weights`)."""
+    return tuple((name, BITS[t.tensor_type.name], GROUP) for name, t in text_tensors(path, cfg).items()
+                 if t.tensor_type.name in BITS)
+
+
+def load_text_weights(path, cfg: TextConfig) -> dict[str, np.ndarray]:
+    """The decoder's weights as exact f32 (`dequantized`), keyed by Hugging Face name."""
+    return {name: dequantized(t) for name, t in text_tensors(path, cfg).items()}
+
+
+def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
+    """(name, array) in graph order (`text_weights(cfg, precision)`), as the graph takes
+    them: the weights of `cfg.affine_weights` in their bits (`codes`, `quant.from_affine`),
+    the rest f32 (or the precision's bf16 / int8 / int4, as for a folder)."""
+    import ml_dtypes
+
+    tensors = text_tensors(path, cfg)
+    layouts = weight_layouts(cfg, precision, list(tensors))
+    out, pending = [], {}
+    for s in text_weights(cfg, precision):
+        if s.name in pending:
+            out.append((s.name, pending.pop(s.name)))
+            continue
+        layout, t = layouts.get(s.name), tensors[s.name]
+        if layout and layout.affine:
+            u, d, b = codes(t)
+            q, pending[quant.scales_name(s.name)], pending[quant.biases_name(s.name)] = quant.from_affine(
+                quant.row_blocks(u), u.shape, d, b, layout.bits)
+        elif layout:
+            q, pending[quant.scales_name(s.name)] = quant.stored(dequantized(t), layout.bits, layout.group)
+        else:
+            w = dequantized(t)
+            q = w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)
+        out.append((s.name, q))
+    return out
+
+
+def content_fields(path) -> dict:
+    """What decides an archive's bytes from this file: its sha256."""
+    h = hashlib.sha256()
+    with open(text_file(path), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return {"gguf_sha256": h.hexdigest()}
+
+
+# Qwen2's pre-tokenizer split (tokenizer.json of the Qwen2/Qwen3 models; llama.cpp's `qwen2` pre)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType: the converter's special and non-special added tokens
+
+
+def tokenizer(path):
+    """The file's byte-level BPE (`tokenizer.ggml.*`, model gpt2, pre qwen2) as a `tokenizers`
+    Tokenizer, the way Qwen's tokenizer.json builds it: Qwen2's split then byte-level, the
+    CONTROL tokens added as special tokens and the USER_DEFINED ones (`<think>`, ...) as
+    added tokens that are not special."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    r = reader(path)
+    model, pre = field(r, "tokenizer.ggml.model", path), field(r, "tokenizer.ggml.pre", path, "")
+    if model != "gpt2" or pre != "qwen2":
+        raise CheckpointError(f"{path}: tokenizer.ggml.model {model!r}, pre {pre!r}: expected 'gpt2', 'qwen2' "
+                              "(Qwen's byte-level BPE)")
+    tokens, types = field(r, "tokenizer.ggml.tokens", path), field(r, "tokenizer.ggml.token_type", path)
+    merges = [tuple(m.split(" ", 1)) for m in field(r, "tokenizer.ggml.merges", path)]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    added = [AddedToken(t, special=ty == CONTROL, normalized=False) for t, ty in zip(tokens, types)
+             if ty in (CONTROL, USER_DEFINED)]
+    tok.add_tokens(added)  # ids are the vocabulary's own (each is already in it)
+    tok.add_special_tokens([a for a in added if a.special])
+    return tok
+
+
+def chat_settings(path) -> tuple[str, tuple[int, ...], dict]:
+    """The chat template (`tokenizer.chat_template`), the EOS ids (eos, then eot where the
+    file names one) and the special tokens as tokenizer_config.json would name them."""
+    r = reader(path)
+    template = field(r, "tokenizer.chat_template", path, "")
+    if not template:
+        raise CheckpointError(f"{path}: no chat template (expected GGUF metadata 'tokenizer.chat_template')")
+    tokens = field(r, "tokenizer.ggml.tokens", path)
+    eos = [field(r, f"tokenizer.ggml.{k}_token_id", path, -1) for k in ("eos", "eot")]
+    ids = tuple(dict.fromkeys(i for i in eos if i >= 0))
+    config = {"eos_token": tokens[ids[0]]} if ids else {}
+    pad = field(r, "tokenizer.ggml.padding_token_id", path, -1)
+    if pad >= 0:
+        config["pad_token"] = tokens[pad]
+    return template, ids, config

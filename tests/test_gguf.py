@@ -1,0 +1,219 @@
+"""llama.cpp GGUF text files as they are (runtime/checkpoints/gguf_text.py): written by
+llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python sdist,
+runtime/bench/llamacpp.py) from a random checkpoint, Q8_0 by the converter and Q4_0 by
+`gguf.quants.quantize` over the converter's f32 file rewritten with GGUFWriter. The session
+in the file's bits against an f32 session over `gguf.quants.dequantize`'s weights (written
+as a Hugging Face folder): logits relL2 <= 1e-5. Bad files are one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from conftest import rel_l2
+from helpers import chunked_logits, generate_logits
+from emitter.config import MLX_PRECISION, preset
+from emitter.text_config import TEXT_PRESETS
+from runtime.bench import llamacpp
+from runtime.checkpoints import gguf_text
+from runtime.checkpoints.synthetic import write_safetensors
+from runtime.checkpoints.synthetic_text import write_generation_checkpoint
+from runtime.checkpoints.text import load_text_weights, model_text_config
+from runtime.checkpoints.vision import CheckpointError
+from runtime.text import TextSession
+
+gguf = pytest.importorskip("gguf")
+
+# Widths that Q8_0's and Q4_0's blocks of 32 divide (the converter keeps other rows f16).
+CFG = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, mrope_section=(6, 5, 5))
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """{name: GGUF path} written by llama.cpp's converter (and Q4_0 from its f32 file)."""
+    work = tmp_path_factory.mktemp("gguf")
+    ckpt = work / "hf"
+    vision = dataclasses.replace(preset("tiny"), out_hidden_size=CFG.hidden_size)
+    write_generation_checkpoint(ckpt, vision, CFG, seed=5)
+    qwen2_pre_tokenizer(ckpt / "tokenizer.json")
+    llamacpp.DEFAULT_WORK.mkdir(parents=True, exist_ok=True)
+    src = llamacpp.fetch_source(llamacpp.DEFAULT_WORK, llamacpp.VERSION)
+    llamacpp.patch_converter(src)
+    log = work / "convert.log"
+    out = {t: llamacpp.convert(src, ckpt, work / f"text-{t}.gguf", ["--outtype", t], log) for t in ("f32", "q8_0")}
+    out["q4_0"] = requantize(out["f32"], work / "text-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
+    out["hf"] = ckpt
+    return out
+
+
+def qwen2_pre_tokenizer(path):
+    """The random tokenizer given the pre-tokenizer of Qwen's own tokenizer.json (the split
+    then byte-level without its regex), so that it is the tokenizer a real Qwen3-VL has."""
+    tj = json.loads(path.read_text())
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": gguf_text.QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    path.write_text(json.dumps(tj))
+
+
+def requantize(src, dst, qtype):
+    """The file at `src` rewritten with GGUFWriter, its 2-D weights quantized to `qtype` by
+    `gguf.quants.quantize` (metadata and the other tensors as they are)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), arch=gguf_text.ARCH)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        value = f.contents()
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, vtype, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if data.ndim == 2 and t.name != "token_embd.weight":
+            w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_shape=gguf.quants.quant_shape_to_byte_shape(
+                data.shape, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def dequantized_folder(path, folder):
+    """A Hugging Face folder of the GGUF file's weights as `gguf.quants.dequantize` gives them."""
+    cfg, _ = model_text_config(path)
+    folder.mkdir()
+    weights = load_text_weights(path, cfg)
+    write_safetensors(folder / "model.safetensors",
+                      {k: ("F32", w.shape, memoryview(np.ascontiguousarray(w)).cast("B")) for k, w in weights.items()})
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "tie_word_embeddings":
+                                                    cfg.tie_word_embeddings, "text_config": cfg.to_hf_text_config()}))
+    return folder
+
+
+def logits(model, cache, precision: str, steps: int = 2) -> np.ndarray:
+    """`helpers.chunked_logits` over this file's vocabulary."""
+    return chunked_logits(model, cache, precision, CFG.vocab_size, steps)
+
+
+def test_config_from_metadata(files):
+    """The text config read from the converter's `qwen3vl.*` keys is the checkpoint's."""
+    cfg, _ = model_text_config(files["q8_0"])
+    hf, _ = model_text_config(files["hf"])
+    assert cfg == hf
+
+
+@pytest.mark.parametrize("kind, bits", [("q8_0", 8), ("q4_0", 4)])
+def test_in_its_bits_equals_f32_over_gguf_dequantize(files, kind, bits, tmp_path):
+    """The session over the GGUF file in its bits against the f32 session over the same
+    weights dequantized by gguf: relL2 <= 1e-5; every projection runs in its bits; the
+    dequantized weights are near the checkpoint's."""
+    path = files[kind]
+    cfg, _ = model_text_config(path)
+    layouts = gguf_text.affine_weights(path, cfg)
+    assert len(layouts) >= 7 * CFG.num_hidden_layers and {b for _, b, _ in layouts} == {bits}
+    cache = tmp_path / "cache"
+    ours = logits(path, cache, MLX_PRECISION)
+    ref = logits(dequantized_folder(path, tmp_path / "deq"), cache, "f32")
+    assert rel_l2(ours, ref) <= TOL
+    original = logits(files["hf"], cache, "f32")
+    assert rel_l2(ours, original) < (0.05 if bits == 8 else 0.5)  # quantized, but the same model
+
+
+def test_unsupported_quant_type_is_one_line(files, tmp_path):
+    bad = requantize(files["f32"], tmp_path / "q5_1.gguf", gguf.GGMLQuantizationType.Q5_1)
+    cfg, _ = model_text_config(bad)
+    with pytest.raises(CheckpointError, match=r"^[\w.]+\.weight: GGUF type Q5_1 is not supported .*expected "
+                                              r"one of F32, F16, BF16, Q8_0, Q4_0$"):
+        TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision=MLX_PRECISION)
+
+
+def test_a_folder_holding_the_files(files, tmp_path):
+    """A folder holding the text file and an mmproj file reads as the text file; two text
+    files are one line."""
+    import shutil
+
+    shutil.copy(files["q8_0"], tmp_path / "Qwen3VL-Q8_0.gguf")
+    (tmp_path / "mmproj-Qwen3VL-f16.gguf").write_bytes(b"GGUF")
+    assert gguf_text.text_file(tmp_path) == tmp_path / "Qwen3VL-Q8_0.gguf"
+    assert model_text_config(tmp_path) == model_text_config(files["q8_0"])
+    shutil.copy(files["q4_0"], tmp_path / "Qwen3VL-Q4_0.gguf")
+    with pytest.raises(CheckpointError,
+                       match=r"2 GGUF text files \(Qwen3VL-Q4_0.gguf, Qwen3VL-Q8_0.gguf\); expected one"):
+        model_text_config(tmp_path)
+
+
+def test_unknown_architecture_is_one_line(files, tmp_path):
+    bad = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(bad), arch="llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'llama' is not supported; expected 'qwen3vl'"):
+        model_text_config(bad)
+
+
+TEXTS = ["Hello world", "  leading spaces and trailing  ", "numbers 12345 and 3.14159, dates 2024-01-05",
+         "I'm sure they'll say we've DONE it", "tabs\tand\nnew\n\nlines\r\n", "émigré naïve 東京 🙂 Ωμέγα",
+         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n</think>\n",
+         "<tool_call>{\"name\": \"f\"}</tool_call><|vision_start|><|image_pad|><|vision_end|>",
+         "a<|endoftext|>b", "!!!??? ... --- ''' ```code```"]
+
+
+def test_tokenizer_equals_the_checkpoints(files):
+    """The tokenizer built from tokenizer.ggml.* gives the checkpoint tokenizer.json's ids
+    on varied text, added and special tokens included, and decodes them back the same."""
+    from tokenizers import Tokenizer
+
+    from runtime.inputs.tokenizer import ChatTokenizer
+
+    ours = ChatTokenizer(files["q8_0"])
+    theirs = Tokenizer.from_file(str(files["hf"] / "tokenizer.json"))
+    for text in TEXTS:
+        ids = theirs.encode(text).ids
+        assert ours.tokenizer.encode(text).ids == ids, text
+        assert ours.tokenizer.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
+    hf = json.loads((files["hf"] / "generation_config.json").read_text())["eos_token_id"]
+    assert ours.eos_ids[0] in hf
+    assert ours.template_text == (files["hf"] / "chat_template.jinja").read_text()
+
+
+def test_generate_text_only_from_the_gguf_file(files, tmp_path):
+    """`qwen3vl generate --model text-q8_0.gguf` (its bits, tokenizer and template from the
+    file) gives the logits of the same command over the Hugging Face folder whose text
+    weights are gguf's dequantization of the file: within 1e-5. An image without the
+    mmproj is one line."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file, save_file
+
+    path, folder = files["q8_0"], tmp_path / "deq"
+    shutil.copytree(files["hf"], folder)
+    cfg, _ = model_text_config(path)
+    tensors = {**load_file(str(folder / "model.safetensors")), **load_text_weights(path, cfg)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    cache = tmp_path / "cache"
+    ours = generate_logits(path, None, None, cache, tmp_path)
+    ref = generate_logits(folder, None, "f32", cache, tmp_path)
+    assert rel_l2(ours, ref) <= TOL
+    out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
+                          "--model", path, "--image", files["hf"] / "config.json", "--prompt", "hi", "--cache-dir",
+                          cache], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (f"error: --model {path}: a GGUF text file alone has no vision "
+                                                   "tower for the image; expected its mmproj GGUF too (llama.cpp's "
+                                                   "--mmproj)")
