@@ -1,0 +1,179 @@
+"""A llama.cpp mmproj GGUF (what `convert_hf_to_gguf.py --mmproj` writes for a Qwen3-VL
+checkpoint: architecture `clip`, projector `qwen3vl_merger`) read as it is, through the
+`gguf` package, beside the GGUF text file (runtime/checkpoints/gguf_text.py):
+- the vision config from the `clip.vision.*` keys (DeepStack layers from
+  `is_deepstack_layers`, the position table's size from its tensor; the temporal patch is
+  the converter's two frames, the activation and rotary base Qwen3-VL's defaults, which the
+  file does not store);
+- the processor policy: patch size, merge size, image mean and std, and min / max pixels
+  where the file names them, the rest (and a missing one) Qwen3-VL's released
+  preprocessor_config.json (`emitter.policy.DEFAULT_POLICY`); video: DEFAULT_VIDEO_POLICY;
+- the tensors `v.*` / `mm.*` under their Hugging Face names (`hf_name`, the one place
+  llama.cpp's names are mapped; `v.deepstack.{layer}` re-indexed into the merger list, the
+  patch embedding's two frames `v.patch_embd.weight` / `.weight.1` rejoined along time),
+  each exact f32: F32, F16, BF16 widened, Q8_0 / Q4_0 by `gguf.quants.dequantize`.
+Every problem is a one-line `CheckpointError` naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from emitter.config import CONV_WEIGHT, HF_PREFIX, VisionConfig, weight_schema
+from runtime.checkpoints import gguf_text
+from runtime.checkpoints.vision import CheckpointError
+
+ARCH = "clip"
+PROJECTOR = "qwen3vl_merger"
+PATCH = "v.patch_embd.weight"  # frame 0; frame 1 is PATCH + ".1"
+GLOBAL_NAMES = {"v.patch_embd.bias": HF_PREFIX + "patch_embed.proj.bias",
+                "v.position_embd.weight": HF_PREFIX + "pos_embed.weight",
+                "v.post_ln.weight": HF_PREFIX + "merger.norm.weight", "v.post_ln.bias": HF_PREFIX + "merger.norm.bias",
+                "mm.0.weight": HF_PREFIX + "merger.linear_fc1.weight", "mm.0.bias": HF_PREFIX + "merger.linear_fc1.bias",
+                "mm.2.weight": HF_PREFIX + "merger.linear_fc2.weight", "mm.2.bias": HF_PREFIX + "merger.linear_fc2.bias"}
+BLOCK_NAMES = {"ln1": "norm1", "ln2": "norm2", "attn_qkv": "attn.qkv", "attn_out": "attn.proj",
+               "ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2"}
+DEEPSTACK_NAMES = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
+KEY = "clip.vision."
+
+
+def mmproj_file(model) -> Path | None:
+    """The mmproj GGUF beside a GGUF text model: the one `mmproj*.gguf` of a folder without
+    config.json; None for anything else (a text file alone, a Hugging Face folder)."""
+    path = Path(model)
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(p for p in path.glob("*.gguf") if p.name.lower().startswith("mmproj"))
+    if len(found) > 1:
+        raise CheckpointError(f"--model {path}: {len(found)} mmproj files ({', '.join(p.name for p in found)}); "
+                              "expected one beside the text file")
+    return found[0] if found else None
+
+
+def reader(path):
+    """The mmproj's `gguf.GGUFReader`, its architecture and projector checked."""
+    import gguf
+
+    try:
+        r = gguf.GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    arch = gguf_text.field(r, "general.architecture", path)
+    if arch != ARCH:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not an mmproj; expected {ARCH!r} "
+                              "(convert_hf_to_gguf.py --mmproj)")
+    projector = gguf_text.field(r, "clip.projector_type", path, "")
+    if projector != PROJECTOR:
+        raise CheckpointError(f"{path}: projector type {projector!r} is not supported; expected {PROJECTOR!r} "
+                              "(the Qwen3-VL vision tower)")
+    return r
+
+
+def deepstack_indexes(r, path) -> tuple[int, ...]:
+    """The blocks whose output feeds a DeepStack merger (`is_deepstack_layers`)."""
+    flags = gguf_text.field(r, KEY + "is_deepstack_layers", path, [])
+    return tuple(i for i, on in enumerate(flags) if on)
+
+
+def vision_config(path) -> VisionConfig:
+    """The vision config of an mmproj GGUF (module docstring)."""
+    r = reader(path)
+    key = lambda k: gguf_text.field(r, KEY + k, path)  # noqa: E731
+    pos = next((t for t in r.tensors if t.name == "v.position_embd.weight"), None)
+    if pos is None:
+        raise CheckpointError(f"{path}: the tensor v.position_embd.weight is missing")
+    return VisionConfig(depth=int(key("block_count")), hidden_size=int(key("embedding_length")),
+                        intermediate_size=int(key("feed_forward_length")), out_hidden_size=int(key("projection_dim")),
+                        num_heads=int(key("attention.head_count")), deepstack_visual_indexes=deepstack_indexes(r, path),
+                        patch_size=int(key("patch_size")), spatial_merge_size=int(key("spatial_merge_size")),
+                        num_position_embeddings=int(pos.shape[1]))
+
+
+def processor_policy(path, cfg: VisionConfig):
+    """The image processor policy (module docstring)."""
+    from emitter.policy import DEFAULT_POLICY
+
+    r = reader(path)
+    found = {name: gguf_text.field(r, KEY + key, path, None) if KEY + key in r.fields else None
+             for name, key in (("image_mean", "image_mean"), ("image_std", "image_std"),
+                               ("min_pixels", "image_min_pixels"), ("max_pixels", "image_max_pixels"))}
+    values = {k: tuple(v) if isinstance(v, list) else int(v) for k, v in found.items() if v is not None}
+    return dataclasses.replace(DEFAULT_POLICY, patch_size=cfg.patch_size, merge_size=cfg.spatial_merge_size,
+                               temporal_patch_size=cfg.temporal_patch_size, **values)
+
+
+def hf_name(name: str, deepstack: tuple[int, ...]) -> str | None:
+    """The Hugging Face name of one of llama.cpp's mmproj tensor names (the patch
+    embedding's frames both map to the conv), or None."""
+    if name in (PATCH, PATCH + ".1"):
+        return CONV_WEIGHT
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and parts[3] in BLOCK_NAMES:
+        return f"{HF_PREFIX}blocks.{parts[2]}.{BLOCK_NAMES[parts[3]]}.{parts[4]}"
+    if (len(parts) == 5 and parts[:2] == ["v", "deepstack"] and parts[2].isdigit()
+            and int(parts[2]) in deepstack and parts[3] in DEEPSTACK_NAMES):
+        k = deepstack.index(int(parts[2]))
+        return f"{HF_PREFIX}deepstack_merger_list.{k}.{DEEPSTACK_NAMES[parts[3]]}.{parts[4]}"
+    return None
+
+
+def vision_tensors(path, cfg: VisionConfig) -> dict:
+    """{llama.cpp name: the reader's tensor} of every tensor the config needs, each known and
+    of a supported type; CheckpointError naming the first that is not, or is missing."""
+    r = reader(path)
+    types = gguf_text.FLOAT_TYPES + tuple(gguf_text.BITS)
+    found = {}
+    for t in r.tensors:
+        if hf_name(t.name, cfg.deepstack_visual_indexes) is None:
+            raise CheckpointError(f"{t.name}: a tensor of {path} that a Qwen3-VL vision tower does not have")
+        if t.tensor_type.name not in types:
+            raise CheckpointError(f"{t.name}: GGUF type {t.tensor_type.name} is not supported (in {path}); "
+                                  f"expected one of {', '.join(types)}")
+        found[t.name] = t
+    wanted = {hf_name(n, cfg.deepstack_visual_indexes) for n in found}
+    for name, _ in weight_schema(cfg):
+        if name not in wanted:
+            gguf_name = next((g for g, h in _names(cfg) if h == name), name)
+            raise CheckpointError(f"{path}: the tensor {gguf_name} (for {name}) is missing")
+    for frame in (PATCH, PATCH + ".1"):
+        if frame not in found:
+            raise CheckpointError(f"{path}: the tensor {frame} (for {CONV_WEIGHT}) is missing")
+    return found
+
+
+def _names(cfg: VisionConfig):
+    """(llama.cpp name, Hugging Face name) of every tensor the config needs."""
+    out = [(PATCH, CONV_WEIGHT), *((g, h) for g, h in GLOBAL_NAMES.items())]
+    for b in range(cfg.depth):
+        out += [(f"v.blk.{b}.{g}.{s}", f"{HF_PREFIX}blocks.{b}.{h}.{s}") for g, h in BLOCK_NAMES.items()
+                for s in ("weight", "bias")]
+    for k, layer in enumerate(cfg.deepstack_visual_indexes):
+        out += [(f"v.deepstack.{layer}.{g}.{s}", f"{HF_PREFIX}deepstack_merger_list.{k}.{h}.{s}")
+                for g, h in DEEPSTACK_NAMES.items() for s in ("weight", "bias")]
+    return out
+
+
+def load_vision_weights(path, cfg: VisionConfig) -> dict[str, np.ndarray]:
+    """The graph's weights as exact f32 (`gguf_text.dequantized`) keyed by Hugging Face name
+    in `weight_schema(cfg)` order, each of the shape the graph takes: the conv's two frames
+    stacked along time and flattened to [hidden, patch_dim] in (C, T, P, P) order."""
+    tensors = vision_tensors(path, cfg)
+    by_hf = {hf_name(n, cfg.deepstack_visual_indexes): t for n, t in tensors.items() if n != PATCH + ".1"}
+    out = {}
+    for name, shape in weight_schema(cfg):
+        if name == CONV_WEIGHT:
+            frames = [gguf_text.dequantized(tensors[f]) for f in (PATCH, PATCH + ".1")]
+            w = np.stack(frames, axis=2)  # [h, C, P, P] x 2 -> [h, C, T, P, P]
+        else:
+            w = gguf_text.dequantized(by_hf[name])
+        if w.size != int(np.prod(shape)) or (name != CONV_WEIGHT and w.shape != tuple(shape)):
+            raise CheckpointError(f"{name}: shape {list(w.shape)} (expected {list(shape)}) (in {path})")
+        if not np.isfinite(w).all():
+            raise CheckpointError(f"{name}: non-finite values (in {path})")
+        out[name] = np.ascontiguousarray(w.reshape(shape), dtype=np.float32)
+    return out
