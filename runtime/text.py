@@ -44,7 +44,7 @@ from runtime.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
-from runtime.checkpoints import gguf_text
+from runtime.checkpoints import gguf_text, gguf_vision
 from runtime.checkpoints.text import affine_weights, model_text_config as load_text_config, text_entries
 from runtime.checkpoints.vision import CheckpointError
 from runtime.kv_cache import BlockPool, Blocks, block_keys
@@ -446,7 +446,7 @@ class Generator:
                  prefix_cache: bool = True):
         from emitter.config import load_model_config
         from emitter.policy import load_policy
-        from emitter.video_policy import load_video_policy
+        from emitter.video_policy import DEFAULT_VIDEO_POLICY, load_video_policy
 
         from runtime.vision import set_thread_count
         from runtime.inputs.tokenizer import ChatTokenizer
@@ -454,8 +454,10 @@ class Generator:
         if threads is not None:
             set_thread_count(threads)
         self.model_dir = Path(model_dir)
-        text_only = gguf_text.is_gguf(model_dir)  # a llama.cpp text file without its mmproj: no vision
-        self.vision_cfg = None if text_only else load_model_config(model_dir)
+        mmproj = gguf_vision.mmproj_file(model_dir)  # a llama.cpp text file beside its mmproj
+        text_only = gguf_text.is_gguf(model_dir) and not mmproj  # a llama.cpp text file alone: no vision
+        self.vision_cfg = (None if text_only else gguf_vision.vision_config(mmproj) if mmproj
+                           else load_model_config(model_dir))
         self.tokenizer = ChatTokenizer(model_dir)
         if precision is None:
             precision = checkpoint_precision(model_dir)
@@ -474,8 +476,10 @@ class Generator:
         self.limit = context
         self.text = TextSession(model_dir, context=context, **self.text_options)
         self._vision = None
-        self.policy = None if text_only else load_policy(model_dir, self.vision_cfg)
-        self.video_policy = None if text_only else load_video_policy(model_dir, self.vision_cfg)
+        self.policy = (None if text_only else gguf_vision.processor_policy(mmproj, self.vision_cfg) if mmproj
+                       else load_policy(model_dir, self.vision_cfg))
+        self.video_policy = (None if text_only else DEFAULT_VIDEO_POLICY if mmproj
+                             else load_video_policy(model_dir, self.vision_cfg))
         self.sampling = generation_defaults(model_dir)  # greedy unless do_sample, as transformers
 
     @property

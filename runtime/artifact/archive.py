@@ -32,7 +32,7 @@ from emitter.text import text_weights
 from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
-from runtime.checkpoints import mlx_quant, text as text_checkpoint, vision as checkpoint
+from runtime.checkpoints import gguf_vision, mlx_quant, text as text_checkpoint, vision as checkpoint
 
 # Bump when what an archive holds changes in a way no other field records.
 ARCHIVE_FORMAT = 1
@@ -40,7 +40,7 @@ METADATA_PREFIX = "TENSORv0:"
 DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "i8": "int8", "i4": "int4"}  # graph dtype -> metadata name
 BITS = {"f32": 32, "bf16": 16, "i8": 8, "i4": 4}
 MADV_DONTNEED = 4  # Linux and macOS
-_CODE = (Path(checkpoint.__file__), Path(__file__))  # the host transforms
+_CODE = (Path(checkpoint.__file__), Path(gguf_vision.__file__), Path(__file__))  # the host transforms
 
 
 class ArchiveError(ValueError):
@@ -87,6 +87,12 @@ def content_fields(model_dir, found: dict, specs, precision: str, code) -> dict:
 
 def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict:
     """What decides the vision archive's bytes (`content_fields`). Reads the vision tensors once."""
+    mmproj = gguf_vision.mmproj_file(model_dir)
+    if mmproj:  # a llama.cpp mmproj beside a GGUF text file: its sha256 in place of the tensors
+        return {"archive_format": ARCHIVE_FORMAT, "vision_config": cfg.to_dict(),
+                "precision": weight_dtype(precision),
+                "weight_schema": weight_schema_fields(graph_weights(cfg, precision)),
+                **gguf_vision.content_fields(mmproj), "code_sha256": code_digest(_CODE)}
     found, _ = checkpoint.scan_vision_tensors(model_dir)
     return {"archive_format": ARCHIVE_FORMAT, "vision_config": cfg.to_dict(),
             **content_fields(model_dir, found, graph_weights(cfg, precision), precision, _CODE)}
@@ -94,7 +100,9 @@ def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict
 
 def graph_arrays(model_dir, cfg: VisionConfig, precision: str = "f32") -> list[tuple[str, np.ndarray]]:
     """(checkpoint name, array as the graph takes it) for every weight, in graph order."""
-    weights = checkpoint.vision_arrays(model_dir, cfg, precision)
+    mmproj = gguf_vision.mmproj_file(model_dir)
+    weights = (gguf_vision.vision_arrays(mmproj, cfg, precision) if mmproj
+               else checkpoint.vision_arrays(model_dir, cfg, precision))
     return [(spec.name, array) for spec, array in zip(graph_weights(cfg, precision), weights)]
 
 

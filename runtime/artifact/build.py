@@ -53,6 +53,34 @@ class BuildResult:
     seconds: float
 
 
+def folder_vision(model: str | None, preset_name: str | None, precision: str):
+    """(config, title, precision, image policy, video policy) of a checkpoint folder or a
+    preset, the config checked against the weights' headers before anything is sized by it."""
+    cfg, title = resolve_config(model, preset_name)
+    if model:
+        from runtime.checkpoints.vision import check_checkpoint, vision_affine_weights
+        check_checkpoint(model, cfg)
+        if precision == MLX_PRECISION:  # the linears MLX stores in 8 or 4 bits in those bits, the rest f32
+            cfg, precision = replace(cfg, affine_weights=vision_affine_weights(model, cfg)), "f32"
+    policy = load_policy(model, cfg) if model else DEFAULT_POLICY
+    video_policy = load_video_policy(model, cfg) if model else DEFAULT_VIDEO_POLICY
+    return cfg, title, precision, policy, video_policy
+
+
+def vision_source(model: str | None, preset_name: str | None, precision: str):
+    """`folder_vision`, or for a folder holding a GGUF text file and its llama.cpp mmproj the
+    mmproj's config (its tensors checked), policy and Qwen3-VL's video policy; its weights
+    are widened to f32, so `mlx` is f32 there (docs/text.md)."""
+    from runtime.checkpoints import gguf_vision
+    mmproj = gguf_vision.mmproj_file(model) if model else None
+    if not mmproj:
+        return folder_vision(model, preset_name, precision)
+    cfg = gguf_vision.vision_config(mmproj)
+    gguf_vision.vision_tensors(mmproj, cfg)
+    return (cfg, f"model {Path(model).name}", "f32" if precision == MLX_PRECISION else precision,
+            gguf_vision.processor_policy(mmproj, cfg), DEFAULT_VIDEO_POLICY)
+
+
 def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,
               diagnostics: bool = False, inspect_blocks=None, precision: str = "f32",
               weights: str | None = None, progress=None) -> BuildPlan:
@@ -63,14 +91,7 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
     if model and not Path(model).is_dir():
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
                          f"(config.json, preprocessor_config.json, *.safetensors)")
-    cfg, title = resolve_config(model, preset_name)
-    if model:  # the config against the weights' headers, before anything is sized by it
-        from runtime.checkpoints.vision import check_checkpoint, vision_affine_weights
-        check_checkpoint(model, cfg)
-        if precision == MLX_PRECISION:  # the linears MLX stores in 8 or 4 bits in those bits, the rest f32
-            cfg, precision = replace(cfg, affine_weights=vision_affine_weights(model, cfg)), "f32"
-    policy = load_policy(model, cfg) if model else DEFAULT_POLICY
-    video_policy = load_video_policy(model, cfg) if model else DEFAULT_VIDEO_POLICY
+    cfg, title, precision, policy, video_policy = vision_source(model, preset_name, precision)
     target = target or DEFAULT_TARGET
     target_flags(target)
     parsed = []

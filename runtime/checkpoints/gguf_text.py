@@ -224,13 +224,18 @@ def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
     return out
 
 
-def content_fields(path) -> dict:
-    """What decides an archive's bytes from this file: its sha256."""
+def file_sha256(path) -> str:
+    """The sha256 of a whole file, read 16 MB at a time."""
     h = hashlib.sha256()
-    with open(text_file(path), "rb") as f:
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
-    return {"gguf_sha256": h.hexdigest()}
+    return h.hexdigest()
+
+
+def content_fields(path) -> dict:
+    """What decides an archive's bytes from this file: its sha256."""
+    return {"gguf_sha256": file_sha256(text_file(path))}
 
 
 # Qwen2's pre-tokenizer split (tokenizer.json of the Qwen2/Qwen3 models; llama.cpp's `qwen2` pre)

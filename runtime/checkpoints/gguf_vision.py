@@ -24,7 +24,7 @@ import numpy as np
 
 from emitter.config import CONV_WEIGHT, HF_PREFIX, VisionConfig, weight_schema
 from runtime.checkpoints import gguf_text
-from runtime.checkpoints.vision import CheckpointError
+from runtime.checkpoints.vision import CheckpointError, weights_in_order
 
 ARCH = "clip"
 PROJECTOR = "qwen3vl_merger"
@@ -177,3 +177,14 @@ def load_vision_weights(path, cfg: VisionConfig) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{name}: non-finite values (in {path})")
         out[name] = np.ascontiguousarray(w.reshape(shape), dtype=np.float32)
     return out
+
+
+def vision_arrays(path, cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
+    """The graph's ordered weight arguments (`load_vision_weights`, then
+    `vision.weights_in_order`: f32, or bf16 under a bf16 precision)."""
+    return weights_in_order(load_vision_weights(path, cfg), cfg, precision)
+
+
+def content_fields(path) -> dict:
+    """What decides a vision archive's bytes from this file: its sha256."""
+    return {"mmproj_sha256": gguf_text.file_sha256(path)}
