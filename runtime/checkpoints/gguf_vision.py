@@ -188,3 +188,30 @@ def vision_arrays(path, cfg: VisionConfig, precision: str = "f32") -> list[np.nd
 def content_fields(path) -> dict:
     """What decides a vision archive's bytes from this file: its sha256."""
     return {"mmproj_sha256": gguf_text.file_sha256(path)}
+
+
+def paired_model(model, mmproj, cache_root) -> Path:
+    """`--model TEXT.gguf --mmproj FILE` as the folder form every command reads: a folder
+    under `cache_root/gguf-pairs` (named by the two files' absolute paths) holding links to
+    both, its own name the text file's stem; the two files checked first (one line each)."""
+    import hashlib
+    import os
+
+    text, mmproj = Path(model).resolve(), Path(mmproj).resolve()
+    if gguf_text.text_file(model) != Path(model) or Path(model).is_dir():
+        raise CheckpointError(f"--mmproj {mmproj}: expected with --model naming a GGUF text file, not {model} "
+                              "(a folder holds its mmproj itself)")
+    if not gguf_text.starts_gguf(mmproj):
+        raise CheckpointError(f"--mmproj {mmproj}: not a GGUF file; expected llama.cpp's mmproj-*.gguf")
+    reader(mmproj)
+    key = hashlib.sha256(f"{text}\0{mmproj}".encode()).hexdigest()[:16]
+    folder = Path(cache_root) / "gguf-pairs" / key / text.stem
+    links = {folder / text.name: text, folder / ("mmproj-" + mmproj.name if not mmproj.name.lower().startswith(
+        "mmproj") else mmproj.name): mmproj}
+    folder.mkdir(parents=True, exist_ok=True)
+    for link, target in links.items():
+        if not link.is_symlink():
+            tmp = link.with_name(link.name + f".{os.getpid()}.tmp")
+            tmp.symlink_to(target)
+            tmp.rename(link)  # whole or not at all
+    return folder

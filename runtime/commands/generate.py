@@ -13,6 +13,7 @@ from emitter.errors import command_errors
 
 from emitter.text import KV_CACHE_HELP, KV_DTYPES
 
+from runtime.commands.mmproj import mmproj_option, with_mmproj
 from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -44,7 +45,8 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 @click.command("generate", context_settings=CONTEXT)
 @click.option("--model", required=True, metavar="DIR|FILE",
               help="Checkpoint folder (config.json, *.safetensors, tokenizer.json, a chat template), or a llama.cpp "
-                   "GGUF text file (text only; docs/text.md).")
+                   "GGUF text file, or a folder holding one and its mmproj (docs/text.md).")
+@mmproj_option
 @click.option("--image", "images", multiple=True, metavar="PATH", help="An image, in prompt order (repeatable).")
 @click.option("--video", "videos", multiple=True, metavar="PATH",
               help="A video, after the images, in prompt order (repeatable; see qwen3vl run --video).")
@@ -75,7 +77,7 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 @click.option("--top-k", type=int, metavar="K", help="Sample among the K likeliest, 0 for all (default: "
                                                       "generation_config.json's, else 50).")
 @click.option("--seed", type=int, metavar="N", help="Seed of the sampler (same seed, same answer).")
-def generate_command(model, images, videos, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision,
+def generate_command(model, mmproj, images, videos, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision,
                      buckets, context, kv_cache_dtype, target, threads, temperature, top_p, top_k, seed):
     """Answer one user message (the images in order, the videos, then the prompt), greedily or
     sampled as generation_config.json and the sampling options say, with the checkpoint's
@@ -97,6 +99,7 @@ def generate_command(model, images, videos, prompt, max_new_tokens, json_path, s
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
         check_utf8(prompt, "--prompt")
+        model = with_mmproj(model, mmproj, cache_dir)
         check_output_paths({"--json": json_path, "--save-logits": save_logits}, model, [*images, *videos])
         for path in images:
             try:

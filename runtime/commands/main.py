@@ -8,6 +8,7 @@ import click
 
 from emitter.config import PRECISION_HELP
 from emitter.errors import command_errors
+from runtime.commands.mmproj import mmproj_option, with_mmproj
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -88,7 +89,10 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
+@click.option("--model", required=True, metavar="DIR|FILE",
+              help="Checkpoint folder (HF or MLX layout, or a GGUF text file and its mmproj), or a GGUF text file "
+                   "with --mmproj.")
+@mmproj_option
 @click.argument("images", nargs=-1, metavar="[IMAGE]...")
 @click.option("--video", "videos", multiple=True, metavar="FILE",
               help="A video file (any container and codec PyAV decodes; repeatable), sampled and processed as "
@@ -110,12 +114,12 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
                    "faster) or function arguments (packed on every call).")
 @click.option("--dump-inputs", metavar="DIR",
               help="Write each call's inputs as DIR/<NN>/<name>.npy with DIR/<NN>/call.json (see `qwen3vl export`).")
-def run(model, images, videos, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
+def run(model, mmproj, images, videos, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
     """Encode images and videos: merged embeddings and the DeepStack features, images in
     order, then videos in order."""
     from runtime.jobs.run import run_images
 
-    click.echo(run_images(model, images, output, cache_dir, buckets or None, target, threads, progress=say,
+    click.echo(run_images(with_mmproj(model, mmproj, cache_dir), images, output, cache_dir, buckets or None, target, threads, progress=say,
                           precision=precision, weights=weights, dump_inputs=dump_inputs, videos=videos))
 
 

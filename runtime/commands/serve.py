@@ -15,6 +15,7 @@ from emitter.config import DEFAULT_PRECISION_HELP, PRECISION_HELP, QUANT_HELP, T
 from emitter.text import KV_CACHE_HELP, KV_DTYPES
 
 from runtime.serve.assemble import ServeOptions
+from runtime.commands.mmproj import mmproj_option, with_mmproj
 from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -35,7 +36,9 @@ def positive(name: str, value: int) -> int:
 
 
 @click.command("serve", context_settings=CONTEXT)
-@click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (as for qwen3vl generate).")
+@click.option("--model", required=True, metavar="DIR|FILE", help="Checkpoint folder or GGUF text file (as for "
+                                                                   "qwen3vl generate).")
+@mmproj_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (one other than loopback, without --api-key: a warning).")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
@@ -94,7 +97,7 @@ def positive(name: str, value: int) -> int:
 @click.option("--min-replicas", type=int, metavar="N",
               help="With --ray: autoscale, down to N replicas (target: --max-batch ongoing requests each).")
 @click.option("--max-replicas", type=int, metavar="N", help="With --ray: autoscale, up to N replicas.")
-def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cache_memory, buckets, precision, api_key,
+def serve_command(model, mmproj, host, port, max_batch, context, kv_cache_dtype, kv_cache_memory, buckets, precision, api_key,
                   allowed_hosts, allowed_local_media_path,
                   cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
                   grace, image_min_tokens, image_max_tokens, ray, replicas, min_replicas, max_replicas):
@@ -112,6 +115,7 @@ def serve_command(model, host, port, max_batch, context, kv_cache_dtype, kv_cach
     if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     check_access(host, api_key)
+    model = with_mmproj(model, mmproj, cache_dir)
     scaling = check_replicas(ray, replicas, min_replicas, max_replicas)
     if context is None:
         from runtime.text import default_context
