@@ -456,7 +456,7 @@ class Generator:
         self.model_dir = Path(model_dir)
         mmproj = gguf_vision.mmproj_file(model_dir)  # a llama.cpp text file beside its mmproj
         text_only = gguf_text.is_gguf(model_dir) and not mmproj  # a llama.cpp text file alone: no vision
-        self.vision_cfg = (None if text_only else gguf_vision.vision_config(mmproj) if mmproj
+        self.vision_cfg = (None if text_only else gguf_vision.checked_config(mmproj) if mmproj
                            else load_model_config(model_dir))
         self.tokenizer = ChatTokenizer(model_dir)
         if precision is None:

@@ -8,6 +8,7 @@ as a Hugging Face folder): logits relL2 <= 1e-5. Bad files are one line."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import json
 
 import numpy as np
@@ -47,6 +48,8 @@ def files(tmp_path_factory):
     log = work / "convert.log"
     out = {t: llamacpp.convert(src, ckpt, work / f"text-{t}.gguf", ["--outtype", t], log) for t in ("f32", "q8_0")}
     out["q4_0"] = requantize(out["f32"], work / "text-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
+    for t in ("f32", "q8_0"):
+        out[f"mmproj-{t}"] = llamacpp.convert(src, ckpt, work / f"mmproj-{t}.gguf", ["--mmproj", "--outtype", t], log)
     out["hf"] = ckpt
     return out
 
@@ -61,23 +64,26 @@ def qwen2_pre_tokenizer(path):
     path.write_text(json.dumps(tj))
 
 
-def requantize(src, dst, qtype):
+def requantize(src, dst, qtype, arch=gguf_text.ARCH, fields=None, drop=()):
     """The file at `src` rewritten with GGUFWriter, its 2-D weights quantized to `qtype` by
-    `gguf.quants.quantize` (metadata and the other tensors as they are)."""
+    `gguf.quants.quantize` (None: as they are); `fields` replace metadata values, the
+    tensors named in `drop` are left out (metadata and the other tensors as they are)."""
     r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(dst), arch=gguf_text.ARCH)
+    w = gguf.GGUFWriter(str(dst), arch=arch)
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         vtype = f.types[0]
-        value = f.contents()
+        value = (fields or {}).get(key, f.contents())
         if vtype == gguf.GGUFValueType.ARRAY:
             w.add_key_value(key, value, vtype, sub_type=f.types[-1])
         else:
             w.add_key_value(key, value, vtype)
     for t in r.tensors:
         data = np.asarray(t.data)
-        if data.ndim == 2 and t.name != "token_embd.weight":
+        if t.name in drop:
+            continue
+        if qtype is not None and data.ndim == 2 and t.name != "token_embd.weight":
             w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_shape=gguf.quants.quant_shape_to_byte_shape(
                 data.shape, qtype), raw_dtype=qtype)
         else:
@@ -217,3 +223,107 @@ def test_generate_text_only_from_the_gguf_file(files, tmp_path):
     assert out.stderr.strip().splitlines()[-1] == (f"error: --model {path}: a GGUF text file alone has no vision "
                                                    "tower for the image; expected its mmproj GGUF too (llama.cpp's "
                                                    "--mmproj)")
+
+
+# --------------------------------------------------------------------------- the mmproj (vision)
+
+def model_folder(files, tmp_path, text="f32", mmproj="f32", name="model"):
+    """A folder holding the text file and its mmproj, as llama.cpp users download them."""
+    import os
+
+    folder = tmp_path / name
+    folder.mkdir()
+    os.link(files[text], folder / f"Qwen3VL-{text}.gguf")
+    os.link(files[f"mmproj-{mmproj}"], folder / f"mmproj-Qwen3VL-{mmproj}.gguf")
+    return folder
+
+
+def test_mmproj_config_policy_and_weights(files):
+    """The converter's `clip.*` keys give the checkpoint's vision config and image policy;
+    the f32 file's weights are the checkpoint's bit for bit (conv frames rejoined, DeepStack
+    re-indexed); the Q8_0 file's are gguf's own dequantization, near them."""
+    from emitter.config import load_model_config
+    from emitter.policy import load_policy
+    from gguf.quants import dequantize
+
+    from runtime.checkpoints import gguf_vision
+    from runtime.checkpoints.vision import load_vision_weights
+
+    hf = load_model_config(files["hf"])
+    cfg = gguf_vision.vision_config(files["mmproj-f32"])
+    assert cfg == hf and cfg.deepstack_visual_indexes == (1, 2)
+    assert gguf_vision.processor_policy(files["mmproj-f32"], cfg) == load_policy(files["hf"], hf)
+    ref = load_vision_weights(files["hf"], hf)
+    ours = gguf_vision.load_vision_weights(files["mmproj-f32"], cfg)
+    assert list(ours) == list(ref)
+    for name in ref:
+        np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
+    q8 = gguf_vision.load_vision_weights(files["mmproj-q8_0"], cfg)
+    t = next(t for t in gguf.GGUFReader(files["mmproj-q8_0"]).tensors if t.name == "v.deepstack.2.fc1.weight")
+    assert t.tensor_type.name == "Q8_0"
+    np.testing.assert_array_equal(q8["model.visual.deepstack_merger_list.1.linear_fc1.weight"],
+                                  dequantize(t.data, t.tensor_type).reshape(256, 256))
+    assert max(rel_l2(q8[k], ref[k]) for k in ref) < 0.01
+
+
+def test_generate_with_an_image_equals_the_original_checkpoint(files, tmp_path):
+    """`qwen3vl generate --model FOLDER --image X` (the f32 text file beside its f32 mmproj)
+    gives the logits of the same command over the Hugging Face checkpoint both were converted
+    from: within 1e-5; `--model TEXT --mmproj FILE` the same."""
+    from PIL import Image
+
+    image = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 56, 3), dtype=np.uint8)).save(image)
+    cache = tmp_path / "cache"
+    outs = [tmp_path / n for n in ("folder", "ref", "pair")]
+    for o in outs:
+        o.mkdir()
+    ours = generate_logits(model_folder(files, tmp_path), image, None, cache, outs[0])
+    ref = generate_logits(files["hf"], image, "f32", cache, outs[1])
+    assert rel_l2(ours, ref) <= TOL
+    run = cli("generate", "--model", files["f32"], "--mmproj", files["mmproj-f32"], "--image", image, "--prompt",
+              "What is it?", "--max-new-tokens", "2", "--prompt-bucket", "64", "--context", "96", "--cache-dir",
+              cache, "--save-logits", outs[2] / "pair.npy")
+    assert run.returncode == 0, run.stderr
+    assert rel_l2(np.load(outs[2] / "pair.npy"), ref) <= TOL
+
+
+def cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def test_serve_answers_an_image_chat_from_the_folder(files, tmp_path):
+    """`qwen3vl serve --model FOLDER` (Q8_0 text beside the Q8_0 mmproj) answers an image
+    chat through the openai client with `qwen3vl generate`'s answer over the same folder."""
+    from serve_helpers import Server, chat, generate, user
+
+    server = Server(tmp_path, model=model_folder(files, tmp_path, "q8_0", "q8_0"))
+    try:
+        text, finish, usage = chat(server, [user("What is it?", server.images[:1])], max_tokens=8)
+        solo = generate(server, "What is it?", server.images[:1], 8)
+        assert text == solo["text"] and usage["completion_tokens"] == len(solo["tokens"]) > 0
+    finally:
+        server.process.kill()
+        server.process.wait()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(fields={"clip.projector_type": "qwen2vl_merger"}),
+     r"projector type 'qwen2vl_merger' is not supported; expected 'qwen3vl_merger' \(the Qwen3-VL vision tower\)$"),
+    (dict(drop=("mm.2.weight",)),
+     r"the tensor mm\.2\.weight \(for model\.visual\.merger\.linear_fc2\.weight\) is missing$"),
+    (dict(arch="llama"), r"GGUF architecture 'llama' is not an mmproj; expected 'clip'")])
+def test_bad_mmproj_is_one_line(files, tmp_path, change, message):
+    """A wrong projector type, a missing tensor or a file that is no mmproj: one line naming
+    it, from `generate` before anything is compiled."""
+    bad = requantize(files["mmproj-f32"], tmp_path / "mmproj-bad.gguf", None, **{"arch": "clip", **change})
+    run = cli("generate", "--model", files["q8_0"], "--mmproj", bad, "--image", files["hf"] / "config.json",
+              "--prompt", "hi", "--cache-dir", tmp_path / "cache")
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and re.search(message, last), run.stderr
+    assert "compil" not in run.stderr

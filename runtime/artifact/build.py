@@ -75,8 +75,7 @@ def vision_source(model: str | None, preset_name: str | None, precision: str):
     mmproj = gguf_vision.mmproj_file(model) if model else None
     if not mmproj:
         return folder_vision(model, preset_name, precision)
-    cfg = gguf_vision.vision_config(mmproj)
-    gguf_vision.vision_tensors(mmproj, cfg)
+    cfg = gguf_vision.checked_config(mmproj)
     return (cfg, f"model {Path(model).name}", "f32" if precision == MLX_PRECISION else precision,
             gguf_vision.processor_policy(mmproj, cfg), DEFAULT_VIDEO_POLICY)
 

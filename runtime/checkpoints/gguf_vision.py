@@ -92,6 +92,13 @@ def vision_config(path) -> VisionConfig:
                         num_position_embeddings=int(pos.shape[1]))
 
 
+def checked_config(path) -> VisionConfig:
+    """`vision_config`, every tensor it needs present and of a supported type (`vision_tensors`)."""
+    cfg = vision_config(path)
+    vision_tensors(path, cfg)
+    return cfg
+
+
 def processor_policy(path, cfg: VisionConfig):
     """The image processor policy (module docstring)."""
     from emitter.policy import DEFAULT_POLICY
