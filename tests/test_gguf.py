@@ -327,3 +327,22 @@ def test_bad_mmproj_is_one_line(files, tmp_path, change, message):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and re.search(message, last), run.stderr
     assert "compil" not in run.stderr
+
+
+def test_q8_0_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
+    """The tower of a Q8_0 mmproj with its linears in their bits (the default `mlx`, the MLX
+    tower's affine path) against the f32 tower over gguf's dequantization of the same file:
+    embeddings and DeepStack features within 1e-5; every linear runs in its bits."""
+    from PIL import Image
+
+    from runtime.vision import VisionSession
+
+    folder = model_folder(files, tmp_path, "f32", "q8_0")
+    image = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(image)
+    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (MLX_PRECISION, "f32"))
+    assert len(ours.cfg.affine_weights) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.affine_weights
+    a, b = ours.encode([image]), ref.encode([image])
+    assert rel_l2(a.image_embeds, b.image_embeds) <= TOL
+    assert rel_l2(a.deepstack_features, b.deepstack_features) <= TOL
+    assert ours.archive_path.stat().st_size < 0.7 * ref.archive_path.stat().st_size

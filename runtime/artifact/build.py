@@ -69,15 +69,17 @@ def folder_vision(model: str | None, preset_name: str | None, precision: str):
 
 def vision_source(model: str | None, preset_name: str | None, precision: str):
     """`folder_vision`, or for a folder holding a GGUF text file and its llama.cpp mmproj the
-    mmproj's config (its tensors checked), policy and Qwen3-VL's video policy; its weights
-    are widened to f32, so `mlx` is f32 there (docs/text.md)."""
+    mmproj's config (its tensors checked), policy and Qwen3-VL's video policy; under `mlx`
+    its Q8_0 / Q4_0 linears run in their bits, as an MLX tower's (docs/text.md)."""
     from runtime.checkpoints import gguf_vision
     mmproj = gguf_vision.mmproj_file(model) if model else None
     if not mmproj:
         return folder_vision(model, preset_name, precision)
     cfg = gguf_vision.checked_config(mmproj)
-    return (cfg, f"model {Path(model).name}", "f32" if precision == MLX_PRECISION else precision,
-            gguf_vision.processor_policy(mmproj, cfg), DEFAULT_VIDEO_POLICY)
+    policy = gguf_vision.processor_policy(mmproj, cfg)
+    if precision == MLX_PRECISION:  # the Q8_0 / Q4_0 linears in their bits, the rest f32
+        cfg, precision = replace(cfg, affine_weights=gguf_vision.affine_weights(mmproj, cfg)), "f32"
+    return cfg, f"model {Path(model).name}", precision, policy, DEFAULT_VIDEO_POLICY
 
 
 def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,

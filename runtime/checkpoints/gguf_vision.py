@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter.config import CONV_WEIGHT, HF_PREFIX, VisionConfig, weight_schema
+from emitter.config import CONV_WEIGHT, HF_PREFIX, MATMUL_WEIGHT_SUFFIXES, VisionConfig, graph_weights, weight_schema
 from runtime.checkpoints import gguf_text
 from runtime.checkpoints.vision import CheckpointError, weights_in_order
 
@@ -186,10 +186,42 @@ def load_vision_weights(path, cfg: VisionConfig) -> dict[str, np.ndarray]:
     return out
 
 
+def affine_weights(path, cfg: VisionConfig) -> tuple[tuple[str, int, int], ...]:
+    """(Hugging Face name, bits, 32) of each Q8_0 / Q4_0 linear (`VisionConfig.affine_weights`)."""
+    return tuple((name, gguf_text.BITS[t.tensor_type.name], gguf_text.GROUP)
+                 for name, t in by_hf_name(path, cfg).items()
+                 if t.tensor_type.name in gguf_text.BITS and name.endswith(MATMUL_WEIGHT_SUFFIXES))
+
+
+def by_hf_name(path, cfg: VisionConfig) -> dict:
+    """{Hugging Face name: the reader's tensor} (`vision_tensors`; the conv's frame 0)."""
+    return {hf_name(n, cfg.deepstack_visual_indexes): t for n, t in vision_tensors(path, cfg).items()
+            if n != PATCH + ".1"}
+
+
 def vision_arrays(path, cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
-    """The graph's ordered weight arguments (`load_vision_weights`, then
-    `vision.weights_in_order`: f32, or bf16 under a bf16 precision)."""
-    return weights_in_order(load_vision_weights(path, cfg), cfg, precision)
+    """The graph's ordered weight arguments: those of `cfg.affine_weights` in their bits
+    (`gguf_text.codes`, `quant.from_affine`: q, then its scales and biases), the rest as
+    `load_vision_weights` gives them through `vision.weights_in_order` (f32, or bf16)."""
+    affine = {name for name, _, _ in cfg.affine_weights}
+    if not affine:
+        return weights_in_order(load_vision_weights(path, cfg), cfg, precision)
+    from emitter import quant
+
+    tensors = by_hf_name(path, cfg)
+    widened = load_vision_weights(path, dataclasses.replace(cfg, affine_weights=()))
+    out, pending = [], {}
+    for w in graph_weights(cfg, precision):
+        if w.name in pending:  # made with its weight, just before
+            out.append(pending.pop(w.name))
+        elif w.name in affine:
+            u, d, b = gguf_text.codes(tensors[w.name])
+            q, pending[quant.scales_name(w.name)], pending[quant.biases_name(w.name)] = quant.from_affine(
+                quant.row_blocks(u), u.shape, d, b, gguf_text.BITS[tensors[w.name].tensor_type.name])
+            out.append(q)
+        else:
+            out.append(widened[w.name])
+    return out
 
 
 def content_fields(path) -> dict:
