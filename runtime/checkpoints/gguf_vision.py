@@ -104,10 +104,10 @@ def processor_policy(path, cfg: VisionConfig):
     from emitter.policy import DEFAULT_POLICY
 
     r = reader(path)
-    found = {name: gguf_text.field(r, KEY + key, path, None) if KEY + key in r.fields else None
-             for name, key in (("image_mean", "image_mean"), ("image_std", "image_std"),
-                               ("min_pixels", "image_min_pixels"), ("max_pixels", "image_max_pixels"))}
-    values = {k: tuple(v) if isinstance(v, list) else int(v) for k, v in found.items() if v is not None}
+    found = {name: r.fields[KEY + key].contents() for name, key in (
+        ("image_mean", "image_mean"), ("image_std", "image_std"), ("min_pixels", "image_min_pixels"),
+        ("max_pixels", "image_max_pixels")) if KEY + key in r.fields}
+    values = {k: tuple(v) if isinstance(v, list) else int(v) for k, v in found.items()}
     return dataclasses.replace(DEFAULT_POLICY, patch_size=cfg.patch_size, merge_size=cfg.spatial_merge_size,
                                temporal_patch_size=cfg.temporal_patch_size, **values)
 
@@ -165,14 +165,17 @@ def _names(cfg: VisionConfig):
     return out
 
 
-def load_vision_weights(path, cfg: VisionConfig) -> dict[str, np.ndarray]:
-    """The graph's weights as exact f32 (`gguf_text.dequantized`) keyed by Hugging Face name
-    in `weight_schema(cfg)` order, each of the shape the graph takes: the conv's two frames
-    stacked along time and flattened to [hidden, patch_dim] in (C, T, P, P) order."""
+def load_vision_weights(path, cfg: VisionConfig, skip=()) -> dict[str, np.ndarray]:
+    """The graph's weights (but those named in `skip`) as exact f32 (`gguf_text.dequantized`)
+    keyed by Hugging Face name in `weight_schema(cfg)` order, each of the shape the graph
+    takes: the conv's two frames stacked along time and flattened to [hidden, patch_dim] in
+    (C, T, P, P) order."""
     tensors = vision_tensors(path, cfg)
     by_hf = {hf_name(n, cfg.deepstack_visual_indexes): t for n, t in tensors.items() if n != PATCH + ".1"}
     out = {}
     for name, shape in weight_schema(cfg):
+        if name in skip:
+            continue
         if name == CONV_WEIGHT:
             frames = [gguf_text.dequantized(tensors[f]) for f in (PATCH, PATCH + ".1")]
             w = np.stack(frames, axis=2)  # [h, C, P, P] x 2 -> [h, C, T, P, P]
@@ -209,7 +212,7 @@ def vision_arrays(path, cfg: VisionConfig, precision: str = "f32") -> list[np.nd
     from emitter import quant
 
     tensors = by_hf_name(path, cfg)
-    widened = load_vision_weights(path, dataclasses.replace(cfg, affine_weights=()))
+    widened = load_vision_weights(path, cfg, skip=affine)  # no f32 copy of the linears in their bits
     out, pending = [], {}
     for w in graph_weights(cfg, precision):
         if w.name in pending:  # made with its weight, just before
