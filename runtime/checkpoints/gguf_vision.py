@@ -11,7 +11,9 @@ checkpoint: architecture `clip`, projector `qwen3vl_merger`) read as it is, thro
 - the tensors `v.*` / `mm.*` under their Hugging Face names (`hf_name`, the one place
   llama.cpp's names are mapped; `v.deepstack.{layer}` re-indexed into the merger list, the
   patch embedding's two frames `v.patch_embd.weight` / `.weight.1` rejoined along time),
-  each exact f32: F32, F16, BF16 widened, Q8_0 / Q4_0 by `gguf.quants.dequantize`.
+  each exact f32 (F32, F16, BF16 widened, Q8_0 / Q4_0 by `gguf.quants.dequantize`), or for
+  the Q8_0 / Q4_0 linears under `mlx` in their bits (`affine_weights`: the MLX tower's
+  affine layout, as gguf_text.py makes it for the decoder).
 Every problem is a one-line `CheckpointError` naming the file and the tensor.
 """
 
