@@ -37,25 +37,7 @@ from emitter.text import text_weights  # noqa: E402
 from emitter.text_config import TEXT_PREFIX, TEXT_PRESETS  # noqa: E402
 from runtime.text import TextSession  # noqa: E402
 from runtime.checkpoints.synthetic_text import write_text_model  # noqa: E402
-
-
-def memory_bandwidth_gbs(threads: int) -> dict:
-    """Read bandwidth (a 1 GiB f32 sum) and STREAM triad bandwidth (a = b + s c over three
-    1 GiB arrays, 3 GiB moved), torch on `threads` threads, best of 5 each."""
-    import torch
-    torch.set_num_threads(threads)
-    n = 1 << 28
-    b, c = torch.ones(n), torch.ones(n)
-    a = torch.empty(n)
-    read = min(_seconds(lambda: b.sum()) for _ in range(5))
-    triad = min(_seconds(lambda: torch.add(b, c, alpha=3.0, out=a)) for _ in range(5))
-    return {"read_gbs": n * 4 / read / 1e9, "triad_gbs": 3 * n * 4 / triad / 1e9}
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from runtime.bench.roof import memory_bandwidth_gbs  # noqa: E402
 
 
 def ours_run(session: TextSession, ids, new: int) -> tuple[float, float, list[int]]:

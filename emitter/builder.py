@@ -14,8 +14,8 @@ from math import prod
 
 import numpy as np
 
-DTYPES = ("f32", "bf16", "i32", "i64", "i8", "i4", "i1")
-MIXED_DOTS = ({"f32", "bf16"}, {"f32", "i8"}, {"f32", "i4"})  # dot_general operand dtypes that may differ
+DTYPES = ("f32", "bf16", "i32", "i64", "i16", "i8", "i4", "i1")
+MIXED_DOTS = ({"f32", "bf16"}, {"f32", "i8"}, {"f32", "i4"}, {"i8", "i4"}, {"i16", "i8"}, {"i16", "i4"})  # dot_general operand dtypes that may differ
 COMPARE_DIRECTIONS = ("EQ", "NE", "GE", "GT", "LE", "LT")
 REDUCE_INIT = {  # (kind, dtype) -> identity element
     ("add", "f32"): 0.0, ("maximum", "f32"): float("-inf"),
@@ -200,6 +200,7 @@ class Builder:
     def divide(self, a, b, hint=None): return self._binary("divide", a, b, hint)
     def remainder(self, a, b, hint=None): return self._binary("remainder", a, b, hint)
     def maximum(self, a, b, hint=None): return self._binary("maximum", a, b, hint)
+    def minimum(self, a, b, hint=None): return self._binary("minimum", a, b, hint)
 
     def _unary(self, op: str, x: Value, hint: str | None) -> Value:
         return self._op(hint or op.split(".")[-1], f"{op} {x} : {x.type}", x.type)
@@ -211,6 +212,7 @@ class Builder:
     def rsqrt(self, x, hint=None): return self._unary("stablehlo.rsqrt", x, hint)
     def cosine(self, x, hint=None): return self._unary("stablehlo.cosine", x, hint)
     def sine(self, x, hint=None): return self._unary("stablehlo.sine", x, hint)
+    def round_even(self, x, hint=None): return self._unary("stablehlo.round_nearest_even", x, hint)
 
     def erf(self, x: Value, hint=None) -> Value:
         """chlo.erf: StableHLO has no erf of its own."""

@@ -52,6 +52,19 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
+def memory_bandwidth_gbs(threads: int) -> dict:
+    """Read bandwidth (a 1 GiB f32 sum) and STREAM triad bandwidth (a = b + s c over three
+    1 GiB arrays, 3 GiB moved), torch on `threads` threads, best of 5 each."""
+    import torch
+    torch.set_num_threads(threads)
+    n = 1 << 28
+    b, c = torch.ones(n), torch.ones(n)
+    a = torch.empty(n)
+    read = best_time(lambda: b.sum(), 5)
+    triad = best_time(lambda: torch.add(b, c, alpha=3.0, out=a), 5)
+    return {"read_gbs": n * 4 / read / 1e9, "triad_gbs": 3 * n * 4 / triad / 1e9}
+
+
 def numpy_gflops(n: int, threads: int, repeats: int) -> float:
     """numpy (OpenBLAS) f32 in a fresh interpreter: BLAS reads its thread count and core
     type once, at load, so they are set there."""

@@ -1,0 +1,248 @@
+"""One projection's matvec forms from DRAM: weight-only int8 (split-K) against bf16 and the
+integer forms (int8 activations quantized in the graph x int8 or int4 weights, accumulated in
+i32), ms per call and GB/s of weights, beside the read bandwidth measured in the same process.
+
+One [N, K] projection (default 6144x2048, Qwen3-VL-2B's gate/up) at M rows (default 1, 4 and
+512). Each form's module holds enough distinct weights (module globals from a parameter
+index, as the real graphs hold them) that one sweep reads at least `--megabytes` of them
+(default 400 MB: more than the L3, so they come from DRAM); its functions compute
+`--per-call` projections each, and a sweep calls every function once. Forms alternate sweep by
+sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
+
+- int8: today's `--precision int8` (emitter/layers.py `quantized_project`: split-K up to
+  SPLIT_K_ROWS rows, dequantized into the data-tiled matmul above);
+- bf16: bf16 weights widened inside the data-tiled f32 matmul (`--precision bf16` on AVX-512);
+- w8a8-gN / w4a8-gN: int8 (int4) weights in groups of N with one f32 scale each
+  (`emitter.quant`'s layout); x quantized in the graph per row and group of N to int8 with
+  one scale (max|x| / 127); an i8 x i8 (i8 x i4) -> i32 `dot_general` batched over the
+  groups, then i32 -> f32 times both scales, summed over the groups. `-row`: one group of
+  all K inputs (per output channel weight scales, per row activation scales): a plain
+  i8 x i8 -> i32 matmul, which IREE's data tiling packs into s8s8s32 tiles.
+
+`--asm DIR` also dumps each form's executables (M = 1) and counts the dot-product
+instructions in them (vpdpbusd / vpdpwssd: AVX-512 VNNI; vpmaddubsw / vpmaddwd) against the
+float ones (vfmadd*ps, vdpbf16ps) and the int->float converts (vcvtdq2ps).
+
+    .venv/bin/python benchmarks/bench_w8a8.py --rounds 5 --asm /tmp/w8a8-asm
+    .venv/bin/python benchmarks/bench_w8a8.py --rows 1 --forms int8 w8a8-row --flags=--iree-llvmcpu-enable-ukernels=all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from emitter import quant  # noqa: E402
+from emitter.builder import Builder, Value  # noqa: E402
+from emitter.layers import project, quantized_project  # noqa: E402
+from emitter.module import function, render  # noqa: E402
+from emitter.quant import QuantizedWeight  # noqa: E402
+from emitter.targets import target_flags  # noqa: E402
+from runtime.artifact.iree_module import device_config, parameters_module  # noqa: E402
+from runtime.bench.roof import memory_bandwidth_gbs  # noqa: E402
+from runtime.vision import set_thread_count  # noqa: E402
+
+FORMS = ("int8", "bf16", "w8a8-row", "w8a8-g64", "w8a8-g256", "w4a8-row", "w4a8-g64", "w8a16-row", "w8a16-g256",
+         "w8a16-g128")
+ASM_COUNTS = ("vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd", "vfmadd", "vdpbf16ps", "vcvtdq2ps", "vpmovsxbd",
+              "vpmovsxbw")
+
+
+def form_layout(form: str, k: int) -> tuple[int, int]:
+    """(bits, group) of a form's weights; bf16: (16, k)."""
+    if form == "bf16":
+        return 16, k
+    if form == "int8":
+        return 8, quant.GROUP
+    bits = 8 if form.startswith("w8") else 4
+    size = form.split("-")[1]
+    return bits, k if size == "row" else int(size[1:])
+
+
+def activation_bits(form: str) -> int:
+    """8 (i8, -127..127) or 16 (i16, -32767..32767) for an integer form."""
+    return int(form.split("-")[0].split("a")[1])
+
+
+def weight_bytes(form: str, n: int, k: int) -> int:
+    """Bytes one projection reads: the weight in its bits plus its f32 scales."""
+    bits, group = form_layout(form, k)
+    return n * k * bits // 8 + (0 if bits == 16 else n * (k // group) * 4)
+
+
+def quantized_activations(b: Builder, x: Value, group: int, bits: int) -> tuple[Value, Value]:
+    """(xq [G, M, g] i8 or i16, x's scales [G, M] f32) of f32 x [M, K]: per row and group of
+    `group` inputs, scale = max|x| / L and xq = round-half-even(x * (L / max|x|)), L = 127 or
+    32767 (an all-zero group: 0, with max|x| taken as 1e-30)."""
+    m, k = x.shape
+    g = k // group
+    x3 = b.transpose(b.reshape(x, (m, g, group), hint="xg"), [1, 0, 2], hint="xg")
+    amax = b.maximum(b.reduce(b.abs(x3, hint="xabs"), [2], "maximum", hint="xamax"),
+                     b.constant(1e-30, (g, m), hint="tiny"), hint="xamax")
+    levels = b.constant(float(quant.levels(bits)), (g, m), hint="levels")
+    inv = b.divide(levels, amax, hint="xinv")
+    xq = b.convert(b.round_even(b.multiply(x3, b.broadcast_in_dim(inv, x3.shape, [0, 1], hint="xinv"), hint="xs"),
+                                hint="xr"), f"i{bits}", hint="xq")
+    return xq, b.divide(amax, levels, hint="xscale")
+
+
+def integer_project(b: Builder, x: Value, weight: QuantizedWeight, bits: int) -> Value:
+    """x @ weight.T, f32 [M, N], from int8 activations (`quantized_activations`) and the
+    weight's q [K, N] (i8 or i4) and scales [N, G]: i32 partial sums per group, then times
+    both scales, summed over the groups."""
+    (k, n), g = weight.q.shape, weight.scales.shape[1]
+    xq, xs = quantized_activations(b, x, k // g, bits)
+    q3 = b.reshape(weight.q, (g, k // g, n), hint="q3")
+    partial = b.convert(b.dot_general(xq, q3, ([2], [1]), ([0], [0]), hint="ipartial", result_dtype="i32"), "f32",
+                        hint="fpartial")
+    scale = b.multiply(b.broadcast_in_dim(xs, partial.shape, [0, 1], hint="xsb"),
+                       b.broadcast_in_dim(weight.scales, partial.shape, [2, 0], hint="wsb"), hint="scale")
+    return b.reduce(b.multiply(partial, scale, hint="scaled"), [0], "add", hint="out")
+
+
+def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) -> str:
+    """`count` distinct weights as parameter globals, functions f0.. each projecting x by
+    `per_call` of them."""
+    bits, group = form_layout(form, k)
+    functions, globals_ = [], []
+    for f in range(count // per_call):
+        b = Builder(activations="f32" if form == "bf16" else None)
+        x = b.argument("x", (m, k))
+        results = []
+        for i in range(f * per_call, (f + 1) * per_call):
+            if bits == 16:
+                w = b.parameter(f"w{i}", (n, k), "bf16", f"w{i}")
+                y = project(b, x, w, hint=f"p{i}")
+            else:
+                w = QuantizedWeight(b.parameter(f"q{i}", (k, n), quant.STORAGE_DTYPE[bits], f"q{i}"),
+                                    b.parameter(f"s{i}", (n, k // group), "f32", f"s{i}"))
+                y = quantized_project(b, x, w, f"p{i}") if form == "int8" else integer_project(b, x, w, activation_bits(form))
+            results.append((f"y{i - f * per_call}", y))
+        functions.append(function(b, f"f{f}", results))
+        globals_ += b.globals
+    return render("bench", f"// {form} {n}x{k} M={m}\n", globals_, functions)
+
+
+def weight_arrays(form: str, n: int, k: int, count: int, seed: int = 0):
+    """(name, array) pairs of `count` random weights in the form's archive layout; one
+    quantized weight reused with its bytes shifted, so that making them is fast but every
+    weight's bytes are distinct in memory."""
+    bits, group = form_layout(form, k)
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * 0.02
+    if bits == 16:
+        base = (w.view(np.uint32) >> 16).astype(np.uint16)
+        return [(f"w{i}", np.roll(base, i)) for i in range(count)]
+    q, scales = quant.stored(w, bits, group)
+    return [pair for i in range(count) for pair in ((f"q{i}", np.roll(q, i)), (f"s{i}", scales))]
+
+
+def compile_form(text: str, flags: list[str], dump: Path | None = None) -> bytes:
+    import iree.compiler as ic
+    extra = [*target_flags("llvm-cpu"), *flags]
+    if dump:
+        extra += [f"--iree-hal-dump-executable-files-to={dump}"]
+    return ic.compile_str(text, extra_args=extra)
+
+
+def asm_counts(dump: Path) -> dict:
+    """Dot-product, FMA and convert instructions in the dumped executables' assembly."""
+    text = "\n".join(p.read_text() for p in dump.rglob("*.s"))
+    return {name: len(re.findall(rf"\b{name}\w*", text)) for name in ASM_COUNTS}
+
+
+class Loaded:
+    """A compiled form on the device with its weights resident (a parameter index)."""
+
+    def __init__(self, config, vmfb: bytes, arrays, functions: int):
+        import iree.runtime as rt
+        self.arrays = arrays  # referenced by the index: keep alive
+        self.ctx = rt.SystemContext(config=config)
+        self.ctx.add_vm_module(parameters_module(config, arrays))
+        self.ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+        self.functions = [self.ctx.modules.bench[f"f{f}"] for f in range(functions)]
+
+    def sweep(self, x) -> float:
+        start = time.perf_counter()
+        for fn in self.functions:
+            out = fn(x)
+        _ = np.asarray((out[0] if isinstance(out, (list, tuple)) else out).to_host())  # wait for the last
+        return time.perf_counter() - start
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=6144)
+    p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 512])
+    p.add_argument("--forms", nargs="+", default=list(FORMS))
+    p.add_argument("--megabytes", type=float, default=400)
+    p.add_argument("--per-call", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--flags", nargs="*", default=[], help="extra iree-compile flags")
+    p.add_argument("--asm", metavar="DIR", help="dump each form's executables (M = 1) here and count instructions")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    set_thread_count(args.threads)
+    config = device_config("llvm-cpu")
+    out = {"n": args.n, "k": args.k, "threads": args.threads, "flags": args.flags,
+           "bandwidth_before": memory_bandwidth_gbs(args.threads), "rows": {}, "asm": {}}
+    rng = np.random.default_rng(1)
+    for m in args.rows:
+        loaded = {}
+        for form in args.forms:
+            per = weight_bytes(form, args.n, args.k)
+            count = math.ceil(args.megabytes * 1e6 / per / args.per_call) * args.per_call
+            text = module_text(form, args.n, args.k, m, count, args.per_call)
+            dump = None
+            if args.asm and m == 1:
+                dump = Path(args.asm) / form
+                dump.mkdir(parents=True, exist_ok=True)
+            start = time.perf_counter()
+            vmfb = compile_form(text, args.flags, dump)
+            compiled = time.perf_counter() - start
+            if dump:
+                out["asm"][form] = asm_counts(dump)
+            loaded[form] = (Loaded(config, vmfb, weight_arrays(form, args.n, args.k, count), count // args.per_call),
+                            count, per)
+            print(f"M={m} {form}: {count} weights, {count * per / 1e6:.0f} MB, compiled in {compiled:.1f} s",
+                  flush=True)
+        x = rng.standard_normal((m, args.k), dtype=np.float32)
+        times = {form: [] for form in loaded}
+        for form, (mod, _, _) in loaded.items():
+            mod.sweep(x)  # warm-up: module initialization, packing
+        for _ in range(args.rounds):
+            for form, (mod, count, _) in loaded.items():
+                times[form].append(mod.sweep(x) / count)
+        out["rows"][m] = {}
+        for form, (_, count, per) in loaded.items():
+            s = statistics.median(times[form])
+            out["rows"][m][form] = {"ms": s * 1e3, "gbs": per / s / 1e9, "min_ms": min(times[form]) * 1e3}
+            print(f"M={m:<4} {form:<10} {s * 1e3:7.3f} ms/projection  {per / s / 1e9:6.1f} GB/s of weights "
+                  f"(min {min(times[form]) * 1e3:.3f} ms)", flush=True)
+        del loaded
+    out["bandwidth_after"] = memory_bandwidth_gbs(args.threads)
+    out["loadavg"] = os.getloadavg()
+    for form, counts in out["asm"].items():
+        print(f"asm {form:<10} " + " ".join(f"{k}={v}" for k, v in counts.items() if v))
+    print(f"read bandwidth {out['bandwidth_before']['read_gbs']:.1f} / {out['bandwidth_after']['read_gbs']:.1f} "
+          f"GB/s before/after; load average {out['loadavg'][0]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
