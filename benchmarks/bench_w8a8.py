@@ -13,11 +13,12 @@ sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
   SPLIT_K_ROWS rows, dequantized into the data-tiled matmul above);
 - bf16: bf16 weights widened inside the data-tiled f32 matmul (`--precision bf16` on AVX-512);
 - w8a8-gN / w4a8-gN: int8 (int4) weights in groups of N with one f32 scale each
-  (`emitter.quant`'s layout); x quantized in the graph per row and group of N to int8 with
-  one scale (max|x| / 127); an i8 x i8 (i8 x i4) -> i32 `dot_general` batched over the
-  groups, then i32 -> f32 times both scales, summed over the groups. `-row`: one group of
-  all K inputs (per output channel weight scales, per row activation scales): a plain
-  i8 x i8 -> i32 matmul, which IREE's data tiling packs into s8s8s32 tiles.
+  (`emitter.quant`'s layout) and x quantized in the graph per row and group of N to int8
+  (emitter/layers.py `integer_project`: an i8 x i8 (i8 x i4) -> i32 `dot_general` batched
+  over the groups, i32 -> f32 times both scales, summed over the groups). `-row`: one group
+  of all K inputs (a weight scale per output channel, an x scale per row: `--precision w8a8`),
+  a plain i8 x i8 -> i32 matmul, which IREE's data tiling packs into s8s8s32 tiles; at every
+  M, where `--precision w8a8` itself runs it only up to SPLIT_K_ROWS rows.
 
 `--asm DIR` also dumps each form's executables (M = 1) and counts the dot-product
 instructions in them (vpdpbusd / vpdpwssd: AVX-512 VNNI; vpmaddubsw / vpmaddwd) against the
@@ -36,7 +37,6 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,8 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from emitter import quant  # noqa: E402
-from emitter.builder import Builder, Value  # noqa: E402
-from emitter.layers import project, quantized_project  # noqa: E402
+from emitter.builder import Builder  # noqa: E402
+from emitter.layers import integer_project, project, quantized_project  # noqa: E402
 from emitter.module import function, render  # noqa: E402
 from emitter.quant import QuantizedWeight  # noqa: E402
 from emitter.targets import target_flags  # noqa: E402
@@ -54,8 +54,7 @@ from runtime.artifact.iree_module import device_config, parameters_module  # noq
 from runtime.bench.roof import memory_bandwidth_gbs  # noqa: E402
 from runtime.vision import set_thread_count  # noqa: E402
 
-FORMS = ("int8", "bf16", "w8a8-row", "w8a8-g64", "w8a8-g256", "w4a8-row", "w4a8-g64", "w8a16-row", "w8a16-g256",
-         "w8a16-g128")
+FORMS = ("int8", "bf16", "w8a8-row", "w8a8-g32", "w8a8-g64", "w8a8-g256", "w4a8-row")
 ASM_COUNTS = ("vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd", "vfmadd", "vdpbf16ps", "vcvtdq2ps", "vpmovsxbd",
               "vpmovsxbw")
 
@@ -71,45 +70,10 @@ def form_layout(form: str, k: int) -> tuple[int, int]:
     return bits, k if size == "row" else int(size[1:])
 
 
-def activation_bits(form: str) -> int:
-    """8 (i8, -127..127) or 16 (i16, -32767..32767) for an integer form."""
-    return int(form.split("-")[0].split("a")[1])
-
-
 def weight_bytes(form: str, n: int, k: int) -> int:
     """Bytes one projection reads: the weight in its bits plus its f32 scales."""
     bits, group = form_layout(form, k)
     return n * k * bits // 8 + (0 if bits == 16 else n * (k // group) * 4)
-
-
-def quantized_activations(b: Builder, x: Value, group: int, bits: int) -> tuple[Value, Value]:
-    """(xq [G, M, g] i8 or i16, x's scales [G, M] f32) of f32 x [M, K]: per row and group of
-    `group` inputs, scale = max|x| / L and xq = round-half-even(x * (L / max|x|)), L = 127 or
-    32767 (an all-zero group: 0, with max|x| taken as 1e-30)."""
-    m, k = x.shape
-    g = k // group
-    x3 = b.transpose(b.reshape(x, (m, g, group), hint="xg"), [1, 0, 2], hint="xg")
-    amax = b.maximum(b.reduce(b.abs(x3, hint="xabs"), [2], "maximum", hint="xamax"),
-                     b.constant(1e-30, (g, m), hint="tiny"), hint="xamax")
-    levels = b.constant(float(quant.levels(bits)), (g, m), hint="levels")
-    inv = b.divide(levels, amax, hint="xinv")
-    xq = b.convert(b.round_even(b.multiply(x3, b.broadcast_in_dim(inv, x3.shape, [0, 1], hint="xinv"), hint="xs"),
-                                hint="xr"), f"i{bits}", hint="xq")
-    return xq, b.divide(amax, levels, hint="xscale")
-
-
-def integer_project(b: Builder, x: Value, weight: QuantizedWeight, bits: int) -> Value:
-    """x @ weight.T, f32 [M, N], from int8 activations (`quantized_activations`) and the
-    weight's q [K, N] (i8 or i4) and scales [N, G]: i32 partial sums per group, then times
-    both scales, summed over the groups."""
-    (k, n), g = weight.q.shape, weight.scales.shape[1]
-    xq, xs = quantized_activations(b, x, k // g, bits)
-    q3 = b.reshape(weight.q, (g, k // g, n), hint="q3")
-    partial = b.convert(b.dot_general(xq, q3, ([2], [1]), ([0], [0]), hint="ipartial", result_dtype="i32"), "f32",
-                        hint="fpartial")
-    scale = b.multiply(b.broadcast_in_dim(xs, partial.shape, [0, 1], hint="xsb"),
-                       b.broadcast_in_dim(weight.scales, partial.shape, [2, 0], hint="wsb"), hint="scale")
-    return b.reduce(b.multiply(partial, scale, hint="scaled"), [0], "add", hint="out")
 
 
 def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) -> str:
@@ -118,7 +82,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) ->
     bits, group = form_layout(form, k)
     functions, globals_ = [], []
     for f in range(count // per_call):
-        b = Builder(activations="f32" if form == "bf16" else None)
+        b = Builder(activations={"bf16": "f32", "int8": None}.get(form, "i8"))
         x = b.argument("x", (m, k))
         results = []
         for i in range(f * per_call, (f + 1) * per_call):
@@ -128,7 +92,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) ->
             else:
                 w = QuantizedWeight(b.parameter(f"q{i}", (k, n), quant.STORAGE_DTYPE[bits], f"q{i}"),
                                     b.parameter(f"s{i}", (n, k // group), "f32", f"s{i}"))
-                y = quantized_project(b, x, w, f"p{i}") if form == "int8" else integer_project(b, x, w, activation_bits(form))
+                y = quantized_project(b, x, w, f"p{i}") if form == "int8" else integer_project(b, x, w, f"p{i}")
             results.append((f"y{i - f * per_call}", y))
         functions.append(function(b, f"f{f}", results))
         globals_ += b.globals

@@ -14,8 +14,9 @@ from math import prod
 
 import numpy as np
 
-DTYPES = ("f32", "bf16", "i32", "i64", "i16", "i8", "i4", "i1")
-MIXED_DOTS = ({"f32", "bf16"}, {"f32", "i8"}, {"f32", "i4"}, {"i8", "i4"}, {"i16", "i8"}, {"i16", "i4"})  # dot_general operand dtypes that may differ
+DTYPES = ("f32", "bf16", "i32", "i64", "i8", "i4", "i1")
+# dot_general operand dtypes that may differ
+MIXED_DOTS = ({"f32", "bf16"}, {"f32", "i8"}, {"f32", "i4"}, {"i8", "i4"})
 COMPARE_DIRECTIONS = ("EQ", "NE", "GE", "GT", "LE", "LT")
 REDUCE_INIT = {  # (kind, dtype) -> identity element
     ("add", "f32"): 0.0, ("maximum", "f32"): float("-inf"),
@@ -200,7 +201,6 @@ class Builder:
     def divide(self, a, b, hint=None): return self._binary("divide", a, b, hint)
     def remainder(self, a, b, hint=None): return self._binary("remainder", a, b, hint)
     def maximum(self, a, b, hint=None): return self._binary("maximum", a, b, hint)
-    def minimum(self, a, b, hint=None): return self._binary("minimum", a, b, hint)
 
     def _unary(self, op: str, x: Value, hint: str | None) -> Value:
         return self._op(hint or op.split(".")[-1], f"{op} {x} : {x.type}", x.type)
@@ -352,7 +352,8 @@ class Builder:
                     hint=None, result_dtype: str | None = None) -> Value:
         """Result dims: batch dims, then a's free dims, then b's free dims; the result
         dtype may be wider than the operands' (bf16 x bf16 -> f32 accumulates in f32), and
-        one operand may be f32 beside a bf16, i8 or i4 one (`MIXED_DOTS`: widened inside the matmul)."""
+        one operand may be f32 beside a bf16, i8 or i4 one, or i8 beside i4 (`MIXED_DOTS`: widened
+        inside the matmul)."""
         (ca, cb), (ba, bb) = contract, batch
         for dims, v in ((list(ca) + list(ba), a), (list(cb) + list(bb), b)):
             if len(set(dims)) != len(dims) or any(not 0 <= d < v.rank for d in dims):

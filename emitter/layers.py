@@ -12,6 +12,7 @@ import numpy as np
 
 from .builder import Builder, Value
 from .config import LAYER_NORM_EPS
+from . import quant
 from .quant import QuantizedWeight
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -57,8 +58,10 @@ def matmul(b: Builder, x: Value, y: Value, contract, batch=([], []), operand_dty
 def activation_dtype(b: Builder, weight: Value | QuantizedWeight) -> str:
     """The dtype a matmul against `weight` takes its activations in: the graph's
     (`Builder.activations`, "f32" under the bf16-f32 precision), else the weight's (f32 for
-    a quantized one)."""
-    return b.activations or ("f32" if isinstance(weight, QuantizedWeight) else weight.dtype)
+    a quantized one). Integer activations ("i8", w8a8) are the quantized weights' alone
+    (`integer_project`): a float weight beside them takes its own dtype."""
+    graph = b.activations if b.activations != "i8" else None
+    return graph or ("f32" if isinstance(weight, QuantizedWeight) else weight.dtype)
 
 
 def weight_matmul(b: Builder, x: Value, weight: Value, hint: str, weight_first: bool = False) -> Value:
@@ -259,7 +262,10 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     write the whole f32 weight each call, and so do a `convert` that a transpose separates
     from the dot and a reduce form in place of the dot_general: docs/text.md, "int8 and
     int4 weights".) More rows: the weight dequantized per call (`dequantized`) into the
-    ordinary matmul."""
+    ordinary matmul. Under integer activations (`Builder.activations` "i8", `--precision w8a8`)
+    up to SPLIT_K_ROWS rows: `integer_project`."""
+    if b.activations == "i8" and x.rank == 2 and x.shape[0] <= SPLIT_K_ROWS:
+        return integer_project(b, x, weight, hint)
     if x.rank != 2 or x.shape[0] > SPLIT_K_ROWS:
         held = packed(b, weight)
         w_t = dequantized(b, held.q, held.scales, hint + "_weight", held.biases)
@@ -279,6 +285,41 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
                              hint=hint + "_offsets")
         scaled = b.add(scaled, offsets, hint=hint + "_affine")
     return b.reduce(scaled, [0], "add", hint=hint)
+
+
+def quantized_activations(b: Builder, x: Value, group: int, hint: str = "x") -> tuple[Value, Value]:
+    """(xq [G, M, g] i8, its scales [G, M] f32) of f32 x [M, K], per row and group of `group`
+    inputs: scale = max|x| / 127, xq = round-half-even(x * (127 / max|x|)), with max|x| taken
+    as at least 1e-30 (an all-zero group: zeros). `quant.quantize_activations` is the same math."""
+    m, k = x.shape
+    g = k // group
+    x3 = b.transpose(b.reshape(x, (m, g, group), hint=hint + "_groups"), [1, 0, 2], hint=hint + "_groups")
+    amax = b.maximum(b.reduce(b.abs(x3, hint=hint + "_abs"), [2], "maximum", hint=hint + "_amax"),
+                     b.constant(quant.ACTIVATION_FLOOR, (g, m), hint=hint + "_floor"), hint=hint + "_amax")
+    levels = b.constant(float(quant.levels(8)), (g, m), hint=hint + "_levels")
+    inverse = b.broadcast_in_dim(b.divide(levels, amax, hint=hint + "_inverse"), x3.shape, [0, 1],
+                                 hint=hint + "_inverse")
+    xq = b.convert(b.round_even(b.multiply(x3, inverse, hint=hint + "_scaled"), hint=hint + "_rounded"), "i8",
+                   hint=hint + "_i8")
+    return xq, b.divide(amax, levels, hint=hint + "_scale")
+
+
+def integer_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str = "proj") -> Value:
+    """x @ weight.T, f32 [M, N], in integers: x quantized to i8 per row and weight group
+    (`quantized_activations`), an i8 x i8 (or i8 x i4) -> i32 `dot_general` against q as
+    [G, g, N] batched over the groups, each group's i32 sums in f32 times its x scale and its
+    weight scale, summed over the groups. With one group (`--precision w8a8`: a scale per
+    output channel, all K inputs) it is one i8 x i8 -> i32 matmul, which IREE's data tiling
+    runs in VNNI (`vpdpwssd`; docs/performance.md, "Integer activations")."""
+    (k, n), g = weight.q.shape, weight.scales.shape[1]
+    xq, x_scales = quantized_activations(b, cast(b, x, "f32", hint + "_f32"), k // g, hint + "_x")
+    q3 = b.reshape(weight.q, (g, k // g, n), hint=hint + "_q")
+    sums = b.dot_general(xq, q3, ([2], [1]), ([0], [0]), hint=hint + "_i32", result_dtype="i32")
+    partial = b.convert(sums, "f32", hint=hint + "_partial")
+    scales = b.multiply(b.broadcast_in_dim(x_scales, partial.shape, [0, 1], hint=hint + "_x_scales"),
+                        b.broadcast_in_dim(weight.scales, partial.shape, [2, 0], hint=hint + "_scales"),
+                        hint=hint + "_scales")
+    return b.reduce(b.multiply(partial, scales, hint=hint + "_scaled"), [0], "add", hint=hint)
 
 
 def rms_norm(b: Builder, x: Value, weight: Value, eps: float) -> Value:

@@ -12,6 +12,11 @@ f32 scale; its values are stored as signed q in i8 (-128..127) or i4 (-8..7).
   the archive is written (`from_affine`), to q = u - 2^(bits-1) and bias = b + 2^(bits-1)*s,
   so w = s*q + bias with q in the same signed storage (`dequantize` with the biases).
 
+- Integer (`--precision w8a8`, vLLM's name: int8 weights, int8 activations): the symmetric
+  int8 numbers with one group of all K inputs (a scale per output channel); at run time x is
+  quantized per row the same way (scale = max|x| / 127, `quantize_activations`) and the
+  contraction runs in i32 (emitter/layers.py `integer_project`; `integer_matmul` here).
+
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
 (f32), an affine weight's `biases_name` its biases [N, K / group] (f32). The graph reads them
@@ -30,7 +35,9 @@ import numpy as np
 from .config import ConfigError, WeightSpec
 
 GROUP = 64  # inputs per scale of `--precision int8|int4`
-QUANTIZED_BITS = {"int8": 8, "int4": 4}  # precision -> bits of a stored weight
+QUANTIZED_BITS = {"int8": 8, "int4": 4, "w8a8": 8}  # precision -> bits of a stored weight
+PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a group of all K inputs
+ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at run time
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
 
@@ -43,6 +50,12 @@ def bits_of(precision: str) -> int | None:
 def levels(bits: int) -> int:
     """The largest magnitude a symmetric value takes: 127 at 8 bits, 7 at 4 (-127..127, -7..7)."""
     return (1 << (bits - 1)) - 1
+
+
+def group_of(precision: str, shape: tuple[int, ...]) -> int:
+    """Inputs per scale of a [N, K] weight quantized under `precision`: K (per output channel)
+    or GROUP."""
+    return shape[-1] if precision in PER_CHANNEL else GROUP
 
 
 def scales_name(weight_name: str) -> str:
@@ -167,6 +180,39 @@ def dequantize(q: np.ndarray, scales: np.ndarray, group: int = GROUP, biases: np
     if biases is not None:
         g += biases[:, :, None]
     return g.reshape(n, k)
+
+
+def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(xq [M, K] int8, scales [M, K / group] f32) of f32 x [M, K], as the graph computes them
+    (emitter/layers.py `quantized_activations`): per row and group, scale = max|x| / 127 and
+    xq = round-half-even(x * (127 / max|x|)), max|x| at least ACTIVATION_FLOOR."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    g = x.reshape(m, k // group, group)
+    amax = np.maximum(np.abs(g).max(axis=2), np.float32(ACTIVATION_FLOOR))
+    inverse = (np.float32(levels(8)) / amax).astype(np.float32)
+    xq = np.rint(g * inverse[:, :, None]).astype(np.int8)
+    return xq.reshape(m, k), (amax / np.float32(levels(8))).astype(np.float32)
+
+
+def integer_sums(x: np.ndarray, q: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the i32 sums [G, M, N] of each group of inputs, x's scales [M, G]) of x @ q.T in
+    integers: x [M, K] quantized by `quantize_activations`, q [N, K] int8."""
+    xq, x_scales = quantize_activations(x, group)
+    (m, k), n = xq.shape, q.shape[0]
+    xg = xq.reshape(m, k // group, group).transpose(1, 0, 2).astype(np.int32)
+    qg = q.reshape(n, k // group, group).transpose(1, 2, 0).astype(np.int32)
+    return np.matmul(xg, qg), x_scales
+
+
+def integer_matmul(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """x @ w.T, f32 [M, N], as `--precision w8a8` computes it for a weight quantized to q [N, K]
+    int8 with scales [N, G] (`quantize`): `integer_sums`, each group's sum in f32 times its x
+    scale and its weight scale, summed over the groups."""
+    group = q.shape[1] // scales.shape[1]
+    sums, x_scales = integer_sums(x, q, group)
+    scaled = sums.astype(np.float32) * (x_scales.T[:, :, None] * scales.T[:, None, :])
+    return scaled.sum(axis=0, dtype=np.float32)
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,8 @@ def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
     """{name: quant.Layout} of the weights the graph takes quantized: under int8 and int4 every
-    matmul weight (symmetric, groups of quant.GROUP); an MLX checkpoint run in its bits
+    matmul weight (symmetric, groups of quant.GROUP), under w8a8 in int8 with a scale per
+    output channel (`quant.group_of`); an MLX checkpoint run in its bits
     (`cfg.affine_weights`) the ones it stores quantized, affine, in their own bits and group.
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
     bits = quant.bits_of(precision)
@@ -233,7 +234,10 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
     if odd:
         raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the projections, the embedding table "
                           "and lm_head can run quantized")
-    return layouts or {n: quant.Layout(bits) for n in names if bits and n.endswith(MATMUL_SUFFIXES)}
+    if layouts or not bits:
+        return layouts
+    shapes = dict(weight_shapes(cfg))
+    return {n: quant.Layout(bits, quant.group_of(precision, shapes[n])) for n in names if n.endswith(MATMUL_SUFFIXES)}
 
 
 class TextGraph:

@@ -79,7 +79,9 @@ def models(tmp_path_factory):
         weights = load_text_weights(root / "model", CFG)
         for spec in text_weights(CFG, precision):
             if spec.dtype in ("i8", "i4"):
-                weights[spec.name] = quant.dequantize(*quant.quantize(weights[spec.name], quant.bits_of(precision)))
+                group = quant.group_of(precision, weights[spec.name].shape)
+                weights[spec.name] = quant.dequantize(*quant.quantize(weights[spec.name], quant.bits_of(precision),
+                                                                      group), group)
         folder = root / f"reference-{precision}"
         folder.mkdir()
         shutil.copy(root / "model" / "config.json", folder)
@@ -155,9 +157,10 @@ def test_int8_weights_resident_in_their_bits(tmp_path):
     assert loaded < 2.5 * stored, (loaded, stored)
 
 
-def test_generate_int8_from_the_command_line(tmp_path):
-    """`qwen3vl generate --precision int8` with an image (the vision tower in f32 beside the
-    int8 language model): it answers, its first logits near the f32 command's."""
+@pytest.mark.parametrize("precision", ["int8", "w8a8"])
+def test_generate_quantized_from_the_command_line(tmp_path, precision):
+    """`qwen3vl generate --precision int8` (and w8a8) with an image (the vision tower in f32
+    beside the quantized language model): it answers, its first logits near the f32 command's."""
     from helpers import generate_logits, write_images
     from emitter.config import PRESETS
     from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
@@ -168,5 +171,5 @@ def test_generate_int8_from_the_command_line(tmp_path):
                                 dataclasses.replace(CFG, tie_word_embeddings=False), seed=3,
                                 processor_policy_dict=policy)
     (image,) = write_images(tmp_path, ((64, 64),))
-    logits = {p: generate_logits(tmp_path / "m", image, p, tmp_path / "cache", tmp_path) for p in ("int8", "f32")}
-    assert 1e-4 < rel_l2(logits["int8"][0], logits["f32"][0]) < 5e-2
+    logits = {p: generate_logits(tmp_path / "m", image, p, tmp_path / "cache", tmp_path) for p in (precision, "f32")}
+    assert 1e-4 < rel_l2(logits[precision][0], logits["f32"][0]) < 5e-2
