@@ -17,8 +17,7 @@ sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
   (emitter/layers.py `integer_project`: an i8 x i8 (i8 x i4) -> i32 `dot_general` batched
   over the groups, i32 -> f32 times both scales, summed over the groups). `-row`: one group
   of all K inputs (a weight scale per output channel, an x scale per row: `--precision w8a8`),
-  a plain i8 x i8 -> i32 matmul, which IREE's data tiling packs into s8s8s32 tiles; at every
-  M, where `--precision w8a8` itself runs it only up to SPLIT_K_ROWS rows.
+  a plain i8 x i8 -> i32 matmul, which IREE's data tiling packs into s8s8s32 tiles.
 
 `--asm DIR` also dumps each form's executables (M = 1) and counts the dot-product
 instructions in them (vpdpbusd / vpdpwssd: AVX-512 VNNI; vpmaddubsw / vpmaddwd) against the

@@ -230,7 +230,7 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 # Users ask for "f32" or "bf16"; `identity.graph_precision` picks the bf16 form for a target.
 # "int8" and "int4" (the language model only): its matmul weights stored in i8 / i4 with f32
 # group scales (emitter/quant.py), f32 activations; "w8a8" int8 weights with a scale per output
-# channel and activations quantized to int8 per row at run time (decode's matmuls in i32).
+# channel and activations quantized to int8 per row at run time (the projections in i32).
 PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32"), "int8": ("i8", "f32"),
               "int4": ("i4", "f32"), "w8a8": ("i8", "i8")}
 USER_PRECISIONS = ("f32", "bf16")
@@ -240,10 +240,11 @@ USER_PRECISIONS = ("f32", "bf16")
 MLX_PRECISION = "mlx"
 TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", "w8a8", MLX_PRECISION)  # what generate and serve offer
 VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
+# Each precision in the module headers:
 PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
                    "int8": ", int8 weights with f32 scales per 64, f32 matmuls",
                    "int4": ", int4 weights with f32 scales per 64, f32 matmuls",
-                   "w8a8": ", int8 weights with an f32 scale per output, int8 activations per row, i32 matvecs"}  # module headers
+                   "w8a8": ", int8 weights with an f32 scale per output, int8 activations per row, i32 matmuls"}
 # The parameter scope every module's weight globals are read from (keys: checkpoint names).
 PARAMETER_SCOPE = "model"
 PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulation, ~1e-3 error; operands in bf16 "
@@ -252,7 +253,7 @@ PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulat
 QUANT_HELP = ("int8 (the language model): its projections, embedding table and lm_head stored in int8 with one "
               "f32 scale per 64 weights (8.5 bits a weight, 27% of f32's bytes), f32 activations; the vision tower "
               "runs in f32. int4: the same in 4 bits (4.5 bits a weight). w8a8: int8 weights with one scale per output "
-              "channel, and each decode step's activations quantized to int8 per row, multiplied in int32 "
+              "channel, and each projection's input quantized to int8 per row at run time, multiplied in int32 "
               "(faster decode, larger error than int8). docs/text.md gives their distance from f32. "
               "mlx (an MLX-quantized checkpoint, as mlx-vlm writes it): its 8- and 4-bit weights run in their own "
               "bits, group size and per-module settings, exact against mx.dequantize; under f32 they are "

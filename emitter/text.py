@@ -180,7 +180,7 @@ def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | No
 def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
     """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
     under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16;
-    those quantized (`weight_layouts`: int8, int4, an MLX checkpoint's own bits) are i8 / i4,
+    those quantized (`weight_layouts`: int8, int4, w8a8, an MLX checkpoint's own bits) are i8 / i4,
     transposed to [in, out], followed by their group scales (and an affine one's biases;
     emitter/quant.py)."""
     check_precision(precision)
