@@ -128,7 +128,7 @@ from runtime.text import TextSession
 def anon():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")) * 1024
 start = anon()
-session = TextSession(sys.argv[1], buckets=(64,), context=80, cache_dir=sys.argv[2], precision="int8")
+session = TextSession(sys.argv[1], buckets=(64,), context=80, cache_dir=sys.argv[2], precision=sys.argv[3])
 session.module
 loaded = anon() - start
 logits = session.prefill(np.arange(40) + 5, np.broadcast_to(np.arange(40), (3, 40)))
@@ -138,18 +138,19 @@ print(loaded, anon() - start)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_int8_weights_resident_in_their_bits(tmp_path):
-    """Once loaded, the int8 session holds its weights in i8: under 2.5x the bytes of the
-    i8 weights and scales (measured 1.84x), where one f32 copy of them would be 4x and more.
+@pytest.mark.parametrize("precision", ["int8", "w8a8"])
+def test_int8_weights_resident_in_their_bits(tmp_path, precision):
+    """Once loaded, the int8 (w8a8) session holds its weights in i8: under 2.5x the bytes of the
+    i8 weights and scales (measured 1.84x, w8a8 1.95x), where one f32 copy of them would be 4x and more.
     (2.5x and 2.8x before the scales went behind the barrier: their broadcasts to the
     weights' shape, hoisted into f32 globals.) A prefill then adds IREE's pool of per-call
     transients (the dequantized weights of a chunk), printed."""
     cfg = dataclasses.replace(CFG, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
                               num_attention_heads=8, num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20))
     write_text_model(tmp_path / "m", cfg, seed=1)
-    stored = sum(int(np.prod(s.shape)) * (1 if s.dtype == "i8" else 4) for s in text_weights(cfg, "int8"))
+    stored = sum(int(np.prod(s.shape)) * (1 if s.dtype == "i8" else 4) for s in text_weights(cfg, precision))
     for _ in range(2):  # the first fills the cache; the second, a fresh process, is measured
-        out = subprocess.run([sys.executable, "-c", RESIDENT_INT8, tmp_path / "m", tmp_path / "cache"],
+        out = subprocess.run([sys.executable, "-c", RESIDENT_INT8, tmp_path / "m", tmp_path / "cache", precision],
                              capture_output=True, text=True, check=True)
     loaded, answered = map(int, out.stdout.split()[-2:])
     print(f"resident: {loaded / stored:.2f}x the {stored / 1e6:.0f} MB of i8 weights and scales once loaded, "
