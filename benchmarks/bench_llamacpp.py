@@ -9,13 +9,14 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
    llama-quantize.
 2. One random checkpoint (`qwen3vl random-checkpoint --preset P --with-text`), converted with
    llama.cpp's own convert_hf_to_gguf.py (run with this venv's python; gguf-py comes from the
-   sdist): text f32, bf16, q8_0, and Q4_K_M by llama-quantize from f32; projector
+   sdist): text f32, bf16, q8_0, and Q4_0 and Q4_K_M by llama-quantize from f32; projector
    (--mmproj) f32 and f16. The random tokenizer's pre-tokenizer hash is unknown to the
    converter: the extracted copy is patched to map an unknown hash to `qwen2` (said in
    the output).
 3. Rounds, the side that goes first alternating between rounds, per precision pair
-   (ours f32 / llama.cpp f32, ours bf16 / llama.cpp bf16 text + f16 projector; llama.cpp's
-   Q8_0 and Q4_K_M alone, ours not available):
+   (ours f32 / llama.cpp f32, ours bf16 / llama.cpp bf16 text + f16 projector; at equal
+   bits, text only (PAIRS): ours int8 (groups of 64) / Q8_0, ours int4 / Q4_0 and Q4_K_M;
+   the answer's projector is then llama.cpp's f16 one and ours the f32 tower):
    - vision per image (256x256, 512x512, 1024x1024 noise PNGs): llama-mtmd-cli's encode time
      ("slice encoded in" / "batch encoding done in", preprocessing excluded; the text model
      loaded beside it is the Q4_K_M one) against one `VisionSession` call on the same image
@@ -68,26 +69,34 @@ TOOLS = ("llama-bench", "llama-mtmd-cli", "llama-quantize")
 IMAGE_SIZES = (256, 512, 1024)
 PROMPT = "Describe the image."
 PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
-QUANT_NOTE = "not available (issue 27 item 2 blocked)"
-QUANTIZED = ("q8_0", "q4_k_m")  # rows with no precision of ours
+QUANTIZED = ("q8_0", "q4_0", "q4_k_m")  # rows of quantized weights: text only (the projector is the f16 one)
 NO_REPACK_NOTE = ("llama.cpp's quantized text models run with --no-repack (llama-bench --repack 0): with repacking "
                   "on, this VM (amx flags in /proc/cpuinfo) dies in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
                   "SIGSEGV at warm-up); f32/bf16 text is not repacked either way")
 # (row, ours' precision or None, llama.cpp text GGUF, llama.cpp projector GGUF)
 PAIRS = (("f32", "f32", "text-f32", "mmproj-f32"), ("bf16", "bf16", "text-bf16", "mmproj-f16"),
-         ("q8_0", None, "text-q8_0", "mmproj-f16"), ("q4_k_m", None, "text-q4_k_m", "mmproj-f16"))
+         ("q8_0", "int8", "text-q8_0", "mmproj-f16"), ("q4_0", "int4", "text-q4_0", "mmproj-f16"),
+         ("q4_k_m", "int4", "text-q4_k_m", "mmproj-f16"))
+LLAMA_QUANTIZE = {"text-q4_0": "Q4_0", "text-q4_k_m": "Q4_K_M"}  # written by llama-quantize from text-f32
+
+
+# --isa -> (llama.cpp's cmake options, our compile target). "avx2": both sides without AVX-512
+# on any x86-64 host with AVX2 and FMA (Haswell, Zen 1-3), as an AVX2-only machine runs them.
+ISAS = {"native": (("-DGGML_NATIVE=ON",), "llvm-cpu"),
+        "avx2": (("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                  "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"), "llvm-cpu-x86-64-v3")}
 
 
 # --- llama.cpp from the sdist -------------------------------------------------------------
 
-def build_tools(src: Path, build: Path, jobs: int) -> Path:
-    """llama.cpp's CPU tools (TOOLS), built once with cmake (Release, GGML_NATIVE);
+def build_tools(src: Path, build: Path, jobs: int, isa: str = "native") -> Path:
+    """llama.cpp's CPU tools (TOOLS), built once with cmake (Release, ISAS[isa]'s options);
     returns the folder holding them."""
     bindir = build / "bin"
     if all((bindir / t).exists() for t in TOOLS):
         return bindir
     log = build.parent / "build.log"
-    run_logged(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    run_logged(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *ISAS[isa][0],
                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
                 "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                 "-DLLAMA_BUILD_APP=OFF"], log)
@@ -114,11 +123,12 @@ def convert_all(src: Path, bindir: Path, ckpt: Path, out: Path, log: Path) -> di
                        ("text-q8_0", ["--outtype", "q8_0"]), ("mmproj-f32", ["--mmproj", "--outtype", "f32"]),
                        ("mmproj-f16", ["--mmproj", "--outtype", "f16"])):
         files[name] = convert(src, ckpt, out / f"{name}.gguf", args, log)
-    files["text-q4_k_m"] = out / "text-q4_k_m.gguf"
-    if not files["text-q4_k_m"].exists():
-        tmp = out / "text-q4_k_m.tmp.gguf"
-        run_logged([bindir / "llama-quantize", files["text-f32"], tmp, "Q4_K_M", "2"], log)
-        tmp.rename(files["text-q4_k_m"])
+    for name, kind in LLAMA_QUANTIZE.items():
+        files[name] = out / f"{name}.gguf"
+        if not files[name].exists():
+            tmp = out / f"{name}.tmp.gguf"
+            run_logged([bindir / "llama-quantize", files["text-f32"], tmp, kind, "2"], log)
+            tmp.rename(files[name])
     return files
 
 
@@ -210,17 +220,17 @@ def child_vision(options: dict) -> dict:
     warm-up call, then one timed call: seconds of out.seconds["run"], the grid, and the
     form bf16 was built as. One image per process, as llama-mtmd-cli runs it."""
     from emitter.identity import bf16_form
-    from emitter.targets import DEFAULT_TARGET
     from runtime.vision import VisionSession, set_thread_count
 
     set_thread_count(options["threads"])
     size, path = options["image"]
-    session = VisionSession(options["model"], buckets=((size // 16) ** 2,), precision=options["precision"])
+    session = VisionSession(options["model"], buckets=((size // 16) ** 2,), precision=options["precision"],
+                            target=options["target"])
     session.artifact()
     session.encode([path])  # warm-up
     out = session.encode([path])
     return {"seconds": out.seconds["run"], "grid": out.grid_thw[0].tolist(), "built_as": session.plan.precision,
-            "bf16_form": bf16_form(DEFAULT_TARGET)}
+            "bf16_form": bf16_form(options["target"])}
 
 
 def child_text(options: dict) -> dict:
@@ -233,7 +243,7 @@ def child_text(options: dict) -> dict:
 
     set_thread_count(options["threads"])
     session = TextSession(options["model"], buckets=(PREFILL,), context=PREFILL + DECODE,
-                          precision=options["precision"])
+                          precision=options["precision"], target=options["target"])
     session.module
     ids = np.random.default_rng(0).integers(0, session.cfg.vocab_size, PREFILL)
     positions = np.broadcast_to(np.arange(PREFILL), (3, PREFILL))
@@ -247,17 +257,19 @@ def child_text(options: dict) -> dict:
     for _ in range(DECODE - 1):
         token = int(np.argmax(session.decode(token, session.length)))
     decode = (time.perf_counter() - start) / (DECODE - 1)
-    return {"prefill_tok_s": PREFILL / prefill, "decode_ms_token": decode * 1e3, "built_as": session.precision}
+    return {"prefill_tok_s": PREFILL / prefill, "decode_ms_token": decode * 1e3, "built_as": session.precision,
+            "archive_bytes": Path(session.archive_path).stat().st_size}
 
 
-def ours_answer(model: Path, image: Path, precision: str, threads: int, tmp: Path) -> dict:
+def ours_answer(model: Path, image: Path, precision: str, threads: int, target: str, tmp: Path) -> dict:
     """`qwen3vl generate` in a child process (one image, PROMPT, ANSWER_TOKENS new tokens,
     context ANSWER_CONTEXT): time to first token (vision + prefill of its --json), decode
     ms/token, peak RSS."""
     report = tmp / f"answer-{precision}.json"
     _, wall, rss = timed_process([QWEN3VL, "generate", "--model", model, "--image", image, "--prompt", PROMPT,
                                   "--max-new-tokens", ANSWER_TOKENS, "--context", ANSWER_CONTEXT,
-                                  "--precision", precision, "--threads", threads, "--json", report])
+                                  "--precision", precision, "--threads", threads, "--target", target,
+                                  "--json", report])
     data = json.loads(report.read_text())
     seconds, steps = data["seconds"], len(data["tokens"]) - 1
     return {"ttft_s": seconds["vision"] + seconds["prefill"], "prompt_tokens": data["prompt_tokens"],
@@ -275,18 +287,19 @@ def machine() -> dict:
             "cores": os.cpu_count(), "load_average": os.getloadavg()}
 
 
-def warm_ours(model: Path, images: dict, precisions, threads: int, tmp: Path, sizes=IMAGE_SIZES) -> dict:
+def warm_ours(model: Path, images: dict, precisions, threads: int, target: str, tmp: Path,
+              sizes=IMAGE_SIZES) -> dict:
     """Each of our child runs once, untimed: every module compiled (or found) in the cache.
     Returns each run's result (or error), by step."""
     seconds = {}
     for precision in precisions:
-        options = {"model": str(model), "precision": precision, "threads": threads}
-        for size, path in ((s, p) for s, p in images.items() if s in sizes):
+        options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
+        for size, path in ((s, p) for s, p in images.items() if s in sizes and precision in ("f32", "bf16")):
             image = dict(options, image=[size, str(path)])
             seconds[f"vision-{size}-{precision}"] = attempt(lambda: child("vision", image))
         seconds[f"text-{precision}"] = attempt(lambda: child("text", options))
         small = images[min(images)]
-        seconds[f"answer-{precision}"] = attempt(lambda: ours_answer(model, small, precision, threads, tmp))
+        seconds[f"answer-{precision}"] = attempt(lambda: ours_answer(model, small, precision, threads, target, tmp))
         print(f"  ours {precision}: compiled or found in the cache ({seconds})", flush=True)
     return seconds
 
@@ -301,12 +314,12 @@ def attempt(run) -> dict:
 
 
 def one_round(first: str, row, model: Path, images: dict, files: dict, bindir: Path, threads: int,
-              tmp: Path, sizes=IMAGE_SIZES) -> dict:
+              target: str, tmp: Path, sizes=IMAGE_SIZES) -> dict:
     """One round of one precision row: vision, text, answer, each side in turn (`first`
     goes first). Ours is skipped when the row has no precision of ours, and for images
     not in `sizes` (recorded as an error saying so)."""
     name, precision, text, mmproj = row
-    options = {"model": str(model), "precision": precision, "threads": threads}
+    options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
     small = images[min(images)]
     sides = {f"vision_{s}": {
         "ours": lambda s=s, p=p: (child("vision", dict(options, image=[s, str(p)])) if s in sizes
@@ -315,19 +328,17 @@ def one_round(first: str, row, model: Path, images: dict, files: dict, bindir: P
         for s, p in images.items()}
     sides.update({
         "text": {"ours": lambda: child("text", options),
-                 "llama": lambda: llama_bench(bindir, files[text], threads, repack=precision is not None)},
-        "answer": {"ours": lambda: ours_answer(model, small, precision, threads, tmp),
+                 "llama": lambda: llama_bench(bindir, files[text], threads, repack=name not in QUANTIZED)},
+        "answer": {"ours": lambda: ours_answer(model, small, precision, threads, target, tmp),
                    "llama": lambda: llama_mtmd(bindir, files[text], files[mmproj], small, threads, ANSWER_TOKENS,
-                                               repack=precision is not None)},
+                                               repack=name not in QUANTIZED)},
     })
     order = ("ours", "llama") if first == "ours" else ("llama", "ours")
     result = {}
     for task, runs in sides.items():
-        if precision is None and task.startswith("vision"):
+        if name in QUANTIZED and task.startswith("vision"):
             continue  # the quantized rows' projector is the bf16 row's f16 one
         for side in order:
-            if side == "ours" and precision is None:
-                continue
             result.setdefault(task, {})[side] = attempt(runs[side])
             print(f"  {name} {task} {side}: done", flush=True)
     return result
@@ -387,22 +398,27 @@ def table(summary: dict, bits: dict) -> str:
                 continue
             llama, ours = sides["llama"], sides["ours"]
             fmt = lambda v: f"{v['median']:.3g}" + (f" ({v['best']:.3g})" if v["n"] > 1 else "")  # noqa: E731
-            ours_text = fmt(ours) if ours else (QUANT_NOTE if name in QUANTIZED else "failed or not run (see --json)")
+            ours_text = fmt(ours) if ours else "failed or not run (see --json)"
             better = ratio(key, ours["median"], llama["median"]) if ours else "-"
             lines.append(f"| {bits[name]} | {key} | {ours_text} | {fmt(llama)} | {better} |")
     return "\n".join(lines)
 
 
 def bits_labels(rounds: list[dict]) -> dict:
-    """Row name -> "ours bits / llama.cpp bits" (llama.cpp's as llama-bench reports them)."""
+    """Row name -> "ours: precision (bits per weight) / llama.cpp: type (bits per weight)",
+    both over llama-bench's parameter count of the text model: ours from the size of the
+    text archive our child opened, llama.cpp's as llama-bench reports it."""
     form = next((v["ours"]["built_as"] for r in rounds for k, v in r.get("bf16", {}).items()
                  if k.startswith("vision") and "built_as" in v.get("ours", {})), "?")
-    ours = {"f32": "f32 (32)", "bf16": f"bf16 (16, built as {form})", "q8_0": "-", "q4_k_m": "-"}
     labels = {}
-    for name, *_ in PAIRS:
-        bench = next((r[name]["text"]["llama"] for r in rounds if name in r and "text" in r[name]), None)
-        lbpw = f"{bench['bits_per_weight']:.2f} bpw" if bench else "?"
-        labels[name] = f"{ours[name]} / {name.upper()} ({lbpw})"
+    for name, precision, *_ in PAIRS:
+        text = next((r[name]["text"] for r in rounds if name in r and "text" in r[name]), {})
+        llama, ours = text.get("llama", {}), text.get("ours", {})
+        lbpw = f"{llama['bits_per_weight']:.2f} bpw" if "bits_per_weight" in llama else "?"
+        obpw = (f"{ours['archive_bytes'] * 8 / llama['params']:.2f} bpw"
+                if "archive_bytes" in ours and "params" in llama else "?")
+        built = f", built as {form}" if precision == "bf16" else ""
+        labels[name] = f"{precision} ({obpw}{built}) / {name.upper()} ({lbpw})"
     return labels
 
 
@@ -415,6 +431,9 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-vl-2b")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isa", choices=list(ISAS), default="native",
+                   help="native: each side's code for this CPU; avx2: both without AVX-512 (llama.cpp built "
+                        "with AVX2/FMA only, ours compiled for x86-64-v3)")
     p.add_argument("--rows", nargs="+", default=[r[0] for r in PAIRS], choices=[r[0] for r in PAIRS])
     p.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "qwen3vl-iree" / "llamacpp")
     p.add_argument("--version", default=VERSION, help="llama-cpp-python sdist version")
@@ -432,7 +451,9 @@ def main() -> None:
     src = fetch_source(work, args.version)
     patched = patch_converter(src)
     print(patched, flush=True)
-    bindir = build_tools(src, work / f"build-{args.version}", args.jobs)
+    suffix = "" if args.isa == "native" else f"-{args.isa}"
+    bindir = build_tools(src, work / f"build-{args.version}{suffix}", args.jobs, args.isa)
+    target = ISAS[args.isa][1]
     print(f"llama.cpp tools: {bindir}", flush=True)
     model = write_checkpoint(work, args.preset)
     files = convert_all(src, bindir, model, work / "gguf" / args.preset, work / "convert.log")
@@ -442,20 +463,20 @@ def main() -> None:
     tmp = work / "runs"
     tmp.mkdir(exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
-              "preset": args.preset, "threads": args.threads, "llama_cpp": f"llama-cpp-python {args.version} sdist",
+              "preset": args.preset, "threads": args.threads, "isa": args.isa, "target": target, "llama_cpp": f"llama-cpp-python {args.version} sdist",
               "converter_patch": patched, "llama_repack": NO_REPACK_NOTE, "machine_before": machine(),
               "prepare_s": prepared,
               "commit": subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
                                        capture_output=True, text=True).stdout.strip(),
               "gguf_gb": {n: f.stat().st_size / 1e9 for n, f in files.items()}}
     if not args.skip_warm:
-        report["ours_warm"] = warm_ours(model, images, [r[1] for r in rows if r[1]], args.threads, tmp,
+        report["ours_warm"] = warm_ours(model, images, list(dict.fromkeys(r[1] for r in rows)), args.threads, target, tmp,
                                         args.ours_vision_sizes)
     report["rounds"] = []
     for i in range(args.rounds):
         first = "ours" if i % 2 == 0 else "llama"
         print(f"round {i + 1}/{args.rounds} ({first} first), load {os.getloadavg()}", flush=True)
-        report["rounds"].append({r[0]: one_round(first, r, model, images, files, bindir, args.threads, tmp,
+        report["rounds"].append({r[0]: one_round(first, r, model, images, files, bindir, args.threads, target, tmp,
                                                  args.ours_vision_sizes) for r in rows})
     report["machine_after"] = machine()
     report["summary"] = summarize(report["rounds"])
