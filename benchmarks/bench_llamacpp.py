@@ -30,8 +30,9 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
      --max-new-tokens 16`: time to first token (llama.cpp: encode + prompt eval; ours:
      vision incl. preprocessing + prefill, from --json), decode ms/token at context 4096,
      and the peak RSS of the process (os.wait4's ru_maxrss).
-   llama.cpp's quantized rows run with --no-repack (NO_REPACK_NOTE: its AMX path dies on a
-   VM that advertises amx). A process that fails (e.g. killed for memory) is recorded as
+   llama.cpp runs in its default configuration (weights repacked for this CPU), except on a
+   CPU that advertises amx: there its quantized rows run with --no-repack (NO_REPACK_NOTE:
+   its AMX path died on such a VM). A process that fails (e.g. killed for memory) is recorded as
    an error and the round goes on.
    Before the rounds each of our child processes runs once untimed, so every IREE module is
    compiled into the artifact cache outside the clock (and iree-compile's memory is not in
@@ -50,6 +51,7 @@ benchmark, not a test; nothing imports it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -69,10 +71,19 @@ TOOLS = ("llama-bench", "llama-mtmd-cli", "llama-quantize")
 IMAGE_SIZES = (256, 512, 1024)
 PROMPT = "Describe the image."
 PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
+QUALITY_TOKENS = 64
 QUANTIZED = ("q8_0", "q4_0", "q4_k_m")  # rows of quantized weights: text only (the projector is the f16 one)
 NO_REPACK_NOTE = ("llama.cpp's quantized text models run with --no-repack (llama-bench --repack 0): with repacking "
-                  "on, this VM (amx flags in /proc/cpuinfo) dies in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
+                  "on, a VM with amx flags in /proc/cpuinfo died in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
                   "SIGSEGV at warm-up); f32/bf16 text is not repacked either way")
+REPACK_NOTE = "llama.cpp in its default configuration: quantized weights repacked for this CPU"
+
+
+@functools.cache
+def llama_repacks() -> bool:
+    """Whether llama.cpp's quantized rows repack their weights (its default): not on a CPU
+    that advertises amx (NO_REPACK_NOTE)."""
+    return "amx" not in Path("/proc/cpuinfo").read_text()
 # (row, ours' precision or None, llama.cpp text GGUF, llama.cpp projector GGUF)
 PAIRS = (("f32", "f32", "text-f32", "mmproj-f32"), ("bf16", "bf16", "text-bf16", "mmproj-f16"),
          ("q8_0", "int8", "text-q8_0", "mmproj-f16"), ("q4_0", "int4", "text-q4_0", "mmproj-f16"),
@@ -102,6 +113,17 @@ def build_tools(src: Path, build: Path, jobs: int, isa: str = "native") -> Path:
                 "-DLLAMA_BUILD_APP=OFF"], log)
     run_logged(["cmake", "--build", build, "-j", str(jobs), "--target", *TOOLS], log)
     return bindir
+
+
+def build_logits_tool(src: Path, bindir: Path, log: Path) -> Path:
+    """benchmarks/llamacpp_logits.c compiled against the libllama beside the tools (once)."""
+    exe = bindir / "llamacpp-logits"
+    if not exe.exists():
+        libs = {p.parent for p in bindir.parent.rglob("libllama.so")} | {p.parent for p in bindir.parent.rglob("libggml*.so")}
+        run_logged(["cc", "-O2", ROOT / "benchmarks" / "llamacpp_logits.c", "-I", src / "include",
+                    "-I", src / "ggml" / "include", *[f"-L{d}" for d in libs], "-lllama",
+                    *[f"-Wl,-rpath,{d}" for d in libs], "-o", exe], log)
+    return exe
 
 
 # --- the checkpoint and its GGUF forms ------------------------------------------------------
@@ -277,6 +299,80 @@ def ours_answer(model: Path, image: Path, precision: str, threads: int, target: 
             "peak_rss_gb": rss / 1e9, "wall_s": wall}
 
 
+# --- logit quality at equal bits -----------------------------------------------------------
+
+def child_logits(options: dict) -> dict:
+    """In the child: teacher-forced logits of QUALITY_TOKENS ids (options["ids"] file) through
+    our TextSession: a prefill of the first id, then one decode step per id; written to
+    options["out"] as float32 [ids, vocab], as llamacpp_logits.c writes llama.cpp's."""
+    import numpy as np
+
+    from runtime.text import TextSession
+    from runtime.vision import set_thread_count
+
+    set_thread_count(options["threads"])
+    ids = np.fromfile(options["ids"], dtype=np.int32)
+    session = TextSession(options["model"], buckets=(16,), context=len(ids) + 16, precision=options["precision"],
+                          target=options["target"])
+    rows = [session.prefill(ids[:1], np.zeros((3, 1), np.int64))]
+    rows += [session.decode(int(t), session.length) for t in ids[1:]]
+    np.stack([np.asarray(r, np.float32).reshape(-1) for r in rows]).tofile(options["out"])
+    return {"built_as": session.precision}
+
+
+def quality(model: Path, files: dict, rows, logits_tool: Path, threads: int, target: str, tmp: Path) -> dict:
+    """Each side's distance from its own f32 model, at each row's bits: the relative L2 of
+    the teacher-forced logits over QUALITY_TOKENS random ids, and the share of positions
+    whose argmax equals the f32 model's. Plus ours f32 against llama.cpp f32 (the two sides
+    computing the same model)."""
+    import numpy as np
+
+    from emitter.text_config import load_text_config
+
+    cfg, _ = load_text_config(model)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, QUALITY_TOKENS).astype(np.int32)
+    ids_file = tmp / "quality-ids.i32"
+    ids.tofile(ids_file)
+
+    @functools.cache
+    def ours(precision):
+        out = tmp / f"logits-ours-{precision}.f32"
+        child("logits", {"model": str(model), "precision": precision, "threads": threads, "target": target,
+                         "ids": str(ids_file), "out": str(out)})
+        return np.fromfile(out, np.float32).reshape(len(ids), -1)
+
+    def llama(text):
+        out = tmp / f"logits-llama-{text}.f32"
+        timed_process([logits_tool, files[text], ids_file, out, threads, int(llama_repacks())])
+        return np.fromfile(out, np.float32).reshape(len(ids), -1)
+
+    def distance(x, ref):
+        return {"rel_l2": float(np.linalg.norm(x - ref) / np.linalg.norm(ref)),
+                "argmax_agree": float(np.mean(x.argmax(-1) == ref.argmax(-1)))}
+
+    ours_f32, llama_f32 = ours("f32"), llama("text-f32")
+    result = {"tokens": len(ids), "ours_f32_vs_llama_f32": distance(ours_f32, llama_f32)}
+    for name, precision, text, _ in rows:
+        if name in QUANTIZED:
+            result[name] = {"ours": distance(ours(precision), ours_f32), "llama": distance(llama(text), llama_f32),
+                            "ours_precision": precision}
+    return result
+
+
+def quality_table(q: dict) -> str:
+    """Markdown: per row, each side's relL2 from its own f32 logits and argmax agreement."""
+    lines = [f"logit distance from each side's own f32 model ({q['tokens']} teacher-forced random ids)",
+             "| row | ours: relL2 / argmax agree | llama.cpp: relL2 / argmax agree |", "|---|---|---|"]
+    for name, row in q.items():
+        if isinstance(row, dict) and "ours" in row:
+            o, l = row["ours"], row["llama"]
+            lines.append(f"| {row['ours_precision']} / {name.upper()} | {o['rel_l2']:.3g} / {o['argmax_agree']:.2f} "
+                         f"| {l['rel_l2']:.3g} / {l['argmax_agree']:.2f} |")
+    same = q["ours_f32_vs_llama_f32"]
+    lines.append(f"ours f32 against llama.cpp f32: relL2 {same['rel_l2']:.3g}, argmax agree {same['argmax_agree']:.2f}")
+    return "\n".join(lines)
+
+
 # --- the sitting ---------------------------------------------------------------------------
 
 def machine() -> dict:
@@ -321,17 +417,19 @@ def one_round(first: str, row, model: Path, images: dict, files: dict, bindir: P
     name, precision, text, mmproj = row
     options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
     small = images[min(images)]
+    repack = name not in QUANTIZED or llama_repacks()
     sides = {f"vision_{s}": {
         "ours": lambda s=s, p=p: (child("vision", dict(options, image=[s, str(p)])) if s in sizes
                                   else {"error": f"{s}x{s} not run on our side (--ours-vision-sizes)"}),
-        "llama": lambda p=p: llama_mtmd(bindir, files["text-q4_k_m"], files[mmproj], p, threads, 1, repack=False)}
+        "llama": lambda p=p: llama_mtmd(bindir, files["text-q4_k_m"], files[mmproj], p, threads, 1,
+                                        repack=llama_repacks())}
         for s, p in images.items()}
     sides.update({
         "text": {"ours": lambda: child("text", options),
-                 "llama": lambda: llama_bench(bindir, files[text], threads, repack=name not in QUANTIZED)},
+                 "llama": lambda: llama_bench(bindir, files[text], threads, repack=repack)},
         "answer": {"ours": lambda: ours_answer(model, small, precision, threads, target, tmp),
                    "llama": lambda: llama_mtmd(bindir, files[text], files[mmproj], small, threads, ANSWER_TOKENS,
-                                               repack=name not in QUANTIZED)},
+                                               repack=repack)},
     })
     order = ("ours", "llama") if first == "ours" else ("llama", "ours")
     result = {}
@@ -424,7 +522,7 @@ def bits_labels(rounds: list[dict]) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
-        result = {"vision": child_vision, "text": child_text}[sys.argv[2]](json.loads(sys.argv[3]))
+        result = {"vision": child_vision, "text": child_text, "logits": child_logits}[sys.argv[2]](json.loads(sys.argv[3]))
         print("RESULT " + json.dumps(result), flush=True)
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -441,6 +539,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, metavar="FILE")
     p.add_argument("--ours-vision-sizes", type=int, nargs="+", default=list(IMAGE_SIZES),
                    help="images our side encodes (e.g. leave out one that does not fit in memory)")
+    p.add_argument("--quality", action="store_true",
+                   help="also each side's logit distance from its own f32 model at each row's bits")
     p.add_argument("--skip-warm", action="store_true",
                    help="skip the untimed run of our children (only when every module is already in the cache)")
     args = p.parse_args()
@@ -464,7 +564,7 @@ def main() -> None:
     tmp.mkdir(exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
               "preset": args.preset, "threads": args.threads, "isa": args.isa, "target": target, "llama_cpp": f"llama-cpp-python {args.version} sdist",
-              "converter_patch": patched, "llama_repack": NO_REPACK_NOTE, "machine_before": machine(),
+              "converter_patch": patched, "llama_repack": REPACK_NOTE if llama_repacks() else NO_REPACK_NOTE, "machine_before": machine(),
               "prepare_s": prepared,
               "commit": subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
                                        capture_output=True, text=True).stdout.strip(),
@@ -478,13 +578,18 @@ def main() -> None:
         print(f"round {i + 1}/{args.rounds} ({first} first), load {os.getloadavg()}", flush=True)
         report["rounds"].append({r[0]: one_round(first, r, model, images, files, bindir, args.threads, target, tmp,
                                                  args.ours_vision_sizes) for r in rows})
+    if args.quality:
+        logits_tool = build_logits_tool(src, bindir, work / "build.log")
+        report["quality"] = quality(model, files, rows, logits_tool, args.threads, target, tmp)
     report["machine_after"] = machine()
     report["summary"] = summarize(report["rounds"])
     report["table"] = table(report["summary"], bits_labels(report["rounds"]))
     m = report["machine_before"]
     print(f"\n{m['cpu']}, {m['cores']} cores, load {m['load_average']} -> {report['machine_after']['load_average']}")
-    print(f"flags: {' '.join(m['flags'])}\n{patched}\n{NO_REPACK_NOTE}\n")
+    print(f"flags: {' '.join(m['flags'])}\n{patched}\n{report['llama_repack']}\n")
     print(report["table"])
+    if args.quality:
+        print("\n" + quality_table(report["quality"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
