@@ -1,9 +1,9 @@
 /* Teacher-forced logits of a llama.cpp GGUF text model, for bench_llamacpp.py --quality:
  * the tokens of TOKENS (int32, native order) fed one llama_decode call each, in llama.cpp's
- * default context configuration, and after
- * each the logits of the next token appended to OUT (float32 [tokens, vocab]). REPACK 0:
+ * default context configuration, and after each the logits of the next token appended to
+ * OUT (float32 [tokens, vocab]). REPACK 0:
  * quantized weights not repacked for this CPU (llama.cpp's --no-repack), else its default.
- * Built by bench_llamacpp.py against the libllama it builds; not part of the project. */
+ * Built by bench_llamacpp.py against the libllama it builds; the runtime never uses it. */
 #include <stdio.h>
 #include <stdlib.h>
 
