@@ -346,30 +346,39 @@ def quality(model: Path, files: dict, rows, logits_tool: Path, threads: int, tar
         timed_process([logits_tool, files[text], ids_file, out, threads, int(llama_repacks())])
         return np.fromfile(out, np.float32).reshape(len(ids), -1)
 
-    def distance(x, ref):
+    def distance(logits, reference):
+        """{"rel_l2", "argmax_agree"} of two sides' logits, or the error of the one that failed."""
+        try:
+            x, ref = logits(), reference()
+        except RuntimeError as e:
+            print(f"  failed: {str(e)[:300]}", flush=True)
+            return {"error": str(e)[-2000:]}
         return {"rel_l2": float(np.linalg.norm(x - ref) / np.linalg.norm(ref)),
                 "argmax_agree": float(np.mean(x.argmax(-1) == ref.argmax(-1)))}
 
-    ours_f32, llama_f32 = ours("f32"), llama("text-f32")
-    result = {"tokens": len(ids), "ours_f32_vs_llama_f32": distance(ours_f32, llama_f32)}
+    llama = functools.cache(llama)
+    result = {"tokens": len(ids),
+              "ours_f32_vs_llama_f32": distance(lambda: ours("f32"), lambda: llama("text-f32"))}
     for name, precision, text, _ in rows:
         if name in QUANTIZED:
-            result[name] = {"ours": distance(ours(precision), ours_f32), "llama": distance(llama(text), llama_f32),
+            result[name] = {"ours": distance(lambda: ours(precision), lambda: ours("f32")),
+                            "llama": distance(lambda: llama(text), lambda: llama("text-f32")),
                             "ours_precision": precision}
+            print(f"  {name} quality: {result[name]}", flush=True)
     return result
 
 
 def quality_table(q: dict) -> str:
     """Markdown: per row, each side's relL2 from its own f32 logits and argmax agreement."""
+    def fmt(d):
+        return "failed (see --json)" if "error" in d else f"{d['rel_l2']:.3g} / {d['argmax_agree']:.2f}"
+
     lines = [f"logit distance from each side's own f32 model ({q['tokens']} teacher-forced random ids)",
              "| row | ours: relL2 / argmax agree | llama.cpp: relL2 / argmax agree |", "|---|---|---|"]
     for name, row in q.items():
         if isinstance(row, dict) and "ours" in row:
-            o, l = row["ours"], row["llama"]
-            lines.append(f"| {row['ours_precision']} / {name.upper()} | {o['rel_l2']:.3g} / {o['argmax_agree']:.2f} "
-                         f"| {l['rel_l2']:.3g} / {l['argmax_agree']:.2f} |")
-    same = q["ours_f32_vs_llama_f32"]
-    lines.append(f"ours f32 against llama.cpp f32: relL2 {same['rel_l2']:.3g}, argmax agree {same['argmax_agree']:.2f}")
+            lines.append(f"| {row['ours_precision']} / {name.upper()} | {fmt(row['ours'])} | {fmt(row['llama'])} |")
+    lines.append(f"ours f32 against llama.cpp f32: {fmt(q['ours_f32_vs_llama_f32'])}")
     return "\n".join(lines)
 
 
