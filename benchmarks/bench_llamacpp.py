@@ -9,13 +9,14 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
    llama-quantize.
 2. One random checkpoint (`qwen3vl random-checkpoint --preset P --with-text`), converted with
    llama.cpp's own convert_hf_to_gguf.py (run with this venv's python; gguf-py comes from the
-   sdist): text f32, bf16, q8_0, and Q4_K_M by llama-quantize from f32; projector
+   sdist): text f32, bf16, q8_0, and Q4_0 and Q4_K_M by llama-quantize from f32; projector
    (--mmproj) f32 and f16. The random tokenizer's pre-tokenizer hash is unknown to the
    converter: the extracted copy is patched to map an unknown hash to `qwen2` (said in
    the output).
 3. Rounds, the side that goes first alternating between rounds, per precision pair
-   (ours f32 / llama.cpp f32, ours bf16 / llama.cpp bf16 text + f16 projector; llama.cpp's
-   Q8_0 and Q4_K_M alone, ours not available):
+   (ours f32 / llama.cpp f32, ours bf16 / llama.cpp bf16 text + f16 projector; at equal
+   bits, text only (PAIRS): ours int8 (groups of 64) / Q8_0, ours int4 / Q4_0 and Q4_K_M;
+   the answer's projector is then llama.cpp's f16 one and ours the f32 tower):
    - vision per image (256x256, 512x512, 1024x1024 noise PNGs): llama-mtmd-cli's encode time
      ("slice encoded in" / "batch encoding done in", preprocessing excluded; the text model
      loaded beside it is the Q4_K_M one) against one `VisionSession` call on the same image
@@ -29,8 +30,9 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
      --max-new-tokens 16`: time to first token (llama.cpp: encode + prompt eval; ours:
      vision incl. preprocessing + prefill, from --json), decode ms/token at context 4096,
      and the peak RSS of the process (os.wait4's ru_maxrss).
-   llama.cpp's quantized rows run with --no-repack (NO_REPACK_NOTE: its AMX path dies on a
-   VM that advertises amx). A process that fails (e.g. killed for memory) is recorded as
+   llama.cpp runs in its default configuration (weights repacked for this CPU), except on a
+   CPU that advertises amx: there its quantized rows run with --no-repack (NO_REPACK_NOTE:
+   its AMX path died on such a VM). A process that fails (e.g. killed for memory) is recorded as
    an error and the round goes on.
    Before the rounds each of our child processes runs once untimed, so every IREE module is
    compiled into the artifact cache outside the clock (and iree-compile's memory is not in
@@ -49,6 +51,7 @@ benchmark, not a test; nothing imports it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -68,31 +71,59 @@ TOOLS = ("llama-bench", "llama-mtmd-cli", "llama-quantize")
 IMAGE_SIZES = (256, 512, 1024)
 PROMPT = "Describe the image."
 PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
-QUANT_NOTE = "not available (issue 27 item 2 blocked)"
-QUANTIZED = ("q8_0", "q4_k_m")  # rows with no precision of ours
+QUALITY_TOKENS = 64
+QUANTIZED = ("q8_0", "q4_0", "q4_k_m")  # rows of quantized weights: text only (the projector is the f16 one)
 NO_REPACK_NOTE = ("llama.cpp's quantized text models run with --no-repack (llama-bench --repack 0): with repacking "
-                  "on, this VM (amx flags in /proc/cpuinfo) dies in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
+                  "on, a VM with amx flags in /proc/cpuinfo died in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
                   "SIGSEGV at warm-up); f32/bf16 text is not repacked either way")
+REPACK_NOTE = "llama.cpp in its default configuration: quantized weights repacked for this CPU"
+
+
+@functools.cache
+def llama_repacks() -> bool:
+    """Whether llama.cpp's quantized rows repack their weights (its default): not on a CPU
+    that advertises amx (NO_REPACK_NOTE)."""
+    return "amx" not in Path("/proc/cpuinfo").read_text()
 # (row, ours' precision or None, llama.cpp text GGUF, llama.cpp projector GGUF)
 PAIRS = (("f32", "f32", "text-f32", "mmproj-f32"), ("bf16", "bf16", "text-bf16", "mmproj-f16"),
-         ("q8_0", None, "text-q8_0", "mmproj-f16"), ("q4_k_m", None, "text-q4_k_m", "mmproj-f16"))
+         ("q8_0", "int8", "text-q8_0", "mmproj-f16"), ("q4_0", "int4", "text-q4_0", "mmproj-f16"),
+         ("q4_k_m", "int4", "text-q4_k_m", "mmproj-f16"))
+LLAMA_QUANTIZE = {"text-q4_0": "Q4_0", "text-q4_k_m": "Q4_K_M"}  # written by llama-quantize from text-f32
+
+
+# --isa -> (llama.cpp's cmake options, our compile target). "avx2": both sides without AVX-512
+# on any x86-64 host with AVX2 and FMA (Haswell, Zen 1-3), as an AVX2-only machine runs them.
+ISAS = {"native": (("-DGGML_NATIVE=ON",), "llvm-cpu"),
+        "avx2": (("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                  "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"), "llvm-cpu-x86-64-v3")}
 
 
 # --- llama.cpp from the sdist -------------------------------------------------------------
 
-def build_tools(src: Path, build: Path, jobs: int) -> Path:
-    """llama.cpp's CPU tools (TOOLS), built once with cmake (Release, GGML_NATIVE);
+def build_tools(src: Path, build: Path, jobs: int, isa: str = "native") -> Path:
+    """llama.cpp's CPU tools (TOOLS), built once with cmake (Release, ISAS[isa]'s options);
     returns the folder holding them."""
     bindir = build / "bin"
     if all((bindir / t).exists() for t in TOOLS):
         return bindir
     log = build.parent / "build.log"
-    run_logged(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    run_logged(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *ISAS[isa][0],
                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
                 "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                 "-DLLAMA_BUILD_APP=OFF"], log)
     run_logged(["cmake", "--build", build, "-j", str(jobs), "--target", *TOOLS], log)
     return bindir
+
+
+def build_logits_tool(src: Path, bindir: Path, log: Path) -> Path:
+    """benchmarks/llamacpp_logits.c compiled against the libllama beside the tools (once)."""
+    exe = bindir / "llamacpp-logits"
+    if not exe.exists():
+        libs = {p.parent for p in bindir.parent.rglob("libllama.so")} | {p.parent for p in bindir.parent.rglob("libggml*.so")}
+        run_logged(["cc", "-O2", ROOT / "benchmarks" / "llamacpp_logits.c", "-I", src / "include",
+                    "-I", src / "ggml" / "include", *[f"-L{d}" for d in libs], "-lllama",
+                    *[f"-Wl,-rpath,{d}" for d in libs], "-o", exe], log)
+    return exe
 
 
 # --- the checkpoint and its GGUF forms ------------------------------------------------------
@@ -114,11 +145,12 @@ def convert_all(src: Path, bindir: Path, ckpt: Path, out: Path, log: Path) -> di
                        ("text-q8_0", ["--outtype", "q8_0"]), ("mmproj-f32", ["--mmproj", "--outtype", "f32"]),
                        ("mmproj-f16", ["--mmproj", "--outtype", "f16"])):
         files[name] = convert(src, ckpt, out / f"{name}.gguf", args, log)
-    files["text-q4_k_m"] = out / "text-q4_k_m.gguf"
-    if not files["text-q4_k_m"].exists():
-        tmp = out / "text-q4_k_m.tmp.gguf"
-        run_logged([bindir / "llama-quantize", files["text-f32"], tmp, "Q4_K_M", "2"], log)
-        tmp.rename(files["text-q4_k_m"])
+    for name, kind in LLAMA_QUANTIZE.items():
+        files[name] = out / f"{name}.gguf"
+        if not files[name].exists():
+            tmp = out / f"{name}.tmp.gguf"
+            run_logged([bindir / "llama-quantize", files["text-f32"], tmp, kind, "2"], log)
+            tmp.rename(files[name])
     return files
 
 
@@ -210,17 +242,17 @@ def child_vision(options: dict) -> dict:
     warm-up call, then one timed call: seconds of out.seconds["run"], the grid, and the
     form bf16 was built as. One image per process, as llama-mtmd-cli runs it."""
     from emitter.identity import bf16_form
-    from emitter.targets import DEFAULT_TARGET
     from runtime.vision import VisionSession, set_thread_count
 
     set_thread_count(options["threads"])
     size, path = options["image"]
-    session = VisionSession(options["model"], buckets=((size // 16) ** 2,), precision=options["precision"])
+    session = VisionSession(options["model"], buckets=((size // 16) ** 2,), precision=options["precision"],
+                            target=options["target"])
     session.artifact()
     session.encode([path])  # warm-up
     out = session.encode([path])
     return {"seconds": out.seconds["run"], "grid": out.grid_thw[0].tolist(), "built_as": session.plan.precision,
-            "bf16_form": bf16_form(DEFAULT_TARGET)}
+            "bf16_form": bf16_form(options["target"])}
 
 
 def child_text(options: dict) -> dict:
@@ -233,7 +265,7 @@ def child_text(options: dict) -> dict:
 
     set_thread_count(options["threads"])
     session = TextSession(options["model"], buckets=(PREFILL,), context=PREFILL + DECODE,
-                          precision=options["precision"])
+                          precision=options["precision"], target=options["target"])
     session.module
     ids = np.random.default_rng(0).integers(0, session.cfg.vocab_size, PREFILL)
     positions = np.broadcast_to(np.arange(PREFILL), (3, PREFILL))
@@ -247,22 +279,107 @@ def child_text(options: dict) -> dict:
     for _ in range(DECODE - 1):
         token = int(np.argmax(session.decode(token, session.length)))
     decode = (time.perf_counter() - start) / (DECODE - 1)
-    return {"prefill_tok_s": PREFILL / prefill, "decode_ms_token": decode * 1e3, "built_as": session.precision}
+    return {"prefill_tok_s": PREFILL / prefill, "decode_ms_token": decode * 1e3, "built_as": session.precision,
+            "archive_bytes": Path(session.archive_path).stat().st_size}
 
 
-def ours_answer(model: Path, image: Path, precision: str, threads: int, tmp: Path) -> dict:
+def ours_answer(model: Path, image: Path, precision: str, threads: int, target: str, tmp: Path) -> dict:
     """`qwen3vl generate` in a child process (one image, PROMPT, ANSWER_TOKENS new tokens,
     context ANSWER_CONTEXT): time to first token (vision + prefill of its --json), decode
     ms/token, peak RSS."""
     report = tmp / f"answer-{precision}.json"
     _, wall, rss = timed_process([QWEN3VL, "generate", "--model", model, "--image", image, "--prompt", PROMPT,
                                   "--max-new-tokens", ANSWER_TOKENS, "--context", ANSWER_CONTEXT,
-                                  "--precision", precision, "--threads", threads, "--json", report])
+                                  "--precision", precision, "--threads", threads, "--target", target,
+                                  "--json", report])
     data = json.loads(report.read_text())
     seconds, steps = data["seconds"], len(data["tokens"]) - 1
     return {"ttft_s": seconds["vision"] + seconds["prefill"], "prompt_tokens": data["prompt_tokens"],
             "decode_ms_token": seconds["decode"] / steps * 1e3 if steps else None, "decode_steps": steps,
             "peak_rss_gb": rss / 1e9, "wall_s": wall}
+
+
+# --- logit quality at equal bits -----------------------------------------------------------
+
+def child_logits(options: dict) -> dict:
+    """In the child: teacher-forced logits of QUALITY_TOKENS ids (options["ids"] file) through
+    our TextSession: a prefill of the first id, then one decode step per id; written to
+    options["out"] as float32 [ids, vocab], as llamacpp_logits.c writes llama.cpp's."""
+    import numpy as np
+
+    from runtime.text import TextSession
+    from runtime.vision import set_thread_count
+
+    set_thread_count(options["threads"])
+    ids = np.fromfile(options["ids"], dtype=np.int32)
+    session = TextSession(options["model"], buckets=(16,), context=len(ids) + 16, precision=options["precision"],
+                          target=options["target"])
+    rows = [session.prefill(ids[:1], np.zeros((3, 1), np.int64))]
+    rows += [session.decode(int(t), session.length) for t in ids[1:]]
+    np.stack([np.asarray(r, np.float32).reshape(-1) for r in rows]).tofile(options["out"])
+    return {"built_as": session.precision}
+
+
+def quality(model: Path, files: dict, rows, logits_tool: Path, threads: int, target: str, tmp: Path) -> dict:
+    """Each side's distance from its own f32 model, at each row's bits: the relative L2 of
+    the teacher-forced logits over QUALITY_TOKENS random ids, and the share of positions
+    whose argmax equals the f32 model's. Plus ours f32 against llama.cpp f32 (the two sides
+    computing the same model)."""
+    import numpy as np
+
+    from emitter.text_config import load_text_config
+
+    cfg, _ = load_text_config(model)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, QUALITY_TOKENS).astype(np.int32)
+    ids_file = tmp / "quality-ids.i32"
+    ids.tofile(ids_file)
+
+    @functools.cache
+    def ours(precision):
+        out = tmp / f"logits-ours-{precision}.f32"
+        child("logits", {"model": str(model), "precision": precision, "threads": threads, "target": target,
+                         "ids": str(ids_file), "out": str(out)})
+        return np.fromfile(out, np.float32).reshape(len(ids), -1)
+
+    def llama(text):
+        out = tmp / f"logits-llama-{text}.f32"
+        timed_process([logits_tool, files[text], ids_file, out, threads, int(llama_repacks())])
+        return np.fromfile(out, np.float32).reshape(len(ids), -1)
+
+    def distance(logits, reference):
+        """{"rel_l2", "argmax_agree"} of two sides' logits, or the error of the one that failed."""
+        try:
+            x, ref = logits(), reference()
+        except RuntimeError as e:
+            print(f"  failed: {str(e)[:300]}", flush=True)
+            return {"error": str(e)[-2000:]}
+        return {"rel_l2": float(np.linalg.norm(x - ref) / np.linalg.norm(ref)),
+                "argmax_agree": float(np.mean(x.argmax(-1) == ref.argmax(-1)))}
+
+    llama = functools.cache(llama)
+    result = {"tokens": len(ids),
+              "ours_f32_vs_llama_f32": distance(lambda: ours("f32"), lambda: llama("text-f32"))}
+    for name, precision, text, _ in rows:
+        if name in QUANTIZED:
+            result[name] = {"ours": distance(lambda: ours(precision), lambda: ours("f32")),
+                            "llama": distance(lambda: llama(text), lambda: llama("text-f32")),
+                            "ours_precision": precision}
+            print(f"  {name} quality: {result[name]}", flush=True)
+    return result
+
+
+def quality_table(q: dict) -> str:
+    """Markdown: per row, each side's relL2 from its own f32 logits and argmax agreement."""
+    def fmt(d):
+        return "failed (see --json)" if "error" in d else f"{d['rel_l2']:.3g} / {d['argmax_agree']:.2f}"
+
+    lines = [f"logit distance from each side's own f32 model ({q['tokens']} teacher-forced random ids)",
+             "| row | ours: relL2 / argmax agree | llama.cpp: relL2 / argmax agree |", "|---|---|---|"]
+    for name, row in q.items():
+        if isinstance(row, dict) and "ours" in row:
+            lines.append(f"| {row['ours_precision']} / {name.upper()} | {fmt(row['ours'])} | {fmt(row['llama'])} |")
+    lines.append(f"ours f32 against llama.cpp f32: {fmt(q['ours_f32_vs_llama_f32'])}")
+    return "\n".join(lines)
 
 
 # --- the sitting ---------------------------------------------------------------------------
@@ -275,18 +392,19 @@ def machine() -> dict:
             "cores": os.cpu_count(), "load_average": os.getloadavg()}
 
 
-def warm_ours(model: Path, images: dict, precisions, threads: int, tmp: Path, sizes=IMAGE_SIZES) -> dict:
+def warm_ours(model: Path, images: dict, precisions, threads: int, target: str, tmp: Path,
+              sizes=IMAGE_SIZES) -> dict:
     """Each of our child runs once, untimed: every module compiled (or found) in the cache.
     Returns each run's result (or error), by step."""
     seconds = {}
     for precision in precisions:
-        options = {"model": str(model), "precision": precision, "threads": threads}
-        for size, path in ((s, p) for s, p in images.items() if s in sizes):
+        options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
+        for size, path in ((s, p) for s, p in images.items() if s in sizes and precision in ("f32", "bf16")):
             image = dict(options, image=[size, str(path)])
             seconds[f"vision-{size}-{precision}"] = attempt(lambda: child("vision", image))
         seconds[f"text-{precision}"] = attempt(lambda: child("text", options))
         small = images[min(images)]
-        seconds[f"answer-{precision}"] = attempt(lambda: ours_answer(model, small, precision, threads, tmp))
+        seconds[f"answer-{precision}"] = attempt(lambda: ours_answer(model, small, precision, threads, target, tmp))
         print(f"  ours {precision}: compiled or found in the cache ({seconds})", flush=True)
     return seconds
 
@@ -301,33 +419,33 @@ def attempt(run) -> dict:
 
 
 def one_round(first: str, row, model: Path, images: dict, files: dict, bindir: Path, threads: int,
-              tmp: Path, sizes=IMAGE_SIZES) -> dict:
+              target: str, tmp: Path, sizes=IMAGE_SIZES) -> dict:
     """One round of one precision row: vision, text, answer, each side in turn (`first`
     goes first). Ours is skipped when the row has no precision of ours, and for images
     not in `sizes` (recorded as an error saying so)."""
     name, precision, text, mmproj = row
-    options = {"model": str(model), "precision": precision, "threads": threads}
+    options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
     small = images[min(images)]
+    repack = name not in QUANTIZED or llama_repacks()
     sides = {f"vision_{s}": {
         "ours": lambda s=s, p=p: (child("vision", dict(options, image=[s, str(p)])) if s in sizes
                                   else {"error": f"{s}x{s} not run on our side (--ours-vision-sizes)"}),
-        "llama": lambda p=p: llama_mtmd(bindir, files["text-q4_k_m"], files[mmproj], p, threads, 1, repack=False)}
+        "llama": lambda p=p: llama_mtmd(bindir, files["text-q4_k_m"], files[mmproj], p, threads, 1,
+                                        repack=llama_repacks())}
         for s, p in images.items()}
     sides.update({
         "text": {"ours": lambda: child("text", options),
-                 "llama": lambda: llama_bench(bindir, files[text], threads, repack=precision is not None)},
-        "answer": {"ours": lambda: ours_answer(model, small, precision, threads, tmp),
+                 "llama": lambda: llama_bench(bindir, files[text], threads, repack=repack)},
+        "answer": {"ours": lambda: ours_answer(model, small, precision, threads, target, tmp),
                    "llama": lambda: llama_mtmd(bindir, files[text], files[mmproj], small, threads, ANSWER_TOKENS,
-                                               repack=precision is not None)},
+                                               repack=repack)},
     })
     order = ("ours", "llama") if first == "ours" else ("llama", "ours")
     result = {}
     for task, runs in sides.items():
-        if precision is None and task.startswith("vision"):
+        if name in QUANTIZED and task.startswith("vision"):
             continue  # the quantized rows' projector is the bf16 row's f16 one
         for side in order:
-            if side == "ours" and precision is None:
-                continue
             result.setdefault(task, {})[side] = attempt(runs[side])
             print(f"  {name} {task} {side}: done", flush=True)
     return result
@@ -387,34 +505,42 @@ def table(summary: dict, bits: dict) -> str:
                 continue
             llama, ours = sides["llama"], sides["ours"]
             fmt = lambda v: f"{v['median']:.3g}" + (f" ({v['best']:.3g})" if v["n"] > 1 else "")  # noqa: E731
-            ours_text = fmt(ours) if ours else (QUANT_NOTE if name in QUANTIZED else "failed or not run (see --json)")
+            ours_text = fmt(ours) if ours else "failed or not run (see --json)"
             better = ratio(key, ours["median"], llama["median"]) if ours else "-"
             lines.append(f"| {bits[name]} | {key} | {ours_text} | {fmt(llama)} | {better} |")
     return "\n".join(lines)
 
 
 def bits_labels(rounds: list[dict]) -> dict:
-    """Row name -> "ours bits / llama.cpp bits" (llama.cpp's as llama-bench reports them)."""
+    """Row name -> "ours: precision (bits per weight) / llama.cpp: type (bits per weight)",
+    both over llama-bench's parameter count of the text model: ours from the size of the
+    text archive our child opened, llama.cpp's as llama-bench reports it."""
     form = next((v["ours"]["built_as"] for r in rounds for k, v in r.get("bf16", {}).items()
                  if k.startswith("vision") and "built_as" in v.get("ours", {})), "?")
-    ours = {"f32": "f32 (32)", "bf16": f"bf16 (16, built as {form})", "q8_0": "-", "q4_k_m": "-"}
     labels = {}
-    for name, *_ in PAIRS:
-        bench = next((r[name]["text"]["llama"] for r in rounds if name in r and "text" in r[name]), None)
-        lbpw = f"{bench['bits_per_weight']:.2f} bpw" if bench else "?"
-        labels[name] = f"{ours[name]} / {name.upper()} ({lbpw})"
+    for name, precision, *_ in PAIRS:
+        text = next((r[name]["text"] for r in rounds if name in r and "text" in r[name]), {})
+        llama, ours = text.get("llama", {}), text.get("ours", {})
+        lbpw = f"{llama['bits_per_weight']:.2f} bpw" if "bits_per_weight" in llama else "?"
+        obpw = (f"{ours['archive_bytes'] * 8 / llama['params']:.2f} bpw"
+                if "archive_bytes" in ours and "params" in llama else "?")
+        built = f", built as {form}" if precision == "bf16" else ""
+        labels[name] = f"{precision} ({obpw}{built}) / {name.upper()} ({lbpw})"
     return labels
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
-        result = {"vision": child_vision, "text": child_text}[sys.argv[2]](json.loads(sys.argv[3]))
+        result = {"vision": child_vision, "text": child_text, "logits": child_logits}[sys.argv[2]](json.loads(sys.argv[3]))
         print("RESULT " + json.dumps(result), flush=True)
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-vl-2b")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isa", choices=list(ISAS), default="native",
+                   help="native: each side's code for this CPU; avx2: both without AVX-512 (llama.cpp built "
+                        "with AVX2/FMA only, ours compiled for x86-64-v3)")
     p.add_argument("--rows", nargs="+", default=[r[0] for r in PAIRS], choices=[r[0] for r in PAIRS])
     p.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "qwen3vl-iree" / "llamacpp")
     p.add_argument("--version", default=VERSION, help="llama-cpp-python sdist version")
@@ -422,6 +548,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, metavar="FILE")
     p.add_argument("--ours-vision-sizes", type=int, nargs="+", default=list(IMAGE_SIZES),
                    help="images our side encodes (e.g. leave out one that does not fit in memory)")
+    p.add_argument("--quality", action="store_true",
+                   help="also each side's logit distance from its own f32 model at each row's bits")
     p.add_argument("--skip-warm", action="store_true",
                    help="skip the untimed run of our children (only when every module is already in the cache)")
     args = p.parse_args()
@@ -432,7 +560,9 @@ def main() -> None:
     src = fetch_source(work, args.version)
     patched = patch_converter(src)
     print(patched, flush=True)
-    bindir = build_tools(src, work / f"build-{args.version}", args.jobs)
+    suffix = "" if args.isa == "native" else f"-{args.isa}"
+    bindir = build_tools(src, work / f"build-{args.version}{suffix}", args.jobs, args.isa)
+    target = ISAS[args.isa][1]
     print(f"llama.cpp tools: {bindir}", flush=True)
     model = write_checkpoint(work, args.preset)
     files = convert_all(src, bindir, model, work / "gguf" / args.preset, work / "convert.log")
@@ -442,28 +572,33 @@ def main() -> None:
     tmp = work / "runs"
     tmp.mkdir(exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
-              "preset": args.preset, "threads": args.threads, "llama_cpp": f"llama-cpp-python {args.version} sdist",
-              "converter_patch": patched, "llama_repack": NO_REPACK_NOTE, "machine_before": machine(),
+              "preset": args.preset, "threads": args.threads, "isa": args.isa, "target": target, "llama_cpp": f"llama-cpp-python {args.version} sdist",
+              "converter_patch": patched, "llama_repack": REPACK_NOTE if llama_repacks() else NO_REPACK_NOTE, "machine_before": machine(),
               "prepare_s": prepared,
               "commit": subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
                                        capture_output=True, text=True).stdout.strip(),
               "gguf_gb": {n: f.stat().st_size / 1e9 for n, f in files.items()}}
     if not args.skip_warm:
-        report["ours_warm"] = warm_ours(model, images, [r[1] for r in rows if r[1]], args.threads, tmp,
+        report["ours_warm"] = warm_ours(model, images, list(dict.fromkeys(r[1] for r in rows)), args.threads, target, tmp,
                                         args.ours_vision_sizes)
     report["rounds"] = []
     for i in range(args.rounds):
         first = "ours" if i % 2 == 0 else "llama"
         print(f"round {i + 1}/{args.rounds} ({first} first), load {os.getloadavg()}", flush=True)
-        report["rounds"].append({r[0]: one_round(first, r, model, images, files, bindir, args.threads, tmp,
+        report["rounds"].append({r[0]: one_round(first, r, model, images, files, bindir, args.threads, target, tmp,
                                                  args.ours_vision_sizes) for r in rows})
+    if args.quality:
+        logits_tool = build_logits_tool(src, bindir, work / "build.log")
+        report["quality"] = quality(model, files, rows, logits_tool, args.threads, target, tmp)
     report["machine_after"] = machine()
     report["summary"] = summarize(report["rounds"])
     report["table"] = table(report["summary"], bits_labels(report["rounds"]))
     m = report["machine_before"]
     print(f"\n{m['cpu']}, {m['cores']} cores, load {m['load_average']} -> {report['machine_after']['load_average']}")
-    print(f"flags: {' '.join(m['flags'])}\n{patched}\n{NO_REPACK_NOTE}\n")
+    print(f"flags: {' '.join(m['flags'])}\n{patched}\n{report['llama_repack']}\n")
     print(report["table"])
+    if args.quality:
+        print("\n" + quality_table(report["quality"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
