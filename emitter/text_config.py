@@ -40,10 +40,11 @@ class TextConfig:
     mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
     tie_word_embeddings: bool = False
     max_position_embeddings: int = DEFAULT_MAX_POSITIONS
-    # An MLX-quantized checkpoint run in its bits (`--precision mlx`): (Hugging Face name, bits,
-    # group size) of each affine-quantized weight, as the checkpoint stores it
-    # (runtime/checkpoints/text.py's `affine_weights`; emitter/quant.py); empty otherwise.
-    affine_weights: tuple[tuple[str, int, int], ...] = ()
+    # A quantized checkpoint run in its bits (`--precision native`): (Hugging Face name, bits,
+    # group size[, quant.SYMMETRIC]) of each quantized weight, as the checkpoint stores it
+    # (runtime/checkpoints/text.py's `affine_weights`; emitter/quant.py's `native_layouts`);
+    # empty otherwise.
+    affine_weights: tuple[tuple, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))

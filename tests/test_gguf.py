@@ -16,7 +16,8 @@ import pytest
 
 from conftest import rel_l2
 from helpers import chunked_logits, generate_logits
-from emitter.config import MLX_PRECISION, preset
+from emitter import quant
+from emitter.config import MLX_PRECISION, NATIVE_PRECISION, preset
 from emitter.text_config import TEXT_PRESETS
 from runtime.bench import llamacpp
 from runtime.checkpoints import gguf_text
@@ -65,9 +66,16 @@ def qwen2_pre_tokenizer(path):
 
 
 def requantize(src, dst, qtype, arch=gguf_text.ARCH, fields=None, drop=()):
-    """The file at `src` rewritten with GGUFWriter, its 2-D weights quantized to `qtype` by
-    `gguf.quants.quantize` (None: as they are); `fields` replace metadata values, the
-    tensors named in `drop` are left out (metadata and the other tensors as they are)."""
+    """The file at `src` rewritten with GGUFWriter, its 2-D weights but the embedding table
+    quantized to `qtype` (None: as they are; a function of the tensor's name and f32 data:
+    each tensor's type or None) by `gguf.quants.quantize`, or for the K-quants the tests'
+    encoder (gguf_encode.py); `fields` replace metadata values, the tensors named in `drop`
+    are left out (metadata and the other tensors as they are)."""
+    from gguf_encode import ENCODERS, encode
+
+    if not callable(qtype):
+        qtype = (lambda kind: lambda name, data: kind if data.ndim == 2 and name != "token_embd.weight" else None)(
+            qtype)
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(str(dst), arch=arch)
     for key, f in r.fields.items():
@@ -83,9 +91,11 @@ def requantize(src, dst, qtype, arch=gguf_text.ARCH, fields=None, drop=()):
         data = np.asarray(t.data)
         if t.name in drop:
             continue
-        if qtype is not None and data.ndim == 2 and t.name != "token_embd.weight":
-            w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_shape=gguf.quants.quant_shape_to_byte_shape(
-                data.shape, qtype), raw_dtype=qtype)
+        kind = qtype(t.name, data)
+        if kind is not None:
+            raw = encode(data, kind.name) if kind.name in ENCODERS else gguf.quants.quantize(data, kind)
+            w.add_tensor(t.name, raw, raw_shape=gguf.quants.quant_shape_to_byte_shape(data.shape, kind),
+                         raw_dtype=kind)
         else:
             w.add_tensor(t.name, data)
     w.write_header_to_file()
@@ -123,13 +133,13 @@ def test_config_from_metadata(files):
 def test_in_its_bits_equals_f32_over_gguf_dequantize(files, kind, bits, tmp_path):
     """The session over the GGUF file in its bits against the f32 session over the same
     weights dequantized by gguf: relL2 <= 1e-5; every projection runs in its bits; the
-    dequantized weights are near the checkpoint's."""
+    dequantized weights are near the checkpoint's. Symmetric: no biases stored."""
     path = files[kind]
     cfg, _ = model_text_config(path)
-    layouts = gguf_text.affine_weights(path, cfg)
-    assert len(layouts) >= 7 * CFG.num_hidden_layers and {b for _, b, _ in layouts} == {bits}
+    layouts = quant.native_layouts(gguf_text.affine_weights(path, cfg))
+    assert len(layouts) >= 7 * CFG.num_hidden_layers and set(layouts.values()) == {quant.Layout(bits, 32)}
     cache = tmp_path / "cache"
-    ours = logits(path, cache, MLX_PRECISION)
+    ours = logits(path, cache, MLX_PRECISION)  # the alias of native
     ref = logits(dequantized_folder(path, tmp_path / "deq"), cache, "f32")
     assert rel_l2(ours, ref) <= TOL
     original = logits(files["hf"], cache, "f32")
@@ -140,8 +150,8 @@ def test_unsupported_quant_type_is_one_line(files, tmp_path):
     bad = requantize(files["f32"], tmp_path / "q5_1.gguf", gguf.GGMLQuantizationType.Q5_1)
     cfg, _ = model_text_config(bad)
     with pytest.raises(CheckpointError, match=r"^[\w.]+\.weight: GGUF type Q5_1 is not supported .*expected "
-                                              r"one of F32, F16, BF16, Q8_0, Q4_0$"):
-        TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision=MLX_PRECISION)
+                                              r"one of F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K$"):
+        TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision=NATIVE_PRECISION)
 
 
 def test_a_folder_holding_the_files(files, tmp_path):
@@ -330,8 +340,8 @@ def test_bad_mmproj_is_one_line(files, tmp_path, change, message):
 
 
 def test_q8_0_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
-    """The tower of a Q8_0 mmproj with its linears in their bits (the default `mlx`, the MLX
-    tower's affine path) against the f32 tower over gguf's dequantization of the same file:
+    """The tower of a Q8_0 mmproj with its linears in their bits (the default `native`:
+    symmetric, groups of 32) against the f32 tower over gguf's dequantization of the same file:
     embeddings and DeepStack features within 1e-5; every linear runs in its bits."""
     from PIL import Image
 
@@ -340,7 +350,7 @@ def test_q8_0_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path
     folder = model_folder(files, tmp_path, "f32", "q8_0")
     image = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(2).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(image)
-    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (MLX_PRECISION, "f32"))
+    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (NATIVE_PRECISION, "f32"))
     assert len(ours.cfg.affine_weights) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.affine_weights
     a, b = ours.encode([image]), ref.encode([image])
     assert rel_l2(a.image_embeds, b.image_embeds) <= TOL
