@@ -39,20 +39,26 @@ TOL = 1e-5
 def files(tmp_path_factory):
     """{name: GGUF path} written by llama.cpp's converter (and Q4_0 from its f32 file)."""
     work = tmp_path_factory.mktemp("gguf")
+    ckpt, convert = converted_checkpoint(work, CFG, seed=5)
+    out = {t: convert(f"text-{t}.gguf", "--outtype", t) for t in ("f32", "q8_0")}
+    out["q4_0"] = requantize(out["f32"], work / "text-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
+    for t in ("f32", "q8_0"):
+        out[f"mmproj-{t}"] = convert(f"mmproj-{t}.gguf", "--mmproj", "--outtype", t)
+    out["hf"] = ckpt
+    return out
+
+
+def converted_checkpoint(work, cfg, seed: int):
+    """(a random checkpoint in work/hf with the text config `cfg` and Qwen's pre-tokenizer,
+    convert(file name, *converter options) -> the path llama.cpp's converter wrote in work)."""
     ckpt = work / "hf"
-    vision = dataclasses.replace(preset("tiny"), out_hidden_size=CFG.hidden_size)
-    write_generation_checkpoint(ckpt, vision, CFG, seed=5)
+    vision = dataclasses.replace(preset("tiny"), out_hidden_size=cfg.hidden_size)
+    write_generation_checkpoint(ckpt, vision, cfg, seed=seed)
     qwen2_pre_tokenizer(ckpt / "tokenizer.json")
     llamacpp.DEFAULT_WORK.mkdir(parents=True, exist_ok=True)
     src = llamacpp.fetch_source(llamacpp.DEFAULT_WORK, llamacpp.VERSION)
     llamacpp.patch_converter(src)
-    log = work / "convert.log"
-    out = {t: llamacpp.convert(src, ckpt, work / f"text-{t}.gguf", ["--outtype", t], log) for t in ("f32", "q8_0")}
-    out["q4_0"] = requantize(out["f32"], work / "text-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
-    for t in ("f32", "q8_0"):
-        out[f"mmproj-{t}"] = llamacpp.convert(src, ckpt, work / f"mmproj-{t}.gguf", ["--mmproj", "--outtype", t], log)
-    out["hf"] = ckpt
-    return out
+    return ckpt, lambda name, *args: llamacpp.convert(src, ckpt, work / name, list(args), work / "convert.log")
 
 
 def qwen2_pre_tokenizer(path):
@@ -147,10 +153,11 @@ def test_in_its_bits_equals_f32_over_gguf_dequantize(files, kind, bits, tmp_path
 
 
 def test_unsupported_quant_type_is_one_line(files, tmp_path):
-    bad = requantize(files["f32"], tmp_path / "q5_1.gguf", gguf.GGMLQuantizationType.Q5_1)
+    bad = requantize(files["f32"], tmp_path / "mxfp4.gguf", gguf.GGMLQuantizationType.MXFP4)
     cfg, _ = model_text_config(bad)
-    with pytest.raises(CheckpointError, match=r"^[\w.]+\.weight: GGUF type Q5_1 is not supported .*expected "
-                                              r"one of F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K$"):
+    with pytest.raises(CheckpointError, match=r"^[\w.]+\.weight: GGUF type MXFP4 is not supported .*expected "
+                                              r"one of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+                                              r"Q6_K$"):
         TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision=NATIVE_PRECISION)
 
 

@@ -1,7 +1,7 @@
 """llama.cpp's K-quants in their bits (runtime/checkpoints/gguf_blocks.py): Q4_K and Q5_K as
 the affine layout in groups of 32, Q6_K as int8 symmetric in groups of 16, Q8_0 and Q4_0
 symmetric in groups of 32 (no biases). The unpacking against `gguf.quants.dequantize` over
-real block bytes; a Q4_K_M-style file (Q4_K, Q6_K, a Q5_K and a Q8_0 tensor, f32 norms:
+real block bytes; a Q4_K_M-style file (Q4_K, Q6_K, a Q5_K, a Q8_0 and a Q5_0 tensor, f32 norms:
 llama.cpp's converter's f32 file re-encoded by the tests' encoder, gguf_encode.py) run in
 its bits against the f32 session over gguf's dequantization of the same file: logits
 relL2 <= 1e-5, text and mmproj."""
@@ -15,17 +15,15 @@ import pytest
 
 from conftest import rel_l2
 from emitter import quant
-from emitter.config import NATIVE_PRECISION, graph_weights, preset
+from emitter.config import NATIVE_PRECISION, graph_weights
 from emitter.text import text_weights
 from emitter.text_config import TEXT_PRESETS
-from runtime.bench import llamacpp
 from runtime.checkpoints import gguf_blocks, gguf_text
-from runtime.checkpoints.synthetic_text import write_generation_checkpoint
 from runtime.checkpoints.text import model_text_config
 
 gguf = pytest.importorskip("gguf")
 from gguf_encode import encode  # noqa: E402
-from test_gguf import dequantized_folder, model_folder, qwen2_pre_tokenizer, requantize  # noqa: E402
+from test_gguf import converted_checkpoint, dequantized_folder, model_folder, requantize  # noqa: E402
 
 # Widths that the K-quants' super-blocks of 256 divide: every projection's inputs.
 CFG = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -36,23 +34,24 @@ Q = gguf.GGMLQuantizationType
 
 def q4_k_m(name: str, data: np.ndarray):
     """llama.cpp's Q4_K_M mix, in small: Q6_K for lm_head and for attn_v / ffn_down of the
-    first layer, Q4_K for the other matrices (the embedding table too), one Q5_K and one
-    Q8_0 tensor; norms as they are (f32)."""
+    first layer, Q4_K for the other matrices (the embedding table too), one Q5_K, one Q8_0
+    and one Q5_0 tensor; norms as they are (f32)."""
     if data.ndim != 2:
         return None
     if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
         return Q.Q6_K
-    return {"blk.1.attn_k.weight": Q.Q5_K, "blk.1.attn_q.weight": Q.Q8_0}.get(name, Q.Q4_K)
+    return {"blk.1.attn_k.weight": Q.Q5_K, "blk.1.attn_q.weight": Q.Q8_0,
+            "blk.1.attn_output.weight": Q.Q5_0}.get(name, Q.Q4_K)
 
 
 def mmproj_mix(name: str, data: np.ndarray):
     """The mmproj's linears whose inputs 256 divides in K-quants (merger Q4_K and Q6_K,
-    DeepStack mergers Q5_K and Q4_K), the others Q8_0; the conv, position table, norms and
-    biases as they are."""
+    DeepStack mergers Q5_K and Q4_K), the others Q4_1 (MLP up), Q5_1 (MLP down) or Q8_0;
+    the conv, position table, norms and biases as they are."""
     if data.ndim != 2 or name == "v.position_embd.weight":
         return None
     if data.shape[1] % 256:
-        return Q.Q8_0
+        return Q.Q4_1 if ".ffn_up." in name else Q.Q5_1 if ".ffn_down." in name else Q.Q8_0
     return {"mm.0.weight": Q.Q4_K, "mm.2.weight": Q.Q6_K}.get(name, Q.Q5_K if ".fc1." in name else Q.Q4_K)
 
 
@@ -61,25 +60,18 @@ def files(tmp_path_factory):
     """{name: path}: the checkpoint, the converter's f32 text and mmproj files and their
     re-encodings in the mixes above."""
     work = tmp_path_factory.mktemp("gguf-k")
-    ckpt = work / "hf"
-    vision = dataclasses.replace(preset("tiny"), out_hidden_size=CFG.hidden_size)
-    write_generation_checkpoint(ckpt, vision, CFG, seed=7)
-    qwen2_pre_tokenizer(ckpt / "tokenizer.json")
-    llamacpp.DEFAULT_WORK.mkdir(parents=True, exist_ok=True)
-    src = llamacpp.fetch_source(llamacpp.DEFAULT_WORK, llamacpp.VERSION)
-    llamacpp.patch_converter(src)
-    log = work / "convert.log"
-    f32 = llamacpp.convert(src, ckpt, work / "text-f32.gguf", ["--outtype", "f32"], log)
-    mmproj = llamacpp.convert(src, ckpt, work / "mmproj-f32.gguf", ["--mmproj", "--outtype", "f32"], log)
+    ckpt, convert = converted_checkpoint(work, CFG, seed=7)
+    f32 = convert("text-f32.gguf", "--outtype", "f32")
+    mmproj = convert("mmproj-f32.gguf", "--mmproj", "--outtype", "f32")
     return {"hf": ckpt, "f32": f32, "mmproj-f32": mmproj,
             "q4_k_m": requantize(f32, work / "text-q4_k_m.gguf", q4_k_m),
             "mmproj-q4_k_m": requantize(mmproj, work / "mmproj-q4_k_m.gguf", mmproj_mix, arch="clip")}
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", list(gguf_blocks.LAYOUTS))
 def test_unpacked_blocks_are_ggufs_numbers(kind):
-    """Each type's blocks (the K-quants' written by the tests' encoder, Q8_0 / Q4_0 by
-    gguf's quantize) unpacked into the layout give exactly `gguf.quants.dequantize`'s
+    """Each type's blocks (the K-quants' written by the tests' encoder, the others by gguf's
+    quantize) unpacked into the layout give exactly `gguf.quants.dequantize`'s
     numbers; the symmetric types carry no biases."""
     rng = np.random.default_rng(3)
     w = (rng.standard_normal((5, 768)) * rng.uniform(0.01, 2, (5, 1))).astype(np.float32)
@@ -110,7 +102,7 @@ def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
     cfg, _ = model_text_config(path)
     layouts = quant.native_layouts(gguf_text.affine_weights(path, cfg))
     assert len(layouts) == 7 * CFG.num_hidden_layers + 2
-    assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q8_0")}
+    assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0")}
     prefix = "model.language_model.layers.0."
     assert layouts[prefix + "mlp.down_proj.weight"] == quant.Layout(8, 16)  # Q6_K
     assert layouts[prefix + "mlp.up_proj.weight"] == quant.Layout(4, 32, affine=True)  # Q4_K
@@ -129,7 +121,7 @@ def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
 
 
 def test_k_quant_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
-    """The tower of an mmproj with K-quant and Q8_0 linears in their bits against the f32
+    """The tower of an mmproj with K-quant, Q4_1, Q5_1 and Q8_0 linears in their bits against the f32
     tower over gguf's dequantization of the same file: embeddings and DeepStack features
     within 1e-5; every quantized linear runs in its type's layout."""
     from PIL import Image
@@ -142,7 +134,7 @@ def test_k_quant_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_p
     ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (NATIVE_PRECISION, "f32"))
     layouts = quant.native_layouts(ours.cfg.affine_weights)
     assert len(layouts) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.affine_weights
-    assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q8_0")}
+    assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_1", "Q5_1")}
     specs = {s.name for s in graph_weights(ours.cfg, "f32")}
     assert sum(n.endswith("biases") for n in specs) == sum(v.affine for v in layouts.values())
     a, b = ours.encode([image]), ref.encode([image])

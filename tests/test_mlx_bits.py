@@ -125,7 +125,8 @@ def test_mlx_precision_needs_a_quantized_checkpoint(tmp_path):
                                        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
                    | {STORED_PREFIX + "embed_tokens": False, STORED_HEAD: False})
-    with pytest.raises(CheckpointError, match=r"--precision native: no language-model weight is MLX-quantized in 8 or 4"):
+    with pytest.raises(CheckpointError,
+                       match=r"--precision native: no language-model weight is MLX-quantized in 8 or 4"):
         TextSession(folder, buckets=(32,), context=64, cache_dir=tmp_path / "cache", precision="mlx")
 
 

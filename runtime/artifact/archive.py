@@ -32,7 +32,8 @@ from emitter.text import text_weights
 from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
-from runtime.checkpoints import gguf_blocks, gguf_text, gguf_vision, mlx_quant, text as text_checkpoint, vision as checkpoint
+from runtime.checkpoints import (gguf_blocks, gguf_text, gguf_vision, mlx_quant, text as text_checkpoint,
+                                 vision as checkpoint)
 
 # Bump when what an archive holds changes in a way no other field records.
 ARCHIVE_FORMAT = 1

@@ -2,13 +2,21 @@
 emitter/quant.py's layout (signed q, f32 scales per group and, affine, f32 biases), so
 that w = scale*q (+ bias) per group are the numbers of `gguf.quants.dequantize`:
 
-| type | a block | gguf's numbers | the layout (`LAYOUTS`) |
-|------|---------|----------------|------------------------|
-| Q8_0 | 32: f16 d, 32 i8 q | w = d*q | 8-bit symmetric, group 32 |
-| Q4_0 | 32: f16 d, 16 bytes: element j in the low nibble of byte j, j+16 in its high one | w = d*(u-8) | 4-bit symmetric, group 32: q = u-8 |
-| Q4_K | 256: f16 d, f16 dmin, 12 bytes of 6-bit sc and m per 32, 128 bytes of nibbles | w = d*sc*u - dmin*m, u 0..15 | 4-bit affine, group 32: q = u-8, scale d*sc, bias 8*d*sc - dmin*m |
-| Q5_K | Q4_K's, plus 32 bytes holding each value's fifth bit | the same, u 0..31 | 8-bit affine, group 32: q = u-16, bias 16*d*sc - dmin*m |
-| Q6_K | 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 i8 sc, f16 d | w = d*sc*(u-32), u 0..63 | 8-bit symmetric, group 16: q = u-32, scale d*sc |
+- Q8_0, blocks of 32: f16 d, 32 i8 q; w = d*q. As 8-bit symmetric, group 32.
+- Q4_0, blocks of 32: f16 d, 16 bytes (element j in the low nibble of byte j, j+16 in its
+  high one); w = d*(u-8). As 4-bit symmetric, group 32: q = u-8.
+- Q4_1, Q5_0, Q5_1 (what llama.cpp writes for rows that 256 does not divide in a K-quant
+  file), blocks of 32: f16 d, Q4_1's and Q5_1's f16 m, Q5_0's and Q5_1's 4 bytes holding
+  each value's fifth bit (element j in bit j), then Q4_0's 16 bytes; w = d*(u-16) (Q5_0),
+  d*u + m (Q4_1, Q5_1). As 8-bit symmetric (Q5_0: q = u-16) or affine (Q4_1 4-bit, q = u-8,
+  bias 8*d + m; Q5_1 8-bit, q = u-16, bias 16*d + m), group 32.
+- Q4_K, super-blocks of 256: f16 d, f16 dmin, 12 bytes of eight 6-bit sc and m (one each
+  per 32), 128 bytes of nibbles; w = d*sc*u - dmin*m, u 0..15. As 4-bit affine, group 32:
+  q = u-8, scale d*sc, bias 8*d*sc - dmin*m.
+- Q5_K: Q4_K's, plus 32 bytes holding each value's fifth bit; u 0..31. As 8-bit affine,
+  group 32: q = u-16, bias 16*d*sc - dmin*m.
+- Q6_K, super-blocks of 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 i8 sc,
+  f16 d; w = d*sc*(u-32) per 16, u 0..63. As 8-bit symmetric, group 16: q = u-32.
 
 The scales are exact in f32 (an f16 times a small integer), and so are the products with
 q; an affine bias is one f32 rounding from gguf's (8*d*sc and dmin*m exact, their
@@ -23,9 +31,12 @@ import numpy as np
 from emitter import quant
 
 SUPER = 256  # values per K-quant super-block
-LAYOUTS = {"Q8_0": quant.Layout(8, 32), "Q4_0": quant.Layout(4, 32), "Q4_K": quant.Layout(4, 32, affine=True),
-           "Q5_K": quant.Layout(8, 32, affine=True), "Q6_K": quant.Layout(8, 16)}
-CENTRE = {"Q4_0": 8, "Q4_K": 8, "Q5_K": 16, "Q6_K": 32}  # subtracted from the unsigned codes
+LAYOUTS = {"Q8_0": quant.Layout(8, 32), "Q4_0": quant.Layout(4, 32), "Q4_1": quant.Layout(4, 32, affine=True),
+           "Q5_0": quant.Layout(8, 32), "Q5_1": quant.Layout(8, 32, affine=True),
+           "Q4_K": quant.Layout(4, 32, affine=True), "Q5_K": quant.Layout(8, 32, affine=True),
+           "Q6_K": quant.Layout(8, 16)}
+CENTRE = {"Q4_0": 8, "Q4_1": 8, "Q5_0": 16, "Q5_1": 16, "Q4_K": 8, "Q5_K": 16, "Q6_K": 32}  # taken from the codes
+LEGACY = {"Q4_0": (False, False), "Q4_1": (True, False), "Q5_0": (False, True), "Q5_1": (True, True)}  # m, fifth bit
 
 
 def halves(raw: np.ndarray) -> np.ndarray:
@@ -57,8 +68,8 @@ def codes(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     blocks uint8 [rows, blocks, bytes] (module docstring)."""
     if kind == "Q8_0":
         return blocks[..., 2:].view(np.int8)[..., None, :], halves(blocks[..., :2])[..., None], None
-    if kind == "Q4_0":
-        return q4_0(blocks), halves(blocks[..., :2])[..., None], None
+    if kind in LEGACY:
+        return legacy(kind, blocks)
     if kind in ("Q4_K", "Q5_K"):
         scale, dm = k_scales(blocks)
         body = blocks[..., -SUPER // 2:].reshape(*blocks.shape[:-1], 4, 32)
@@ -79,10 +90,18 @@ def codes(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     raise ValueError(f"GGUF type {kind}: expected one of {', '.join(LAYOUTS)}")
 
 
-def q4_0(blocks: np.ndarray) -> np.ndarray:
-    """Q4_0's codes u [rows, blocks, 1, 32]: element j in the low nibble of byte j, j+16 in its high one."""
-    body = blocks[..., 2:18]
-    return np.concatenate([body & np.uint8(0xF), body >> np.uint8(4)], axis=-1)[..., None, :]
+def legacy(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`codes` of Q4_0, Q4_1, Q5_0 and Q5_1 blocks of 32 (module docstring): gguf's
+    w = d*u + m written as d*u - dm, dm = -m."""
+    has_min, fifth = LEGACY[kind]
+    d = halves(blocks[..., :2])[..., None]
+    dm = -halves(blocks[..., 2:4])[..., None] if has_min else None
+    body = blocks[..., -16:]
+    u = np.concatenate([body & np.uint8(0xF), body >> np.uint8(4)], axis=-1)  # element j, then j+16
+    if fifth:
+        at = 4 if has_min else 2
+        u = u | (np.unpackbits(blocks[..., at:at + 4], axis=-1, bitorder="little") << np.uint8(4))
+    return u[..., None, :], d, dm
 
 
 def signed(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
