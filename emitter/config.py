@@ -37,12 +37,12 @@ class VisionConfig:
     # A quantized tower run in its bits (`--precision native`): (Hugging Face name, bits, group
     # size[, quant.SYMMETRIC]) of each quantized linear, as the checkpoint stores it
     # (emitter/quant.py's `native_layouts`; runtime/checkpoints/vision.py's
-    # `vision_affine_weights`, gguf_vision.py's `affine_weights`); empty otherwise.
-    affine_weights: tuple[tuple, ...] = ()
+    # `vision_native_weights`, gguf_vision.py's `native_weights`); empty otherwise.
+    native_weights: tuple[tuple, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
-        object.__setattr__(self, "affine_weights", tuple(tuple(w) for w in self.affine_weights))
+        object.__setattr__(self, "native_weights", tuple(tuple(w) for w in self.native_weights))
         self.validate()
 
     # Derived sizes, one place each.
@@ -112,15 +112,15 @@ class VisionConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
-        if not self.affine_weights:
-            del d["affine_weights"]  # the identity of a float checkpoint's tower as it was
+        if not self.native_weights:
+            del d["native_weights"]  # the identity of a float checkpoint's tower as it was
         return d
 
     def to_hf_vision_config(self) -> dict:
         """The `vision_config` block of a Hugging Face `config.json` for this config."""
         d = self.to_dict()
         d.pop("rope_theta")
-        d.pop("affine_weights", None)
+        d.pop("native_weights", None)
         d["initializer_range"] = 0.02
         return d
 
@@ -237,7 +237,7 @@ USER_PRECISIONS = ("f32", "bf16")
 # "native" (a quantized checkpoint's own bits: an MLX-quantized folder, a llama.cpp GGUF):
 # each weight it stores quantized in bits that run as stored is kept in them with its
 # group's scale (and an affine one's bias; emitter/quant.py), the rest f32; not a graph
-# precision of its own (TextConfig.affine_weights and VisionConfig's say which weights).
+# precision of its own (TextConfig.native_weights and VisionConfig's say which weights).
 # "mlx", its first name, is still accepted (`is_native`).
 NATIVE_PRECISION = "native"
 MLX_PRECISION = "mlx"  # the same as NATIVE_PRECISION
@@ -299,14 +299,14 @@ def activation_dtype(precision: str) -> str | None:
 def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
     """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
     (exact for bf16 checkpoints); norms, biases and the position table stay f32. The linears
-    of `cfg.affine_weights` (a tower run in its own bits) are i8 / i4 with their scales and
+    of `cfg.native_weights` (a tower run in its own bits) are i8 / i4 with their scales and
     any biases (emitter/quant.py's `Layout.specs`)."""
     if check_precision(precision) not in VISION_PRECISIONS:
         raise ConfigError(f"--precision {precision}: the language model's only; the vision tower takes one of "
                           f"{', '.join(VISION_PRECISIONS)}")
     from .quant import native_layouts
     schema = weight_schema(cfg)
-    layouts = native_layouts(cfg.affine_weights)
+    layouts = native_layouts(cfg.native_weights)
     odd = [n for n in layouts if not n.endswith(MATMUL_WEIGHT_SUFFIXES) or n not in dict(schema)]
     if odd:
         raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the tower's linears can run quantized")

@@ -13,7 +13,7 @@ f32 scale; its values are stored as signed q in i8 (-128..127) or i4 (-8..7).
   so w = s*q + bias with q in the same signed storage (`dequantize` with the biases).
 - A checkpoint's own quantized weights (`--precision native`: MLX's, GGUF's block types,
   runtime/checkpoints/gguf_blocks.py) are named with their layout in the config's
-  `affine_weights` (`native_layouts`): affine, or symmetric in the checkpoint's own group
+  `native_weights` (`native_layouts`): affine, or symmetric in the checkpoint's own group
   (GGUF's Q8_0, Q4_0 per 32, Q6_K per 16).
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
@@ -37,7 +37,7 @@ GROUP = 64  # inputs per scale of `--precision int8|int4`
 QUANTIZED_BITS = {"int8": 8, "int4": 4}  # precision -> bits of a stored weight
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
-SYMMETRIC = "symmetric"  # the fourth item of a symmetric weight's `affine_weights` entry
+SYMMETRIC = "symmetric"  # the fourth item of a symmetric weight's `native_weights` entry
 
 
 def bits_of(precision: str) -> int | None:
@@ -100,7 +100,7 @@ class Layout:
 
 
 def native_layouts(entries) -> dict[str, Layout]:
-    """{name: Layout} of a config's `affine_weights` entries: (name, bits, group) for an affine
+    """{name: Layout} of a config's `native_weights` entries: (name, bits, group) for an affine
     weight (MLX's, GGUF's Q4_K / Q5_K), (name, bits, group, SYMMETRIC) for a symmetric one."""
     out = {}
     for name, bits, group, *form in entries:

@@ -45,7 +45,7 @@ from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
 from runtime.checkpoints import gguf_text, gguf_vision
-from runtime.checkpoints.text import affine_weights, model_text_config as load_text_config, text_entries
+from runtime.checkpoints.text import native_weights, model_text_config as load_text_config, text_entries
 from runtime.checkpoints.vision import CheckpointError
 from runtime.kv_cache import BlockPool, Blocks, block_keys
 
@@ -139,7 +139,7 @@ class TextSession:
         self.progress = progress or (lambda message: None)
         self.deepstack_layers = deepstack_layers
         if is_native(precision):  # the checkpoint's quantized weights in their bits, the rest f32
-            self.cfg, precision = replace(self.cfg, affine_weights=affine_weights(model_dir, self.cfg)), "f32"
+            self.cfg, precision = replace(self.cfg, native_weights=native_weights(model_dir, self.cfg)), "f32"
         self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 unless bf16 dots pay
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         text_weights(self.cfg, self.precision)  # a width the quantization group does not divide: one line, now
@@ -418,10 +418,10 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
 def checkpoint_precision(model_dir) -> str:
     """The language model's precision when none is asked, the one place it is decided: native
     for a checkpoint that stores quantized weights in bits that run as stored (MLX's 8 or 4;
-    a GGUF's quantized types: `affine_weights`), else f32."""
+    a GGUF's quantized types: `native_weights`), else f32."""
     cfg, _ = load_text_config(model_dir)
     try:
-        affine_weights(model_dir, cfg)
+        native_weights(model_dir, cfg)
     except CheckpointError:
         return "f32"
     return NATIVE_PRECISION

@@ -142,7 +142,7 @@ def test_in_its_bits_equals_f32_over_gguf_dequantize(files, kind, bits, tmp_path
     dequantized weights are near the checkpoint's. Symmetric: no biases stored."""
     path = files[kind]
     cfg, _ = model_text_config(path)
-    layouts = quant.native_layouts(gguf_text.affine_weights(path, cfg))
+    layouts = quant.native_layouts(gguf_text.native_weights(path, cfg))
     assert len(layouts) >= 7 * CFG.num_hidden_layers and set(layouts.values()) == {quant.Layout(bits, 32)}
     cache = tmp_path / "cache"
     ours = logits(path, cache, MLX_PRECISION)  # the alias of native
@@ -358,7 +358,7 @@ def test_q8_0_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path
     image = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(2).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(image)
     ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (NATIVE_PRECISION, "f32"))
-    assert len(ours.cfg.affine_weights) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.affine_weights
+    assert len(ours.cfg.native_weights) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.native_weights
     a, b = ours.encode([image]), ref.encode([image])
     assert rel_l2(a.image_embeds, b.image_embeds) <= TOL
     assert rel_l2(a.deepstack_features, b.deepstack_features) <= TOL

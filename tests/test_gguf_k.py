@@ -100,13 +100,13 @@ def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
     path = files["q4_k_m"]
     assert checkpoint_precision(path) == NATIVE_PRECISION
     cfg, _ = model_text_config(path)
-    layouts = quant.native_layouts(gguf_text.affine_weights(path, cfg))
+    layouts = quant.native_layouts(gguf_text.native_weights(path, cfg))
     assert len(layouts) == 7 * CFG.num_hidden_layers + 2
     assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0")}
     prefix = "model.language_model.layers.0."
     assert layouts[prefix + "mlp.down_proj.weight"] == quant.Layout(8, 16)  # Q6_K
     assert layouts[prefix + "mlp.up_proj.weight"] == quant.Layout(4, 32, affine=True)  # Q4_K
-    native = dataclasses.replace(cfg, affine_weights=gguf_text.affine_weights(path, cfg))
+    native = dataclasses.replace(cfg, native_weights=gguf_text.native_weights(path, cfg))
     biases = {s.name for s in text_weights(native, "f32") if s.name.endswith("biases")}
     assert len(biases) == sum(layout.affine for layout in layouts.values())  # none for the symmetric ones
     cache = tmp_path / "cache"
@@ -132,8 +132,8 @@ def test_k_quant_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_p
     image = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(4).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(image)
     ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (NATIVE_PRECISION, "f32"))
-    layouts = quant.native_layouts(ours.cfg.affine_weights)
-    assert len(layouts) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.affine_weights
+    layouts = quant.native_layouts(ours.cfg.native_weights)
+    assert len(layouts) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.native_weights
     assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_1", "Q5_1")}
     specs = {s.name for s in graph_weights(ours.cfg, "f32")}
     assert sum(n.endswith("biases") for n in specs) == sum(v.affine for v in layouts.values())

@@ -58,10 +58,10 @@ def folder_vision(model: str | None, preset_name: str | None, precision: str):
     preset, the config checked against the weights' headers before anything is sized by it."""
     cfg, title = resolve_config(model, preset_name)
     if model:
-        from runtime.checkpoints.vision import check_checkpoint, vision_affine_weights
+        from runtime.checkpoints.vision import check_checkpoint, vision_native_weights
         check_checkpoint(model, cfg)
         if is_native(precision):  # the linears MLX stores in 8 or 4 bits in those bits, the rest f32
-            cfg, precision = replace(cfg, affine_weights=vision_affine_weights(model, cfg)), "f32"
+            cfg, precision = replace(cfg, native_weights=vision_native_weights(model, cfg)), "f32"
     policy = load_policy(model, cfg) if model else DEFAULT_POLICY
     video_policy = load_video_policy(model, cfg) if model else DEFAULT_VIDEO_POLICY
     return cfg, title, precision, policy, video_policy
@@ -77,7 +77,7 @@ def vision_source(model: str | None, preset_name: str | None, precision: str):
         return folder_vision(model, preset_name, precision)
     cfg, policy, video_policy = gguf_vision.vision_parts(mmproj)
     if is_native(precision):  # the quantized linears in their bits, the rest f32
-        cfg, precision = replace(cfg, affine_weights=gguf_vision.affine_weights(mmproj, cfg)), "f32"
+        cfg, precision = replace(cfg, native_weights=gguf_vision.native_weights(mmproj, cfg)), "f32"
     return cfg, f"model {Path(model).name}", precision, policy, video_policy
 
 

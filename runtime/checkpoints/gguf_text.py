@@ -186,9 +186,9 @@ def dequantized(t) -> np.ndarray:
     return np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
 
 
-def affine_weights(path, cfg: TextConfig) -> tuple[tuple, ...]:
+def native_weights(path, cfg: TextConfig) -> tuple[tuple, ...]:
     """The entries of the quantized weights, each in its own bits (`native_entries`,
-    `TextConfig.affine_weights`)."""
+    `TextConfig.native_weights`)."""
     return native_entries(text_tensors(path, cfg))
 
 
@@ -199,13 +199,13 @@ def load_text_weights(path, cfg: TextConfig) -> dict[str, np.ndarray]:
 
 def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
     """(name, array) in graph order (`text_weights(cfg, precision)`), as the graph takes
-    them: the weights of `cfg.affine_weights` in their bits (`native_arrays`), the rest f32
+    them: the weights of `cfg.native_weights` in their bits (`native_arrays`), the rest f32
     (or the precision's bf16 / int8 / int4, as for a folder)."""
     import ml_dtypes
 
     tensors = text_tensors(path, cfg)
     layouts = weight_layouts(cfg, precision, list(tensors))
-    native = {entry[0] for entry in cfg.affine_weights}
+    native = {entry[0] for entry in cfg.native_weights}
     out, pending = [], {}
     for s in text_weights(cfg, precision):
         if s.name in pending:

@@ -12,7 +12,7 @@ checkpoint: architecture `clip`, projector `qwen3vl_merger`) read as it is, thro
   llama.cpp's names are mapped; `v.deepstack.{layer}` re-indexed into the merger list, the
   patch embedding's two frames `v.patch_embd.weight` / `.weight.1` rejoined along time),
   each exact f32 (F32, F16, BF16 widened, the quantized types by `gguf.quants.dequantize`),
-  or for the quantized linears under `native` in their bits (`affine_weights`: the layouts
+  or for the quantized linears under `native` in their bits (`native_weights`: the layouts
   gguf_text.py gives the decoder's, runtime/checkpoints/gguf_blocks.py).
 Every problem is a one-line `CheckpointError` naming the file and the tensor.
 """
@@ -197,9 +197,9 @@ def load_vision_weights(path, cfg: VisionConfig, skip=()) -> dict[str, np.ndarra
     return out
 
 
-def affine_weights(path, cfg: VisionConfig) -> tuple[tuple, ...]:
+def native_weights(path, cfg: VisionConfig) -> tuple[tuple, ...]:
     """The entries of the quantized linears, each in its own bits (`gguf_text.native_entries`,
-    `VisionConfig.affine_weights`)."""
+    `VisionConfig.native_weights`)."""
     return gguf_text.native_entries(by_hf_name(path, cfg), lambda name: name.endswith(MATMUL_WEIGHT_SUFFIXES))
 
 
@@ -210,10 +210,10 @@ def by_hf_name(path, cfg: VisionConfig) -> dict:
 
 
 def vision_arrays(path, cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
-    """The graph's ordered weight arguments: those of `cfg.affine_weights` in their bits
+    """The graph's ordered weight arguments: those of `cfg.native_weights` in their bits
     (`gguf_text.native_arrays`: q, then its scales and any biases), the rest as
     `load_vision_weights` gives them through `vision.weights_in_order` (f32, or bf16)."""
-    native = {entry[0] for entry in cfg.affine_weights}
+    native = {entry[0] for entry in cfg.native_weights}
     if not native:
         return weights_in_order(load_vision_weights(path, cfg), cfg, precision)
     tensors = by_hf_name(path, cfg)
