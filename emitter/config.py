@@ -256,8 +256,8 @@ QUANT_HELP = ("int8 (the language model): its projections, embedding table and l
               "runs in f32. int4: the same in 4 bits (4.5 bits a weight). docs/text.md gives their distance from f32. "
               "native: a quantized checkpoint in its own bits, exact against its own dequantization (under f32 "
               "its weights are expanded to f32 at load): an MLX one as mlx-vlm writes it (8- and 4-bit weights in "
-              "their group size and per-module settings), or llama.cpp's GGUF (Q8_0, Q4_0, Q4_K, Q5_K and Q6_K "
-              "tensors, text and mmproj: a Q4_K_M download). mlx: the same as native.")
+              "their group size and per-module settings), or llama.cpp's GGUF (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+              "Q4_K, Q5_K and Q6_K tensors, text and mmproj: a Q4_K_M download). mlx: the same as native.")
 DEFAULT_PRECISION_HELP = ("[default: native for a quantized checkpoint (an MLX one in 8 or 4 bits, a GGUF with "
                           "quantized tensors), else f32]")
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")

@@ -3,8 +3,9 @@ checkpoint, architecture `qwen3vl`) read as it is, through the `gguf` package: t
 config from the `qwen3vl.*` metadata, the decoder's tensors under their Hugging Face names
 (`hf_name`, the one place llama.cpp's names are mapped), each either exact f32 (F32, F16,
 BF16 widened; the quantized types by `gguf.quants.dequantize`) or, run in its bits
-(`--precision native`), in emitter/quant.py's layout: Q8_0, Q4_0 and Q6_K symmetric in their
-own groups (32, 32, 16), Q4_K and Q5_K affine in groups of 32 (runtime/checkpoints/gguf_blocks.py).
+(`--precision native`), in emitter/quant.py's layout: Q8_0, Q4_0, Q5_0 and Q6_K symmetric in
+their own groups (32; Q6_K 16), Q4_1, Q5_1, Q4_K and Q5_K affine in groups of 32
+(runtime/checkpoints/gguf_blocks.py).
 Every problem is a one-line `CheckpointError` naming the file and the tensor.
 """
 
