@@ -133,7 +133,8 @@ def test_mlx_precision_needs_a_quantized_checkpoint(tmp_path):
 def test_int8_over_an_affine_checkpoint_is_one_line(checkpoint):
     folder, cfg, _ = checkpoint
     stored = dataclasses.replace(cfg, native_weights=native_weights(folder, cfg))
-    with pytest.raises(ConfigError, match=re.escape("--precision int8: the checkpoint's weights are MLX-quantized")):
+    with pytest.raises(ConfigError, match=re.escape("--precision int8: the checkpoint's weights are quantized and run "
+                                                    "in their own bits")):
         text_weights(stored, "int8")
 
 
