@@ -23,7 +23,7 @@ from runtime.checkpoints.text import model_text_config
 
 gguf = pytest.importorskip("gguf")
 from gguf_encode import encode  # noqa: E402
-from test_gguf import converted_checkpoint, dequantized_folder, model_folder, requantize  # noqa: E402
+from gguf_helpers import converted_checkpoint, dequantized_folder, model_folder, requantize  # noqa: E402
 
 # Widths that the K-quants' super-blocks of 256 divide: every projection's inputs.
 CFG = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
