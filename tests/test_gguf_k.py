@@ -89,6 +89,31 @@ def test_unpacked_blocks_are_ggufs_numbers(kind):
     assert rel_l2(ref, w) < 0.1  # the encoding is one of the weight
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0"])
+def test_a_tensor_in_its_bits_as_the_archive_holds_it(kind, tmp_path):
+    """`gguf_blocks.in_bits` over a file's tensor of more rows than one block of
+    `quant.BLOCK_ROWS`: q transposed (i8, or i4 nibbles), scales and any biases whose
+    numbers are gguf's dequantization of the tensor."""
+    rows, k = quant.BLOCK_ROWS + 4, 512
+    w = np.random.default_rng(5).standard_normal((rows, k)).astype(np.float32)
+    qtype, path = Q[kind], tmp_path / "one.gguf"
+    raw = encode(w, kind) if kind.endswith("_K") else gguf.quants.quantize(w, qtype)
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_tensor("w", raw, raw_shape=gguf.quants.quant_shape_to_byte_shape(w.shape, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = gguf.GGUFReader(path).tensors[0]
+    q, scales, biases = gguf_blocks.in_bits(t)
+    layout = gguf_blocks.LAYOUTS[kind]
+    if layout.bits == 4:  # two's-complement nibbles, element 2i low
+        pairs = np.stack([q & np.uint8(0xF), q >> np.uint8(4)], axis=-1).reshape(-1)
+        q = ((pairs ^ np.uint8(8)).astype(np.int8) - np.int8(8))
+    ours = quant.dequantize(q.reshape(k, rows).T.copy(), scales, layout.group, biases)
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, qtype).reshape(w.shape))
+
+
 def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
     """The Q4_K_M-style file in its bits (the default precision: native) against the f32
     session over gguf's dequantization of the same file: logits relL2 <= 1e-5 (32-row

@@ -122,10 +122,10 @@ def shape_of(t) -> tuple[int, int]:
     return n, k
 
 
-def in_bits(t) -> tuple[quant.Layout, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(layout, q as the archive holds it (`quant.arranged`: [K, N] i8, or i4 nibbles),
-    scales f32 [N, K / group], biases f32 or None) of a GGUF tensor of a `LAYOUTS` type,
-    unpacked `quant.BLOCK_ROWS` rows at a time."""
+def in_bits(t) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(q as the archive holds it (`quant.arranged`: [K, N] i8, or i4 nibbles),
+    scales f32 [N, K / group], biases f32 or None) of a GGUF tensor of a `LAYOUTS` type in
+    its layout, unpacked `quant.BLOCK_ROWS` rows at a time."""
     kind = t.tensor_type.name
     layout, (n, k) = LAYOUTS[kind], shape_of(t)
     raw = np.asarray(t.data, np.uint8).reshape(n, -1)
@@ -140,4 +140,4 @@ def in_bits(t) -> tuple[quant.Layout, np.ndarray, np.ndarray, np.ndarray | None]
             yield q
 
     q = quant.arranged(rows(), (n, k), layout.bits)
-    return layout, q, np.concatenate(scales), (np.concatenate(biases) if layout.affine else None)
+    return q, np.concatenate(scales), (np.concatenate(biases) if layout.affine else None)

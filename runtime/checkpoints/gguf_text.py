@@ -173,7 +173,7 @@ def native_entries(tensors: dict, keep=lambda name: True) -> tuple[tuple, ...]:
 def native_arrays(name: str, t, pending: dict) -> np.ndarray:
     """q of one tensor in its bits, as the archive holds it (`gguf_blocks.in_bits`); its
     scales and any biases put in `pending` under their names, for the graph's next weights."""
-    _, q, pending[quant.scales_name(name)], biases = in_bits(t)
+    q, pending[quant.scales_name(name)], biases = in_bits(t)
     if biases is not None:
         pending[quant.biases_name(name)] = biases
     return q
