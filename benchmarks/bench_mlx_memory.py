@@ -25,7 +25,7 @@ import numpy as np
 from emitter.text import text_weights
 from emitter.text_config import TEXT_PRESETS
 from runtime.bench.mlx_memory import measure, write_mlx_text
-from runtime.checkpoints.text import affine_weights
+from runtime.checkpoints.text import native_weights
 
 BYTES = {"i4": 0.5, "i8": 1, "f32": 4}
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         write_mlx_text(model, cfg, args.bits, args.group)
         f32 = sum(int(np.prod(s.shape)) * 4 for s in text_weights(cfg))
         in_bits = sum(int(np.prod(s.shape)) * BYTES[s.dtype]
-                      for s in text_weights(replace(cfg, affine_weights=affine_weights(model, cfg))))
+                      for s in text_weights(replace(cfg, native_weights=native_weights(model, cfg))))
         print(f"{args.preset} widths, {args.layers} layers, vocab {cfg.vocab_size}, {args.bits}-bit groups of "
               f"{args.group}: weights {f32 / 1e9:.2f} GB in f32, {in_bits / 1e9:.3f} GB in their bits "
               f"(q, scales, biases)")

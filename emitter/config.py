@@ -34,14 +34,15 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     hidden_act: str = "gelu_pytorch_tanh"
     rope_theta: float = ROPE_THETA
-    # An MLX-quantized tower run in its bits (`--precision mlx`): (Hugging Face name, bits, group
-    # size) of each affine-quantized linear, as the checkpoint stores it (emitter/quant.py;
-    # runtime/checkpoints/vision.py's `vision_affine_weights`); empty otherwise.
-    affine_weights: tuple[tuple[str, int, int], ...] = ()
+    # A quantized tower run in its bits (`--precision native`): (Hugging Face name, bits, group
+    # size[, quant.SYMMETRIC]) of each quantized linear, as the checkpoint stores it
+    # (emitter/quant.py's `native_layouts`; runtime/checkpoints/vision.py's
+    # `vision_native_weights`, gguf_vision.py's `native_weights`); empty otherwise.
+    native_weights: tuple[tuple, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
-        object.__setattr__(self, "affine_weights", tuple(tuple(w) for w in self.affine_weights))
+        object.__setattr__(self, "native_weights", tuple(tuple(w) for w in self.native_weights))
         self.validate()
 
     # Derived sizes, one place each.
@@ -111,15 +112,15 @@ class VisionConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
-        if not self.affine_weights:
-            del d["affine_weights"]  # the identity of a float checkpoint's tower as it was
+        if not self.native_weights:
+            del d["native_weights"]  # the identity of a float checkpoint's tower as it was
         return d
 
     def to_hf_vision_config(self) -> dict:
         """The `vision_config` block of a Hugging Face `config.json` for this config."""
         d = self.to_dict()
         d.pop("rope_theta")
-        d.pop("affine_weights", None)
+        d.pop("native_weights", None)
         d["initializer_range"] = 0.02
         return d
 
@@ -234,11 +235,14 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32"), "int8": ("i8", "f32"),
               "int4": ("i4", "f32"), "w8a8": ("i8", "i8")}
 USER_PRECISIONS = ("f32", "bf16")
-# "mlx" (the language model of an MLX-quantized checkpoint): each weight it stores affine-quantized
-# in 8 or 4 bits kept in those bits with its group's scale and bias (emitter/quant.py), the rest
-# f32; not a graph precision of its own (TextConfig.affine_weights says which weights).
-MLX_PRECISION = "mlx"
-TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", "w8a8", MLX_PRECISION)  # what generate and serve offer
+# "native" (a quantized checkpoint's own bits: an MLX-quantized folder, a llama.cpp GGUF):
+# each weight it stores quantized in bits that run as stored is kept in them with its
+# group's scale (and an affine one's bias; emitter/quant.py), the rest f32; not a graph
+# precision of its own (TextConfig.native_weights and VisionConfig's say which weights).
+# "mlx", its first name, is still accepted (`is_native`).
+NATIVE_PRECISION = "native"
+MLX_PRECISION = "mlx"  # the same as NATIVE_PRECISION
+TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", "w8a8", NATIVE_PRECISION, MLX_PRECISION)  # what generate and serve offer
 VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
 # Each precision in the module headers:
 PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
@@ -255,10 +259,12 @@ QUANT_HELP = ("int8 (the language model): its projections, embedding table and l
               "runs in f32. int4: the same in 4 bits (4.5 bits a weight). w8a8: int8 weights with one scale per output "
               "channel, and each projection's input quantized to int8 per row at run time, multiplied in int32 "
               "(faster decode, larger error than int8). docs/text.md gives their distance from f32. "
-              "mlx (an MLX-quantized checkpoint, as mlx-vlm writes it): its 8- and 4-bit weights run in their own "
-              "bits, group size and per-module settings, exact against mx.dequantize; under f32 they are "
-              "expanded to f32 at load.")
-DEFAULT_PRECISION_HELP = "[default: mlx for an MLX-quantized checkpoint (8- or 4-bit language model), else f32]"
+              "native: a quantized checkpoint in its own bits, exact against its own dequantization (under f32 "
+              "its weights are expanded to f32 at load): an MLX one as mlx-vlm writes it (8- and 4-bit weights in "
+              "their group size and per-module settings), or llama.cpp's GGUF (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+              "Q4_K, Q5_K and Q6_K tensors, text and mmproj: a Q4_K_M download). mlx: the same as native.")
+DEFAULT_PRECISION_HELP = ("[default: native for a quantized checkpoint (an MLX one in 8 or 4 bits, a GGUF with "
+                          "quantized tensors), else f32]")
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
@@ -270,6 +276,11 @@ class WeightSpec:
     shape: tuple[int, ...]
     dtype: str
     host_transform: str
+
+
+def is_native(precision: str | None) -> bool:
+    """Whether `precision` asks for a checkpoint's own quantized bits (native, or its alias mlx)."""
+    return precision in (NATIVE_PRECISION, MLX_PRECISION)
 
 
 def check_precision(precision: str) -> str:
@@ -294,14 +305,14 @@ def activation_dtype(precision: str) -> str | None:
 def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
     """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
     (exact for bf16 checkpoints); norms, biases and the position table stay f32. The linears
-    of `cfg.affine_weights` (an MLX tower run in its bits) are i8 / i4 with their scales and
-    biases (emitter/quant.py's `Layout.specs`)."""
+    of `cfg.native_weights` (a tower run in its own bits) are i8 / i4 with their scales and
+    any biases (emitter/quant.py's `Layout.specs`)."""
     if check_precision(precision) not in VISION_PRECISIONS:
         raise ConfigError(f"--precision {precision}: the language model's only; the vision tower takes one of "
                           f"{', '.join(VISION_PRECISIONS)}")
-    from .quant import Layout
+    from .quant import native_layouts
     schema = weight_schema(cfg)
-    layouts = {name: Layout(bits, group, affine=True) for name, bits, group in cfg.affine_weights}
+    layouts = native_layouts(cfg.native_weights)
     odd = [n for n in layouts if not n.endswith(MATMUL_WEIGHT_SUFFIXES) or n not in dict(schema)]
     if odd:
         raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the tower's linears can run quantized")

@@ -7,10 +7,14 @@ f32 scale; its values are stored as signed q in i8 (-128..127) or i4 (-8..7).
 - Symmetric (`--precision int8|int4`, groups of GROUP): scale = max|w| / 127 (or / 7),
   q = clamp(round(w / scale), -127, 127) (or -7..7), and w ~ q * scale, exactly that product
   in f32 (`dequantize`): the quantized graph computes with these numbers and nothing else.
-- Affine (an MLX-quantized checkpoint run in its bits, `--precision mlx`: mlx's
+- Affine (an MLX-quantized checkpoint run in its bits, `--precision native`: mlx's
   `mx.quantize` layout, w = s*u + b per group, u unsigned 0..2^bits-1): re-centred once, when
   the archive is written (`from_affine`), to q = u - 2^(bits-1) and bias = b + 2^(bits-1)*s,
   so w = s*q + bias with q in the same signed storage (`dequantize` with the biases).
+- A checkpoint's own quantized weights (`--precision native`: MLX's, GGUF's block types,
+  runtime/checkpoints/gguf_blocks.py) are named with their layout in the config's
+  `native_weights` (`native_layouts`): affine, or symmetric in the checkpoint's own group
+  (GGUF's Q8_0, Q4_0 per 32, Q6_K per 16).
 
 - Integer (`--precision w8a8`, vLLM's name: int8 weights, int8 activations): the symmetric
   int8 numbers with one group of all K inputs (a scale per output channel); at run time x is
@@ -40,6 +44,7 @@ PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a
 ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at run time
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
+SYMMETRIC = "symmetric"  # the fourth item of a symmetric weight's `native_weights` entry
 
 
 def bits_of(precision: str) -> int | None:
@@ -105,6 +110,22 @@ class Layout:
         if self.affine:
             out.append(WeightSpec(biases_name(name), cut, "f32", f"recentred_biases_{tag}"))
         return out
+
+
+def native_layouts(entries) -> dict[str, Layout]:
+    """{name: Layout} of a config's `native_weights` entries: (name, bits, group) for an affine
+    weight (MLX's, GGUF's Q4_K / Q5_K), (name, bits, group, SYMMETRIC) for a symmetric one."""
+    out = {}
+    for name, bits, group, *form in entries:
+        if form not in ([], [SYMMETRIC]):
+            raise ConfigError(f"{name}: quantization form {form[0]!r}: expected {SYMMETRIC!r} or none (affine)")
+        out[name] = Layout(bits, group, affine=not form)
+    return out
+
+
+def native_entry(name: str, layout: Layout) -> tuple:
+    """`native_layouts`' entry of one weight."""
+    return (name, layout.bits, layout.group) if layout.affine else (name, layout.bits, layout.group, SYMMETRIC)
 
 
 def quantize(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:

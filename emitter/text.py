@@ -222,14 +222,15 @@ def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
 def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
     """{name: quant.Layout} of the weights the graph takes quantized: under int8 and int4 every
     matmul weight (symmetric, groups of quant.GROUP), under w8a8 in int8 with a scale per
-    output channel (`quant.group_of`); an MLX checkpoint run in its bits
-    (`cfg.affine_weights`) the ones it stores quantized, affine, in their own bits and group.
+    output channel (`quant.group_of`); a checkpoint run in its own bits
+    (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
+    group and form (`quant.native_layouts`).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
     bits = quant.bits_of(precision)
-    if cfg.affine_weights and bits:
-        raise ConfigError(f"--precision {precision}: the checkpoint's weights are MLX-quantized and run in their "
+    if cfg.native_weights and bits:
+        raise ConfigError(f"--precision {precision}: the checkpoint's weights are quantized and run in their "
                           "own bits (or expanded under f32)")
-    layouts = {name: quant.Layout(b, g, affine=True) for name, b, g in cfg.affine_weights}
+    layouts = quant.native_layouts(cfg.native_weights)
     odd = [name for name in layouts if name not in names or not name.endswith(MATMUL_SUFFIXES)]
     if odd:
         raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the projections, the embedding table "
@@ -500,17 +501,18 @@ def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, p
     kv = "" if shape.kv_dtype == "f32" else f" in {shape.kv_dtype}"
     header = (f"// Qwen3-VL language model, prompt buckets {', '.join(map(str, shape.buckets))}, context "
               f"{shape.context}, {shape.lanes} lanes, KV cache of {shape.blocks} blocks of {BLOCK}{kv}, "
-              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}{affine_note(cfg)}.\n"
+              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}{native_note(cfg)}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
-              f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items() if k != 'affine_weights')}\n")
+              f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items() if k != 'native_weights')}\n")
     return render(MODULE_NAME, header, shared, functions_)
 
 
-def affine_note(cfg: TextConfig) -> str:
-    """The module header's words for an MLX checkpoint run in its bits: how many weights at
-    which bits and groups (the per-weight list is in the weight schema)."""
-    kinds = sorted({(bits, group) for _, bits, group in cfg.affine_weights})
+def native_note(cfg: TextConfig) -> str:
+    """The module header's words for a checkpoint run in its own bits: how many weights at
+    which bits, forms and groups (the per-weight list is in the weight schema)."""
+    kinds = sorted({(l.bits, l.group, "affine" if l.affine else "symmetric")
+                    for l in quant.native_layouts(cfg.native_weights).values()})
     if not kinds:
         return ""
-    return (f", {len(cfg.affine_weights)} weights MLX-affine in their bits "
-            f"({', '.join(f'{bits}-bit groups of {group}' for bits, group in kinds)}), f32 matmuls")
+    return (f", {len(cfg.native_weights)} weights in the checkpoint's own bits "
+            f"({', '.join(f'{bits}-bit {form} groups of {group}' for bits, group, form in kinds)}), f32 matmuls")

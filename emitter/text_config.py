@@ -40,14 +40,15 @@ class TextConfig:
     mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
     tie_word_embeddings: bool = False
     max_position_embeddings: int = DEFAULT_MAX_POSITIONS
-    # An MLX-quantized checkpoint run in its bits (`--precision mlx`): (Hugging Face name, bits,
-    # group size) of each affine-quantized weight, as the checkpoint stores it
-    # (runtime/checkpoints/text.py's `affine_weights`; emitter/quant.py); empty otherwise.
-    affine_weights: tuple[tuple[str, int, int], ...] = ()
+    # A quantized checkpoint run in its bits (`--precision native`): (Hugging Face name, bits,
+    # group size[, quant.SYMMETRIC]) of each quantized weight, as the checkpoint stores it
+    # (runtime/checkpoints/text.py's `native_weights`; emitter/quant.py's `native_layouts`);
+    # empty otherwise.
+    native_weights: tuple[tuple, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
-        object.__setattr__(self, "affine_weights", tuple(tuple(w) for w in self.affine_weights))
+        object.__setattr__(self, "native_weights", tuple(tuple(w) for w in self.native_weights))
         self.validate()
 
     @property
@@ -89,8 +90,8 @@ class TextConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["mrope_section"] = list(self.mrope_section)
-        if not self.affine_weights:
-            del d["affine_weights"]  # the identity of a float checkpoint's model as it was
+        if not self.native_weights:
+            del d["native_weights"]  # the identity of a float checkpoint's model as it was
         return d
 
     def to_hf_text_config(self) -> dict:
@@ -99,7 +100,7 @@ class TextConfig:
         rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
                 "mrope_section": d.pop("mrope_section"), "mrope_interleaved": True}
         d.pop("tie_word_embeddings")
-        d.pop("affine_weights", None)
+        d.pop("native_weights", None)
         return {"model_type": "qwen3_vl_text", **d, "hidden_act": "silu", "attention_bias": False,
                 "rope_parameters": rope}
 

@@ -31,7 +31,7 @@ from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
 from emitter import quant
-from emitter.config import MLX_PRECISION
+from emitter.config import NATIVE_PRECISION, is_native
 from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_name, emit_text_module,
                           lane_counts, prefill_chunks, prefill_inputs, text_weights)
 
@@ -45,7 +45,7 @@ from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
 from runtime.artifact.archive import cached_text_archive, open_text_archive
 from runtime.checkpoints import gguf_text, gguf_vision
-from runtime.checkpoints.text import affine_weights, model_text_config as load_text_config, text_entries
+from runtime.checkpoints.text import native_weights, model_text_config as load_text_config, text_entries
 from runtime.checkpoints.vision import CheckpointError
 from runtime.kv_cache import BlockPool, Blocks, block_keys
 
@@ -138,8 +138,8 @@ class TextSession:
         self.target = target or DEFAULT_TARGET
         self.progress = progress or (lambda message: None)
         self.deepstack_layers = deepstack_layers
-        if precision == MLX_PRECISION:  # the checkpoint's quantized weights in their bits, the rest f32
-            self.cfg, precision = replace(self.cfg, affine_weights=affine_weights(model_dir, self.cfg)), "f32"
+        if is_native(precision):  # the checkpoint's quantized weights in their bits, the rest f32
+            self.cfg, precision = replace(self.cfg, native_weights=native_weights(model_dir, self.cfg)), "f32"
         self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 unless bf16 dots pay
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         text_weights(self.cfg, self.precision)  # a width the quantization group does not divide: one line, now
@@ -416,21 +416,39 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
 
 
 def checkpoint_precision(model_dir) -> str:
-    """The language model's precision when none is asked: mlx for a checkpoint that stores
-    it MLX-quantized in 8 or 4 bits (run in its bits), else f32."""
+    """The language model's precision when none is asked, the one place it is decided: native
+    for a checkpoint that stores quantized weights in bits that run as stored (MLX's 8 or 4;
+    a GGUF's quantized types: `native_weights`), else f32."""
     cfg, _ = load_text_config(model_dir)
     try:
-        affine_weights(model_dir, cfg)
+        native_weights(model_dir, cfg)
     except CheckpointError:
         return "f32"
-    return MLX_PRECISION
+    return NATIVE_PRECISION
 
 
 def vision_precision(precision: str) -> str:
     """The vision tower's precision beside the language model's: f32 under int8 and int4
-    (its linears are not quantized), else the same (under mlx the linears an MLX tower
+    (its linears are not quantized), else the same (under native the linears a tower
     stores in 8 or 4 bits run in those bits, `build.make_plan`)."""
     return "f32" if quant.bits_of(precision) else precision
+
+
+def vision_parts(model_dir):
+    """(vision config, image policy, video policy) of a checkpoint: a folder's, an mmproj's
+    beside a GGUF text file (`gguf_vision.vision_parts`), or Nones for a GGUF text file alone
+    (no vision tower)."""
+    from emitter.config import load_model_config
+    from emitter.policy import load_policy
+    from emitter.video_policy import load_video_policy
+
+    mmproj = gguf_vision.mmproj_file(model_dir)
+    if mmproj:
+        return gguf_vision.vision_parts(mmproj)
+    if gguf_text.is_gguf(model_dir):
+        return None, None, None
+    cfg = load_model_config(model_dir)
+    return cfg, load_policy(model_dir, cfg), load_video_policy(model_dir, cfg)
 
 
 class Generator:
@@ -444,25 +462,19 @@ class Generator:
                  target: str | None = None, cache_dir=None, precision: str | None = "f32", threads: int | None = None,
                  progress=None, kv_cache_dtype: str = "f32", lanes: int = 1, kv_blocks: int = 0,
                  prefix_cache: bool = True):
-        from emitter.config import load_model_config
-        from emitter.policy import load_policy
-        from emitter.video_policy import DEFAULT_VIDEO_POLICY, load_video_policy
-
         from runtime.vision import set_thread_count
         from runtime.inputs.tokenizer import ChatTokenizer
 
         if threads is not None:
             set_thread_count(threads)
         self.model_dir = Path(model_dir)
-        mmproj = gguf_vision.mmproj_file(model_dir)  # a llama.cpp text file beside its mmproj
-        text_only = gguf_text.is_gguf(model_dir) and not mmproj  # a llama.cpp text file alone: no vision
-        self.vision_cfg = (None if text_only else gguf_vision.checked_config(mmproj) if mmproj
-                           else load_model_config(model_dir))
+        self.vision_cfg, self.policy, self.video_policy = vision_parts(model_dir)
+        text_only = self.vision_cfg is None
         self.tokenizer = ChatTokenizer(model_dir)
         if precision is None:
             precision = checkpoint_precision(model_dir)
-            if precision == MLX_PRECISION and progress:
-                progress("precision: mlx (the checkpoint's quantized weights in their bits; --precision f32 "
+            if precision == NATIVE_PRECISION and progress:
+                progress("precision: native (the checkpoint's quantized weights in their bits; --precision f32 "
                          "expands them)")
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
         self.fits = context is None  # the context fitted to each request
@@ -476,10 +488,6 @@ class Generator:
         self.limit = context
         self.text = TextSession(model_dir, context=context, **self.text_options)
         self._vision = None
-        self.policy = (None if text_only else gguf_vision.processor_policy(mmproj, self.vision_cfg) if mmproj
-                       else load_policy(model_dir, self.vision_cfg))
-        self.video_policy = (None if text_only else DEFAULT_VIDEO_POLICY if mmproj
-                             else load_video_policy(model_dir, self.vision_cfg))
         self.sampling = generation_defaults(model_dir)  # greedy unless do_sample, as transformers
 
     @property

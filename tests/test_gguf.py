@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 
 from conftest import rel_l2
+from gguf_helpers import converted_checkpoint, dequantized_folder, model_folder, requantize
 from helpers import chunked_logits, generate_logits
-from emitter.config import MLX_PRECISION, preset
+from emitter import quant
+from emitter.config import MLX_PRECISION, NATIVE_PRECISION
 from emitter.text_config import TEXT_PRESETS
-from runtime.bench import llamacpp
 from runtime.checkpoints import gguf_text
-from runtime.checkpoints.synthetic import write_safetensors
-from runtime.checkpoints.synthetic_text import write_generation_checkpoint
 from runtime.checkpoints.text import load_text_weights, model_text_config
 from runtime.checkpoints.vision import CheckpointError
 from runtime.text import TextSession
@@ -38,73 +37,13 @@ TOL = 1e-5
 def files(tmp_path_factory):
     """{name: GGUF path} written by llama.cpp's converter (and Q4_0 from its f32 file)."""
     work = tmp_path_factory.mktemp("gguf")
-    ckpt = work / "hf"
-    vision = dataclasses.replace(preset("tiny"), out_hidden_size=CFG.hidden_size)
-    write_generation_checkpoint(ckpt, vision, CFG, seed=5)
-    qwen2_pre_tokenizer(ckpt / "tokenizer.json")
-    llamacpp.DEFAULT_WORK.mkdir(parents=True, exist_ok=True)
-    src = llamacpp.fetch_source(llamacpp.DEFAULT_WORK, llamacpp.VERSION)
-    llamacpp.patch_converter(src)
-    log = work / "convert.log"
-    out = {t: llamacpp.convert(src, ckpt, work / f"text-{t}.gguf", ["--outtype", t], log) for t in ("f32", "q8_0")}
+    ckpt, convert = converted_checkpoint(work, CFG, seed=5)
+    out = {t: convert(f"text-{t}.gguf", "--outtype", t) for t in ("f32", "q8_0")}
     out["q4_0"] = requantize(out["f32"], work / "text-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
     for t in ("f32", "q8_0"):
-        out[f"mmproj-{t}"] = llamacpp.convert(src, ckpt, work / f"mmproj-{t}.gguf", ["--mmproj", "--outtype", t], log)
+        out[f"mmproj-{t}"] = convert(f"mmproj-{t}.gguf", "--mmproj", "--outtype", t)
     out["hf"] = ckpt
     return out
-
-
-def qwen2_pre_tokenizer(path):
-    """The random tokenizer given the pre-tokenizer of Qwen's own tokenizer.json (the split
-    then byte-level without its regex), so that it is the tokenizer a real Qwen3-VL has."""
-    tj = json.loads(path.read_text())
-    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": gguf_text.QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
-    path.write_text(json.dumps(tj))
-
-
-def requantize(src, dst, qtype, arch=gguf_text.ARCH, fields=None, drop=()):
-    """The file at `src` rewritten with GGUFWriter, its 2-D weights quantized to `qtype` by
-    `gguf.quants.quantize` (None: as they are); `fields` replace metadata values, the
-    tensors named in `drop` are left out (metadata and the other tensors as they are)."""
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(dst), arch=arch)
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = f.types[0]
-        value = (fields or {}).get(key, f.contents())
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, value, vtype, sub_type=f.types[-1])
-        else:
-            w.add_key_value(key, value, vtype)
-    for t in r.tensors:
-        data = np.asarray(t.data)
-        if t.name in drop:
-            continue
-        if qtype is not None and data.ndim == 2 and t.name != "token_embd.weight":
-            w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_shape=gguf.quants.quant_shape_to_byte_shape(
-                data.shape, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(t.name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
-def dequantized_folder(path, folder):
-    """A Hugging Face folder of the GGUF file's weights as `gguf.quants.dequantize` gives them."""
-    cfg, _ = model_text_config(path)
-    folder.mkdir()
-    weights = load_text_weights(path, cfg)
-    write_safetensors(folder / "model.safetensors",
-                      {k: ("F32", w.shape, memoryview(np.ascontiguousarray(w)).cast("B")) for k, w in weights.items()})
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "tie_word_embeddings":
-                                                    cfg.tie_word_embeddings, "text_config": cfg.to_hf_text_config()}))
-    return folder
 
 
 def logits(model, cache, precision: str, steps: int = 2) -> np.ndarray:
@@ -123,13 +62,13 @@ def test_config_from_metadata(files):
 def test_in_its_bits_equals_f32_over_gguf_dequantize(files, kind, bits, tmp_path):
     """The session over the GGUF file in its bits against the f32 session over the same
     weights dequantized by gguf: relL2 <= 1e-5; every projection runs in its bits; the
-    dequantized weights are near the checkpoint's."""
+    dequantized weights are near the checkpoint's. Symmetric: no biases stored."""
     path = files[kind]
     cfg, _ = model_text_config(path)
-    layouts = gguf_text.affine_weights(path, cfg)
-    assert len(layouts) >= 7 * CFG.num_hidden_layers and {b for _, b, _ in layouts} == {bits}
+    layouts = quant.native_layouts(gguf_text.native_weights(path, cfg))
+    assert len(layouts) >= 7 * CFG.num_hidden_layers and set(layouts.values()) == {quant.Layout(bits, 32)}
     cache = tmp_path / "cache"
-    ours = logits(path, cache, MLX_PRECISION)
+    ours = logits(path, cache, MLX_PRECISION)  # the alias of native
     ref = logits(dequantized_folder(path, tmp_path / "deq"), cache, "f32")
     assert rel_l2(ours, ref) <= TOL
     original = logits(files["hf"], cache, "f32")
@@ -152,11 +91,12 @@ def test_w8a8_against_q8_0_at_equal_bits(files, tmp_path):
 
 
 def test_unsupported_quant_type_is_one_line(files, tmp_path):
-    bad = requantize(files["f32"], tmp_path / "q5_1.gguf", gguf.GGMLQuantizationType.Q5_1)
+    bad = requantize(files["f32"], tmp_path / "mxfp4.gguf", gguf.GGMLQuantizationType.MXFP4)
     cfg, _ = model_text_config(bad)
-    with pytest.raises(CheckpointError, match=r"^[\w.]+\.weight: GGUF type Q5_1 is not supported .*expected "
-                                              r"one of F32, F16, BF16, Q8_0, Q4_0$"):
-        TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision=MLX_PRECISION)
+    with pytest.raises(CheckpointError, match=r"^[\w.]+\.weight: GGUF type MXFP4 is not supported .*expected "
+                                              r"one of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+                                              r"Q6_K$"):
+        TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision=NATIVE_PRECISION)
 
 
 def test_a_folder_holding_the_files(files, tmp_path):
@@ -241,17 +181,6 @@ def test_generate_text_only_from_the_gguf_file(files, tmp_path):
 
 
 # --------------------------------------------------------------------------- the mmproj (vision)
-
-def model_folder(files, tmp_path, text="f32", mmproj="f32", name="model"):
-    """A folder holding the text file and its mmproj, as llama.cpp users download them."""
-    import os
-
-    folder = tmp_path / name
-    folder.mkdir()
-    os.link(files[text], folder / f"Qwen3VL-{text}.gguf")
-    os.link(files[f"mmproj-{mmproj}"], folder / f"mmproj-Qwen3VL-{mmproj}.gguf")
-    return folder
-
 
 def test_mmproj_config_policy_and_weights(files):
     """The converter's `clip.*` keys give the checkpoint's vision config and image policy;
@@ -345,8 +274,8 @@ def test_bad_mmproj_is_one_line(files, tmp_path, change, message):
 
 
 def test_q8_0_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
-    """The tower of a Q8_0 mmproj with its linears in their bits (the default `mlx`, the MLX
-    tower's affine path) against the f32 tower over gguf's dequantization of the same file:
+    """The tower of a Q8_0 mmproj with its linears in their bits (the default `native`:
+    symmetric, groups of 32) against the f32 tower over gguf's dequantization of the same file:
     embeddings and DeepStack features within 1e-5; every linear runs in its bits."""
     from PIL import Image
 
@@ -355,8 +284,8 @@ def test_q8_0_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path
     folder = model_folder(files, tmp_path, "f32", "q8_0")
     image = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(2).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(image)
-    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (MLX_PRECISION, "f32"))
-    assert len(ours.cfg.affine_weights) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.affine_weights
+    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (NATIVE_PRECISION, "f32"))
+    assert len(ours.cfg.native_weights) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.native_weights
     a, b = ours.encode([image]), ref.encode([image])
     assert rel_l2(a.image_embeds, b.image_embeds) <= TOL
     assert rel_l2(a.deepstack_features, b.deepstack_features) <= TOL

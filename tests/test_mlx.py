@@ -191,7 +191,7 @@ def test_tower_matches_mlx_vlm(mlx_vlm_checkpoint, tmp_path, precision):
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((64, 96), (96, 64))]
     session = VisionSession(folder, buckets=(64,), cache_dir=tmp_path / "cache", precision=precision)
     if precision == "mlx":
-        assert {bits for _, bits, _ in session.cfg.affine_weights} == {4, 8}
+        assert {bits for _, bits, _ in session.cfg.native_weights} == {4, 8}
     ours = session.encode(images)
     pixel_values, grid_thw = process_images(images, session.policy)
     embeds, deepstack = model.vision_tower(mx.array(pixel_values), mx.array(grid_thw))

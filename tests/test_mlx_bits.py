@@ -21,7 +21,7 @@ from emitter.config import ConfigError
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TEXT_PRESETS
 from runtime.bench.mlx_memory import STORED_HEAD, STORED_PREFIX, measure, write_mlx_text
-from runtime.checkpoints.text import affine_weights, load_text_weights
+from runtime.checkpoints.text import native_weights, load_text_weights
 from runtime.checkpoints.vision import CheckpointError
 from runtime.text import TextSession
 
@@ -65,7 +65,7 @@ def test_layouts_follow_the_checkpoint(checkpoint):
     """Each quantized weight's bits and group as stored (per-module settings first); a
     module kept float is not among them; the f32 reader is mx.dequantize bit for bit."""
     folder, cfg, expected = checkpoint
-    layouts = {name: (bits, group) for name, bits, group in affine_weights(folder, cfg)}
+    layouts = {name: (bits, group) for name, bits, group in native_weights(folder, cfg)}
     assert set(layouts) == set(expected)
     weights = load_text_weights(folder, cfg)
     for name, theirs in expected.items():
@@ -86,7 +86,7 @@ def test_in_its_bits_equals_f32_over_mx_dequantize(checkpoint):
     print(f"{folder.parent.name}: relL2 against f32 over mx.dequantize {max(errors):.1e}")
     assert max(errors) <= TOL, errors
     dtypes = {s.name: s.dtype for s in text_weights(session.cfg, session.precision)}
-    for name, bits, _ in session.cfg.affine_weights:  # the archive's entries in their bits
+    for name, bits, _ in session.cfg.native_weights:  # the archive's entries in their bits
         assert dtypes[name] == quant.STORAGE_DTYPE[bits] and dtypes[quant.biases_name(name)] == "f32"
 
 
@@ -100,7 +100,7 @@ def test_the_archive_is_in_its_bits(checkpoint):
         session = TextSession(folder, buckets=(32,), context=64, cache_dir=cache, precision=precision)
         session._open_weights()
         sizes[precision] = session.archive_path.stat().st_size
-    specs = text_weights(dataclasses.replace(cfg, affine_weights=affine_weights(folder, cfg)))
+    specs = text_weights(dataclasses.replace(cfg, native_weights=native_weights(folder, cfg)))
     stored = sum(int(np.prod(s.shape)) * {"i8": 1, "i4": 0.5, "f32": 4}[s.dtype] for s in specs)
     print(f"archive: {sizes['mlx'] / 1e6:.2f} MB in its bits, {sizes['f32'] / 1e6:.2f} MB in f32")
     assert sizes["mlx"] < 1.05 * stored + 65536 and sizes["mlx"] < 0.45 * sizes["f32"]
@@ -111,9 +111,9 @@ def test_mlx_precision_is_part_of_the_identity(checkpoint):
     from emitter.text import TextShape
     folder, cfg, _ = checkpoint
     shape = TextShape((32,), 64)
-    stored = dataclasses.replace(cfg, affine_weights=affine_weights(folder, cfg))
-    other = dataclasses.replace(cfg, affine_weights=tuple((n, b, 32 if g != 32 else 64) for n, b, g in
-                                                          stored.affine_weights))
+    stored = dataclasses.replace(cfg, native_weights=native_weights(folder, cfg))
+    other = dataclasses.replace(cfg, native_weights=tuple((n, b, 32 if g != 32 else 64) for n, b, g in
+                                                          stored.native_weights))
     fields = [text_artifact_fields(c, shape, 0, "f32") for c in (cfg, stored, other)]
     assert len({f["graph_sha256"] for f in fields}) == 3
     assert len({json.dumps(f["weight_schema"]) for f in fields}) == 3
@@ -125,14 +125,16 @@ def test_mlx_precision_needs_a_quantized_checkpoint(tmp_path):
                                        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
                    | {STORED_PREFIX + "embed_tokens": False, STORED_HEAD: False})
-    with pytest.raises(CheckpointError, match=r"--precision mlx: no language-model weight is MLX-quantized in 8 or 4"):
+    with pytest.raises(CheckpointError,
+                       match=r"--precision native: no language-model weight is MLX-quantized in 8 or 4"):
         TextSession(folder, buckets=(32,), context=64, cache_dir=tmp_path / "cache", precision="mlx")
 
 
 def test_int8_over_an_affine_checkpoint_is_one_line(checkpoint):
     folder, cfg, _ = checkpoint
-    stored = dataclasses.replace(cfg, affine_weights=affine_weights(folder, cfg))
-    with pytest.raises(ConfigError, match=re.escape("--precision int8: the checkpoint's weights are MLX-quantized")):
+    stored = dataclasses.replace(cfg, native_weights=native_weights(folder, cfg))
+    with pytest.raises(ConfigError, match=re.escape("--precision int8: the checkpoint's weights are quantized and run "
+                                                    "in their own bits")):
         text_weights(stored, "int8")
 
 
@@ -162,7 +164,7 @@ def test_nothing_is_expanded_to_f32(tmp_path):
                               num_attention_heads=8, num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20))
     write_mlx_text(tmp_path / "m", cfg, 4, 64)
     f32_bytes = sum(int(np.prod(s.shape)) * 4 for s in text_weights(cfg))
-    stored = dataclasses.replace(cfg, affine_weights=affine_weights(tmp_path / "m", cfg))
+    stored = dataclasses.replace(cfg, native_weights=native_weights(tmp_path / "m", cfg))
     in_bits = sum(int(np.prod(s.shape)) * {"i4": 0.5, "f32": 4}[s.dtype] for s in text_weights(stored))
     runs = {p: [measure(tmp_path / "m", tmp_path / "cache", p) for _ in range(2)] for p in ("mlx", "f32")}
     for p, (first, second) in runs.items():
@@ -277,7 +279,7 @@ def test_vision_tower_in_its_bits(tmp_path, bits, group):
     assert max(errors) <= TOL, errors
     cfg = sessions["mlx"].cfg
     dtypes = {s.name: s.dtype for s in graph_weights(cfg)}
-    assert cfg.affine_weights and all(dtypes[n] == quant.STORAGE_DTYPE[bits] for n, _, _ in cfg.affine_weights)
-    assert not any(n.endswith("pos_embed.weight") for n, _, _ in cfg.affine_weights)
+    assert cfg.native_weights and all(dtypes[n] == quant.STORAGE_DTYPE[bits] for n, _, _ in cfg.native_weights)
+    assert not any(n.endswith("pos_embed.weight") for n, _, _ in cfg.native_weights)
     sizes = {p: s.archive_path.stat().st_size for p, s in sessions.items()}
     assert sizes["mlx"] < 0.6 * sizes["f32"], sizes

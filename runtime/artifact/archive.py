@@ -1,8 +1,8 @@
 """The weight archive (.irpa), of the vision tower and of the language model alike: the
 graph's weights exactly as it takes them (MLX weights dequantized, or in their bits under
-`--precision mlx`, the patch-embed conv flattened to [hidden, patch_dim], matmul weights in
-bf16 under the bf16 precisions, in i8 / i4 with their f32 group scales (and an MLX weight's
-biases) beside them: emitter/quant.py), one
+`--precision native`, as a GGUF's quantized tensors; the patch-embed conv flattened to
+[hidden, patch_dim], matmul weights in bf16 under the bf16 precisions, in i8 / i4 with their
+f32 group scales (and an affine weight's biases) beside them: emitter/quant.py), one
 entry per weight, keyed by its checkpoint name; read by the module's globals under scope
 `model`.
 
@@ -32,7 +32,8 @@ from emitter.text import text_weights
 from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
-from runtime.checkpoints import gguf_vision, mlx_quant, text as text_checkpoint, vision as checkpoint
+from runtime.checkpoints import (gguf_blocks, gguf_text, gguf_vision, mlx_quant, text as text_checkpoint,
+                                 vision as checkpoint)
 
 # Bump when what an archive holds changes in a way no other field records.
 ARCHIVE_FORMAT = 1
@@ -40,7 +41,8 @@ METADATA_PREFIX = "TENSORv0:"
 DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "i8": "int8", "i4": "int4"}  # graph dtype -> metadata name
 BITS = {"f32": 32, "bf16": 16, "i8": 8, "i4": 4}
 MADV_DONTNEED = 4  # Linux and macOS
-_CODE = (Path(checkpoint.__file__), Path(gguf_vision.__file__), Path(__file__))  # the host transforms
+_CODE = (Path(checkpoint.__file__), Path(gguf_vision.__file__), Path(gguf_text.__file__), Path(gguf_blocks.__file__),
+         Path(quant.__file__), Path(__file__))  # the host transforms
 
 
 class ArchiveError(ValueError):
@@ -238,7 +240,7 @@ def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress
 # Bump when what a text archive holds changes in a way no other field records.
 TEXT_ARCHIVE_FORMAT = 1
 _TEXT_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(text_checkpoint.__file__), Path(quant.__file__),
-              Path(text_checkpoint.gguf_text.__file__), Path(__file__))
+              Path(gguf_text.__file__), Path(gguf_blocks.__file__), Path(__file__))
 
 
 def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> dict:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from emitter.config import MLX_PRECISION, VisionConfig, resolve_config
+from emitter.config import VisionConfig, is_native, resolve_config
 from emitter.identity import DEFAULT_LADDER, artifact_identity, format_explanation, vision_artifact_fields
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy, load_video_policy
@@ -58,10 +58,10 @@ def folder_vision(model: str | None, preset_name: str | None, precision: str):
     preset, the config checked against the weights' headers before anything is sized by it."""
     cfg, title = resolve_config(model, preset_name)
     if model:
-        from runtime.checkpoints.vision import check_checkpoint, vision_affine_weights
+        from runtime.checkpoints.vision import check_checkpoint, vision_native_weights
         check_checkpoint(model, cfg)
-        if precision == MLX_PRECISION:  # the linears MLX stores in 8 or 4 bits in those bits, the rest f32
-            cfg, precision = replace(cfg, affine_weights=vision_affine_weights(model, cfg)), "f32"
+        if is_native(precision):  # the linears MLX stores in 8 or 4 bits in those bits, the rest f32
+            cfg, precision = replace(cfg, native_weights=vision_native_weights(model, cfg)), "f32"
     policy = load_policy(model, cfg) if model else DEFAULT_POLICY
     video_policy = load_video_policy(model, cfg) if model else DEFAULT_VIDEO_POLICY
     return cfg, title, precision, policy, video_policy
@@ -69,17 +69,16 @@ def folder_vision(model: str | None, preset_name: str | None, precision: str):
 
 def vision_source(model: str | None, preset_name: str | None, precision: str):
     """`folder_vision`, or for a folder holding a GGUF text file and its llama.cpp mmproj the
-    mmproj's config (its tensors checked), policy and Qwen3-VL's video policy; under `mlx`
-    its Q8_0 / Q4_0 linears run in their bits, as an MLX tower's (docs/text.md)."""
+    mmproj's (`gguf_vision.vision_parts`); under `native` its quantized linears run in their
+    bits, as an MLX tower's (docs/text.md)."""
     from runtime.checkpoints import gguf_vision
     mmproj = gguf_vision.mmproj_file(model) if model else None
     if not mmproj:
         return folder_vision(model, preset_name, precision)
-    cfg = gguf_vision.checked_config(mmproj)
-    policy = gguf_vision.processor_policy(mmproj, cfg)
-    if precision == MLX_PRECISION:  # the Q8_0 / Q4_0 linears in their bits, the rest f32
-        cfg, precision = replace(cfg, affine_weights=gguf_vision.affine_weights(mmproj, cfg)), "f32"
-    return cfg, f"model {Path(model).name}", precision, policy, DEFAULT_VIDEO_POLICY
+    cfg, policy, video_policy = gguf_vision.vision_parts(mmproj)
+    if is_native(precision):  # the quantized linears in their bits, the rest f32
+        cfg, precision = replace(cfg, native_weights=gguf_vision.native_weights(mmproj, cfg)), "f32"
+    return cfg, f"model {Path(model).name}", precision, policy, video_policy
 
 
 def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,
@@ -88,7 +87,8 @@ def make_plan(model: str | None, preset_name: str | None, buckets=(), target: st
     """Check every input before anything is compiled; ValueError naming the bad one. The
     plan's precision is the target's form of the one asked (`compiler.resolve_precision`:
     bf16 is built as bf16-f32 for a CPU without a double-rate bf16 dot product; `progress` hears so);
-    mlx (a checkpoint's MLX-quantized linears in their bits) is f32 over a config naming them."""
+    native (a checkpoint's quantized linears in their own bits; mlx, its alias) is f32 over a
+    config naming them."""
     if model and not Path(model).is_dir():
         raise ValueError(f"--model {model}: not a readable folder; expected a checkpoint folder "
                          f"(config.json, preprocessor_config.json, *.safetensors)")

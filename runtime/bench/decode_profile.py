@@ -42,7 +42,7 @@ def graph_form(cfg, precision: str):
     if precision not in MLX_FORMS:
         return cfg, precision
     names = [s.name for s in text_weights(cfg) if s.name.endswith(MATMUL_SUFFIXES)]
-    return replace(cfg, affine_weights=tuple((n, MLX_FORMS[precision], quant.GROUP) for n in names)), "f32"
+    return replace(cfg, native_weights=tuple((n, MLX_FORMS[precision], quant.GROUP) for n in names)), "f32"
 
 
 def decode_module(cfg, context: int, precision: str, lanes: int = 1) -> str:

@@ -2,14 +2,10 @@
 checkpoint, architecture `qwen3vl`) read as it is, through the `gguf` package: the text
 config from the `qwen3vl.*` metadata, the decoder's tensors under their Hugging Face names
 (`hf_name`, the one place llama.cpp's names are mapped), each either exact f32 (F32, F16,
-BF16 widened; Q8_0 / Q4_0 by `gguf.quants.dequantize`) or, run in its bits, in
-emitter/quant.py's layout with group 32:
-- Q8_0 blocks of 32: f16 d, then 32 signed q: w = d*q;
-- Q4_0 blocks of 32: f16 d, then 16 bytes, element j in the low nibble of byte j and
-  element j+16 in its high nibble, u in 0..15: w = d*(u - 8).
-Both are the affine layout with unsigned codes (q + 128, or u) and biases -128*d (-8*d),
-which `quant.from_affine` re-centres to q and biases of exactly 0 (f16 scales widen to f32
-exactly, 128*d and 8*d are exact), so they run through the existing in-bits forms.
+BF16 widened; the quantized types by `gguf.quants.dequantize`) or, run in its bits
+(`--precision native`), in emitter/quant.py's layout: Q8_0, Q4_0, Q5_0 and Q6_K symmetric in
+their own groups (32; Q6_K 16), Q4_1, Q5_1, Q4_K and Q5_K affine in groups of 32
+(runtime/checkpoints/gguf_blocks.py).
 Every problem is a one-line `CheckpointError` naming the file and the tensor.
 """
 
@@ -23,13 +19,13 @@ import numpy as np
 from emitter import quant
 from emitter.text import text_weights, weight_layouts, weight_shapes
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig, TokenIds, text_config_from_hf
+from runtime.checkpoints.gguf_blocks import LAYOUTS, in_bits
 from runtime.checkpoints.vision import CheckpointError
 
 ARCH = "qwen3vl"
 MAGIC = b"GGUF"
-GROUP = 32  # values per Q8_0 / Q4_0 block
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BITS = {"Q8_0": 8, "Q4_0": 4}  # block types run in their bits
+TYPES = FLOAT_TYPES + tuple(LAYOUTS)  # what is read; the quantized ones run in their bits
 # llama.cpp's names of the decoder's tensors (gguf-py's tensor_mapping for qwen3vl)
 GLOBAL_NAMES = {"token_embd.weight": TEXT_PREFIX + "embed_tokens.weight",
                 "output_norm.weight": TEXT_PREFIX + "norm.weight", "output.weight": LM_HEAD}
@@ -146,9 +142,7 @@ def text_tensors(path, cfg: TextConfig) -> dict:
         name = hf_name(t.name)
         if name is None:
             raise CheckpointError(f"{t.name}: a tensor of {path} that a Qwen3-VL language model does not have")
-        if t.tensor_type.name not in FLOAT_TYPES + tuple(BITS):
-            raise CheckpointError(f"{t.name}: GGUF type {t.tensor_type.name} is not supported (in {path}); expected "
-                                  f"one of {', '.join(FLOAT_TYPES + tuple(BITS))}")
+        check_type(t, path)
         found[name] = t
     out = {}
     for name, shape in weight_shapes(cfg):
@@ -162,6 +156,29 @@ def text_tensors(path, cfg: TextConfig) -> dict:
     return out
 
 
+def check_type(t, path) -> None:
+    """CheckpointError naming the tensor where its type is none of `TYPES`."""
+    if t.tensor_type.name not in TYPES:
+        raise CheckpointError(f"{t.name}: GGUF type {t.tensor_type.name} is not supported (in {path}); expected "
+                              f"one of {', '.join(TYPES)}")
+
+
+def native_entries(tensors: dict, keep=lambda name: True) -> tuple[tuple, ...]:
+    """`quant.native_layouts`' entries of the quantized tensors of {Hugging Face name:
+    the reader's tensor} for which `keep(name)`: each in its own bits (gguf_blocks.LAYOUTS)."""
+    return tuple(quant.native_entry(name, LAYOUTS[t.tensor_type.name]) for name, t in tensors.items()
+                 if t.tensor_type.name in LAYOUTS and keep(name))
+
+
+def native_arrays(name: str, t, pending: dict) -> np.ndarray:
+    """q of one tensor in its bits, as the archive holds it (`gguf_blocks.in_bits`); its
+    scales and any biases put in `pending` under their names, for the graph's next weights."""
+    q, pending[quant.scales_name(name)], biases = in_bits(t)
+    if biases is not None:
+        pending[quant.biases_name(name)] = biases
+    return q
+
+
 def dequantized(t) -> np.ndarray:
     """One tensor as exact f32 in its logical shape (`gguf.quants.dequantize`)."""
     from gguf.quants import dequantize
@@ -170,26 +187,10 @@ def dequantized(t) -> np.ndarray:
     return np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
 
 
-def codes(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(unsigned codes uint8 [N, K], scales f32 [N, K/32], biases f32 [N, K/32]) of a Q8_0
-    or Q4_0 [N, K] tensor as the affine layout (module docstring)."""
-    n, k = (int(x) for x in reversed(t.shape))
-    bits = BITS[t.tensor_type.name]
-    blocks = np.asarray(t.data, np.uint8).reshape(n, k // GROUP, -1)
-    d = np.ascontiguousarray(blocks[:, :, :2]).view("<f2")[:, :, 0].astype(np.float32)
-    body = blocks[:, :, 2:]
-    if bits == 8:
-        u = (body.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    else:
-        u = np.concatenate([body & np.uint8(0xF), body >> np.uint8(4)], axis=2)
-    half = np.float32(1 << (bits - 1))
-    return u.reshape(n, k), d, (-half * d).astype(np.float32)
-
-
-def affine_weights(path, cfg: TextConfig) -> tuple[tuple[str, int, int], ...]:
-    """(Hugging Face name, bits, 32) of each Q8_0 / Q4_0 weight (`TextConfig.affine_weights`)."""
-    return tuple((name, BITS[t.tensor_type.name], GROUP) for name, t in text_tensors(path, cfg).items()
-                 if t.tensor_type.name in BITS)
+def native_weights(path, cfg: TextConfig) -> tuple[tuple, ...]:
+    """The entries of the quantized weights, each in its own bits (`native_entries`,
+    `TextConfig.native_weights`)."""
+    return native_entries(text_tensors(path, cfg))
 
 
 def load_text_weights(path, cfg: TextConfig) -> dict[str, np.ndarray]:
@@ -199,22 +200,21 @@ def load_text_weights(path, cfg: TextConfig) -> dict[str, np.ndarray]:
 
 def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
     """(name, array) in graph order (`text_weights(cfg, precision)`), as the graph takes
-    them: the weights of `cfg.affine_weights` in their bits (`codes`, `quant.from_affine`),
-    the rest f32 (or the precision's bf16 / int8 / int4, as for a folder)."""
+    them: the weights of `cfg.native_weights` in their bits (`native_arrays`), the rest f32
+    (or the precision's bf16 / int8 / int4, as for a folder)."""
     import ml_dtypes
 
     tensors = text_tensors(path, cfg)
     layouts = weight_layouts(cfg, precision, list(tensors))
+    native = {entry[0] for entry in cfg.native_weights}
     out, pending = [], {}
     for s in text_weights(cfg, precision):
         if s.name in pending:
             out.append((s.name, pending.pop(s.name)))
             continue
         layout, t = layouts.get(s.name), tensors[s.name]
-        if layout and layout.affine:
-            u, d, b = codes(t)
-            q, pending[quant.scales_name(s.name)], pending[quant.biases_name(s.name)] = quant.from_affine(
-                quant.row_blocks(u), u.shape, d, b, layout.bits)
+        if s.name in native:
+            q = native_arrays(s.name, t, pending)
         elif layout:
             q, pending[quant.scales_name(s.name)] = quant.stored(dequantized(t), layout.bits, layout.group)
         else:

@@ -11,9 +11,9 @@ checkpoint: architecture `clip`, projector `qwen3vl_merger`) read as it is, thro
 - the tensors `v.*` / `mm.*` under their Hugging Face names (`hf_name`, the one place
   llama.cpp's names are mapped; `v.deepstack.{layer}` re-indexed into the merger list, the
   patch embedding's two frames `v.patch_embd.weight` / `.weight.1` rejoined along time),
-  each exact f32 (F32, F16, BF16 widened, Q8_0 / Q4_0 by `gguf.quants.dequantize`), or for
-  the Q8_0 / Q4_0 linears under `mlx` in their bits (`affine_weights`: the MLX tower's
-  affine layout, as gguf_text.py makes it for the decoder).
+  each exact f32 (F32, F16, BF16 widened, the quantized types by `gguf.quants.dequantize`),
+  or for the quantized linears under `native` in their bits (`native_weights`: the layouts
+  gguf_text.py gives the decoder's, runtime/checkpoints/gguf_blocks.py).
 Every problem is a one-line `CheckpointError` naming the file and the tensor.
 """
 
@@ -101,6 +101,15 @@ def checked_config(path) -> VisionConfig:
     return cfg
 
 
+def vision_parts(path):
+    """(config, image policy, video policy) of an mmproj: `checked_config`, `processor_policy`
+    and Qwen3-VL's video policy (the file stores none): what the build and the generator read."""
+    from emitter.video_policy import DEFAULT_VIDEO_POLICY
+
+    cfg = checked_config(path)
+    return cfg, processor_policy(path, cfg), DEFAULT_VIDEO_POLICY
+
+
 def processor_policy(path, cfg: VisionConfig):
     """The image processor policy (module docstring)."""
     from emitter.policy import DEFAULT_POLICY
@@ -135,14 +144,11 @@ def vision_tensors(path, cfg: VisionConfig) -> dict:
     """{llama.cpp name: the reader's tensor} of every tensor the config needs, each known and
     of a supported type; CheckpointError naming the first that is not, or is missing."""
     r = reader(path)
-    types = gguf_text.FLOAT_TYPES + tuple(gguf_text.BITS)
     found = {}
     for t in r.tensors:
         if hf_name(t.name, cfg.deepstack_visual_indexes) is None:
             raise CheckpointError(f"{t.name}: a tensor of {path} that a Qwen3-VL vision tower does not have")
-        if t.tensor_type.name not in types:
-            raise CheckpointError(f"{t.name}: GGUF type {t.tensor_type.name} is not supported (in {path}); "
-                                  f"expected one of {', '.join(types)}")
+        gguf_text.check_type(t, path)
         found[t.name] = t
     wanted = {hf_name(n, cfg.deepstack_visual_indexes) for n in found}
     for name, _ in weight_schema(cfg):
@@ -191,11 +197,10 @@ def load_vision_weights(path, cfg: VisionConfig, skip=()) -> dict[str, np.ndarra
     return out
 
 
-def affine_weights(path, cfg: VisionConfig) -> tuple[tuple[str, int, int], ...]:
-    """(Hugging Face name, bits, 32) of each Q8_0 / Q4_0 linear (`VisionConfig.affine_weights`)."""
-    return tuple((name, gguf_text.BITS[t.tensor_type.name], gguf_text.GROUP)
-                 for name, t in by_hf_name(path, cfg).items()
-                 if t.tensor_type.name in gguf_text.BITS and name.endswith(MATMUL_WEIGHT_SUFFIXES))
+def native_weights(path, cfg: VisionConfig) -> tuple[tuple, ...]:
+    """The entries of the quantized linears, each in its own bits (`gguf_text.native_entries`,
+    `VisionConfig.native_weights`)."""
+    return gguf_text.native_entries(by_hf_name(path, cfg), lambda name: name.endswith(MATMUL_WEIGHT_SUFFIXES))
 
 
 def by_hf_name(path, cfg: VisionConfig) -> dict:
@@ -205,25 +210,20 @@ def by_hf_name(path, cfg: VisionConfig) -> dict:
 
 
 def vision_arrays(path, cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
-    """The graph's ordered weight arguments: those of `cfg.affine_weights` in their bits
-    (`gguf_text.codes`, `quant.from_affine`: q, then its scales and biases), the rest as
+    """The graph's ordered weight arguments: those of `cfg.native_weights` in their bits
+    (`gguf_text.native_arrays`: q, then its scales and any biases), the rest as
     `load_vision_weights` gives them through `vision.weights_in_order` (f32, or bf16)."""
-    affine = {name for name, _, _ in cfg.affine_weights}
-    if not affine:
+    native = {entry[0] for entry in cfg.native_weights}
+    if not native:
         return weights_in_order(load_vision_weights(path, cfg), cfg, precision)
-    from emitter import quant
-
     tensors = by_hf_name(path, cfg)
-    widened = load_vision_weights(path, cfg, skip=affine)  # no f32 copy of the linears in their bits
+    widened = load_vision_weights(path, cfg, skip=native)  # no f32 copy of the linears in their bits
     out, pending = [], {}
     for w in graph_weights(cfg, precision):
         if w.name in pending:  # made with its weight, just before
             out.append(pending.pop(w.name))
-        elif w.name in affine:
-            u, d, b = gguf_text.codes(tensors[w.name])
-            q, pending[quant.scales_name(w.name)], pending[quant.biases_name(w.name)] = quant.from_affine(
-                quant.row_blocks(u), u.shape, d, b, gguf_text.BITS[tensors[w.name].tensor_type.name])
-            out.append(q)
+        elif w.name in native:
+            out.append(gguf_text.native_arrays(w.name, tensors[w.name], pending))
         else:
             out.append(widened[w.name])
     return out

@@ -6,7 +6,7 @@ Hugging Face layout (one `model.safetensors`, shards listed by
 exactly). MLX names (`language_model.model.*`, `language_model.lm_head.weight`, as
 mlx-vlm's sanitize writes them) too, affine-quantized or not: dequantized to f32 as the
 vision loader does (bits and group size from config.json's `quantization`), or, under
-`--precision mlx`, kept in their bits (`affine_weights`, `read_affine`). Only the
+`--precision native`, kept in their bits (`native_weights`, `read_affine`). Only the
 text tensors' byte ranges are read, one weight at a time. Every problem is a
 `CheckpointError` naming the tensor and the file.
 
@@ -125,15 +125,16 @@ def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, Tenso
     return out, found
 
 
-def affine_weights(model_dir, cfg: TextConfig) -> tuple[tuple[str, int, int], ...]:
+def native_weights(model_dir, cfg: TextConfig) -> tuple[tuple, ...]:
     """(Hugging Face name, bits, group size) of each weight the folder stores MLX-quantized in
     bits that run as stored (8 and 4, `quant.STORAGE_DTYPE`), from the headers and config.json
-    (`TextConfig.affine_weights`; other bits are expanded to f32 at load). CheckpointError
-    where there is none. A GGUF file's Q8_0 / Q4_0 weights (`gguf_text.affine_weights`)."""
+    (`TextConfig.native_weights`; other bits are expanded to f32 at load). CheckpointError
+    where there is none. A GGUF file's quantized weights (`gguf_text.native_weights`)."""
     if gguf_text.is_gguf(model_dir):
-        out = gguf_text.affine_weights(model_dir, cfg)
+        out = gguf_text.native_weights(model_dir, cfg)
         if not out:
-            raise CheckpointError(f"{model_dir}: no language-model weight is Q8_0 or Q4_0 (nothing runs in its bits)")
+            raise CheckpointError(f"{model_dir}: --precision native: no language-model weight is quantized "
+                                  f"(expected some of {', '.join(gguf_text.LAYOUTS)}; nothing runs in its bits)")
         return out
     entries, found = text_entries(model_dir, cfg)
     qconfig = quantization_config(Path(model_dir))
@@ -145,7 +146,7 @@ def affine_weights(model_dir, cfg: TextConfig) -> tuple[tuple[str, int, int], ..
             if bits in quant.STORAGE_DTYPE:
                 out.append((name, bits, group))
     if not out:
-        raise CheckpointError(f"{model_dir}: --precision mlx: no language-model weight is MLX-quantized in 8 or 4 "
+        raise CheckpointError(f"{model_dir}: --precision native: no language-model weight is MLX-quantized in 8 or 4 "
                               "bits (expected a checkpoint as mlx-vlm's convert --quantize writes it)")
     return tuple(out)
 
@@ -179,7 +180,7 @@ def text_arrays(model_dir, cfg: TextConfig, precision: str = "f32") -> list:
     """(name, array) in graph order (`text_weights(cfg, precision)`), each in the dtype the
     graph takes, read one weight at a time (no f32 copy of the whole model): f32; bf16 (round
     to nearest even); int8, int4 (`quant.stored`, the weight then its scales); an MLX weight
-    run in its bits (`cfg.affine_weights`: `read_affine`, the weight, its scales and biases)."""
+    run in its bits (`cfg.native_weights`: `read_affine`, the weight, its scales and biases)."""
     import ml_dtypes
     if gguf_text.is_gguf(model_dir):
         return gguf_text.text_arrays(model_dir, cfg, precision)

@@ -472,10 +472,10 @@ def read_affine(entry: TensorEntry, bits: int, scales_e: TensorEntry, biases_e: 
                              bits)
 
 
-def vision_affine_weights(model_dir: str | Path, cfg: VisionConfig) -> tuple[tuple[str, int, int], ...]:
+def vision_native_weights(model_dir: str | Path, cfg: VisionConfig) -> tuple[tuple[str, int, int], ...]:
     """(Hugging Face name, bits, group size) of each linear the folder stores MLX-quantized in
     bits that run as stored (8 and 4), from the headers and config.json
-    (`VisionConfig.affine_weights`; other bits, and the position table, are expanded to f32)."""
+    (`VisionConfig.native_weights`; other bits, and the position table, are expanded to f32)."""
     return tuple((s.hf_name, s.quant[0], s.quant[1]) for s in check_checkpoint(model_dir, cfg)
                  if s.quant and s.quant[0] in quant.STORAGE_DTYPE and s.hf_name.endswith(MATMUL_WEIGHT_SUFFIXES))
 
@@ -483,10 +483,10 @@ def vision_affine_weights(model_dir: str | Path, cfg: VisionConfig) -> tuple[tup
 def vision_arrays(model_dir: str | Path, cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
     """The graph's ordered weight arguments (`graph_weights(cfg, precision)`), each in the
     dtype the graph takes, read one weight at a time: f32, bf16 (round to nearest even), or
-    for `cfg.affine_weights` in their bits (`read_affine`: q, then its scales and biases)."""
+    for `cfg.native_weights` in their bits (`read_affine`: q, then its scales and biases)."""
     import ml_dtypes
     stored = {s.hf_name: s for s in check_checkpoint(model_dir, cfg)}
-    affine = {name for name, _, _ in cfg.affine_weights}
+    affine = {name for name, _, _ in cfg.native_weights}
     out, pending = [], {}
     for w in graph_weights(cfg, precision):
         if w.name in pending:  # made with its weight, just before
