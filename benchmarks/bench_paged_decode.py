@@ -6,8 +6,9 @@ Each side's `runtime.bench.decode_profile` compiles its decode at `--context` (2
 `--layers` decoder layers, a small vocabulary) for each of `--lanes` (1: one sequence's
 step; more: the server's batched step, each lane a sequence of its own blocks), and writes
 random weights; then `iree-benchmark-module` times a step at slot context - 1 of each,
-alternating for `--rounds` rounds. Ratios: this tree / baseline at each lane count, and
-each tree's step at the most lanes / its step at one.
+alternating for `--rounds` rounds. Ratios (of medians): this tree / baseline at each lane
+count, and each tree's step at the most lanes / its step at the fewest. On a loaded
+machine the minimum of each series is reported too.
 
     git worktree add /tmp/contiguous 66e80df
     .venv/bin/python benchmarks/bench_paged_decode.py --baseline /tmp/contiguous --context 4096
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
                     times[name, n].append(float(run(tree, TIME, Path(tmp) / name, args.context - 1, args.repeats,
                                                     args.threads, n)))
     median = {key: statistics.median(t) for key, t in times.items()}
-    report = {f"{name}_{n}_lanes": {"median_ms": round(median[name, n], 3), "ms": [round(x, 3) for x in times[name, n]]}
-              for name, n in times}
+    report = {f"{name}_{n}_lanes": {"median_ms": round(median[name, n], 3), "min_ms": round(min(times[name, n]), 3),
+                                    "ms": [round(x, 3) for x in times[name, n]]} for name, n in times}
     report["this_over_baseline"] = {n: round(median["this", n] / median["baseline", n], 3) for n in lanes}
     if len(lanes) > 1:
         report[f"{lanes[-1]}_lanes_over_{lanes[0]}"] = {name: round(median[name, lanes[-1]] / median[name, lanes[0]], 3)
