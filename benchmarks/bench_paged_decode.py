@@ -1,14 +1,19 @@
-"""A decode step over block tables (this tree) against the contiguous-row step of an
-earlier tree (`--baseline`, a checkout of a commit before the paged KV cache), with
-IREE's own tools, alternating in one run.
+"""A decode step of this tree against the same step of an earlier tree (`--baseline`: a
+checkout of a commit before the paged KV cache, or any earlier commit), with IREE's own
+tools, alternating in one run.
 
-Each side's `runtime.bench.decode_profile` compiles its one-sequence decode at `--context`
-(2B widths, `--layers` decoder layers, a small vocabulary), and writes random weights;
-then `iree-benchmark-module` times a step at slot context - 1 of each, alternating for
-`--rounds` rounds. The ratio is paged / contiguous.
+Each side's `runtime.bench.decode_profile` compiles its decode at `--context` (2B widths,
+`--layers` decoder layers, a small vocabulary) for each of `--lanes` (1: one sequence's
+step; more: the server's batched step, each lane a sequence of its own blocks), and writes
+random weights; then `iree-benchmark-module` times a step at slot context - 1 of each,
+alternating for `--rounds` rounds. Ratios (of medians): this tree / baseline at each lane
+count, and each tree's step at the most lanes / its step at the fewest. On a loaded
+machine the minimum of each series is reported too.
 
     git worktree add /tmp/contiguous 66e80df
     .venv/bin/python benchmarks/bench_paged_decode.py --baseline /tmp/contiguous --context 4096
+    git worktree add /tmp/before main
+    .venv/bin/python benchmarks/bench_paged_decode.py --baseline /tmp/before --context 1024 --lanes 1 4
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from runtime.artifact.compiler import compile_mlir
 from runtime.bench import decode_profile as bench
 out, context, layers, vocab, precision = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 cfg = replace(TEXT_PRESETS["qwen3-vl-2b"], num_hidden_layers=layers, vocab_size=vocab)
-(out / "decode.vmfb").write_bytes(compile_mlir(bench.decode_module(cfg, context, precision)))
+for lanes in map(int, sys.argv[6:]):  # a tree before the batched step knows one sequence only
+    module = bench.decode_module(cfg, context, precision, lanes) if lanes > 1 else bench.decode_module(cfg, context, precision)
+    (out / f"decode_{lanes}.vmfb").write_bytes(compile_mlir(module))
 bench.write_archive(cfg, precision, out / "weights.irpa")
 """
 
@@ -41,8 +48,9 @@ TIME = """
 import sys
 from pathlib import Path
 from runtime.bench import decode_profile as bench
-out, slot, repeats, threads = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-print(bench.step_ms(out / "decode.vmfb", out / "weights.irpa", slot, repeats, threads))
+out, slot, repeats, threads, lanes = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+extra = {"lanes": lanes} if lanes > 1 else {}
+print(bench.step_ms(out / f"decode_{lanes}.vmfb", out / "weights.irpa", slot, repeats, threads, **extra))
 """
 
 
@@ -55,7 +63,7 @@ def run(tree: Path, script: str, *args) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline", required=True, help="A checkout of a commit before the paged KV cache.")
+    p.add_argument("--baseline", required=True, help="A checkout of an earlier commit (e.g. before the paged KV cache).")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=2048)
@@ -63,21 +71,28 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lanes", type=int, nargs="+", default=[1], help="sequences per step, each timed")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    trees = {"contiguous": Path(args.baseline).resolve(), "paged": ROOT}
-    times = {name: [] for name in trees}
+    trees = {"baseline": Path(args.baseline).resolve(), "this": ROOT}
+    lanes = sorted(set(args.lanes))
+    times = {(name, n): [] for name in trees for n in lanes}
     with tempfile.TemporaryDirectory(prefix="bench_paged.") as tmp:
         for name, tree in trees.items():
             (Path(tmp) / name).mkdir()
-            run(tree, BUILD, Path(tmp) / name, args.context, args.layers, args.vocab, args.precision)
+            run(tree, BUILD, Path(tmp) / name, args.context, args.layers, args.vocab, args.precision, *lanes)
         for _ in range(args.rounds):
             for name, tree in trees.items():
-                times[name].append(float(run(tree, TIME, Path(tmp) / name, args.context - 1, args.repeats,
-                                             args.threads)))
-    report = {name: {"median_ms": round(statistics.median(t), 3), "ms": [round(x, 3) for x in t]}
-              for name, t in times.items()}
-    report["paged_over_contiguous"] = round(report["paged"]["median_ms"] / report["contiguous"]["median_ms"], 3)
+                for n in lanes:
+                    times[name, n].append(float(run(tree, TIME, Path(tmp) / name, args.context - 1, args.repeats,
+                                                    args.threads, n)))
+    median = {key: statistics.median(t) for key, t in times.items()}
+    report = {f"{name}_{n}_lanes": {"median_ms": round(median[name, n], 3), "min_ms": round(min(times[name, n]), 3),
+                                    "ms": [round(x, 3) for x in times[name, n]]} for name, n in times}
+    report["this_over_baseline"] = {n: round(median["this", n] / median["baseline", n], 3) for n in lanes}
+    if len(lanes) > 1:
+        report[f"{lanes[-1]}_lanes_over_{lanes[0]}"] = {name: round(median[name, lanes[-1]] / median[name, lanes[0]], 3)
+                                                        for name in trees}
     report.update(context=args.context, layers=args.layers, precision=args.precision, threads=args.threads)
     print(json.dumps(report, indent=1))
     if args.json:

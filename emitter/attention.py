@@ -12,7 +12,10 @@ token's, over keys read through a block table where they lie, is `token_attentio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from .builder import Builder, Value
 from .layers import activation_dtype, apply_rotary, cast, linear, matmul, softmax
@@ -333,14 +336,24 @@ def grouped_attention(b: Builder, q: Value, keys: list[Value], values: list[Valu
     return b.reshape(context, (s, heads * d), hint="context")
 
 
+def power_of_two_split(scale: float) -> tuple[float, float]:
+    """(2^e, rest) with 2^e * rest == f32(scale) exactly, 2^e the largest power of two not
+    above it: x * 2^e rounds nothing (barring underflow), so (sum of x * 2^e) * rest equals
+    (sum of x) * scale bit for bit, summed in the same order."""
+    f32 = float(np.float32(scale))
+    power = 2.0 ** math.floor(math.log2(f32))
+    return power, f32 / power
+
+
 def token_attention(b: Builder, q: Value, keys: Value, values: Value, mask: Value, own_k: Value,
                     own_v: Value) -> Value:
     """One token's grouped-query attention: q [1, H, D] over the cache's keys/values [KVH,
     *slots, D] (the slots in one dim or several, e.g. [blocks, 16]; additive mask [1, L]
     over them in order, the token's own slot masked out) and its own k, v [KVH, 1, D], one
-    softmax over both. Products and sums as elementwise ops and reductions, not matmuls: a
-    cache read through a block table (a gather) fuses into them and is read where it lies,
-    never copied or packed. Returns [1, H*D]."""
+    softmax over both. Products and sums as elementwise ops and reductions, not matmuls,
+    and each product carries a power-of-two factor (`power_of_two_split`): IREE then sees no
+    contraction, so a cache read through a block table (a gather) fuses into the product
+    and is read where it lies, never copied into a packed layout. Returns [1, H*D]."""
     _, heads, d = q.shape
     kv_heads, *slots, _ = keys.shape
     groups = heads // kv_heads
@@ -348,11 +361,13 @@ def token_attention(b: Builder, q: Value, keys: Value, values: Value, mask: Valu
     wide = (kv_heads, groups, *slots, d)
     over = list(range(2, 2 + len(slots)))  # the slot dims of the scores
     cache_dims = [0, *over, len(wide) - 1]
-    scale = b.constant(d ** -0.5, (), hint="scale")
+    inside, after = power_of_two_split(d ** -0.5)
 
     def dot(x: Value, y: Value) -> Value:
-        prod = b.reduce(b.multiply(x, y, hint="qk"), [x.rank - 1], hint="scores")
-        return b.multiply(prod, b.broadcast_in_dim(scale, prod.shape, [], hint="scale"), hint="scores")
+        prod = b.multiply(x, y, hint="qk")
+        prod = b.reduce(b.multiply(prod, b.scalar(inside, prod, "scale_inside"), hint="qk"), [x.rank - 1],
+                        hint="scores")
+        return b.multiply(prod, b.scalar(after, prod, "scale"), hint="scores")
 
     scores = dot(b.broadcast_in_dim(q, wide, [0, 1, len(wide) - 1], hint="q_wide"),
                  b.broadcast_in_dim(keys, wide, cache_dims, hint="k_wide"))
@@ -365,7 +380,10 @@ def token_attention(b: Builder, q: Value, keys: Value, values: Value, mask: Valu
     denom = b.add(b.reduce(e, over, hint="denom"), e_own, hint="denom")
     weighted = b.multiply(b.broadcast_in_dim(e, wide, list(range(len(wide) - 1)), hint="p_wide"),
                           b.broadcast_in_dim(values, wide, cache_dims, hint="v_wide"), hint="pv")
-    context = b.add(b.reduce(weighted, over, hint="context"),
+    weighted = b.multiply(weighted, b.scalar(2.0, weighted, "pv_inside"), hint="pv")  # undone below, exactly
+    summed = b.reduce(weighted, over, hint="context")
+    summed = b.multiply(summed, b.scalar(0.5, summed, "pv_after"), hint="context")
+    context = b.add(summed,
                     b.multiply(b.broadcast_in_dim(e_own, q.shape, [0, 1], hint="own_p"),
                                b.broadcast_in_dim(b.reshape(own_v, (kv_heads, d)), q.shape, [0, 2], hint="own_v"),
                                hint="own_context"), hint="context")
