@@ -1,9 +1,10 @@
-"""One projection's matvec forms from DRAM: weight-only int8 (split-K) against bf16 and the
-integer forms (int8 activations quantized in the graph x int8 or int4 weights, accumulated in
-i32), ms per call and GB/s of weights, beside the read bandwidth measured in the same process.
+"""One projection's decode forms from DRAM: weight-only int8, int4 and MLX affine (split-K)
+against bf16 and the integer forms (int8 activations quantized in the graph x int8 or int4
+weights, accumulated in i32), ms per call and GB/s of weights, beside the read bandwidth
+measured in the same process.
 
-One [N, K] projection (default 6144x2048, Qwen3-VL-2B's gate/up) at M rows (default 1, 4 and
-512). Each form's module holds enough distinct weights (module globals from a parameter
+One [N, K] projection (default 6144x2048, Qwen3-VL-2B's gate/up) at M rows (default 1, 2, 4, 8
+and 512). Each form's module holds enough distinct weights (module globals from a parameter
 index, as the real graphs hold them) that one sweep reads at least `--megabytes` of them
 (default 400 MB: more than the L3, so they come from DRAM); its functions compute
 `--per-call` projections each, and a sweep calls every function once. Forms alternate sweep by
