@@ -1,16 +1,19 @@
-"""One projection's matvec forms from DRAM: weight-only int8 (split-K) against bf16 and the
-integer forms (int8 activations quantized in the graph x int8 or int4 weights, accumulated in
-i32), ms per call and GB/s of weights, beside the read bandwidth measured in the same process.
+"""One projection's decode forms from DRAM: weight-only int8, int4 and MLX affine (split-K)
+against bf16 and the integer forms (int8 activations quantized in the graph x int8 or int4
+weights, accumulated in i32), ms per call and GB/s of weights, beside the read bandwidth
+measured in the same process.
 
-One [N, K] projection (default 6144x2048, Qwen3-VL-2B's gate/up) at M rows (default 1, 4 and
-512). Each form's module holds enough distinct weights (module globals from a parameter
+One [N, K] projection (default 6144x2048, Qwen3-VL-2B's gate/up) at M rows (default 1, 2, 4, 8
+and 512). Each form's module holds enough distinct weights (module globals from a parameter
 index, as the real graphs hold them) that one sweep reads at least `--megabytes` of them
 (default 400 MB: more than the L3, so they come from DRAM); its functions compute
 `--per-call` projections each, and a sweep calls every function once. Forms alternate sweep by
 sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
 
-- int8: today's `--precision int8` (emitter/layers.py `quantized_project`: split-K up to
-  SPLIT_K_ROWS rows, dequantized into the data-tiled matmul above);
+- int8 / int4 / mlx4: the weight-only forms (emitter/layers.py `quantized_project`: split-K
+  up to SPLIT_K_ROWS rows, dequantized into the data-tiled matmul above) of `--precision
+  int8|int4` (groups of 64, a scale each) and of an MLX affine checkpoint (4 bits, groups of
+  64, a scale and a bias each); decode's batched step runs them at 2-8 rows (its lanes);
 - bf16: bf16 weights widened inside the data-tiled f32 matmul (`--precision bf16` on AVX-512);
 - w8a8-gN / w4a8-gN: int8 (int4) weights in groups of N with one f32 scale each
   (`emitter.quant`'s layout) and x quantized in the graph per row and group of N to int8
@@ -24,6 +27,7 @@ instructions in them (vpdpbusd / vpdpwssd: AVX-512 VNNI; vpmaddubsw / vpmaddwd) 
 float ones (vfmadd*ps, vdpbf16ps) and the int->float converts (vcvtdq2ps).
 
     .venv/bin/python benchmarks/bench_w8a8.py --rounds 5 --asm /tmp/w8a8-asm
+    .venv/bin/python benchmarks/bench_w8a8.py --rows 1 2 4 8 --forms int8 int4 mlx4
     .venv/bin/python benchmarks/bench_w8a8.py --rows 1 --forms int8 w8a8-row --flags=--iree-llvmcpu-enable-ukernels=all
 """
 
@@ -53,7 +57,8 @@ from runtime.artifact.iree_module import device_config, parameters_module  # noq
 from runtime.bench.roof import memory_bandwidth_gbs  # noqa: E402
 from runtime.vision import set_thread_count  # noqa: E402
 
-FORMS = ("int8", "bf16", "w8a8-row", "w8a8-g32", "w8a8-g64", "w8a8-g256", "w4a8-row")
+WEIGHT_ONLY = ("int8", "int4", "mlx4")
+FORMS = (*WEIGHT_ONLY, "bf16", "w8a8-row", "w8a8-g32", "w8a8-g64", "w8a8-g256", "w4a8-row")
 ASM_COUNTS = ("vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd", "vfmadd", "vdpbf16ps", "vcvtdq2ps", "vpmovsxbd",
               "vpmovsxbw")
 
@@ -62,8 +67,8 @@ def form_layout(form: str, k: int) -> tuple[int, int]:
     """(bits, group) of a form's weights; bf16: (16, k)."""
     if form == "bf16":
         return 16, k
-    if form == "int8":
-        return 8, quant.GROUP
+    if form in WEIGHT_ONLY:
+        return (8 if form == "int8" else 4), quant.GROUP
     bits = 8 if form.startswith("w8") else 4
     size = form.split("-")[1]
     return bits, k if size == "row" else int(size[1:])
@@ -72,7 +77,8 @@ def form_layout(form: str, k: int) -> tuple[int, int]:
 def weight_bytes(form: str, n: int, k: int) -> int:
     """Bytes one projection reads: the weight in its bits plus its f32 scales."""
     bits, group = form_layout(form, k)
-    return n * k * bits // 8 + (0 if bits == 16 else n * (k // group) * 4)
+    scales = 0 if bits == 16 else n * (k // group) * 4
+    return n * k * bits // 8 + scales * (2 if form == "mlx4" else 1)
 
 
 def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) -> str:
@@ -81,7 +87,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) ->
     bits, group = form_layout(form, k)
     functions, globals_ = [], []
     for f in range(count // per_call):
-        b = Builder(activations={"bf16": "f32", "int8": None}.get(form, "i8"))
+        b = Builder(activations="f32" if form == "bf16" else None if form in WEIGHT_ONLY else "i8")
         x = b.argument("x", (m, k))
         results = []
         for i in range(f * per_call, (f + 1) * per_call):
@@ -89,9 +95,11 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) ->
                 w = b.parameter(f"w{i}", (n, k), "bf16", f"w{i}")
                 y = project(b, x, w, hint=f"p{i}")
             else:
+                biases = b.parameter(f"b{i}", (n, k // group), "f32", f"b{i}") if form == "mlx4" else None
                 w = QuantizedWeight(b.parameter(f"q{i}", (k, n), quant.STORAGE_DTYPE[bits], f"q{i}"),
-                                    b.parameter(f"s{i}", (n, k // group), "f32", f"s{i}"))
-                y = quantized_project(b, x, w, f"p{i}") if form == "int8" else integer_project(b, x, w, f"p{i}")
+                                    b.parameter(f"s{i}", (n, k // group), "f32", f"s{i}"), biases)
+                project_ = quantized_project if form in WEIGHT_ONLY else integer_project
+                y = project_(b, x, w, f"p{i}")
             results.append((f"y{i - f * per_call}", y))
         functions.append(function(b, f"f{f}", results))
         globals_ += b.globals
@@ -108,7 +116,8 @@ def weight_arrays(form: str, n: int, k: int, count: int, seed: int = 0):
         base = (w.view(np.uint32) >> 16).astype(np.uint16)
         return [(f"w{i}", np.roll(base, i)) for i in range(count)]
     q, scales = quant.stored(w, bits, group)
-    return [pair for i in range(count) for pair in ((f"q{i}", np.roll(q, i)), (f"s{i}", scales))]
+    biases = [(f"b{i}", scales * -8) for i in range(count)] if form == "mlx4" else []
+    return [pair for i in range(count) for pair in ((f"q{i}", np.roll(q, i)), (f"s{i}", scales))] + biases
 
 
 def compile_form(text: str, flags: list[str], dump: Path | None = None) -> bytes:
@@ -148,7 +157,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=6144)
     p.add_argument("--k", type=int, default=2048)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 512])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 512])
     p.add_argument("--forms", nargs="+", default=list(FORMS))
     p.add_argument("--megabytes", type=float, default=400)
     p.add_argument("--per-call", type=int, default=4)

@@ -122,6 +122,28 @@ def test_decode_dispatches_read_the_bits(tmp_path, precision):
     assert contractions and not widening, names
 
 
+# Widths at which projections have many groups of inputs (1024 and 4096 wide).
+WIDE = dataclasses.replace(CFG, vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
+                           num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20))
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_batched_decode_vectorizes_along_the_outputs(tmp_path, precision):
+    """At 4 lanes (the server's batched step) every split-K dot keeps its vectors along N,
+    the outputs: IREE's configured dispatches give each f32 x i8 (i4) batch_matmul a vector
+    tile wider than one along N. (Scaled as partial * scale, data tiling took the scaling
+    for a contraction and turned the dots to [1, 16, 1, 0], 16 along the rows and scalar
+    along N: 25x slower; docs/performance.md, "Quantized decode at several lanes".)"""
+    bits = quant.STORAGE_DTYPE[quant.bits_of(precision)]
+    compile_mlir(decode_module(WIDE, 64, precision, lanes=4),
+                 extra_flags=[f"--iree-hal-dump-executable-files-to={tmp_path}"])
+    text = "\n".join(f.read_text() for f in tmp_path.glob("configured_*decode*.mlir"))
+    tiles = re.findall(rf"linalg.batch_matmul {{lowering_config = #iree_cpu.lowering_config<[^>]*"
+                       rf"vector_common_parallel = \[(\d+), (\d+), (\d+), 0\][^>]*>}} ins\([^)]*xf32>, "
+                       rf"tensor<[^)]*x{bits}>\)", text)
+    assert tiles and all(int(n) > 1 for _, _, n in tiles), tiles
+
+
 RESIDENT_INT8 = """
 import sys, numpy as np
 from runtime.text import TextSession
@@ -141,12 +163,12 @@ print(loaded, anon() - start)
 @pytest.mark.parametrize("precision", ["int8", "w8a8"])
 def test_int8_weights_resident_in_their_bits(tmp_path, precision):
     """Once loaded, the int8 (w8a8) session holds its weights in i8: under 2.5x the bytes of the
-    i8 weights and scales (measured 1.84x, w8a8 1.95x), where one f32 copy of them would be 4x and more.
+    i8 weights and scales (measured 1.84x, 1.89x since the split-K reciprocals of the scales
+    (`layers.group_scaled`); w8a8 1.95x), where one f32 copy of them would be 4x and more.
     (2.5x and 2.8x before the scales went behind the barrier: their broadcasts to the
     weights' shape, hoisted into f32 globals.) A prefill then adds IREE's pool of per-call
     transients (the dequantized weights of a chunk), printed."""
-    cfg = dataclasses.replace(CFG, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
-                              num_attention_heads=8, num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20))
+    cfg = WIDE
     write_text_model(tmp_path / "m", cfg, seed=1)
     stored = sum(int(np.prod(s.shape)) * (1 if s.dtype == "i8" else 4) for s in text_weights(cfg, precision))
     for _ in range(2):  # the first fills the cache; the second, a fresh process, is measured
