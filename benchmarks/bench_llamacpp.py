@@ -119,7 +119,7 @@ def build_logits_tool(src: Path, bindir: Path, log: Path) -> Path:
     """benchmarks/llamacpp_logits.c compiled against the libllama beside the tools (once)."""
     exe = bindir / "llamacpp-logits"
     if not exe.exists():
-        libs = {p.parent for p in bindir.parent.rglob("libllama.so")} | {p.parent for p in bindir.parent.rglob("libggml*.so")}
+        libs = {p.parent for p in bindir.parent.rglob("lib*.so")}  # libllama's and libggml's folders
         run_logged(["cc", "-O2", ROOT / "benchmarks" / "llamacpp_logits.c", "-I", src / "include",
                     "-I", src / "ggml" / "include", *[f"-L{d}" for d in libs], "-lllama",
                     *[f"-Wl,-rpath,{d}" for d in libs], "-o", exe], log)
@@ -341,6 +341,7 @@ def quality(model: Path, files: dict, rows, logits_tool: Path, threads: int, tar
                          "ids": str(ids_file), "out": str(out)})
         return np.fromfile(out, np.float32).reshape(len(ids), -1)
 
+    @functools.cache
     def llama(text):
         out = tmp / f"logits-llama-{text}.f32"
         timed_process([logits_tool, files[text], ids_file, out, threads, int(llama_repacks())])
@@ -356,7 +357,6 @@ def quality(model: Path, files: dict, rows, logits_tool: Path, threads: int, tar
         return {"rel_l2": float(np.linalg.norm(x - ref) / np.linalg.norm(ref)),
                 "argmax_agree": float(np.mean(x.argmax(-1) == ref.argmax(-1)))}
 
-    llama = functools.cache(llama)
     result = {"tokens": len(ids),
               "ours_f32_vs_llama_f32": distance(lambda: ours("f32"), lambda: llama("text-f32"))}
     for name, precision, text, _ in rows:

@@ -257,8 +257,9 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     Up to SPLIT_K_ROWS rows, split-K, so that the dispatch reads q in its bits: x [M, K] as
     [G, M, g]; one dot_general of it (f32) against q as [G, g, N] (i8 or i4, widened inside the
     contraction), batching over the groups G, gives the groups' partial sums [G, M, N];
-    each times its group's scale (`group_scaled`; an affine weight's plus its group's bias
-    times the sum of x over the group), then summed over G. (Dequantize-then-dot makes IREE 3.13
+    each times its group's scale (a symmetric weight's as a division, `group_scaled`; an
+    affine weight's as a product, plus its group's bias times the sum of x over the group),
+    then summed over G. (Dequantize-then-dot makes IREE 3.13
     write the whole f32 weight each call, and so do a `convert` that a transpose separates
     from the dot and a reduce form in place of the dot_general: docs/text.md, "int8 and
     int4 weights".) More rows: the weight dequantized per call (`dequantized`) into the
