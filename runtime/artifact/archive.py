@@ -265,7 +265,7 @@ def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progr
     and converted only then."""
     return cached_entries(cache, text_archive_fields(model_dir, cfg, precision), text_weights(cfg, precision),
                           lambda: text_checkpoint.text_arrays(model_dir, cfg, precision),
-                          "text weights", precision, progress)
+                          "text weights", "the checkpoint's own bits" if cfg.native_weights else precision, progress)
 
 
 def open_text_archive(path, cfg: TextConfig, precision: str = "f32"):
