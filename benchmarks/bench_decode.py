@@ -12,7 +12,7 @@ and `--precision`, alternating, in one run. `--profile` adds, per context, IREE'
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 --precision int4 mlx4
     .venv/bin/python benchmarks/bench_decode.py --layers 4 --contexts 1024 --lanes 1 4 --precision f32 bf16
 
-`--lanes` times the server's batched step (`decode_<lanes>_<context>`, one token for each of
+`--lanes` times the server's batched step (`decode_<lanes>`, one token for each of
 that many sequences) instead of one sequence's.
 
 Memory: the archive (2B widths: ~0.2 GB per layer in f32) and one module at a time.

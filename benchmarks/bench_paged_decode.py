@@ -8,7 +8,9 @@ step; more: the server's batched step, each lane a sequence of its own blocks), 
 random weights; then `iree-benchmark-module` times a step at slot context - 1 of each,
 alternating for `--rounds` rounds. Ratios (of medians): this tree / baseline at each lane
 count, and each tree's step at the most lanes / its step at the fewest. On a loaded
-machine the minimum of each series is reported too.
+machine the minimum of each series is reported too; `--cpu` times the CPU a step takes
+on one thread instead (user + system of a run of 5 + `--repeats` steps less a run of 5,
+per step), steadier than the wall clock there.
 
     git worktree add /tmp/contiguous 66e80df
     .venv/bin/python benchmarks/bench_paged_decode.py --baseline /tmp/contiguous --context 4096
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -61,6 +64,17 @@ def run(tree: Path, script: str, *args) -> str:
     return done.stdout.strip()
 
 
+def cpu_ms(tree: Path, out: Path, slot: int, repeats: int, lanes: int) -> float:
+    """CPU ms of one step of `tree`'s module on one thread (see the module's docstring)."""
+    def cpu(steps: int) -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        run(tree, TIME, out, slot, steps, 1, lanes)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+    return (cpu(5 + repeats) - cpu(5)) * 1e3 / repeats
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", required=True, help="A checkout of an earlier commit (e.g. before the paged KV cache).")
@@ -71,6 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cpu", action="store_true", help="CPU ms of a step on one thread, not wall ms on --threads")
     p.add_argument("--lanes", type=int, nargs="+", default=[1], help="sequences per step, each timed")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -84,8 +99,9 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for name, tree in trees.items():
                 for n in lanes:
-                    times[name, n].append(float(run(tree, TIME, Path(tmp) / name, args.context - 1, args.repeats,
-                                                    args.threads, n)))
+                    out, slot = Path(tmp) / name, args.context - 1
+                    times[name, n].append(cpu_ms(tree, out, slot, args.repeats, n) if args.cpu else
+                                          float(run(tree, TIME, out, slot, args.repeats, args.threads, n)))
     median = {key: statistics.median(t) for key, t in times.items()}
     report = {f"{name}_{n}_lanes": {"median_ms": round(median[name, n], 3), "min_ms": round(min(times[name, n]), 3),
                                     "ms": [round(x, 3) for x in times[name, n]]} for name, n in times}
@@ -93,7 +109,8 @@ def main(argv=None) -> int:
     if len(lanes) > 1:
         report[f"{lanes[-1]}_lanes_over_{lanes[0]}"] = {name: round(median[name, lanes[-1]] / median[name, lanes[0]], 3)
                                                         for name in trees}
-    report.update(context=args.context, layers=args.layers, precision=args.precision, threads=args.threads)
+    report.update(context=args.context, layers=args.layers, precision=args.precision,
+                  threads=1 if args.cpu else args.threads, measure="CPU ms" if args.cpu else "wall ms")
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

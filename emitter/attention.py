@@ -313,7 +313,7 @@ def grouped_attention(b: Builder, q: Value, keys: list[Value], values: list[Valu
         x = b.reshape(scaled_scores(b, q, k), (kv_heads, groups, s, t))
         block_mask = mask if len(keys) == 1 else b.slice(mask, (0, start), (s, start + t), hint="mask")
         scores.append(b.add(x, b.broadcast_in_dim(block_mask, x.shape, [2, 3], hint="mask"), hint="masked"))
-        start += t
+        start = t if len(keys) == 1 else start + t  # one block may have a run-time length
     if len(scores) == 1:
         probs = b.reshape(softmax(b, scores[0]), (kv_heads, groups * s, start), hint="probs")
         context = matmul(b, probs, values[0], ([2], [1]), ([0], [0]), hint="context")

@@ -3,6 +3,10 @@
 Values know their shape and dtype; each op is one method that checks its operands,
 infers the result type and appends one line. SSA names come from the current stage
 and a hint (`%blocks.3.attn.scores`), and every line carries `loc("<stage>")`.
+
+A shape may hold run-time dimensions (`emitter/dims.py`, sizes bound by `bind`): the
+ops then take their dynamic forms (`dynamic_broadcast_in_dim`, `dynamic_iota`,
+`real_dynamic_slice`; reshapes as `tensor.expand_shape` / `collapse_shape`).
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from math import prod
 
 import numpy as np
+
+from .dims import Dim, count, grouping, is_static, same_count
 
 DTYPES = ("f32", "bf16", "i32", "i64", "i8", "i4", "i1")
 # dot_general operand dtypes that may differ
@@ -36,7 +41,7 @@ class TensorType:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise BuildError(f"unknown dtype {self.dtype!r}")
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "shape", tuple(d if isinstance(d, Dim) else int(d) for d in self.shape))
 
     def __str__(self) -> str:
         return "tensor<" + "".join(f"{d}x" for d in self.shape) + self.dtype + ">"
@@ -84,7 +89,7 @@ def _ints(values) -> str:
 
 
 def _array(values) -> str:
-    return f"array<i64: {_ints(values)}>"
+    return f"array<i64: {_ints(values)}>" if len(values) else "array<i64>"
 
 
 class Builder:
@@ -97,6 +102,7 @@ class Builder:
         self.lines: list[str] = []
         self._names: set[str] = set()
         self._stage = "input"
+        self.extents: dict[str, Value] = {}  # a Dim's base -> its size, scalar i32 (`bind`)
 
     # -- naming and stages -------------------------------------------------
     @contextmanager
@@ -161,6 +167,31 @@ class Builder:
             raise BuildError(f"store_state: {value.type} into @{symbol} of {t}")
         self.lines.append(f'util.global.store {value}, @{symbol} : {t} loc("{self._stage}")')
 
+    # -- run-time dimensions -----------------------------------------------------
+    def bind(self, base: str, size: Value) -> None:
+        """Dims of `base` are `scale` times `size` (a scalar i32) in what is built from here."""
+        self.extents[base] = size
+
+    def dimension_size(self, x: Value, axis: int, hint=None) -> Value:
+        """x's size along `axis`, scalar i32."""
+        t = TensorType((), "i32")
+        return self._op(hint or "dim", f"stablehlo.get_dimension_size {x}, dim = {axis} : ({x.type}) -> {t}", t)
+
+    def size(self, d) -> Value:
+        """A dimension's size (an int or a bound Dim), scalar i32."""
+        if not isinstance(d, Dim):
+            return self.constant(d, (), "i32", hint="size")
+        if d.base not in self.extents:
+            raise BuildError(f"run-time dimension {d.base!r} used before it is bound")
+        base = self.extents[d.base]
+        return base if d.scale == 1 else self.multiply(base, self.constant(d.scale, (), "i32", hint="scale"),
+                                                       hint="size")
+
+    def shape_tensor(self, shape) -> Value:
+        """A shape (ints and bound Dims) as a [rank] i32 value, the operand of a dynamic op."""
+        parts = [self.reshape(self.size(d), (1,), hint="shape") for d in shape]
+        return parts[0] if len(parts) == 1 else self.concatenate(parts, 0, hint="shape")
+
     # -- checks ------------------------------------------------------------
     @staticmethod
     def _same(op: str, *values: Value) -> TensorType:
@@ -172,7 +203,9 @@ class Builder:
 
     # -- constants and iota ------------------------------------------------
     def constant(self, value: float | int, shape=(), dtype: str = "f32", hint: str = "const") -> Value:
-        """A splat constant."""
+        """A splat constant (of a shape with run-time dims: a scalar one broadcast)."""
+        if not is_static(shape):
+            return self.broadcast_in_dim(self.constant(value, (), dtype, hint), shape, [], hint=hint)
         literal = float_literal(value, dtype) if dtype in ("f32", "bf16") else str(int(value))
         t = TensorType(shape, dtype)
         return self._op(hint, f"stablehlo.constant dense<{literal}> : {t}", t)
@@ -188,6 +221,9 @@ class Builder:
         t = TensorType(shape, dtype)
         if not 0 <= dim < len(t.shape):
             raise BuildError(f"iota: dim {dim} out of {t}")
+        if not is_static(t.shape):
+            s = self.shape_tensor(t.shape)
+            return self._op(hint, f"stablehlo.dynamic_iota {s}, dim = {dim} : ({s.type}) -> {t}", t)
         return self._op(hint, f"stablehlo.iota dim = {dim} : {t}", t)
 
     # -- elementwise ------------------------------------------------------
@@ -244,13 +280,48 @@ class Builder:
                 or any(x.shape[i] not in (1, shape[d]) for i, d in enumerate(dims))):
             raise BuildError(f"broadcast_in_dim: {x.type} cannot map to {shape} by dims {dims}")
         t = TensorType(shape, x.dtype)
+        if not is_static(shape):
+            s = self.shape_tensor(shape)
+            expanding = [i for i, d in enumerate(dims) if x.shape[i] != shape[d]]
+            same = [i for i, d in enumerate(dims) if x.shape[i] == shape[d]]
+            attrs = (f"broadcast_dimensions = {_array(dims)}, known_expanding_dimensions = {_array(expanding)}, "
+                     f"known_nonexpanding_dimensions = {_array(same)}")
+            return self._op(hint or "bcast", f'"stablehlo.dynamic_broadcast_in_dim"({x}, {s}) {{{attrs}}} : '
+                                             f"({x.type}, {s.type}) -> {t}", t)
         return self._op(hint or "bcast", f"stablehlo.broadcast_in_dim {x}, dims = [{_ints(dims)}] : ({x.type}) -> {t}", t)
 
     def reshape(self, x: Value, shape, hint=None) -> Value:
         t = TensorType(shape, x.dtype)
-        if prod(t.shape) != prod(x.shape):
+        if not same_count(t.shape, x.shape):
             raise BuildError(f"reshape: {x.type} has a different element count than {t}")
+        if not (is_static(t.shape) and is_static(x.shape)):
+            return self._dynamic_reshape(x, t, hint or "reshape")
         return self._op(hint or "reshape", f"stablehlo.reshape {x} : ({x.type}) -> {t}", t)
+
+    def _dynamic_reshape(self, x: Value, t: TensorType, hint: str) -> Value:
+        """A reshape with run-time dims: a collapse or an expansion of dims as tensor's
+        own ops, which IREE fuses like static reshapes (any other of one base: a collapse to
+        one dim, then an expansion); else `dynamic_reshape`."""
+        collapse, expand = grouping(x.shape, t.shape), grouping(t.shape, x.shape)
+        if collapse and len(t.shape) < x.rank:
+            return self._op(hint, f"tensor.collapse_shape {x} {collapse} : {x.type} into {t}", t)
+        if expand and len(t.shape) > x.rank:
+            sizes = [str(d) if not isinstance(d, Dim) else self._index(self.size(d), hint) for d in t.shape]
+            return self._op(hint, f"tensor.expand_shape {x} {expand} output_shape [{', '.join(sizes)}] : "
+                                  f"{x.type} into {t}", t)
+        factor, bases = count(x.shape)
+        if len(bases) == 1 and x.rank > 1 and len(t.shape) > 1:
+            flat = self._dynamic_reshape(x, TensorType((Dim(bases[0], factor),), x.dtype), hint)
+            return self._dynamic_reshape(flat, t, hint)
+        s = self.shape_tensor(t.shape)
+        return self._op(hint, f"stablehlo.dynamic_reshape {x}, {s} : ({x.type}, {s.type}) -> {t}", t)
+
+    def _index(self, size: Value, hint: str) -> str:
+        """A scalar i32 value as an `index` SSA name (for tensor ops' sizes)."""
+        element, index = (self._fresh(f"{self._stage}.{hint}_{n}") for n in ("i32", "index"))
+        self.lines += [f'%{element} = tensor.extract {size}[] : {size.type} loc("{self._stage}")',
+                       f'%{index} = arith.index_cast %{element} : i32 to index loc("{self._stage}")']
+        return f"%{index}"
 
     def transpose(self, x: Value, perm, hint=None) -> Value:
         if sorted(perm) != list(range(x.rank)):
@@ -259,10 +330,17 @@ class Builder:
         return self._op(hint or "transpose", f"stablehlo.transpose {x}, dims = [{_ints(perm)}] : ({x.type}) -> {t}", t)
 
     def slice(self, x: Value, start, limit, hint=None) -> Value:
-        if len(start) != x.rank or len(limit) != x.rank or any(
-                not 0 <= s < e <= d for s, e, d in zip(start, limit, x.shape)):
+        """x[start:limit]; along a run-time dim only the whole of it (`limit` that Dim)."""
+        def inside(s, e, d):
+            return s == 0 and e == d if isinstance(d, Dim) else not isinstance(e, Dim) and 0 <= s < e <= d
+
+        if len(start) != x.rank or len(limit) != x.rank or not all(map(inside, start, limit, x.shape)):
             raise BuildError(f"slice: [{start}, {limit}) out of {x.type}")
-        t = TensorType([e - s for s, e in zip(start, limit)], x.dtype)
+        t = TensorType([e if isinstance(e, Dim) else e - s for s, e in zip(start, limit)], x.dtype)
+        if not is_static(x.shape):
+            first, end, step = (self.shape_tensor(v) for v in (start, limit, [1] * x.rank))
+            return self._op(hint or "slice", f"stablehlo.real_dynamic_slice {x}, {first}, {end}, {step} : "
+                                             f"({x.type}, {first.type}, {end.type}, {step.type}) -> {t}", t)
         ranges = ", ".join(f"{s}:{e}" for s, e in zip(start, limit))
         return self._op(hint or "slice", f"stablehlo.slice {x} [{ranges}] : ({x.type}) -> {t}", t)
 
@@ -274,7 +352,8 @@ class Builder:
     def dynamic_slice(self, x: Value, starts: list[Value], sizes, hint=None) -> Value:
         """x[s0:s0+n0, ...] at run-time starts (scalar i32; clamped into range by StableHLO)."""
         operands = self._check_starts("dynamic_slice", x, starts)
-        if len(sizes) != x.rank or any(not 0 < n <= d for n, d in zip(sizes, x.shape)):
+        if len(sizes) != x.rank or any(isinstance(n, Dim) or not 0 < n or (not isinstance(d, Dim) and n > d)
+                                       for n, d in zip(sizes, x.shape)):
             raise BuildError(f"dynamic_slice: sizes {list(sizes)} out of {x.type}")
         t = TensorType(sizes, x.dtype)
         types = ", ".join([str(x.type)] + [str(s.type) for s in starts])
@@ -282,10 +361,20 @@ class Builder:
                                           f"({types}) -> {t}", t)
 
     def dynamic_update_slice(self, x: Value, update: Value, starts: list[Value], hint=None) -> Value:
-        """x with `update` written at run-time starts (scalar i32; clamped into range)."""
+        """x with `update` written at run-time starts (scalar i32; clamped into range, but
+        for an x of run-time shape: there the update must fit where it is written)."""
         operands = self._check_starts("dynamic_update_slice", x, starts)
-        if update.dtype != x.dtype or update.rank != x.rank or any(u > d for u, d in zip(update.shape, x.shape)):
+        def fits(u, d):
+            return u == d if isinstance(u, Dim) else isinstance(d, Dim) or u <= d
+
+        if update.dtype != x.dtype or update.rank != x.rank or not all(map(fits, update.shape, x.shape)):
             raise BuildError(f"dynamic_update_slice: {update.type} does not fit in {x.type}")
+        if not is_static(x.shape):  # IREE 3.13 lowers no dynamic_update_slice of a run-time shape
+            offsets = ", ".join(self._index(s, hint or "dupdate") for s in starts)
+            sizes = ", ".join(str(d) if not isinstance(d, Dim) else self._index(self.size(d), hint or "dupdate")
+                              for d in update.shape)
+            return self._op(hint or "dupdate", f"tensor.insert_slice {update} into {x}[{offsets}] [{sizes}] "
+                                               f"[{', '.join(['1'] * x.rank)}] : {update.type} into {x.type}", x.type)
         types = ", ".join([str(x.type), str(update.type)] + [str(s.type) for s in starts])
         return self._op(hint or "dupdate", f"stablehlo.dynamic_update_slice {x}, {update}, {operands} : "
                                            f"({types}) -> {x.type}", x.type)
@@ -312,6 +401,8 @@ class Builder:
             if v.dtype != first.dtype or v.rank != first.rank or any(
                     a != b for i, (a, b) in enumerate(zip(v.shape, first.shape)) if i != dim):
                 raise BuildError(f"concatenate: {v.type} does not stack with {first.type} on dim {dim}")
+        if not is_static([v.shape[dim] for v in values]):
+            raise BuildError(f"concatenate: along run-time dim {dim} of {[str(v.type) for v in values]}")
         shape = list(first.shape)
         shape[dim] = sum(v.shape[dim] for v in values)
         t = TensorType(shape, first.dtype)
@@ -402,7 +493,8 @@ class Builder:
         if table.rank != 2 or indices.dtype != "i32":
             raise BuildError(f"take_rows: needs [R, W] and i32 indices, got {table.type} and {indices.type}")
         t = TensorType((*indices.shape, table.shape[1]), table.dtype)
-        empty = self._op((hint or "take") + "_init", f"tensor.empty() : {t}", t)
+        sizes = [self._index(self.size(d), hint or "take") for d in indices.shape if isinstance(d, Dim)]
+        empty = self._op((hint or "take") + "_init", f"tensor.empty({', '.join(sizes)}) : {t}", t)
         return self._op(hint or "take", f"iree_linalg_ext.gather dimension_map = [0] ins({table}, {indices} : "
                                         f"{table.type}, {indices.type}) outs({empty} : {t}) -> {t}", t)
 

@@ -7,8 +7,9 @@ it: slot s lives at block table[s // BLOCK], row s % BLOCK. The runtime owns the
 (runtime/kv_cache.py); block 0 is never given out: a table's unused entries name it, and
 the padded rows of a chunk are written there.
 
-- `read_blocks` gathers a sequence's first L slots, `[kv_heads, L/BLOCK, BLOCK, head_dim]`
-  (`read_span`: as `[kv_heads, L, head_dim]`);
+- `read_blocks` gathers the slots of a table's blocks, `[kv_heads, N, BLOCK, head_dim]`
+  for a table of N entries (`read_span`: as `[kv_heads, N x BLOCK, head_dim]`); N may be
+  a run-time dim (`SPAN_BLOCKS`): a call reads as many blocks as its caller passes;
 - `write_chunk` writes a chunk's K/V (its start and length whole blocks) block by block;
 - `write_token` updates one slot.
 """
@@ -16,8 +17,11 @@ the padded rows of a chunk are written there.
 from __future__ import annotations
 
 from .builder import Builder, Value
+from .dims import Dim
 
 BLOCK = 16  # slots a block holds (vLLM's default block size)
+SPAN_BLOCKS = Dim("blocks")  # the block-table entries a call reads, known at run time
+SPAN = SPAN_BLOCKS * BLOCK  # the slots those blocks hold
 
 
 def pool_shape(kv_heads: int, blocks: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -31,24 +35,25 @@ def table_entries(b: Builder, table: Value, first: Value | int, count: int, hint
     return b.dynamic_slice(table, [first], (count,), hint=hint)
 
 
-def read_blocks(b: Builder, pool: Value, table: Value, span: int) -> Value:
-    """Slots 0..span-1 of the sequence whose block table is `table`, by block: [kv_heads,
-    span / BLOCK, BLOCK, head_dim]."""
+def read_blocks(b: Builder, pool: Value, table: Value) -> Value:
+    """The slots of the blocks `table` [N] names, in order, by block: [kv_heads, N, BLOCK,
+    head_dim] (N an int or a run-time Dim)."""
     kv_heads, blocks, _, head_dim = pool.shape
-    count = span // BLOCK
+    (count,) = table.shape
     rows = b.reshape(pool, (kv_heads * blocks, BLOCK * head_dim), hint="pool_rows")  # a view: row h * blocks + i
-    entries = b.broadcast_in_dim(table_entries(b, table, 0, count, "span_blocks"), (kv_heads, count), [1],
-                                 hint="span_blocks")
-    head_rows = b.multiply(b.iota((kv_heads, count), 0, "i32", hint="head"),
-                           b.constant(blocks, (kv_heads, count), "i32", hint="blocks"), hint="head_rows")
-    taken = b.take_rows(rows, b.add(head_rows, entries, hint="span_rows"), hint="span")
+    head_rows = b.multiply(b.iota((kv_heads,), 0, "i32", hint="head"), b.constant(blocks, (kv_heads,), "i32",
+                                                                                   hint="blocks"), hint="head_rows")
+    rows_of = b.add(b.broadcast_in_dim(head_rows, (kv_heads, count), [0], hint="head_rows"),
+                    b.broadcast_in_dim(table, (kv_heads, count), [1], hint="span_blocks"), hint="span_rows")
+    taken = b.take_rows(rows, rows_of, hint="span")
     return b.reshape(taken, (kv_heads, count, BLOCK, head_dim), hint="span")
 
 
-def read_span(b: Builder, pool: Value, table: Value, span: int) -> Value:
-    """Slots 0..span-1 of the sequence whose block table is `table`: [kv_heads, span, head_dim]."""
+def read_span(b: Builder, pool: Value, table: Value) -> Value:
+    """The slots of the blocks `table` [N] names, in order: [kv_heads, N x BLOCK, head_dim]."""
     kv_heads, _, _, head_dim = pool.shape
-    return b.reshape(read_blocks(b, pool, table, span), (kv_heads, span, head_dim), hint="span")
+    (count,) = table.shape
+    return b.reshape(read_blocks(b, pool, table), (kv_heads, count * BLOCK, head_dim), hint="span")
 
 
 def block_of(b: Builder, slot: Value) -> tuple[Value, Value]:

@@ -1,6 +1,6 @@
 """The Qwen3-VL language model as one module over a paged KV cache (emitter/kv_pages.py):
-`prefill_<S>_<L>` per prompt bucket S and attention span L, `decode_<B>_<L>` per lane
-count B and span L, and `reset`, over the same weight globals (a parameter archive, scope
+`prefill_<S>` per prompt bucket S, `decode_<B>` per lane count B, and `reset`, over the
+same weight globals (a parameter archive, scope
 `model`, keys the checkpoint names) and the same KV pools, mutable globals that stay on
 the device between calls. `qwen3vl generate` runs one sequence of it, `qwen3vl serve` up
 to `--max-batch` at once (its decode steps feed every running sequence one token).
@@ -10,7 +10,13 @@ row s % BLOCK of block table[s // BLOCK]. A prompt runs as chunks (`prefill_chun
 slot 0 or from the end of a prefix already in the cache (runtime/kv_cache.py), each the
 smallest bucket that holds the rest, or the largest.
 
-prefill_<S>_<L> (a chunk of S tokens at slot `start`, over the sequence's first L slots):
+A call attends over the sequence's first L slots: the blocks of the table it is given, N
+= L / BLOCK entries, N a run-time dimension (`SPAN_BLOCKS`): the runtime passes a table's
+first N entries, as many as hold the slots in use, so a short chat in a long context reads
+its own blocks of each layer's cache, not the context's, and one function serves every
+length (one per span was ~35 entries of 28 layers at 2B to compile at the serve defaults).
+
+prefill_<S> (a chunk of S tokens at slot `start`, over the sequence's first L slots):
   tokens        [S] i32        token ids (image pads included)
   visual        [S] i32        1 at the image-pad positions, else 0
   visual_embeds [S, D] f32     the image embeddings at those rows (zeros elsewhere)
@@ -19,17 +25,17 @@ prefill_<S>_<L> (a chunk of S tokens at slot `start`, over the sequence's first 
   positions     [3, S] i32     (t, h, w) M-RoPE position ids
   last          [] i32         index of the chunk's last real token
   start         [] i32         its first slot (a multiple of BLOCK; start + S <= L)
-  table         [max_blocks] i32
+  table         [N] i32        the sequence's first N blocks (N <= max_blocks)
   -> logits [1, vocab] f32 of token `last`; K and V of rows 0..S-1 written to slots
   start..start+S-1 (rows past the prompt's end land in block 0 or in slots decode rewrites).
-decode_<B>_<L> (B lanes, each one token of a sequence; L holds every lane's slot):
+decode_<B> (B lanes, each one token of a sequence; L holds every lane's slot):
   tokens [B] i32, positions [3, B] i32, slots [B] i32 (lane i's token's slot = its text
-  position), tables [B, max_blocks] i32 (distinct sequences, or a lane repeating another's
-  inputs whole)
+  position), tables [B, N] i32 (each lane's sequence's first N blocks; distinct
+  sequences, or a lane repeating another's inputs whole)
   -> logits [B, vocab] f32; each lane's K/V written at its slot, attending over its
   sequence's slots 0..slot. The runtime calls the smallest B that holds the running
-  sequences and the shortest L that holds the longest (`attention_spans`): a short chat
-  in a long context reads L slots of each layer's cache, not the context's.
+  sequences, with the fewest blocks that hold the longest one's slot (`decode_blocks`);
+  the masked slots a longer table adds contribute exact zeros (lanes equal each alone).
 reset(fill [2 x layers] f32): see `reset_function`.
 
 Per layer (transformers' Qwen3VLTextDecoderLayer): h = x + o(attn(rope(q_norm(q(n1))),
@@ -46,14 +52,13 @@ from .builder import Builder, Value
 from .config import (PARAMETER_SCOPE, PRECISION_NOTES, ConfigError, WeightSpec, activation_dtype, check_precision,
                      weight_dtype)
 from .attention import grouped_attention, token_attention
-from .kv_pages import BLOCK, pool_shape, read_blocks, read_span, write_chunk, write_token
+from .kv_pages import BLOCK, SPAN, SPAN_BLOCKS, pool_shape, read_blocks, read_span, write_chunk, write_token
 from .layers import apply_rotary, dequantized, gated_mlp, mrope_tables, packed, project, rms_norm, rope_inv_freq
 from .module import function, render
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
 MODULE_NAME = "qwen3vl_text"
 PREFILL, DECODE, RESET = "prefill", "decode", "reset"
-SHORTEST_SPAN = 512  # the shortest attention span a function has
 MATMUL_SUFFIXES = ("proj.weight", "embed_tokens.weight", LM_HEAD)
 KV_DTYPES = ("f32", "bf16")
 KV_CACHE_HELP = ("KV cache element type: bf16 halves the cache's memory, its keys and values rounded to bf16 "
@@ -74,15 +79,6 @@ def _count(value, what: str, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise TextShapeError(f"{what} {value!r}: expected an integer of at least {least}")
     return value
-
-
-def attention_spans(slots: int) -> tuple[int, ...]:
-    """The spans a function may attend over: 512, 1024, ... below `slots`, then `slots`."""
-    spans, span = [], SHORTEST_SPAN
-    while span < slots:
-        spans.append(span)
-        span *= 2
-    return (*spans, slots)
 
 
 def lane_counts(lanes: int) -> list[int]:
@@ -133,38 +129,40 @@ class TextShape:
     def max_blocks(self) -> int:
         return self.slots // BLOCK
 
-    @property
-    def spans(self) -> tuple[int, ...]:
-        return attention_spans(self.slots)
 
-    def span_for(self, slots: int) -> int:
-        """The shortest span that holds slots 0..slots-1."""
-        return next(span for span in self.spans if span >= slots)
+def prefill_name(bucket: int) -> str:
+    return f"{PREFILL}_{bucket}"
 
 
-def prefill_name(bucket: int, span: int) -> str:
-    return f"{PREFILL}_{bucket}_{span}"
+def decode_name(lanes: int) -> str:
+    return f"{DECODE}_{lanes}"
 
 
-def decode_name(lanes: int, span: int) -> str:
-    return f"{DECODE}_{lanes}_{span}"
+def decode_blocks(slots) -> int:
+    """The table entries a decode step reads: the fewest blocks that hold every lane's slot
+    (its own K/V is written there)."""
+    return max(slots) // BLOCK + 1
 
 
 @dataclass(frozen=True)
 class Chunk:
     start: int  # its first slot (= text position)
     size: int  # the bucket (real rows: min(size, n - start))
-    span: int  # the slots it attends over
 
     @property
     def name(self) -> str:
-        return prefill_name(self.size, self.span)
+        return prefill_name(self.size)
+
+    @property
+    def blocks(self) -> int:
+        """The table entries its call reads: the blocks of slots 0..start+size-1."""
+        return (self.start + self.size) // BLOCK
 
 
 def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | None:
     """The calls that prefill slots start..n-1 of a prompt of n tokens (slots before
     `start` already cached; a multiple of BLOCK): each chunk the smallest bucket that holds
-    the rest, or the largest, over the shortest span that holds it. None if the last one
+    the rest, or the largest, attending over its sequence's slots up to its end. None if the last one
     would end past the sequence's slots (only a `start` that is not a multiple of the
     largest bucket can do that)."""
     chunks = []
@@ -172,7 +170,7 @@ def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | No
         size = next((b for b in shape.buckets if b >= n - start), shape.buckets[-1])
         if start + size > shape.slots:
             return None
-        chunks.append(Chunk(start, size, shape.span_for(start + size)))
+        chunks.append(Chunk(start, size))
         start += size
     return chunks
 
@@ -275,8 +273,8 @@ class TextGraph:
 
     def attend(self, n: int, q: Value, k: Value, v: Value, table: Value, start: Value, mask: Value) -> Value:
         """Layer n's attention of a chunk's q over its sequence's cache, and its own K/V (at
-        slots start..) stored. The keys and values are the sequence's first L slots (L the
-        mask's width) read through `table`. A chunk lays its own K/V over slots start.., one
+        slots start..) stored. The keys and values are the sequence's first L slots, the
+        blocks of `table` (L the mask's width). A chunk lays its own K/V over slots start.., one
         array in slot order, so that a row's sums run over the same keys in the same order
         however its prompt was chunked (a prefix-cache hit rounds as a miss). One token
         (decode; its mask hides its own slot) attends over the cache where it lies and over
@@ -284,19 +282,19 @@ class TextGraph:
         the update is ordered after it (one barrier): reading the value just stored gave
         wrong results on IREE 3.13, and with the loaded value still to be read IREE copied
         each whole pool before updating it."""
-        b, span = self.b, mask.shape[1]
+        b = self.b
         loaded = [b.load_state(state) for state in self.pages[n]]
         own = self.attended(k, v)
         if q.shape[0] == 1:
-            cached = [self.read(read_blocks(b, pool, table, span)) for pool in loaded]
+            cached = [self.read(read_blocks(b, pool, table)) for pool in loaded]
             context = token_attention(b, q, *cached, mask, *own)
         else:
-            keys, values = (b.dynamic_update_slice(self.read(read_span(b, pool, table, span)), x,
+            keys, values = (b.dynamic_update_slice(self.read(read_span(b, pool, table)), x,
                                                    [self.zero, start, self.zero], hint="own_kv")
                             for pool, x in zip(loaded, own))
-            # Copied out behind a barrier: fused into the attention's data-tiling pack, a slice
-            # of the cache became one vector op too large for IREE 3.13's CPU codegen.
-            keys, values = b.optimization_barriers([keys, values], hint="kv")
+            # No barrier over them (a barrier over a value of run-time shape fails IREE 3.13's
+            # shape cleanup); at static spans, fused into the data-tiling pack, a slice of the
+            # cache became one vector op too large for its CPU codegen, at a run-time one not.
             context = grouped_attention(b, q, [keys], [values], mask)
         *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
         for state, pool, x in zip(self.pages[n], loaded, (k, v)):
@@ -377,7 +375,7 @@ class TextGraph:
         return function(self.b, name, [("logits", logits)])
 
 
-def position_mask(b: Builder, start: Value, s: int, span: int, own: bool = True) -> Value:
+def position_mask(b: Builder, start: Value, s: int, span, own: bool = True) -> Value:
     """Additive [S, span]: row i (slot start + i) sees the slots up to its own (`own`
     false: before it)."""
     shape = (s, span)
@@ -388,26 +386,29 @@ def position_mask(b: Builder, start: Value, s: int, span: int, own: bool = True)
 
 
 def prefill_inputs(cfg: TextConfig, shape: TextShape, bucket: int, deepstack_layers: int) -> list[tuple]:
-    """(name, shape, dtype) of prefill_<bucket>_<L>'s arguments, in order."""
+    """(name, shape, dtype) of prefill_<bucket>'s arguments, in order (the table's length a
+    run-time dim, `SPAN_BLOCKS`)."""
     d = cfg.hidden_size
     deepstack = [("deepstack", (deepstack_layers, bucket, d), "f32")] if deepstack_layers else []
     return [("tokens", (bucket,), "i32"), ("visual", (bucket,), "i32"), ("visual_embeds", (bucket, d), "f32"),
             *deepstack, ("positions", (3, bucket), "i32"), ("last", (), "i32"), ("start", (), "i32"),
-            ("table", (shape.max_blocks,), "i32")]
+            ("table", (SPAN_BLOCKS,), "i32")]
 
 
-def decode_inputs(shape: TextShape, lanes: int) -> list[tuple]:
+def decode_inputs(lanes: int) -> list[tuple]:
     return [("tokens", (lanes,), "i32"), ("positions", (3, lanes), "i32"), ("slots", (lanes,), "i32"),
-            ("tables", (lanes, shape.max_blocks), "i32")]
+            ("tables", (lanes, SPAN_BLOCKS), "i32")]
 
 
-def prefill_function(cfg: TextConfig, shape: TextShape, bucket: int, span: int, deepstack_layers: int,
+def prefill_function(cfg: TextConfig, shape: TextShape, bucket: int, deepstack_layers: int,
                      precision: str = "f32") -> tuple[dict, list[str]]:
-    """prefill_<bucket>_<span>: a chunk of `bucket` tokens at slot `start` of a sequence."""
+    """prefill_<bucket>: a chunk of `bucket` tokens at slot `start` of a sequence, over the
+    slots of the blocks its table names."""
     g = TextGraph(cfg, shape, precision)
     b = g.b
     inputs = {name: g.argument(name, dims, dtype)
               for name, dims, dtype in prefill_inputs(cfg, shape, bucket, deepstack_layers)}
+    b.bind(SPAN_BLOCKS.base, b.dimension_size(inputs["table"], 0, hint="span_blocks"))
     d = cfg.hidden_size
     with b.stage("embed"):
         visual = b.compare("NE", inputs["visual"], b.constant(0, (bucket,), "i32"), hint="visual")
@@ -421,22 +422,22 @@ def prefill_function(cfg: TextConfig, shape: TextShape, bucket: int, span: int, 
             feature = b.reshape(b.slice(inputs["deepstack"], (n, 0, 0), (n + 1, bucket, d)), (bucket, d))
             return b.add(x, feature, hint="deepstack")  # zero off the visual rows: x + 0 = x
 
-    x = g.decoder(x, inputs["positions"], lambda: position_mask(b, inputs["start"], bucket, span),
+    x = g.decoder(x, inputs["positions"], lambda: position_mask(b, inputs["start"], bucket, SPAN),
                   lambda n, q, k, v, mask: g.attend(n, q, k, v, inputs["table"], inputs["start"], mask), deepstack)
     with b.stage("last"):
         row = b.dynamic_slice(x, [inputs["last"], g.zero], (1, d), hint="last")
-    return g.function(prefill_name(bucket, span), g.logits(row)), b.globals
+    return g.function(prefill_name(bucket), g.logits(row)), b.globals
 
 
-def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, span: int,
-                    precision: str = "f32") -> tuple[dict, list]:
-    """decode_<lanes>_<span>: one token for each of `lanes` sequences, lane i at slot
-    slots[i] of the sequence whose table is tables[i]. Every weight matmul (projections,
+def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, precision: str = "f32") -> tuple[dict, list]:
+    """decode_<lanes>: one token for each of `lanes` sequences, lane i at slot slots[i] of
+    the sequence whose first blocks are tables[i]. Every weight matmul (projections,
     MLP, lm_head) runs once for all lanes, so a step reads the weights once; attention is
     per lane, over its own sequence."""
     g = TextGraph(cfg, shape, precision)
     b = g.b
-    inputs = {name: g.argument(name, dims, dtype) for name, dims, dtype in decode_inputs(shape, lanes)}
+    inputs = {name: g.argument(name, dims, dtype) for name, dims, dtype in decode_inputs(lanes)}
+    b.bind(SPAN_BLOCKS.base, b.dimension_size(inputs["tables"], 1, hint="span_blocks"))
     with b.stage("embed"):
         x = g.embed(inputs["tokens"])
 
@@ -444,8 +445,8 @@ def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, span: int,
         return b.reshape(b.slice(inputs[name], (i,), (i + 1,)), (), hint=name[:-1])
 
     slots = [scalar("slots", i) for i in range(lanes)]
-    tables = [b.reshape(b.slice(inputs["tables"], (i, 0), (i + 1, shape.max_blocks)), (shape.max_blocks,),
-                        hint="table") for i in range(lanes)]
+    tables = [b.reshape(b.slice(inputs["tables"], (i, 0), (i + 1, SPAN_BLOCKS)) if lanes > 1 else inputs["tables"],
+                        (SPAN_BLOCKS,), hint="table") for i in range(lanes)]
 
     def lane(value: Value, i: int, axis: int) -> Value:
         start, limit = [0] * value.rank, list(value.shape)
@@ -457,9 +458,9 @@ def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, span: int,
                     for i in range(lanes)]
         return contexts[0] if lanes == 1 else b.concatenate(contexts, 0, hint="context")
 
-    masks = lambda: [position_mask(b, slot, 1, span, own=False) for slot in slots]  # noqa: E731
+    masks = lambda: [position_mask(b, slot, 1, SPAN, own=False) for slot in slots]  # noqa: E731
     x = g.decoder(x, inputs["positions"], masks, attend)
-    return g.function(decode_name(lanes, span), g.logits(x)), b.globals
+    return g.function(decode_name(lanes), g.logits(x)), b.globals
 
 
 def reset_function(cfg: TextConfig, shape: TextShape, precision: str = "f32") -> tuple[dict, list]:
@@ -481,17 +482,14 @@ def reset_function(cfg: TextConfig, shape: TextShape, precision: str = "f32") ->
 def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, precision: str = "f32",
                      functions: str = "all") -> str:
     """MLIR text of the language-model module (deterministic: same input, same bytes):
-    `prefill_<S>_<L>` for each bucket S and span L >= S, `decode_<B>_<L>` for each lane
-    count B and span L, and `reset` (`functions` "prefill" or "decode": only those, for
-    benchmarks)."""
+    `prefill_<S>` for each bucket S, `decode_<B>` for each lane count B, and `reset`
+    (`functions` "prefill" or "decode": only those, for benchmarks)."""
     check_precision(precision)
     entries = []
     if functions in ("all", "prefill"):
-        entries += [prefill_function(cfg, shape, s, span, deepstack_layers, precision)
-                    for s in shape.buckets for span in shape.spans if span >= s]
+        entries += [prefill_function(cfg, shape, s, deepstack_layers, precision) for s in shape.buckets]
     if functions in ("all", "decode"):
-        entries += [decode_function(cfg, shape, n, span, precision) for span in shape.spans
-                    for n in lane_counts(shape.lanes)]
+        entries += [decode_function(cfg, shape, n, precision) for n in lane_counts(shape.lanes)]
     entries.append(reset_function(cfg, shape, precision))
     functions_, shared = [], None
     for entry, globals_ in entries:

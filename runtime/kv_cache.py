@@ -126,7 +126,9 @@ class BlockPool:
                 self.key_of[block] = key
 
     def table(self, seq: Blocks, length: int) -> np.ndarray:
-        """The block table [length] i32 of `seq` (its unused entries name block 0)."""
+        """The first `length` entries of `seq`'s block table, [length] i32 (entries past its
+        blocks name block 0)."""
         out = np.zeros(length, np.int32)
-        out[:len(seq.ids)] = seq.ids
+        ids = seq.ids[:length]
+        out[:len(ids)] = ids
         return out

@@ -32,8 +32,8 @@ from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
 from emitter import quant
 from emitter.config import NATIVE_PRECISION, is_native
-from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_name, emit_text_module,
-                          lane_counts, prefill_chunks, prefill_inputs, text_weights)
+from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_blocks, decode_name,
+                          emit_text_module, lane_counts, prefill_chunks, prefill_inputs, text_weights)
 
 from runtime.artifact.archive import release_mapped_pages
 from runtime.artifact.build import compiled_module
@@ -250,7 +250,7 @@ class TextSession:
         for chunk in prefill_chunks(ids.size, self.shape, start):
             args = self.prefill_arguments(chunk, ids, prompt.positions, prompt.visual, prompt.embeds,
                                           prompt.deepstack)
-            result = invoke(self.module[chunk.name], *args, np.array(chunk.start, np.int32), table)
+            result = invoke(self.module[chunk.name], *args, np.array(chunk.start, np.int32), table[:chunk.blocks])
         logits = self._logits(result).reshape(-1)
         self.pool.remember(seq.ids[seq.keyed:len(seq.keys)], seq.keys[seq.keyed:])
         return logits
@@ -271,9 +271,9 @@ class TextSession:
     def decode_batch(self, seqs: list[Blocks], tokens, rope_positions, slots) -> np.ndarray:
         """One step for the sequences `seqs` (distinct, each covering its slot): seqs[i] is
         fed `tokens[i]` at text position (cache slot) `slots[i]` and M-RoPE position
-        `rope_positions[i]`; their logits [len(seqs), vocab]. Runs the smallest
-        `decode_<B>_<L>` that holds them, over the shortest span that holds the longest (bit
-        for bit what each alone gives, tested); spare lanes repeat lane 0 (its write, twice)."""
+        `rope_positions[i]`; their logits [len(seqs), vocab]. Runs the smallest `decode_<B>`
+        that holds them, over the blocks that hold the longest (bit for bit what each alone
+        gives, tested); spare lanes repeat lane 0 (its write, twice)."""
         n = len(seqs)
         lanes = next(b for b in lane_counts(self.lanes) if b >= n)
         pad = lambda values: np.concatenate([np.asarray(values, np.int32).reshape(n),  # noqa: E731
@@ -282,10 +282,10 @@ class TextSession:
         if slots.max() >= self.context:
             raise GenerateError(f"context of {self.context} tokens is full; give a larger --context")
         self._check_ids(tokens)
-        tables = np.stack([self.pool.table(seqs[i if i < n else 0], self.shape.max_blocks) for i in range(lanes)])
+        blocks = decode_blocks(slots)
+        tables = np.stack([self.pool.table(seqs[i if i < n else 0], blocks) for i in range(lanes)])
         positions = np.repeat(rope.reshape(1, lanes), 3, axis=0)
-        span = self.shape.span_for(int(slots.max()) + 1)
-        result = invoke(self.module[decode_name(lanes, span)], tokens, positions, slots, tables)
+        result = invoke(self.module[decode_name(lanes)], tokens, positions, slots, tables)
         return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]
 
     # -- one sequence (generate) -------------------------------------------------

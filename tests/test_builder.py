@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from emitter.builder import Builder, BuildError, TensorType, Value, float_literal
+from emitter.dims import Dim
 from emitter.vision import render_module
 from runtime.artifact.compiler import compile_mlir
 from runtime.artifact.iree_module import LoadedModule
@@ -376,6 +377,46 @@ def test_broadcast_to_and_scalar():
     out = run(b, res, x)
     assert_bits(out["scaled"], np.broadcast_to(x * np.float32(0.5), (4, 3)))
     assert_exact(out["ione"], np.full((2, 2), 3, np.int32))
+
+
+def test_run_time_dims():
+    """A shape with a run-time dim (emitter/dims.py) takes the ops' dynamic forms: one
+    compiled function, called at two sizes, against numpy."""
+    n = Dim("n")
+    b = Builder()
+    x = b.argument("x", (n, 3))
+    b.bind("n", b.dimension_size(x, 0))
+    flat = b.reshape(x, (n * 3,))  # dynamic_reshape
+    column = b.slice(x, (0, 1), (n, 2))  # real_dynamic_slice
+    res = {"rows": b.iota((n, 3), 0),  # dynamic_iota
+           "flat": flat,
+           "back": b.add(b.reshape(flat, (n, 3)), b.scalar(2.0, x)),  # a constant of run-time shape
+           "wide": b.broadcast_in_dim(column, (2, n, 1), [1, 2]),  # dynamic_broadcast_in_dim
+           "size": b.size(n * 2)}
+    assert res["flat"].type == TensorType((n * 3,), "f32") and str(res["wide"].type) == "tensor<2x?x1xf32>"
+    module = LoadedModule(compile_mlir(render(b, res)))
+    for size in (1, 5):
+        xv = rng().standard_normal((size, 3), dtype=np.float32)
+        rows, flat, back, wide, twice = module(xv)
+        assert_exact(rows, np.repeat(np.arange(size, dtype=np.int32)[:, None], 3, 1))
+        assert_bits(flat, xv.reshape(-1))
+        assert_bits(back, xv + np.float32(2.0))
+        assert_bits(wide, np.broadcast_to(xv[None, :, 1:2], (2, size, 1)))
+        assert int(twice) == 2 * size
+
+
+@pytest.mark.parametrize("case", ["slice_part", "reshape_count", "concat_along", "unbound", "dslice_size"])
+def test_run_time_dim_errors(case):
+    n = Dim("n")
+    b = Builder()
+    x = b.argument("x", (n, 3))
+    ops = {"slice_part": lambda: b.slice(x, (1, 0), (n, 3)),
+           "reshape_count": lambda: b.reshape(x, (n * 2,)),
+           "concat_along": lambda: b.concatenate([x, x], 0),
+           "unbound": lambda: b.iota((n, 3), 0),
+           "dslice_size": lambda: b.dynamic_slice(x, [b.constant(0, (), "i32")] * 2, (n, 3))}
+    with pytest.raises(BuildError):
+        ops[case]()
 
 
 # -- type inference errors -----------------------------------------------------------------------

@@ -87,9 +87,9 @@ def test_batched_decode_equals_each_alone(setup):
 
 
 def test_lanes_of_different_spans_equal_each_alone(setup):
-    """A short sequence decoded beside a long one attends over the long one's span (1024
-    slots) where alone it attends over 512: its logits are still its own bit for bit (the
-    masked slots add exact zeros), and so are the long one's."""
+    """A short sequence decoded beside a long one reads as many blocks as the long one (38
+    and up) where alone it reads one: its logits are still its own bit for bit (the masked
+    slots add exact zeros), and so are the long one's."""
     model, cache, _ = setup
     shape = dict(buckets=(16, 640), context=1024, deepstack_layers=3)
     rng = np.random.default_rng(1)
@@ -135,9 +135,9 @@ def test_shapes_are_checked():
     with pytest.raises(TextShapeError, match="at least"):
         TextShape((16,), 64, blocks=3)
     shape = TextShape((32, 128), 1000, lanes=2)
-    assert shape.slots == 1024 and shape.blocks == 2 * 64 + 1 and shape.spans == (512, 1024)
+    assert shape.slots == 1024 and shape.blocks == 2 * 64 + 1
     chunks = prefill_chunks(300, shape, 0)
-    assert [(c.start, c.size, c.span) for c in chunks] == [(0, 128, 512), (128, 128, 512), (256, 128, 512)]
+    assert [(c.start, c.size, c.blocks) for c in chunks] == [(0, 128, 8), (128, 128, 16), (256, 128, 24)]
     assert [(c.start, c.size) for c in prefill_chunks(300, shape, 288)] == [(288, 32)]
     assert prefill_chunks(1020, shape, 1008) is None or prefill_chunks(1020, shape, 1008)[-1].start + 32 <= 1024
     assert BLOCK == 16

@@ -11,7 +11,7 @@ import pytest
 
 from emitter.builder import Builder, BuildError
 from emitter.attention import grouped_attention, power_of_two_split, token_attention
-from emitter.kv_pages import BLOCK, pool_shape, read_blocks
+from emitter.kv_pages import BLOCK, SPAN, SPAN_BLOCKS, pool_shape, read_blocks
 from emitter.layers import mrope_tables, rms_norm, silu
 from emitter.module import function as module_function, render
 from runtime.artifact.compiler import compile_mlir
@@ -121,28 +121,29 @@ def test_power_of_two_split_scales_exactly(head_dim):
 
 def test_token_attention_over_blocks_against_numpy():
     """One token's attention over keys and values read through a shuffled block table (the
-    decode step's form), its own K/V beside them, against numpy in f64."""
-    kv_heads, heads, d, blocks, span = 2, 4, 128, 9, 64
-    count = span // BLOCK
+    decode step's form), its own K/V beside them, against numpy in f64; the table's length
+    is a run-time dim (`SPAN_BLOCKS`): one compiled function, called with 4 blocks and 2."""
+    kv_heads, heads, d, blocks = 2, 4, 128, 9
     b = Builder()
     q = b.argument("q", (1, heads, d))
     pools = [b.argument(n, pool_shape(kv_heads, blocks, d)) for n in ("k", "v")]
     own = [b.argument(n, (kv_heads, 1, d)) for n in ("own_k", "own_v")]
-    table, mask = b.argument("table", (count,), "i32"), b.argument("mask", (1, span))
-    read = [read_blocks(b, pool, table, span) for pool in pools]
+    table, mask = b.argument("table", (SPAN_BLOCKS,), "i32"), b.argument("mask", (1, SPAN))
+    b.bind(SPAN_BLOCKS.base, b.dimension_size(table, 0))
+    read = [read_blocks(b, pool, table) for pool in pools]
     m = load([function(b, "main", [("context", token_attention(b, q, *read, mask, *own))])])
     rng = np.random.default_rng(3)
     qv, kp, vp = (rng.standard_normal(s, dtype=np.float32) for s in
                   ((1, heads, d), pool_shape(kv_heads, blocks, d), pool_shape(kv_heads, blocks, d)))
     ok, ov = (rng.standard_normal((kv_heads, 1, d), dtype=np.float32) for _ in range(2))
-    tv = np.array([7, 2, 5, 1], np.int32)
-    seen = 50  # slots 0..49 cached, the rest masked
-    mv = np.where(np.arange(span) < seen, 0.0, -np.inf).astype(np.float32)[None]
-    got = m.main(qv, kp, vp, ok, ov, tv, mv).to_host()
-    keys = np.concatenate([kp[:, tv].reshape(kv_heads, span, d)[:, :seen], ok], 1).astype(np.float64)
-    values = np.concatenate([vp[:, tv].reshape(kv_heads, span, d)[:, :seen], ov], 1).astype(np.float64)
-    qg = qv.reshape(kv_heads, heads // kv_heads, d).astype(np.float64)
-    scores = np.einsum("hgd,htd->hgt", qg, keys) * d ** -0.5
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    expected = np.einsum("hgt,htd->hgd", p / p.sum(-1, keepdims=True), values).reshape(1, heads * d)
-    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+    for tv, seen in ((np.array([7, 2, 5, 1], np.int32), 50), (np.array([3, 8], np.int32), 17)):
+        span = tv.size * BLOCK  # slots 0..seen-1 cached, the rest masked
+        mv = np.where(np.arange(span) < seen, 0.0, -np.inf).astype(np.float32)[None]
+        got = m.main(qv, kp, vp, ok, ov, tv, mv).to_host()
+        keys = np.concatenate([kp[:, tv].reshape(kv_heads, span, d)[:, :seen], ok], 1).astype(np.float64)
+        values = np.concatenate([vp[:, tv].reshape(kv_heads, span, d)[:, :seen], ov], 1).astype(np.float64)
+        qg = qv.reshape(kv_heads, heads // kv_heads, d).astype(np.float64)
+        scores = np.einsum("hgd,htd->hgt", qg, keys) * d ** -0.5
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        expected = np.einsum("hgt,htd->hgd", p / p.sum(-1, keepdims=True), values).reshape(1, heads * d)
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)

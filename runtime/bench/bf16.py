@@ -73,10 +73,10 @@ def text_call(precision: str, target: str, config, seed: int = 0, prefill: bool 
     arrays = [(s.name, _random(s.shape, s.dtype, rng, 1 / np.sqrt(s.shape[-1]))) for s in text_weights(cfg, precision)]
     shape = TextShape((PREFILL,), TEXT_CONTEXT)
     text = emit_text_module(cfg, shape, 0, precision, functions="prefill" if prefill else "decode")
-    table = np.arange(1, shape.max_blocks + 1, dtype=np.int32)
+    table = np.arange(1, shape.max_blocks + 1, dtype=np.int32)  # the whole 512-slot context
     module = LoadedModule(compile_mlir(text, target), config=config, module_name=TEXT_MODULE,
-                          function=prefill_name(PREFILL, shape.span_for(PREFILL)) if prefill else
-                          decode_name(1, shape.span_for(41)), modules=[parameters_module(config, arrays)])
+                          function=prefill_name(PREFILL) if prefill else decode_name(1),
+                          modules=[parameters_module(config, arrays)])
     if prefill:
         s = PREFILL
         host = [rng.integers(0, cfg.vocab_size, (s,), dtype=np.int32), np.zeros((s,), np.int32),

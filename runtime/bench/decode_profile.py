@@ -46,9 +46,9 @@ def graph_form(cfg, precision: str):
 
 
 def decode_module(cfg, context: int, precision: str, lanes: int = 1) -> str:
-    """decode_<lanes>_<context> alone, over a pool of a context's blocks per lane."""
+    """decode_<lanes> alone, over a pool of a context's blocks per lane."""
     shape, (cfg, precision) = decode_shape(context, lanes), graph_form(cfg, precision)
-    function, shared = decode_function(cfg, shape, lanes, shape.slots, precision)
+    function, shared = decode_function(cfg, shape, lanes, precision)
     return render(MODULE_NAME, "", shared, [function])
 
 
@@ -80,12 +80,13 @@ def weight_bytes(cfg, precision: str) -> int:
 def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None,
             context: int = 0, lanes: int = 1) -> float:
     """Mean ms of one decode step (token 5 at cache slot `slot` of each of `lanes` sequences
-    of a `context`-slot module, default slot + 1 rounded up to a block) over `repeats` calls."""
+    of a `context`-slot module, default slot + 1 rounded up to a block, each lane's table
+    that many slots' blocks) over `repeats` calls."""
     context = context or -(-(slot + 1) // BLOCK) * BLOCK
     blocks = context // BLOCK
     table = ",".join(str(i) for i in range(1, lanes * blocks + 1))
     command = [str(TOOLS / "iree-benchmark-module"), "--device=local-task", f"--module={vmfb}",
-               f"--parameters=model={archive}", f"--function={decode_name(lanes, context)}",
+               f"--parameters=model={archive}", f"--function={decode_name(lanes)}",
                f"--input={lanes}xi32={','.join(['5'] * lanes)}",
                f"--input=3x{lanes}xi32={','.join([str(slot)] * 3 * lanes)}",
                f"--input={lanes}xi32={','.join([str(slot)] * lanes)}", f"--input={lanes}x{blocks}xi32={table}",
