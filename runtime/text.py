@@ -551,10 +551,15 @@ class Generator:
 
     def release_vision(self) -> None:
         """Let the vision session go (its module, packed weights and mapped archive) and
-        give the freed pages back to the kernel; the next request with media opens it again."""
+        give the freed pages back to the kernel; the next request with media opens it again.
+        A collection first: the session sits in reference cycles, so dropping the reference
+        alone frees it only at the interpreter's next collection."""
+        import gc
+
         from runtime.artifact.iree_module import return_freed_memory
 
         self._vision = None
+        gc.collect()
         return_freed_memory()
 
     def _check_vision(self, media) -> None:

@@ -251,16 +251,15 @@ def test_one_answer_lets_the_tower_go_before_the_language_model(model, tmp_path)
     options = dict(buckets=(32,), context=48, cache_dir=tmp_path / "cache")
     kept = Generator(model, **options).generate("What is shown here?", [image], 3)
     gen = Generator(model, keep_vision=False, **options)
-    towers, text_load = [], gen.text._load
+    session, towers, text_load = weakref.ref(gen.vision), [], gen.text._load
 
-    def load():  # the language model loads: the tower must be gone by now
-        towers.append(gen._vision)
+    def load():  # the language model loads: the tower must be gone (freed) by now
+        towers.append((gen._vision, session()))
         return text_load()
 
     gen.text._load = load
-    session = weakref.ref(gen.vision)
     first = gen.generate("What is shown here?", [image], 3)
-    assert towers == [None] and session() is None
+    assert towers == [(None, None)]
     assert first.tokens == kept.tokens and np.array_equal(first.logits, kept.logits)
     again = gen.generate("What is shown here?", [image], 3)
     assert again.tokens == kept.tokens and gen._vision is None
