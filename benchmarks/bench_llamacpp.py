@@ -42,6 +42,8 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
 
     .venv/bin/python benchmarks/bench_llamacpp.py --json llamacpp.json          # 2B, 2 rounds
     .venv/bin/python benchmarks/bench_llamacpp.py --preset tiny --rounds 1      # a quick check
+    .venv/bin/python benchmarks/bench_llamacpp.py --rows q8_0 q4_0 --tasks answer --kv-cache-dtype bf16
+        # the answer rows alone (peak RSS), our KV cache in 16 bits as llama.cpp's (f16 by default)
 
 Figures are ratios from one sitting; llama.cpp's threads synchronise after every op, so a
 busy machine hurts it more than us: quote the load average with them. This is a
@@ -71,6 +73,7 @@ TOOLS = ("llama-bench", "llama-mtmd-cli", "llama-quantize")
 IMAGE_SIZES = (256, 512, 1024)
 PROMPT = "Describe the image."
 PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
+TASKS = ("vision", "text", "answer")
 QUALITY_TOKENS = 64
 QUANTIZED = ("q8_0", "q4_0", "q4_k_m")  # rows of quantized weights: text only (the projector is the f16 one)
 NO_REPACK_NOTE = ("llama.cpp's quantized text models run with --no-repack (llama-bench --repack 0): with repacking "
@@ -283,15 +286,16 @@ def child_text(options: dict) -> dict:
             "archive_bytes": Path(session.archive_path).stat().st_size}
 
 
-def ours_answer(model: Path, image: Path, precision: str, threads: int, target: str, tmp: Path) -> dict:
+def ours_answer(model: Path, image: Path, precision: str, threads: int, target: str, tmp: Path,
+                kv: str = "f32") -> dict:
     """`qwen3vl generate` in a child process (one image, PROMPT, ANSWER_TOKENS new tokens,
-    context ANSWER_CONTEXT): time to first token (vision + prefill of its --json), decode
-    ms/token, peak RSS."""
+    context ANSWER_CONTEXT, KV cache in `kv`): time to first token (vision + prefill of its
+    --json), decode ms/token, peak RSS."""
     report = tmp / f"answer-{precision}.json"
     _, wall, rss = timed_process([QWEN3VL, "generate", "--model", model, "--image", image, "--prompt", PROMPT,
                                   "--max-new-tokens", ANSWER_TOKENS, "--context", ANSWER_CONTEXT,
                                   "--precision", precision, "--threads", threads, "--target", target,
-                                  "--json", report])
+                                  "--kv-cache-dtype", kv, "--json", report])
     data = json.loads(report.read_text())
     seconds, steps = data["seconds"], len(data["tokens"]) - 1
     return {"ttft_s": seconds["vision"] + seconds["prefill"], "prompt_tokens": data["prompt_tokens"],
@@ -393,18 +397,22 @@ def machine() -> dict:
 
 
 def warm_ours(model: Path, images: dict, precisions, threads: int, target: str, tmp: Path,
-              sizes=IMAGE_SIZES) -> dict:
-    """Each of our child runs once, untimed: every module compiled (or found) in the cache.
-    Returns each run's result (or error), by step."""
+              sizes=IMAGE_SIZES, tasks=TASKS, kv: str = "f32") -> dict:
+    """Each of our child runs of `tasks` once, untimed: every module compiled (or found) in
+    the cache. Returns each run's result (or error), by step."""
     seconds = {}
     for precision in precisions:
         options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
-        for size, path in ((s, p) for s, p in images.items() if s in sizes and precision in ("f32", "bf16")):
+        for size, path in ((s, p) for s, p in images.items() if s in sizes and precision in ("f32", "bf16")
+                           and "vision" in tasks):
             image = dict(options, image=[size, str(path)])
             seconds[f"vision-{size}-{precision}"] = attempt(lambda: child("vision", image))
-        seconds[f"text-{precision}"] = attempt(lambda: child("text", options))
+        if "text" in tasks:
+            seconds[f"text-{precision}"] = attempt(lambda: child("text", options))
         small = images[min(images)]
-        seconds[f"answer-{precision}"] = attempt(lambda: ours_answer(model, small, precision, threads, target, tmp))
+        if "answer" in tasks:
+            seconds[f"answer-{precision}"] = attempt(lambda: ours_answer(model, small, precision, threads, target,
+                                                                         tmp, kv))
         print(f"  ours {precision}: compiled or found in the cache ({seconds})", flush=True)
     return seconds
 
@@ -419,10 +427,10 @@ def attempt(run) -> dict:
 
 
 def one_round(first: str, row, model: Path, images: dict, files: dict, bindir: Path, threads: int,
-              target: str, tmp: Path, sizes=IMAGE_SIZES) -> dict:
-    """One round of one precision row: vision, text, answer, each side in turn (`first`
-    goes first). Ours is skipped when the row has no precision of ours, and for images
-    not in `sizes` (recorded as an error saying so)."""
+              target: str, tmp: Path, sizes=IMAGE_SIZES, tasks=TASKS, kv: str = "f32") -> dict:
+    """One round of one precision row: vision, text, answer (those of `tasks`), each side in
+    turn (`first` goes first); our answer's KV cache in `kv`. Ours is skipped when the row
+    has no precision of ours, and for images not in `sizes` (recorded as an error saying so)."""
     name, precision, text, mmproj = row
     options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
     small = images[min(images)]
@@ -436,14 +444,14 @@ def one_round(first: str, row, model: Path, images: dict, files: dict, bindir: P
     sides.update({
         "text": {"ours": lambda: child("text", options),
                  "llama": lambda: llama_bench(bindir, files[text], threads, repack=repack)},
-        "answer": {"ours": lambda: ours_answer(model, small, precision, threads, target, tmp),
+        "answer": {"ours": lambda: ours_answer(model, small, precision, threads, target, tmp, kv),
                    "llama": lambda: llama_mtmd(bindir, files[text], files[mmproj], small, threads, ANSWER_TOKENS,
                                                repack=repack)},
     })
     order = ("ours", "llama") if first == "ours" else ("llama", "ours")
     result = {}
     for task, runs in sides.items():
-        if name in QUANTIZED and task.startswith("vision"):
+        if name in QUANTIZED and task.startswith("vision") or task.split("_")[0] not in tasks:
             continue  # the quantized rows' projector is the bf16 row's f16 one
         for side in order:
             result.setdefault(task, {})[side] = attempt(runs[side])
@@ -548,6 +556,11 @@ def main() -> None:
     p.add_argument("--json", type=Path, metavar="FILE")
     p.add_argument("--ours-vision-sizes", type=int, nargs="+", default=list(IMAGE_SIZES),
                    help="images our side encodes (e.g. leave out one that does not fit in memory)")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS),
+                   help="figures to measure: vision per image, text (prefill and decode), answer (time to first "
+                        "token, decode at context 4096, peak RSS)")
+    p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32",
+                   help="our answer's KV cache (llama.cpp's default is f16)")
     p.add_argument("--quality", action="store_true",
                    help="also each side's logit distance from its own f32 model at each row's bits")
     p.add_argument("--skip-warm", action="store_true",
@@ -580,13 +593,14 @@ def main() -> None:
               "gguf_gb": {n: f.stat().st_size / 1e9 for n, f in files.items()}}
     if not args.skip_warm:
         report["ours_warm"] = warm_ours(model, images, list(dict.fromkeys(r[1] for r in rows)), args.threads, target, tmp,
-                                        args.ours_vision_sizes)
+                                        args.ours_vision_sizes, args.tasks, args.kv_cache_dtype)
     report["rounds"] = []
     for i in range(args.rounds):
         first = "ours" if i % 2 == 0 else "llama"
         print(f"round {i + 1}/{args.rounds} ({first} first), load {os.getloadavg()}", flush=True)
         report["rounds"].append({r[0]: one_round(first, r, model, images, files, bindir, args.threads, target, tmp,
-                                                 args.ours_vision_sizes) for r in rows})
+                                                 args.ours_vision_sizes, args.tasks, args.kv_cache_dtype)
+                                       for r in rows})
     if args.quality:
         logits_tool = build_logits_tool(src, bindir, work / "build.log")
         report["quality"] = quality(model, files, rows, logits_tool, args.threads, target, tmp)

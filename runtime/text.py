@@ -456,12 +456,15 @@ class Generator:
     tokens and text out. The vision session is opened on the first request with images.
     `context` None: each request gets the least context of CONTEXT_LADDER that holds it, up
     to `default_context` (generate's default; the KV cache then follows the request).
-    `precision` None: the checkpoint's own (`checkpoint_precision`)."""
+    `precision` None: the checkpoint's own (`checkpoint_precision`). `keep_vision` False:
+    the vision session is let go once a request's media are encoded, before the language
+    model is loaded (`qwen3vl generate`'s one answer: the tower's weights are then not
+    resident beside the language model's; a later request with images loads it again)."""
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int | None = DEFAULT_CONTEXT,
                  target: str | None = None, cache_dir=None, precision: str | None = "f32", threads: int | None = None,
                  progress=None, kv_cache_dtype: str = "f32", lanes: int = 1, kv_blocks: int = 0,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, keep_vision: bool = True):
         from runtime.vision import set_thread_count
         from runtime.inputs.tokenizer import ChatTokenizer
 
@@ -488,6 +491,7 @@ class Generator:
         self.limit = context
         self.text = TextSession(model_dir, context=context, **self.text_options)
         self._vision = None
+        self.keep_vision = keep_vision
         self.sampling = generation_defaults(model_dir)  # greedy unless do_sample, as transformers
 
     @property
@@ -530,17 +534,33 @@ class Generator:
         rows = None
         if processed:
             if encode is None:
-                vision = self.vision_for(max(m.patches for m in processed))
-                seconds["build"] += timed(vision.artifact)[1]  # compiled or loaded outside the clock
+                load = self.vision_for(max(m.patches for m in processed)).artifact  # no session held here
+                seconds["build"] += timed(load)[1]  # compiled or loaded outside the clock
+                del load
                 encode = lambda items: encode_joint(self.vision_for, items)  # noqa: E731
             start = time.perf_counter()
             rows = encode(processed)
             seconds["vision"] += time.perf_counter() - start
+            if not self.keep_vision:
+                self.release_vision()
         seconds["build"] += timed(lambda: self.text.module)[1]  # likewise
         merge = self.vision_cfg.spatial_merge_size if self.vision_cfg else 1  # no media, no grids to merge
         prompt = build_prompt(ids, self.text.token_ids, merge, processed, rows)
         prompt.seconds = seconds
         return prompt
+
+    def release_vision(self) -> None:
+        """Let the vision session go (its module, packed weights and mapped archive) and
+        give the freed pages back to the kernel; the next request with media opens it again.
+        A collection first: the session sits in reference cycles, so dropping the reference
+        alone frees it only at the interpreter's next collection."""
+        import gc
+
+        from runtime.artifact.iree_module import return_freed_memory
+
+        self._vision = None
+        gc.collect()
+        return_freed_memory()
 
     def _check_vision(self, media) -> None:
         """GenerateError for images or videos given to a model without its vision tower (a

@@ -236,6 +236,35 @@ def test_generate_cli_json_and_logits(model, tmp_path):
     assert out.stdout == result["text"] + "\n"
 
 
+def test_one_answer_lets_the_tower_go_before_the_language_model(model, tmp_path):
+    """`keep_vision=False` (generate's one answer): the vision session is let go once the
+    image is encoded, before the language model loads (nothing holds it: its weights are
+    not resident beside the language model's), and the answer is the one a generator that
+    keeps it gives; a second request with an image opens the tower again."""
+    import weakref
+
+    from PIL import Image
+    from runtime.text import Generator
+
+    image = tmp_path / "a.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(image)
+    options = dict(buckets=(32,), context=48, cache_dir=tmp_path / "cache")
+    kept = Generator(model, **options).generate("What is shown here?", [image], 3)
+    gen = Generator(model, keep_vision=False, **options)
+    session, towers, text_load = weakref.ref(gen.vision), [], gen.text._load
+
+    def load():  # the language model loads: the tower must be gone (freed) by now
+        towers.append((gen._vision, session()))
+        return text_load()
+
+    gen.text._load = load
+    first = gen.generate("What is shown here?", [image], 3)
+    assert towers == [(None, None)]
+    assert first.tokens == kept.tokens and np.array_equal(first.logits, kept.logits)
+    again = gen.generate("What is shown here?", [image], 3)
+    assert again.tokens == kept.tokens and gen._vision is None
+
+
 def test_precision_help_says_the_embedding_table_is_bf16_too():
     """bf16 rounds the text model's embedding table (stored bf16, not a matmul operand):
     `generate --help` says so beside the matmul-weight description."""

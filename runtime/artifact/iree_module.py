@@ -48,6 +48,14 @@ def keep_freed_memory() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 2 * KEEP_BELOW)
 
 
+def return_freed_memory() -> None:
+    """Give the kernel back the pages of freed heap memory (glibc's `malloc_trim(0)`; a no-op
+    elsewhere): after a session is let go (its weights freed into the heap that
+    `keep_freed_memory` keeps), so that they are not counted resident until reused."""
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def device_config(target: str) -> rt.Config:
     """The IREE runtime config (driver and device) for a compile target; a ValueError
     naming the target and the missing driver when this machine cannot make the device.

@@ -81,7 +81,9 @@ def generate_command(model, mmproj, images, videos, prompt, max_new_tokens, json
                      buckets, context, kv_cache_dtype, target, threads, temperature, top_p, top_k, seed):
     """Answer one user message (the images in order, the videos, then the prompt), greedily or
     sampled as generation_config.json and the sampling options say, with the checkpoint's
-    tokenizer and chat template; the text streams to stdout."""
+    tokenizer and chat template; the text streams to stdout. The vision tower is let go once
+    the images and videos are encoded, before the language model loads (its weights are not
+    resident beside the language model's)."""
     from emitter.atomic import write_atomic
 
     from runtime.text import Generator
@@ -108,7 +110,8 @@ def generate_command(model, mmproj, images, videos, prompt, max_new_tokens, json
             except OSError as e:
                 raise ValueError(f"--image {path}: cannot read ({e.strerror or e}); expected an image file") from None
         generator = Generator(model, buckets or DEFAULT_PROMPT_BUCKETS, context, target=target, cache_dir=cache_dir,
-                              precision=precision, threads=threads, progress=say, kv_cache_dtype=kv_cache_dtype)
+                              precision=precision, threads=threads, progress=say, kv_cache_dtype=kv_cache_dtype,
+                              keep_vision=False)  # one answer: the tower goes once the media are encoded
         sampling = sampling_options(generator.sampling, temperature, top_p, top_k, seed)
         result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream, videos=list(videos),
                                     sampling=sampling)
