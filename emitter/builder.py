@@ -161,6 +161,21 @@ class Builder:
             raise BuildError(f"store_state: {value.type} into @{symbol} of {t}")
         self.lines.append(f'util.global.store {value}, @{symbol} : {t} loc("{self._stage}")')
 
+    def dispatch(self, executable: str, text: str, export: str, operands: list[Value], result: TensorType,
+                 workload: int, hint: str = "dispatch") -> Value:
+        """A `flow.dispatch` of export `@export` of a hand-written `stream.executable`
+        `@executable` (its MLIR `text`, added to the module once) on `operands`, with
+        `workload` passed to the export's workgroup-count region (e.g. kernels/q8_matmul.py)."""
+        if f"@{executable} " not in text:
+            raise BuildError(f"dispatch: the executable text does not define @{executable}")
+        if text not in self.globals:
+            self.globals.append(text)
+        count = self._fresh(f"{self._stage}.{hint}.workload" if self._stage else f"{hint}.workload")
+        self.lines.append(f'%{count} = arith.constant {int(workload)} : index loc("{self._stage}")')
+        types = ", ".join(str(v.type) for v in operands)
+        return self._op(hint, f"flow.dispatch @{executable}::@{export}[%{count}]({', '.join(map(str, operands))})"
+                              f" : ({types}) -> {result}", result)
+
     # -- checks ------------------------------------------------------------
     @staticmethod
     def _same(op: str, *values: Value) -> TensorType:

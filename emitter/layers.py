@@ -312,9 +312,16 @@ def quantized_activations(b: Builder, x: Value, group: int, hint: str = "x") -> 
     m, k = x.shape
     g = k // group
     x3 = b.transpose(b.reshape(x, (m, g, group), hint=hint + "_groups"), [1, 0, 2], hint=hint + "_groups")
+    return quantize_groups(b, x3, hint)
+
+
+def quantize_groups(b: Builder, x3: Value, hint: str = "x") -> tuple[Value, Value]:
+    """(x3 quantized to i8, its scales [A, B] f32) of f32 x3 [A, B, g], per group of the g
+    inputs along the last dim (`quantized_activations`' math)."""
+    outer = x3.shape[:2]
     amax = b.maximum(b.reduce(b.abs(x3, hint=hint + "_abs"), [2], "maximum", hint=hint + "_amax"),
-                     b.constant(quant.ACTIVATION_FLOOR, (g, m), hint=hint + "_floor"), hint=hint + "_amax")
-    levels = b.constant(float(quant.levels(8)), (g, m), hint=hint + "_levels")
+                     b.constant(quant.ACTIVATION_FLOOR, outer, hint=hint + "_floor"), hint=hint + "_amax")
+    levels = b.constant(float(quant.levels(8)), outer, hint=hint + "_levels")
     inverse = b.broadcast_in_dim(b.divide(levels, amax, hint=hint + "_inverse"), x3.shape, [0, 1],
                                  hint=hint + "_inverse")
     xq = b.convert(b.round_even(b.multiply(x3, inverse, hint=hint + "_scaled"), hint=hint + "_rounded"), "i8",
