@@ -21,6 +21,10 @@ sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
   over the groups, i32 -> f32 times both scales, summed over the groups). `-row`: one group
   of all K inputs (a weight scale per output channel, an x scale per row: `--precision w8a8`),
   a plain i8 x i8 -> i32 matmul, which IREE's data tiling packs into s8s8s32 tiles.
+- q8k / q8k-avx2: llama.cpp's Q8_0 x Q8_0 math (int8 weights and activations in blocks of 32,
+  a scale per block on both sides) in a hand-written C kernel that iree-compile links into
+  the executable (kernels/q8_matmul.py): the target's best ISA (AVX-512 VNNI or AVX2), or its
+  AVX2 build on the same target.
 
 `--asm DIR` also dumps each form's executables (M = 1) and counts the dot-product
 instructions in them (vpdpbusd / vpdpwssd: AVX-512 VNNI; vpmaddubsw / vpmaddwd) against the
@@ -53,12 +57,14 @@ from emitter.layers import integer_project, project, quantized_project  # noqa: 
 from emitter.module import function, render  # noqa: E402
 from emitter.quant import QuantizedWeight  # noqa: E402
 from emitter.targets import target_flags  # noqa: E402
+from kernels import q8_matmul  # noqa: E402
 from runtime.artifact.iree_module import device_config, parameters_module  # noqa: E402
 from runtime.bench.roof import memory_bandwidth_gbs  # noqa: E402
 from runtime.vision import set_thread_count  # noqa: E402
 
 WEIGHT_ONLY = ("int8", "int4", "mlx4")
-FORMS = (*WEIGHT_ONLY, "bf16", "w8a8-row", "w8a8-g32", "w8a8-g64", "w8a8-g256", "w4a8-row")
+KERNEL_FORMS = ("q8k", "q8k-avx2")  # kernels/q8_matmul.py
+FORMS = (*WEIGHT_ONLY, "bf16", "w8a8-row", "w8a8-g32", "w8a8-g64", "w8a8-g256", "w4a8-row", *KERNEL_FORMS)
 ASM_COUNTS = ("vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd", "vfmadd", "vdpbf16ps", "vcvtdq2ps", "vpmovsxbd",
               "vpmovsxbw")
 
@@ -69,6 +75,8 @@ def form_layout(form: str, k: int) -> tuple[int, int]:
         return 16, k
     if form in WEIGHT_ONLY:
         return (8 if form == "int8" else 4), quant.GROUP
+    if form in KERNEL_FORMS:
+        return 8, q8_matmul.BLOCK
     bits = 8 if form.startswith("w8") else 4
     size = form.split("-")[1]
     return bits, k if size == "row" else int(size[1:])
@@ -81,17 +89,27 @@ def weight_bytes(form: str, n: int, k: int) -> int:
     return n * k * bits // 8 + scales * (2 if form == "mlx4" else 1)
 
 
-def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) -> str:
+def kernel_object(form: str, objects: Path) -> Path:
+    """The kernel object a q8k form links: the compile target's ISA, or AVX2."""
+    isa = "avx2" if form == "q8k-avx2" else q8_matmul.target_isa(tuple(target_flags("llvm-cpu")))
+    return q8_matmul.build_object(isa, objects)
+
+
+def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, objects: Path | None = None) -> str:
     """`count` distinct weights as parameter globals, functions f0.. each projecting x by
-    `per_call` of them."""
+    `per_call` of them; a q8k form links its kernel object, built into `objects`."""
     bits, group = form_layout(form, k)
     functions, globals_ = [], []
     for f in range(count // per_call):
-        b = Builder(activations="f32" if form == "bf16" else None if form in WEIGHT_ONLY else "i8")
+        b = Builder(activations="f32" if form == "bf16" else None if form in WEIGHT_ONLY + KERNEL_FORMS else "i8")
         x = b.argument("x", (m, k))
         results = []
         for i in range(f * per_call, (f + 1) * per_call):
-            if bits == 16:
+            if form in KERNEL_FORMS:
+                w = b.parameter(f"w{i}", (n * k,), "i8", f"w{i}")
+                s = b.parameter(f"s{i}", (n * k // group,), "f32", f"s{i}")
+                y = q8_matmul.block_project(b, x, w, s, kernel_object(form, objects), hint=f"p{i}")
+            elif bits == 16:
                 w = b.parameter(f"w{i}", (n, k), "bf16", f"w{i}")
                 y = project(b, x, w, hint=f"p{i}")
             else:
@@ -115,6 +133,10 @@ def weight_arrays(form: str, n: int, k: int, count: int, seed: int = 0):
     if bits == 16:
         base = (w.view(np.uint32) >> 16).astype(np.uint16)
         return [(f"w{i}", np.roll(base, i)) for i in range(count)]
+    if form in KERNEL_FORMS:
+        q, scales = q8_matmul.quantize_weight(w)
+        packed, packed_scales = q8_matmul.pack_weight(q), q8_matmul.pack_scales(scales)
+        return [pair for i in range(count) for pair in ((f"w{i}", np.roll(packed, i)), (f"s{i}", packed_scales))]
     q, scales = quant.stored(w, bits, group)
     biases = [(f"b{i}", scales * -8) for i in range(count)] if form == "mlx4" else []
     return [pair for i in range(count) for pair in ((f"q{i}", np.roll(q, i)), (f"s{i}", scales))] + biases
@@ -165,6 +187,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--flags", nargs="*", default=[], help="extra iree-compile flags")
     p.add_argument("--asm", metavar="DIR", help="dump each form's executables (M = 1) here and count instructions")
+    p.add_argument("--objects", default="build/kernels", help="where the q8k forms' kernel objects are built")
     p.add_argument("--json")
     args = p.parse_args(argv)
     set_thread_count(args.threads)
@@ -177,7 +200,7 @@ def main(argv=None) -> dict:
         for form in args.forms:
             per = weight_bytes(form, args.n, args.k)
             count = math.ceil(args.megabytes * 1e6 / per / args.per_call) * args.per_call
-            text = module_text(form, args.n, args.k, m, count, args.per_call)
+            text = module_text(form, args.n, args.k, m, count, args.per_call, Path(args.objects))
             dump = None
             if args.asm and m == 1:
                 dump = Path(args.asm) / form
