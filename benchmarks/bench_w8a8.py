@@ -83,9 +83,10 @@ def form_layout(form: str, k: int) -> tuple[int, int]:
 
 
 def weight_bytes(form: str, n: int, k: int) -> int:
-    """Bytes one projection reads: the weight in its bits plus its f32 scales."""
+    """Bytes one projection reads: the weight in its bits plus its scales (f32; f16 in the
+    kernel forms, as Q8_0 stores them)."""
     bits, group = form_layout(form, k)
-    scales = 0 if bits == 16 else n * (k // group) * 4
+    scales = 0 if bits == 16 else n * (k // group) * (2 if form in KERNEL_FORMS else 4)
     return n * k * bits // 8 + scales * (2 if form == "mlx4" else 1)
 
 
@@ -107,7 +108,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, ob
         for i in range(f * per_call, (f + 1) * per_call):
             if form in KERNEL_FORMS:
                 w = b.parameter(f"w{i}", (n * k,), "i8", f"w{i}")
-                s = b.parameter(f"s{i}", (n * k // group,), "f32", f"s{i}")
+                s = b.parameter(f"s{i}", (n * k // group,), "f16", f"s{i}")
                 y = q8_matmul.block_project(b, x, w, s, kernel_object(form, objects), hint=f"p{i}")
             elif bits == 16:
                 w = b.parameter(f"w{i}", (n, k), "bf16", f"w{i}")
@@ -120,7 +121,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, ob
                 y = project_(b, x, w, f"p{i}")
             results.append((f"y{i - f * per_call}", y))
         functions.append(function(b, f"f{f}", results))
-        globals_ += b.globals
+        globals_ += [g for g in b.globals if g not in globals_]  # a kernel's executable: once
     return render("bench", f"// {form} {n}x{k} M={m}\n", globals_, functions)
 
 

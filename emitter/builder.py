@@ -14,7 +14,7 @@ from math import prod
 
 import numpy as np
 
-DTYPES = ("f32", "bf16", "i32", "i64", "i8", "i4", "i1")
+DTYPES = ("f32", "bf16", "f16", "i32", "i64", "i8", "i4", "i1")
 # dot_general operand dtypes that may differ
 MIXED_DOTS = ({"f32", "bf16"}, {"f32", "i8"}, {"f32", "i4"}, {"i8", "i4"})
 COMPARE_DIRECTIONS = ("EQ", "NE", "GE", "GT", "LE", "LT")

@@ -2,7 +2,7 @@
 // math), one IREE workgroup's share, linked into IREE's embedded ELF executables through
 // `hal.executable.objects` (kernels/q8_matmul.py writes the dispatch that calls it).
 //
-//   y[m, n] = sum over blocks b, in order, of (dw[n, b] * dx[m, b]) * (float)isum(m, n, b)
+//   y[m, n] = sum over blocks b, in order, of ((float)dw[n, b] * dx[m, b]) * (float)isum(m, n, b)
 //   isum(m, n, b) = sum_{j < 32} (int32)xq[m, 32b + j] * (int32)w[n, 32b + j]   (exact)
 //
 // every float operation rounded as written (mul, mul, add: no FMA; build with
@@ -14,7 +14,7 @@
 //   xs  int32 [M, K/32]       sum of each block of xq (the VNNI path's +128 correction)
 //   w   int8  [N/16, K/4, 16, 4]: w[16t + i, 4q + j] at ((t * K/4 + q) * 16 + i) * 4 + j,
 //             values in [-127, 127] (the AVX2 path's sign trick cannot negate -128)
-//   dw  f32   [N/16, K/32, 16]: dw[16t + i, b] at (t * K/32 + b) * 16 + i
+//   dw  f16   [N/16, K/32, 16]: dw[16t + i, b] at (t * K/32 + b) * 16 + i (Q8_0's f16 scales)
 //   y   f32   [M, N]
 // N a multiple of 16 * Q8_TILES_PER_WORKGROUP, K a multiple of 32.
 //
@@ -28,41 +28,55 @@
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
-// One 16-output tile against rows [0, MC) of x: vpdpbusd takes u8 x s8, so the weights go in
-// as w + 128 (one xor) and 128 * xs is taken off each block's i32 sum.
+#define Q8_TILES_AT_ONCE 2  // two tiles share each broadcast of x: half the broadcasts a dot product
+
+// Tiles [0, 2) (32 outputs; tile p's weights at wt + 16 K p, scales at dwt + 16 K/32 p) against
+// rows [0, MC) of x: vpdpbusd takes u8 x s8, so the weights go in as w + 128 (one xor) and
+// 128 * xs is taken off each block's i32 sum.
 static inline __attribute__((always_inline)) void tile_rows(
     const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
-    const int8_t* restrict wt, const float* restrict dwt, float* restrict y, size_t N, size_t K,
+    const int8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC) {
   const size_t blocks = K / 32;
   const __m512i flip = _mm512_set1_epi8((char)0x80);
-  __m512 acc[Q8_ROWS];
-  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS];
+  for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
+    for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
   for (size_t b = 0; b < blocks; ++b) {
-    __m512i isum[Q8_ROWS];
-    for (int m = 0; m < MC; ++m) isum[m] = _mm512_setzero_si512();
-    const int8_t* wb = wt + b * 8 * 64;
+    __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS];
+    for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
+      for (int m = 0; m < MC; ++m) isum[p][m] = _mm512_setzero_si512();
     for (int q = 0; q < 8; ++q) {
-      __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void*)(wb + q * 64)), flip);
+      __m512i wu[Q8_TILES_AT_ONCE];
+      for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
+        wu[p] = _mm512_xor_si512(_mm512_loadu_si512((const void*)(wt + p * 16 * K + (b * 8 + q) * 64)), flip);
       for (int m = 0; m < MC; ++m) {
         int32_t quad;
         __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
-        isum[m] = _mm512_dpbusd_epi32(isum[m], wu, _mm512_set1_epi32(quad));
+        __m512i xb = _mm512_set1_epi32(quad);
+        for (int p = 0; p < Q8_TILES_AT_ONCE; ++p) isum[p][m] = _mm512_dpbusd_epi32(isum[p][m], wu[p], xb);
       }
     }
-    __m512 dwv = _mm512_loadu_ps(dwt + b * 16);
     for (int m = 0; m < MC; ++m) {
-      __m512i exact = _mm512_sub_epi32(isum[m], _mm512_set1_epi32(128 * xs[m * blocks + b]));
-      __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(dx[m * blocks + b]));
-      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(exact)));
+      __m512i correction = _mm512_set1_epi32(128 * xs[m * blocks + b]);
+      __m512 d = _mm512_set1_ps(dx[m * blocks + b]);
+      for (int p = 0; p < Q8_TILES_AT_ONCE; ++p) {
+        __m512i exact = _mm512_sub_epi32(isum[p][m], correction);
+        __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwt + p * 16 * blocks + b * 16)));
+        __m512 scale = _mm512_mul_ps(dwv, d);
+        acc[p][m] = _mm512_add_ps(acc[p][m], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(exact)));
+      }
     }
   }
-  for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0, acc[m]);
+  for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
+    for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0 + 16 * p, acc[p][m]);
 }
 
 #elif defined(__AVX2__)
 
-// The same with AVX2: per 8 outputs, vpmaddubsw of |x| (u8) against w with x's sign
+#define Q8_TILES_AT_ONCE 1
+
+// The same with AVX2, one tile at a time: per 8 outputs, vpmaddubsw of |x| (u8) against w with x's sign
 // (llama.cpp's trick), then vpmaddwd with ones to i32.
 static inline __attribute__((always_inline)) __m256i dot4(__m256i w, __m256i xb, __m256i ones) {
   __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb));
@@ -71,7 +85,7 @@ static inline __attribute__((always_inline)) __m256i dot4(__m256i w, __m256i xb,
 
 static inline __attribute__((always_inline)) void tile_rows(
     const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
-    const int8_t* restrict wt, const float* restrict dwt, float* restrict y, size_t N, size_t K,
+    const int8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC) {
   (void)xs;
   const size_t blocks = K / 32;
@@ -93,7 +107,8 @@ static inline __attribute__((always_inline)) void tile_rows(
         shi[m] = _mm256_add_epi32(shi[m], dot4(w1, xb, ones));
       }
     }
-    __m256 dlo = _mm256_loadu_ps(dwt + b * 16), dhi = _mm256_loadu_ps(dwt + b * 16 + 8);
+    __m256 dlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + b * 16)));
+    __m256 dhi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + b * 16 + 8)));
     for (int m = 0; m < MC; ++m) {
       __m256 d = _mm256_set1_ps(dx[m * blocks + b]);
       lo[m] = _mm256_add_ps(lo[m], _mm256_mul_ps(_mm256_mul_ps(dlo, d), _mm256_cvtepi32_ps(slo[m])));
@@ -117,13 +132,13 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 // Workgroup `wg` computes outputs [64 wg, 64 wg + 64) for every row of x.
 void q8_matmul_workgroup(Q8_MEMREF(const int8_t, xq), Q8_MEMREF(const float, dx), Q8_MEMREF(const int32_t, xs),
-                         Q8_MEMREF(const int8_t, w), Q8_MEMREF(const float, dw), Q8_MEMREF(float, y), size_t M,
+                         Q8_MEMREF(const int8_t, w), Q8_MEMREF(const uint16_t, dw), Q8_MEMREF(float, y), size_t M,
                          size_t N, size_t K, size_t wg) {
   xq += xq_off, dx += dx_off, xs += xs_off, w += w_off, dw += dw_off, y += y_off;
   const size_t blocks = K / 32;
-  for (size_t t = wg * Q8_TILES_PER_WORKGROUP; t < (wg + 1) * Q8_TILES_PER_WORKGROUP; ++t) {
+  for (size_t t = wg * Q8_TILES_PER_WORKGROUP; t < (wg + 1) * Q8_TILES_PER_WORKGROUP; t += Q8_TILES_AT_ONCE) {
     const int8_t* wt = w + t * 16 * K;
-    const float* dwt = dw + t * blocks * 16;
+    const uint16_t* dwt = dw + t * blocks * 16;
     size_t m = 0;
     for (; m + Q8_ROWS <= M; m += Q8_ROWS)
       tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, Q8_ROWS);

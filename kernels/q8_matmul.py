@@ -117,9 +117,11 @@ def build_object(isa: str, out_dir: str | os.PathLike) -> Path:
 
 # -- weights -----------------------------------------------------------------
 def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(q [N, K] int8 in [-127, 127], scales [N, K / 32] f32) of an f32 weight [N, K]:
-    `quant.quantize` at 8 bits in blocks of 32 (Q8_0's grid)."""
-    return quant.quantize(w, 8, BLOCK)
+    """(q [N, K] int8 in [-127, 127], scales [N, K / 32] f16) of an f32 weight [N, K]:
+    `quant.quantize` at 8 bits in blocks of 32, the scales then rounded to f16 (llama.cpp's
+    Q8_0: 8.5 bits a weight)."""
+    q, scales = quant.quantize(w, 8, BLOCK)
+    return q, scales.astype(np.float16)
 
 
 def pack_weight(q: np.ndarray) -> np.ndarray:
@@ -132,9 +134,11 @@ def pack_weight(q: np.ndarray) -> np.ndarray:
 
 
 def pack_scales(scales: np.ndarray) -> np.ndarray:
-    """Weight scales [N, K/32] f32 as the kernel reads them: [N/16, K/32, 16], flat."""
+    """Weight scales [N, K/32] f16 as the kernel reads them: [N/16, K/32, 16], flat."""
     n, blocks = scales.shape
-    return np.ascontiguousarray(scales.astype(np.float32).reshape(n // TILE, TILE, blocks).transpose(0, 2, 1)).reshape(-1)
+    if scales.dtype != np.float16:
+        raise KernelError(f"q8_matmul: weight scales of {scales.dtype}: expected float16 (Q8_0's)")
+    return np.ascontiguousarray(scales.reshape(n // TILE, TILE, blocks).transpose(0, 2, 1)).reshape(-1)
 
 
 # -- the math, in numpy ------------------------------------------------------
@@ -148,12 +152,12 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def reference(xq: np.ndarray, dx: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """y [M, N] f32 as the kernel computes it, bit for bit: per block b in order,
-    acc += (scales[:, b] * dx[:, b]) * float(i32 dot of the block), each op rounded to f32."""
+    acc += (f32(scales[:, b]) * dx[:, b]) * f32(i32 dot of the block), each op rounded to f32."""
     m, k = xq.shape
     blocks = k // BLOCK
     sums = np.einsum("mbj,nbj->mnb", xq.reshape(m, blocks, BLOCK).astype(np.int32),
                      q.reshape(-1, blocks, BLOCK).astype(np.int32), dtype=np.int32)
-    acc = np.zeros((m, q.shape[0]), np.float32)
+    acc, scales = np.zeros((m, q.shape[0]), np.float32), scales.astype(np.float32)
     for b in range(blocks):
         acc = acc + (scales[None, :, b] * dx[:, b:b + 1]) * sums[:, :, b].astype(np.float32)
     return acc
@@ -167,12 +171,12 @@ def executable_name(m: int, n: int, k: int) -> str:
 def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
     """A `stream.executable` linking `obj` whose export `@run` computes y [M, N] from
     (xq [M, K] i8, dx [M, K/32] f32, xs [M, K/32] i32, packed w [N*K] i8, packed scales
-    [N*K/32] f32): one workgroup per 64 outputs, each a call of the C function."""
+    [N*K/32] f16): one workgroup per 64 outputs, each a call of the C function."""
     check_shape(m, n, k)
     g = k // BLOCK
     path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
     shapes = {"x": (m * k, "i8"), "dx": (m * g, "f32"), "xs": (m * g, "i32"), "w": (n * k, "i8"),
-              "dw": (n * g, "f32"), "y": (m * n, "f32")}
+              "dw": (n * g, "f16"), "y": (m * n, "f32")}
     memrefs = [f"memref<{size}x{t}>" for size, t in shapes.values()]
     decl = ", ".join(memrefs)
     subspans = [f"%{name} = stream.binding.subspan %b{name}[%c0] : !stream.binding -> {memref}"
@@ -216,13 +220,13 @@ def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Val
 
 def block_project(b: Builder, x: Value, w: Value, scales: Value, obj: str | os.PathLike, hint: str = "q8") -> Value:
     """x [M, K] f32 @ W.T -> [M, N] f32 through the kernel; `w` the packed weight [N*K] i8
-    (`pack_weight`), `scales` its packed scales [N*K/32] f32 (`pack_scales`), `obj` the
+    (`pack_weight`), `scales` its packed scales [N*K/32] f16 (`pack_scales`), `obj` the
     object `build_object` made for the graph's target."""
     m, k = x.shape
     n = w.shape[0] // k
-    if w.shape != (n * k,) or scales.shape != (n * k // BLOCK,):
-        raise KernelError(f"q8_matmul {hint}: weight {w.shape} and scales {scales.shape}: expected "
-                          f"({n * k},) and ({n * k // BLOCK},) for {k} inputs")
+    if w.type != TensorType((n * k,), "i8") or scales.type != TensorType((n * k // BLOCK,), "f16"):
+        raise KernelError(f"q8_matmul {hint}: weight {w.type} and scales {scales.type}: expected "
+                          f"{TensorType((n * k,), 'i8')} and {TensorType((n * k // BLOCK,), 'f16')} for {k} inputs")
     xq, dx, xs = quantized_blocks(b, x, hint + "_x")
     return b.dispatch(executable_name(m, n, k), executable(obj, m, n, k), "run", [xq, dx, xs, w, scales],
                       TensorType((m, n), "f32"), workload=n, hint=hint)

@@ -24,7 +24,7 @@ def graph(m: int, target: str, objects) -> LoadedModule:
     obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects)
     b = Builder()
     x = b.argument("x", (m, K))
-    y = q8.block_project(b, x, b.argument("w", (N * K,), "i8"), b.argument("s", (N * K // q8.BLOCK,)), obj)
+    y = q8.block_project(b, x, b.argument("w", (N * K,), "i8"), b.argument("s", (N * K // q8.BLOCK,), "f16"), obj)
     xq, dx, xs = q8.quantized_blocks(b, x, "check")
     text = render_module(b, [("y", y), ("xq", xq), ("dx", dx), ("xs", xs)], title="q8 kernel test")
     return LoadedModule(compile_mlir(text, target), driver="local-task")
@@ -73,6 +73,11 @@ def test_a_weight_of_minus_128_is_refused():
     q[3, 5] = -128
     with pytest.raises(q8.KernelError, match=r"weight: expected int8 values in \[-127, 127\]"):
         q8.pack_weight(q)
+
+
+def test_scales_must_be_f16():
+    with pytest.raises(q8.KernelError, match="scales of float32: expected float16"):
+        q8.pack_scales(np.ones((64, 1), np.float32))
 
 
 def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
