@@ -35,6 +35,7 @@ import numpy as np
 
 from emitter import quant
 from emitter.builder import Builder, TensorType, Value
+from emitter.layers import quantize_groups
 
 SOURCE = Path(__file__).with_name("q8_matmul.c")
 BLOCK = 32  # inputs per scale, both sides (Q8_0)
@@ -211,7 +212,6 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
 def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Value]:
     """(xq [M, K] i8, scales [M, K/32] f32, block sums [M, K/32] i32) of f32 x [M, K] in the
     graph: `emitter.layers.quantize_groups` per row and block of 32 (`quantize_x`)."""
-    from emitter.layers import quantize_groups
     m, k = x.shape
     xq3, dx = quantize_groups(b, b.reshape(x, (m, k // BLOCK, BLOCK), hint=hint + "_blocks"), hint)
     xs = b.reduce(b.convert(xq3, "i32", hint=hint + "_i32"), [2], "add", hint=hint + "_sums")
