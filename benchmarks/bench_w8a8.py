@@ -26,6 +26,15 @@ sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
   the executable (kernels/q8_matmul.py): the target's best ISA (AVX-512 VNNI or AVX2), or its
   AVX2 build on the same target.
 
+`--quality` prints, instead of timing, each integer form's relL2 from the f32 projection in
+numpy (the same math: `quant.integer_matmul`, `q8_matmul.reference`) on x with a few outlier
+input channels, as LLM activations have. `--save DIR` writes each form's module and weights
+(`FORM-mM.vmfb`, `FORM.irpa`, `x-mM.npy`) for IREE's own tools, e.g. a dispatch profile:
+
+    iree-benchmark-module --device=local-task --module=DIR/q8k-m1.vmfb --parameters=model=DIR/q8k.irpa \
+        --function=f0 --input=@DIR/x-m1.npy --device_profiling_mode=host-execution \
+        --device_profiling_output=q8k.trace && iree-profile dispatch q8k.trace
+
 `--asm DIR` also dumps each form's executables (M = 1) and counts the dot-product
 instructions in them (vpdpbusd / vpdpwssd: AVX-512 VNNI; vpmaddubsw / vpmaddwd) against the
 float ones (vfmadd*ps, vdpbf16ps) and the int->float converts (vcvtdq2ps).
@@ -176,6 +185,32 @@ class Loaded:
         return time.perf_counter() - start
 
 
+def quality(n: int = 1024, k: int = 2048, m: int = 8, outliers: int = 8, seed: int = 0) -> dict:
+    """relL2 from f32 x @ w.T of the integer forms' math in numpy: weights N(0, 0.02), x N(0, 1)
+    with `outliers` input channels x20."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.02
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    x[:, rng.choice(k, outliers, replace=False)] *= 20
+    y = x @ w.T
+    q, s = q8_matmul.quantize_weight(w)
+    xq, dx, _ = q8_matmul.quantize_x(x)
+    forms = {"q8k": q8_matmul.reference(xq, dx, q, s),
+             "w8a8-row": quant.integer_matmul(x, *quant.quantize(w, 8, k)),
+             "w8a8-g32": quant.integer_matmul(x, *quant.quantize(w, 8, 32)),
+             "int8": x @ quant.dequantize(*quant.quantize(w, 8, quant.GROUP), quant.GROUP).T,
+             "q8_0 weights, f32 x": x @ (q * np.repeat(s.astype(np.float32), q8_matmul.BLOCK, axis=1)).T}
+    return {form: float(np.linalg.norm(v - y) / np.linalg.norm(y)) for form, v in forms.items()}
+
+
+def save(directory: Path, form: str, m: int, vmfb: bytes, arrays) -> None:
+    import iree.runtime as rt
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{form}-m{m}.vmfb").write_bytes(vmfb)
+    if not (directory / f"{form}.irpa").exists():
+        rt.save_archive_file(dict(arrays), str(directory / f"{form}.irpa"))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=6144)
@@ -189,8 +224,15 @@ def main(argv=None) -> dict:
     p.add_argument("--flags", nargs="*", default=[], help="extra iree-compile flags")
     p.add_argument("--asm", metavar="DIR", help="dump each form's executables (M = 1) here and count instructions")
     p.add_argument("--objects", default="build/kernels", help="where the q8k forms' kernel objects are built")
+    p.add_argument("--quality", action="store_true", help="print the integer forms' relL2 from f32 (numpy), no timing")
+    p.add_argument("--save", metavar="DIR", help="write each form's vmfb, weights and x here")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.quality:
+        out = quality()
+        for form, rel in out.items():
+            print(f"{form:<20} relL2 from f32 {rel:.3g}")
+        return out
     set_thread_count(args.threads)
     config = device_config("llvm-cpu")
     out = {"n": args.n, "k": args.k, "threads": args.threads, "flags": args.flags,
@@ -211,11 +253,15 @@ def main(argv=None) -> dict:
             compiled = time.perf_counter() - start
             if dump:
                 out["asm"][form] = asm_counts(dump)
-            loaded[form] = (Loaded(config, vmfb, weight_arrays(form, args.n, args.k, count), count // args.per_call),
-                            count, per)
+            arrays = weight_arrays(form, args.n, args.k, count)
+            loaded[form] = (Loaded(config, vmfb, arrays, count // args.per_call), count, per)
+            if args.save:
+                save(Path(args.save), form, m, vmfb, arrays)
             print(f"M={m} {form}: {count} weights, {count * per / 1e6:.0f} MB, compiled in {compiled:.1f} s",
                   flush=True)
         x = rng.standard_normal((m, args.k), dtype=np.float32)
+        if args.save:
+            np.save(Path(args.save) / f"x-m{m}.npy", x)
         times = {form: [] for form in loaded}
         for form, (mod, _, _) in loaded.items():
             mod.sweep(x)  # warm-up: module initialization, packing

@@ -16,14 +16,13 @@
 //             values in [-127, 127] (the AVX2 path's sign trick cannot negate -128)
 //   dw  f16   [N/16, K/32, 16]: dw[16t + i, b] at (t * K/32 + b) * 16 + i (Q8_0's f16 scales)
 //   y   f32   [M, N]
-// N a multiple of 16 * Q8_TILES_PER_WORKGROUP, K a multiple of 32.
+// N a multiple of 32, K a multiple of 32.
 //
 // Bare-metal C: no libc, no globals, no TLS (IREE's embedded ELF loader links it).
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 
-#define Q8_TILES_PER_WORKGROUP 4  // 64 outputs; kernels/q8_matmul.py's workgroup count agrees
 #define Q8_ROWS 4                 // rows of x per pass over a weight tile (registers)
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -130,13 +129,15 @@ static inline __attribute__((always_inline)) void tile_rows(
 #define Q8_MEMREF(type, name) \
   type* name##_allocated, type* name, size_t name##_off, size_t name##_size, size_t name##_stride
 
-// Workgroup `wg` computes outputs [64 wg, 64 wg + 64) for every row of x.
+// Workgroup `wg` computes tiles [tiles wg, tiles wg + tiles) (16 outputs each; fewer in the last
+// workgroup) for every row of x.
 void q8_matmul_workgroup(Q8_MEMREF(const int8_t, xq), Q8_MEMREF(const float, dx), Q8_MEMREF(const int32_t, xs),
                          Q8_MEMREF(const int8_t, w), Q8_MEMREF(const uint16_t, dw), Q8_MEMREF(float, y), size_t M,
-                         size_t N, size_t K, size_t wg) {
+                         size_t N, size_t K, size_t tiles, size_t wg) {
   xq += xq_off, dx += dx_off, xs += xs_off, w += w_off, dw += dw_off, y += y_off;
   const size_t blocks = K / 32;
-  for (size_t t = wg * Q8_TILES_PER_WORKGROUP; t < (wg + 1) * Q8_TILES_PER_WORKGROUP; t += Q8_TILES_AT_ONCE) {
+  const size_t end = (wg + 1) * tiles < N / 16 ? (wg + 1) * tiles : N / 16;
+  for (size_t t = wg * tiles; t < end; t += Q8_TILES_AT_ONCE) {
     const int8_t* wt = w + t * 16 * K;
     const uint16_t* dwt = dw + t * blocks * 16;
     size_t m = 0;

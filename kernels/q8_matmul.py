@@ -11,7 +11,7 @@ a C kernel into IREE's executables instead, through the embedded-ELF object mech
   AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw), as `target_isa` picks from what iree-compile
   resolves the target to;
 - `executable` writes a `stream.executable` whose `hal.executable.objects` names that object
-  and whose one export calls the C function once per workgroup of 64 outputs;
+  and whose one export calls the C function once per workgroup of 128 outputs;
   iree-compile links the object into the executable's embedded ELF (iree-lld), so the vmfb
   is self-contained: the IREE runtime needs no plugin, flag or library to run it;
 - `block_project` emits the projection into a `Builder` graph: x quantized per row and block
@@ -40,7 +40,7 @@ from emitter.layers import quantize_groups
 SOURCE = Path(__file__).with_name("q8_matmul.c")
 BLOCK = 32  # inputs per scale, both sides (Q8_0)
 TILE = 16  # outputs per packed weight tile
-OUTPUTS_PER_WORKGROUP = 64  # TILE * Q8_TILES_PER_WORKGROUP in q8_matmul.c
+OUTPUTS_PER_WORKGROUP = 128  # a multiple of 2 * TILE (the AVX-512 loop takes two tiles at once)
 ENTRY = "q8_matmul_workgroup"
 # Bare-metal object flags (IREE's embedded ELF: no libc, no TLS, position independent); no FMA
 # contraction, so that the float math is the documented order (`reference`, bit for bit).
@@ -62,8 +62,8 @@ class KernelError(ValueError):
 def check_shape(m: int, n: int, k: int) -> None:
     if m < 1:
         raise KernelError(f"q8_matmul: rows {m}: expected at least 1")
-    if n % OUTPUTS_PER_WORKGROUP:
-        raise KernelError(f"q8_matmul: outputs {n}: expected a multiple of {OUTPUTS_PER_WORKGROUP}")
+    if n % (2 * TILE) or n == 0:
+        raise KernelError(f"q8_matmul: outputs {n}: expected a positive multiple of {2 * TILE}")
     if k % BLOCK or k == 0:
         raise KernelError(f"q8_matmul: inputs {k}: expected a positive multiple of {BLOCK}")
 
@@ -172,7 +172,7 @@ def executable_name(m: int, n: int, k: int) -> str:
 def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
     """A `stream.executable` linking `obj` whose export `@run` computes y [M, N] from
     (xq [M, K] i8, dx [M, K/32] f32, xs [M, K/32] i32, packed w [N*K] i8, packed scales
-    [N*K/32] f16): one workgroup per 64 outputs, each a call of the C function."""
+    [N*K/32] f16): one workgroup per 128 outputs (fewer in the last), each a call of the C function."""
     check_shape(m, n, k)
     g = k // BLOCK
     path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
@@ -194,15 +194,16 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
       stream.return %x, %c1, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func private @{ENTRY}({decl}, index, index, index, index) attributes {{hal.import.static}}
+      func.func private @{ENTRY}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
       func.func @run({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
           %c0 = arith.constant 0 : index
           %m = arith.constant {m} : index
           %n = arith.constant {n} : index
           %k = arith.constant {k} : index
+          %tiles = arith.constant {OUTPUTS_PER_WORKGROUP // TILE} : index
           %wg = hal.interface.workgroup.id[0] : index
           {body}
-          func.call @{ENTRY}({", ".join("%" + name for name in shapes)}, %m, %n, %k, %wg) : ({decl}, index, index, index, index) -> ()
+          func.call @{ENTRY}({", ".join("%" + name for name in shapes)}, %m, %n, %k, %tiles, %wg) : ({decl}, index, index, index, index, index) -> ()
           return
       }}
     }}

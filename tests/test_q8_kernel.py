@@ -16,7 +16,7 @@ from kernels import q8_matmul as q8
 from runtime.artifact.compiler import compile_mlir
 from runtime.artifact.iree_module import LoadedModule
 
-K, N = 512, 192
+K, N = 512, 224  # a last workgroup of 96 outputs
 
 
 def graph(m: int, target: str, objects) -> LoadedModule:
@@ -57,7 +57,7 @@ def test_target_isa_follows_the_compile_target():
 
 
 @pytest.mark.parametrize("m, n, k, expected", [
-    (1, 96, 512, "outputs 96: expected a multiple of 64"),
+    (1, 80, 512, "outputs 80: expected a positive multiple of 32"),
     (1, 128, 500, "inputs 500: expected a positive multiple of 32"),
     (0, 128, 512, "rows 0: expected at least 1"),
 ])
