@@ -1,10 +1,15 @@
 """The hand-written Q8_0 x Q8_0 kernel (kernels/q8_matmul.c, linked into IREE's executables by
-kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime, bit for bit
+kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime (python and
+iree-run-module), bit for bit
 against numpy's integer math of the same order (`q8_matmul.reference`), for the host's best
 ISA (AVX-512 VNNI here) and for x86-64-v3 code (AVX2), at 1 to 6 rows; bad shapes and weights
 get a one-line error; a failed object build leaves nothing behind."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +24,10 @@ from runtime.artifact.iree_module import LoadedModule
 K, N = 512, 224  # a last workgroup of 96 outputs
 
 
-def graph(m: int, target: str, objects) -> LoadedModule:
+IREE_RUN_MODULE = Path(sys.executable).parent / "iree-run-module"
+
+
+def graph_vmfb(m: int, target: str, objects) -> bytes:
     """x [M, K] f32, the packed weight and scales in; the projection and x's quantized blocks out."""
     obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects)
     b = Builder()
@@ -27,7 +35,12 @@ def graph(m: int, target: str, objects) -> LoadedModule:
     y = q8.block_project(b, x, b.argument("w", (N * K,), "i8"), b.argument("s", (N * K // q8.BLOCK,), "f16"), obj)
     xq, dx, xs = q8.quantized_blocks(b, x, "check")
     text = render_module(b, [("y", y), ("xq", xq), ("dx", dx), ("xs", xs)], title="q8 kernel test")
-    return LoadedModule(compile_mlir(text, target), driver="local-task")
+    return compile_mlir(text, target)
+
+
+def weights(seed: int):
+    """(q, scales) of a random [N, K] weight, Q8_0's grid."""
+    return q8.quantize_weight(np.random.default_rng(seed).standard_normal((N, K), dtype=np.float32))
 
 
 @pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
@@ -40,13 +53,30 @@ def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m):
     x[-1, 7] = 40.0
     if m > 1:
         x[0] = 0
-    q, scales = q8.quantize_weight(rng.standard_normal((N, K), dtype=np.float32))
-    y, xq, dx, xs = graph(m, target, tmp_path)(x, q8.pack_weight(q), q8.pack_scales(scales))
+    q, scales = weights(m)
+    module = LoadedModule(graph_vmfb(m, target, tmp_path))
+    y, xq, dx, xs = module(x, q8.pack_weight(q), q8.pack_scales(scales))
     ref_xq, ref_dx, ref_xs = q8.quantize_x(x)
     assert np.array_equal(xq, ref_xq) and np.array_equal(dx, ref_dx) and np.array_equal(xs, ref_xs)
     assert np.array_equal(y, q8.reference(ref_xq, ref_dx, q, scales))
     if m > 1:
         assert not y[0].any()
+
+
+def test_iree_run_module_runs_the_linked_kernel(tmp_path):
+    """The vmfb carries the kernel: IREE's own iree-run-module runs it, no plugin or flag."""
+    m = 2
+    x = np.random.default_rng(7).standard_normal((m, K), dtype=np.float32)
+    q, scales = weights(7)
+    (tmp_path / "q8.vmfb").write_bytes(graph_vmfb(m, "llvm-cpu", tmp_path / "objects"))
+    for name, array in (("x", x), ("w", q8.pack_weight(q)), ("s", q8.pack_scales(scales))):
+        np.save(tmp_path / f"{name}.npy", array)
+    subprocess.run([str(IREE_RUN_MODULE), "--device=local-task", f"--module={tmp_path / 'q8.vmfb'}", "--function=main",
+                    *[f"--input=@{tmp_path / name}.npy" for name in "xws"],
+                    *[f"--output=@{tmp_path / name}.npy" for name in ("y", "xq", "dx", "xs")]],
+                   check=True, capture_output=True)
+    xq, dx, _ = q8.quantize_x(x)
+    assert np.array_equal(np.load(tmp_path / "y.npy"), q8.reference(xq, dx, q, scales))
 
 
 def test_target_isa_follows_the_compile_target():
