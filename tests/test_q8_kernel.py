@@ -1,9 +1,9 @@
 """The hand-written Q8_0 x Q8_0 kernel (kernels/q8_matmul.c, linked into IREE's executables by
 kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime (python and
-iree-run-module), bit for bit
-against numpy's integer math of the same order (`q8_matmul.reference`), for the host's best
-ISA (AVX-512 VNNI here) and for x86-64-v3 code (AVX2), at 1 to 6 rows; bad shapes and weights
-get a one-line error; a failed object build leaves nothing behind."""
+iree-run-module), bit for bit against numpy's integer math of the same order
+(`q8_matmul.reference`), for the host's best ISA (AVX-512 VNNI here) and for x86-64-v3 code
+(AVX2), at 1 to 6 rows; bad shapes and weights get a one-line error; a failed object build
+leaves nothing behind."""
 
 from __future__ import annotations
 
