@@ -38,8 +38,9 @@ from emitter.builder import Builder, TensorType, Value
 from emitter.layers import quantize_groups
 
 SOURCE = Path(__file__).with_name("q8_matmul.c")
-BLOCK = 32  # inputs per scale, both sides (Q8_0)
-TILE = 16  # outputs per packed weight tile
+BLOCK = quant.BLOCK  # inputs per scale, both sides (Q8_0)
+TILE = quant.TILE  # outputs per packed weight tile
+OBJECTS_ENV = "QWEN3VL_KERNEL_DIR"  # where `default_objects` keeps the built objects
 OUTPUTS_PER_WORKGROUP = 128  # a multiple of 2 * TILE (the AVX-512 loop takes two tiles at once)
 ENTRY = "q8_matmul_workgroup"
 # Bare-metal object flags (IREE's embedded ELF: no libc, no TLS, position independent); no FMA
@@ -92,6 +93,14 @@ def compiler() -> str:
         if name and shutil.which(name):
             return name
     raise KernelError("q8_matmul: no C compiler: expected $CC, cc, gcc or clang on PATH")
+
+
+def default_objects() -> Path:
+    """The folder of the objects a graph links: `$QWEN3VL_KERNEL_DIR`, else
+    `$XDG_CACHE_HOME/qwen3vl-kernels` (~/.cache/qwen3vl-kernels)."""
+    if os.environ.get(OBJECTS_ENV):
+        return Path(os.environ[OBJECTS_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3vl-kernels"
 
 
 def build_object(isa: str, out_dir: str | os.PathLike) -> Path:
@@ -170,7 +179,8 @@ def executable_name(m: int, n: int, k: int) -> str:
 
 
 def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
-    """A `stream.executable` linking `obj` whose export `@run` computes y [M, N] from
+    """A `stream.executable` linking `obj` whose export (`executable_name`: unique in a module
+    whose executables IREE links into one) computes y [M, N] from
     (xq [M, K] i8, dx [M, K/32] f32, xs [M, K/32] i32, packed w [N*K] i8, packed scales
     [N*K/32] f16): one workgroup per 128 outputs (fewer in the last), each a call of the C function."""
     check_shape(m, n, k)
@@ -188,14 +198,14 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
       #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{path}"}}>]
     }}>
   }} {{
-    stream.executable.export public @run workgroups(%n: index) -> (index, index, index) {{
+    stream.executable.export public @{executable_name(m, n, k)} workgroups(%n: index) -> (index, index, index) {{
       %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
       %c1 = arith.constant 1 : index
       stream.return %x, %c1, %c1 : index, index, index
     }}
     builtin.module {{
       func.func private @{ENTRY}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
-      func.func @run({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
+      func.func @{executable_name(m, n, k)}({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
           %c0 = arith.constant 0 : index
           %m = arith.constant {m} : index
           %n = arith.constant {n} : index
@@ -229,5 +239,6 @@ def block_project(b: Builder, x: Value, w: Value, scales: Value, obj: str | os.P
         raise KernelError(f"q8_matmul {hint}: weight {w.type} and scales {scales.type}: expected "
                           f"{TensorType((n * k,), 'i8')} and {TensorType((n * k // BLOCK,), 'f16')} for {k} inputs")
     xq, dx, xs = quantized_blocks(b, x, hint + "_x")
-    return b.dispatch(executable_name(m, n, k), executable(obj, m, n, k), "run", [xq, dx, xs, w, scales],
+    name = executable_name(m, n, k)
+    return b.dispatch(name, executable(obj, m, n, k), name, [xq, dx, xs, w, scales],
                       TensorType((m, n), "f32"), workload=n, hint=hint)
