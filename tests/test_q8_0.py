@@ -29,48 +29,76 @@ STEPS = 3
 UNTIED = dataclasses.replace(CFG, tie_word_embeddings=False)  # lm_head through the kernel too
 
 
-def q8_linear(weight):
-    """A torch module computing x @ weight.T as the q8_0 graph does (`q8_matmul.reference`)."""
+def ours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x's Q8_0 blocks as the q8_0 graph makes them: f32 scales (`q8_matmul.quantize_x`)."""
+    return q8_matmul.quantize_x(x)[:2]
+
+
+def llama_cpp(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x's Q8_0 blocks as llama.cpp's CPU matmul makes them (ggml `quantize_row_q8_0_ref`):
+    d = max|x| / 127, q = roundf(x * (1 / d)) (half away from zero), d kept in f16."""
+    m, k = x.shape
+    g = x.reshape(m, k // quant.BLOCK, quant.BLOCK)
+    d = (np.abs(g).max(axis=2) / np.float32(127)).astype(np.float32)
+    inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d))
+    scaled = g * inverse[:, :, None]
+    q = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int8)
+    return q.reshape(m, k), d.astype(np.float16).astype(np.float32)
+
+
+def q8_linear(weight, activations=ours):
+    """A torch module computing x @ weight.T in Q8_0 x Q8_0 (`q8_matmul.reference`): the
+    weight's blocks (`q8_matmul.quantize_weight`) against x's made by `activations`."""
     import torch
 
-    q, scales = q8_matmul.quantize_weight(weight.detach().numpy())
+    w = weight.detach().numpy() if hasattr(weight, "detach") else weight
+    q, scales = q8_matmul.quantize_weight(w)
 
     class Q8(torch.nn.Module):
         def forward(self, x):
             rows = x.detach().numpy().reshape(-1, x.shape[-1])
-            y = q8_matmul.reference(*q8_matmul.quantize_x(rows)[:2], q, scales)
+            y = q8_matmul.reference(*activations(rows), q, scales)
             return torch.from_numpy(y.reshape(*x.shape[:-1], q.shape[0]))
     return Q8()
 
 
-def int8_g32(weight) -> np.ndarray:
-    """The embedding table's (and a tied lm_head's) numbers under q8_0: int8 in groups of 32."""
-    w = weight.detach().numpy()
+def table_numbers(w: np.ndarray, form: str) -> np.ndarray:
+    """The embedding table's numbers: under our q8_0 int8 in groups of 32 with f32 scales,
+    in llama.cpp's Q8_0 file its blocks (f16 scales)."""
+    if form == "llama.cpp":
+        q, scales = q8_matmul.quantize_weight(w)
+        return quant.dequantize(q, scales.astype(np.float32), quant.BLOCK)
     return quant.dequantize(*quant.quantize(w, 8, quant.BLOCK), quant.BLOCK)
 
 
-def reference_logits(folder, cfg, prompt: np.ndarray, steps: int) -> np.ndarray:
-    """transformers' Qwen3VLTextModel over the checkpoint, every projection a `q8_linear`,
-    the tables `int8_g32`: the logits of the prompt's last row and of `steps` greedy steps
-    (each step the whole sequence again: rows are independent in the kernel's math)."""
+def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours") -> np.ndarray:
+    """transformers' Qwen3VLTextModel over the checkpoint with every projection in Q8_0
+    integer math (`q8_linear`) and the embedding table's `table_numbers`; lm_head: under
+    "ours" an untied one through `q8_linear`, a tied one the table's numbers in f32 (our
+    weight-only form), under "llama.cpp" either through `q8_linear` with llama.cpp's
+    activations. The logits of the prompt's last row and of `steps` greedy steps (each step
+    the whole sequence again: rows are independent in the kernel's math)."""
     torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
     from test_text_2b import transformers_model
 
+    activations = llama_cpp if form == "llama.cpp" else ours
     hf = transformers_model(folder, cfg)
     for layer in hf.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if name.endswith("proj"):
-                    setattr(parent, name, q8_linear(child.weight))
-    table = int8_g32(hf.embed_tokens.weight)
-    hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table), requires_grad=False)
-    if cfg.tie_word_embeddings:
-        head = lambda h: h @ table.T  # noqa: E731
+                    setattr(parent, name, q8_linear(child.weight, activations))
+    raw = hf.embed_tokens.weight.detach().numpy()
+    hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table_numbers(raw, form)), requires_grad=False)
+    if cfg.tie_word_embeddings and form == "ours":
+        head = lambda h: h @ hf.embed_tokens.weight.numpy().T  # noqa: E731
     else:
-        lm_head = load_file(str(next(folder.glob("*.safetensors"))))["lm_head.weight"]
-        head = q8_linear(torch.from_numpy(lm_head))
-        head = (lambda module: lambda h: module(torch.from_numpy(h[None])).numpy()[0])(head)
+        weight = raw if cfg.tie_word_embeddings else next(
+            load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
+            if "lm_head.weight" in load_file(str(f)))
+        module = q8_linear(weight, activations)
+        head = lambda h: module(torch.from_numpy(h)).numpy()  # noqa: E731
     ids, rows = list(prompt), []
     with torch.inference_mode():
         for _ in range(steps + 1):
