@@ -245,8 +245,11 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
 
 
 def kernel_object(precision: str) -> str | None:
-    """The path of the Q8_0 kernel object a graph form of q8_0 links (built on first use:
-    kernels/q8_matmul.py `build_object`), else None."""
+    """The path of the Q8_0 kernel object a graph form of q8_0 links (q8_0 itself: the
+    default target's; built on first use: kernels/q8_matmul.py `build_object`), else None."""
+    if precision == quant.Q8_0:
+        from .identity import graph_precision
+        precision = graph_precision(precision)
     if precision not in quant.KERNEL_ISA:
         return None
     from kernels import q8_matmul
