@@ -90,8 +90,9 @@ def test_w8a8_against_q8_0_at_equal_bits(files, tmp_path):
     assert 0 < away["q8_0"] < away["w8a8"] < 2 * away["q8_0"], away
 
 
+@pytest.mark.parity
 def test_our_q8_0_against_llama_cpps_q8_0_at_equal_bits(files, tmp_path):
-    """Issue 33's bar at 8 bits: the distance of `--precision q8_0` (Q8_0 weights and
+    """The bar at equal bits: the distance of `--precision q8_0` (Q8_0 weights and
     activations, the kernel) from the f32 model is no worse than llama.cpp's Q8_0 math's:
     transformers with llama.cpp's CPU Q8_0 x Q8_0 in every projection and lm_head (the
     activations' block scales in f16; tests/test_q8_0.py `reference_logits`). The Q8_0 file

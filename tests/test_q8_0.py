@@ -118,6 +118,7 @@ def folders(tmp_path_factory):
     return root
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name, cfg", [("untied", UNTIED), ("tied", CFG)])
 def test_q8_0_equals_numpys_integer_math(folders, name, cfg):
     """Prefill (two chunks: 32 rows, then 5) and greedy decode steps through the kernel
