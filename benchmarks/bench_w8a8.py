@@ -21,6 +21,19 @@ sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
   over the groups, i32 -> f32 times both scales, summed over the groups). `-row`: one group
   of all K inputs (a weight scale per output channel, an x scale per row: `--precision w8a8`),
   a plain i8 x i8 -> i32 matmul, which IREE's data tiling packs into s8s8s32 tiles.
+- q8k / q8k-avx2: llama.cpp's Q8_0 x Q8_0 math (int8 weights and activations in blocks of 32,
+  a scale per block on both sides) in a hand-written C kernel that iree-compile links into
+  the executable (kernels/q8_matmul.py): the target's best ISA (AVX-512 VNNI or AVX2), or its
+  AVX2 build on the same target.
+
+`--quality` prints, instead of timing, each integer form's relL2 from the f32 projection in
+numpy (the same math: `quant.integer_matmul`, `q8_matmul.reference`) on x with a few outlier
+input channels, as LLM activations have. `--save DIR` writes each form's module and weights
+(`FORM-mM.vmfb`, `FORM.irpa`, `x-mM.npy`) for IREE's own tools, e.g. a dispatch profile:
+
+    iree-benchmark-module --device=local-task --module=DIR/q8k-m1.vmfb --parameters=model=DIR/q8k.irpa \
+        --function=f0 --input=@DIR/x-m1.npy --device_profiling_mode=host-execution \
+        --device_profiling_output=q8k.trace && iree-profile dispatch q8k.trace
 
 `--asm DIR` also dumps each form's executables (M = 1) and counts the dot-product
 instructions in them (vpdpbusd / vpdpwssd: AVX-512 VNNI; vpmaddubsw / vpmaddwd) against the
@@ -53,12 +66,14 @@ from emitter.layers import integer_project, project, quantized_project  # noqa: 
 from emitter.module import function, render  # noqa: E402
 from emitter.quant import QuantizedWeight  # noqa: E402
 from emitter.targets import target_flags  # noqa: E402
+from kernels import q8_matmul  # noqa: E402
 from runtime.artifact.iree_module import device_config, parameters_module  # noqa: E402
 from runtime.bench.roof import memory_bandwidth_gbs  # noqa: E402
 from runtime.vision import set_thread_count  # noqa: E402
 
 WEIGHT_ONLY = ("int8", "int4", "mlx4")
-FORMS = (*WEIGHT_ONLY, "bf16", "w8a8-row", "w8a8-g32", "w8a8-g64", "w8a8-g256", "w4a8-row")
+KERNEL_FORMS = ("q8k", "q8k-avx2")  # kernels/q8_matmul.py
+FORMS = (*WEIGHT_ONLY, "bf16", "w8a8-row", "w8a8-g32", "w8a8-g64", "w8a8-g256", "w4a8-row", *KERNEL_FORMS)
 ASM_COUNTS = ("vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd", "vfmadd", "vdpbf16ps", "vcvtdq2ps", "vpmovsxbd",
               "vpmovsxbw")
 
@@ -69,29 +84,42 @@ def form_layout(form: str, k: int) -> tuple[int, int]:
         return 16, k
     if form in WEIGHT_ONLY:
         return (8 if form == "int8" else 4), quant.GROUP
+    if form in KERNEL_FORMS:
+        return 8, q8_matmul.BLOCK
     bits = 8 if form.startswith("w8") else 4
     size = form.split("-")[1]
     return bits, k if size == "row" else int(size[1:])
 
 
 def weight_bytes(form: str, n: int, k: int) -> int:
-    """Bytes one projection reads: the weight in its bits plus its f32 scales."""
+    """Bytes one projection reads: the weight in its bits plus its scales (f32; f16 in the
+    kernel forms, as Q8_0 stores them)."""
     bits, group = form_layout(form, k)
-    scales = 0 if bits == 16 else n * (k // group) * 4
+    scales = 0 if bits == 16 else n * (k // group) * (2 if form in KERNEL_FORMS else 4)
     return n * k * bits // 8 + scales * (2 if form == "mlx4" else 1)
 
 
-def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) -> str:
+def kernel_object(form: str, objects: Path) -> Path:
+    """The kernel object a q8k form links: the compile target's ISA, or AVX2."""
+    isa = "avx2" if form == "q8k-avx2" else q8_matmul.target_isa(tuple(target_flags("llvm-cpu")))
+    return q8_matmul.build_object(isa, objects)
+
+
+def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, objects: Path | None = None) -> str:
     """`count` distinct weights as parameter globals, functions f0.. each projecting x by
-    `per_call` of them."""
+    `per_call` of them; a q8k form links its kernel object, built into `objects`."""
     bits, group = form_layout(form, k)
     functions, globals_ = [], []
     for f in range(count // per_call):
-        b = Builder(activations="f32" if form == "bf16" else None if form in WEIGHT_ONLY else "i8")
+        b = Builder(activations="f32" if form == "bf16" else None if form in WEIGHT_ONLY + KERNEL_FORMS else "i8")
         x = b.argument("x", (m, k))
         results = []
         for i in range(f * per_call, (f + 1) * per_call):
-            if bits == 16:
+            if form in KERNEL_FORMS:
+                w = b.parameter(f"w{i}", (n * k,), "i8", f"w{i}")
+                s = b.parameter(f"s{i}", (n * k // group,), "f16", f"s{i}")
+                y = q8_matmul.block_project(b, x, w, s, kernel_object(form, objects), hint=f"p{i}")
+            elif bits == 16:
                 w = b.parameter(f"w{i}", (n, k), "bf16", f"w{i}")
                 y = project(b, x, w, hint=f"p{i}")
             else:
@@ -102,7 +130,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int) ->
                 y = project_(b, x, w, f"p{i}")
             results.append((f"y{i - f * per_call}", y))
         functions.append(function(b, f"f{f}", results))
-        globals_ += b.globals
+        globals_ += [g for g in b.globals if g not in globals_]  # a kernel's executable: once
     return render("bench", f"// {form} {n}x{k} M={m}\n", globals_, functions)
 
 
@@ -115,6 +143,10 @@ def weight_arrays(form: str, n: int, k: int, count: int, seed: int = 0):
     if bits == 16:
         base = (w.view(np.uint32) >> 16).astype(np.uint16)
         return [(f"w{i}", np.roll(base, i)) for i in range(count)]
+    if form in KERNEL_FORMS:
+        q, scales = q8_matmul.quantize_weight(w)
+        packed, packed_scales = q8_matmul.pack_weight(q), q8_matmul.pack_scales(scales)
+        return [pair for i in range(count) for pair in ((f"w{i}", np.roll(packed, i)), (f"s{i}", packed_scales))]
     q, scales = quant.stored(w, bits, group)
     biases = [(f"b{i}", scales * -8) for i in range(count)] if form == "mlx4" else []
     return [pair for i in range(count) for pair in ((f"q{i}", np.roll(q, i)), (f"s{i}", scales))] + biases
@@ -153,6 +185,32 @@ class Loaded:
         return time.perf_counter() - start
 
 
+def quality(n: int = 1024, k: int = 2048, m: int = 8, outliers: int = 8, seed: int = 0) -> dict:
+    """relL2 from f32 x @ w.T of the integer forms' math in numpy: weights N(0, 0.02), x N(0, 1)
+    with `outliers` input channels x20."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.02
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    x[:, rng.choice(k, outliers, replace=False)] *= 20
+    y = x @ w.T
+    q, s = q8_matmul.quantize_weight(w)
+    xq, dx, _ = q8_matmul.quantize_x(x)
+    forms = {"q8k": q8_matmul.reference(xq, dx, q, s),
+             "w8a8-row": quant.integer_matmul(x, *quant.quantize(w, 8, k)),
+             "w8a8-g32": quant.integer_matmul(x, *quant.quantize(w, 8, 32)),
+             "int8": x @ quant.dequantize(*quant.quantize(w, 8, quant.GROUP), quant.GROUP).T,
+             "q8_0 weights, f32 x": x @ (q * np.repeat(s.astype(np.float32), q8_matmul.BLOCK, axis=1)).T}
+    return {form: float(np.linalg.norm(v - y) / np.linalg.norm(y)) for form, v in forms.items()}
+
+
+def save(directory: Path, form: str, m: int, vmfb: bytes, arrays) -> None:
+    import iree.runtime as rt
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{form}-m{m}.vmfb").write_bytes(vmfb)
+    if not (directory / f"{form}.irpa").exists():
+        rt.save_archive_file(dict(arrays), str(directory / f"{form}.irpa"))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=6144)
@@ -165,8 +223,16 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--flags", nargs="*", default=[], help="extra iree-compile flags")
     p.add_argument("--asm", metavar="DIR", help="dump each form's executables (M = 1) here and count instructions")
+    p.add_argument("--objects", default="build/kernels", help="where the q8k forms' kernel objects are built")
+    p.add_argument("--quality", action="store_true", help="print the integer forms' relL2 from f32 (numpy), no timing")
+    p.add_argument("--save", metavar="DIR", help="write each form's vmfb, weights and x here")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.quality:
+        out = quality()
+        for form, rel in out.items():
+            print(f"{form:<20} relL2 from f32 {rel:.3g}")
+        return out
     set_thread_count(args.threads)
     config = device_config("llvm-cpu")
     out = {"n": args.n, "k": args.k, "threads": args.threads, "flags": args.flags,
@@ -177,7 +243,7 @@ def main(argv=None) -> dict:
         for form in args.forms:
             per = weight_bytes(form, args.n, args.k)
             count = math.ceil(args.megabytes * 1e6 / per / args.per_call) * args.per_call
-            text = module_text(form, args.n, args.k, m, count, args.per_call)
+            text = module_text(form, args.n, args.k, m, count, args.per_call, Path(args.objects))
             dump = None
             if args.asm and m == 1:
                 dump = Path(args.asm) / form
@@ -187,11 +253,15 @@ def main(argv=None) -> dict:
             compiled = time.perf_counter() - start
             if dump:
                 out["asm"][form] = asm_counts(dump)
-            loaded[form] = (Loaded(config, vmfb, weight_arrays(form, args.n, args.k, count), count // args.per_call),
-                            count, per)
+            arrays = weight_arrays(form, args.n, args.k, count)
+            loaded[form] = (Loaded(config, vmfb, arrays, count // args.per_call), count, per)
+            if args.save:
+                save(Path(args.save), form, m, vmfb, arrays)
             print(f"M={m} {form}: {count} weights, {count * per / 1e6:.0f} MB, compiled in {compiled:.1f} s",
                   flush=True)
         x = rng.standard_normal((m, args.k), dtype=np.float32)
+        if args.save:
+            np.save(Path(args.save) / f"x-m{m}.npy", x)
         times = {form: [] for form in loaded}
         for form, (mod, _, _) in loaded.items():
             mod.sweep(x)  # warm-up: module initialization, packing

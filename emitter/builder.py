@@ -19,7 +19,7 @@ import numpy as np
 
 from .dims import Dim, count, grouping, is_static, same_count
 
-DTYPES = ("f32", "bf16", "i32", "i64", "i8", "i4", "i1")
+DTYPES = ("f32", "bf16", "f16", "i32", "i64", "i8", "i4", "i1")
 # dot_general operand dtypes that may differ
 MIXED_DOTS = ({"f32", "bf16"}, {"f32", "i8"}, {"f32", "i4"}, {"i8", "i4"})
 COMPARE_DIRECTIONS = ("EQ", "NE", "GE", "GT", "LE", "LT")
@@ -191,6 +191,21 @@ class Builder:
         """A shape (ints and bound Dims) as a [rank] i32 value, the operand of a dynamic op."""
         parts = [self.reshape(self.size(d), (1,), hint="shape") for d in shape]
         return parts[0] if len(parts) == 1 else self.concatenate(parts, 0, hint="shape")
+
+    def dispatch(self, executable: str, text: str, export: str, operands: list[Value], result: TensorType,
+                 workload: int, hint: str = "dispatch") -> Value:
+        """A `flow.dispatch` of export `@export` of a hand-written `stream.executable`
+        `@executable` (its MLIR `text`, added to the module once) on `operands`, with
+        `workload` passed to the export's workgroup-count region (e.g. kernels/q8_matmul.py)."""
+        if f"@{executable} " not in text:
+            raise BuildError(f"dispatch: the executable text does not define @{executable}")
+        if text not in self.globals:
+            self.globals.append(text)
+        count = self._fresh(f"{self._stage}.{hint}.workload" if self._stage else f"{hint}.workload")
+        self.lines.append(f'%{count} = arith.constant {int(workload)} : index loc("{self._stage}")')
+        types = ", ".join(str(v.type) for v in operands)
+        return self._op(hint, f"flow.dispatch @{executable}::@{export}[%{count}]({', '.join(map(str, operands))})"
+                              f" : ({types}) -> {result}", result)
 
     # -- checks ------------------------------------------------------------
     @staticmethod

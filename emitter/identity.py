@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import __version__
-from .config import VisionConfig, check_precision, graph_weights
+from .config import ConfigError, VisionConfig, check_precision, graph_weights
 from .targets import DEFAULT_TARGET, TARGETS, target_flags
 from .vision import check_binding, check_bucket, default_inspect_blocks, emit_artifact_module
 
@@ -150,12 +150,20 @@ def graph_precision(precision: str, target: str | None = None, extra_flags=()) -
     `target`: bf16 as `bf16_form` says (bf16-f32: bf16 weights widened to f32 inside each
     matmul, half the weight bytes of f32, never IREE's scalar bf16 loop)."""
     check_precision(precision)
-    return bf16_form(target or DEFAULT_TARGET, extra_flags)[0] if precision == "bf16" else precision
+    if precision == "bf16":
+        return bf16_form(target or DEFAULT_TARGET, extra_flags)[0]
+    if precision == "q8_0":  # the kernel object of the target's ISA
+        from kernels import q8_matmul
+        try:
+            return f"q8_0-{q8_matmul.target_isa(tuple(target_flags(target or DEFAULT_TARGET)) + tuple(extra_flags))}"
+        except q8_matmul.KernelError as e:
+            raise ConfigError(f"--precision q8_0: {e}") from None
+    return precision
 
 
 def precision_note(asked: str, used: str, target: str | None = None) -> str | None:
     """One line for a user whose precision was changed to the target's fast form, or None."""
-    if asked == used:
+    if asked == used or asked != "bf16":
         return None
     why = bf16_form(target or DEFAULT_TARGET)[1]
     return (f"note: --precision {asked}: {why}; running {used} (bf16 weights, widened to f32 inside each "

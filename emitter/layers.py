@@ -13,7 +13,7 @@ import numpy as np
 from .builder import Builder, Value
 from .config import LAYER_NORM_EPS
 from . import quant
-from .quant import QuantizedWeight
+from .quant import BlockWeight, QuantizedWeight
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_TANH_CUBIC = 0.044715
@@ -220,10 +220,24 @@ def project(b: Builder, x: Value, weight: Value | QuantizedWeight, hint: str = "
     instead needs a transposed transient at load (1.2 GB at 2B): memory chosen here."""
     if isinstance(weight, QuantizedWeight):
         return quantized_project(b, x, weight, hint)
+    if isinstance(weight, BlockWeight):
+        return block_project(b, x, weight, hint)
     if x.shape[0] != 1 or x.rank != 2:
         return weight_matmul(b, x, weight, hint)
     column = weight_matmul(b, x, weight, hint, weight_first=True)
     return b.reshape(column, (1, weight.shape[0]), hint=hint)
+
+
+def block_project(b: Builder, x: Value, weight: BlockWeight, hint: str) -> Value:
+    """x @ weight.T, f32 [..., N], through the Q8_0 kernel (kernels/q8_matmul.py), every row
+    count (decode's lanes and prefill's chunks alike)."""
+    from kernels import q8_matmul
+    rows = x.shape[:-1]
+    flat = b.reshape(cast(b, x, "f32", hint + "_f32"), (int(np.prod(rows)), x.shape[-1]), hint=hint + "_rows")
+    q = b.reshape(weight.q, (weight.q.shape[0] * weight.q.shape[1],), hint=hint + "_tiles")
+    scales = b.reshape(weight.scales, (weight.scales.shape[0] * weight.scales.shape[1],), hint=hint + "_tile_scales")
+    y = q8_matmul.block_project(b, flat, q, scales, weight.kernel, hint)
+    return y if x.rank == 2 else b.reshape(y, (*rows, weight.shape[0]), hint=hint)
 
 
 # Rows up to which a quantized projection runs split-K (decode's lanes, prefill's last row);
@@ -312,9 +326,16 @@ def quantized_activations(b: Builder, x: Value, group: int, hint: str = "x") -> 
     m, k = x.shape
     g = k // group
     x3 = b.transpose(b.reshape(x, (m, g, group), hint=hint + "_groups"), [1, 0, 2], hint=hint + "_groups")
+    return quantize_groups(b, x3, hint)
+
+
+def quantize_groups(b: Builder, x3: Value, hint: str = "x") -> tuple[Value, Value]:
+    """(x3 quantized to i8, its scales [A, B] f32) of f32 x3 [A, B, g], per group of the g
+    inputs along the last dim (`quantized_activations`' math)."""
+    outer = x3.shape[:2]
     amax = b.maximum(b.reduce(b.abs(x3, hint=hint + "_abs"), [2], "maximum", hint=hint + "_amax"),
-                     b.constant(quant.ACTIVATION_FLOOR, (g, m), hint=hint + "_floor"), hint=hint + "_amax")
-    levels = b.constant(float(quant.levels(8)), (g, m), hint=hint + "_levels")
+                     b.constant(quant.ACTIVATION_FLOOR, outer, hint=hint + "_floor"), hint=hint + "_amax")
+    levels = b.constant(float(quant.levels(8)), outer, hint=hint + "_levels")
     inverse = b.broadcast_in_dim(b.divide(levels, amax, hint=hint + "_inverse"), x3.shape, [0, 1],
                                  hint=hint + "_inverse")
     xq = b.convert(b.round_even(b.multiply(x3, inverse, hint=hint + "_scaled"), hint=hint + "_rounded"), "i8",

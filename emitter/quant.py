@@ -20,6 +20,16 @@ f32 scale; its values are stored as signed q in i8 (-128..127) or i4 (-8..7).
   int8 numbers with one group of all K inputs (a scale per output channel); at run time x is
   quantized per row the same way (scale = max|x| / 127, `quantize_activations`) and the
   contraction runs in i32 (emitter/layers.py `integer_project`; `integer_matmul` here).
+- Q8_0 (`--precision q8_0`, llama.cpp's name): int8 weights in blocks of BLOCK = 32 inputs with
+  an f16 scale each, activations quantized per row and block at run time, every block's
+  int8 x int8 dot product in int32 through the hand-written kernel (kernels/q8_matmul.py:
+  VNNI on AVX-512, vpmaddubsw on AVX2, linked into IREE's executables). Its graph forms name
+  the kernel's ISA (`KERNEL_ISA`: "q8_0-avx512vnni", "q8_0-avx2"; emitter/identity.py's
+  `graph_precision` picks one for the target), so a module built for one ISA is never
+  served to another. Its weights are `packed` layouts: q [N, K] int8 and the scales [N, K/32]
+  f16 in the kernel's tile order (`Layout.store`); the embedding table, gathered by rows, stays
+  in the int8 form (groups of 32, f32 scales, transposed), and a tied lm_head with it runs
+  weight-only (`quantized_project`).
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
@@ -39,8 +49,12 @@ import numpy as np
 from .config import ConfigError, WeightSpec
 
 GROUP = 64  # inputs per scale of `--precision int8|int4`
-QUANTIZED_BITS = {"int8": 8, "int4": 4, "w8a8": 8}  # precision -> bits of a stored weight
+Q8_0 = "q8_0"  # the user's name of the kernel precision
+KERNEL_ISA = {"q8_0-avx512vnni": "avx512vnni", "q8_0-avx2": "avx2"}  # its graph forms -> the kernel object's ISA
+QUANTIZED_BITS = {"int8": 8, "int4": 4, "w8a8": 8, Q8_0: 8, **{p: 8 for p in KERNEL_ISA}}  # precision -> bits
 PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a group of all K inputs
+BLOCK = 32  # inputs per scale of Q8_0 (llama.cpp's block)
+TILE = 16  # outputs per tile of a packed (q8_0) weight; N a multiple of two tiles
 ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at run time
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
@@ -57,10 +71,15 @@ def levels(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
+def is_block_kernel(precision: str) -> bool:
+    """Whether `precision` is q8_0 or one of its graph forms (`KERNEL_ISA`)."""
+    return precision == Q8_0 or precision in KERNEL_ISA
+
+
 def group_of(precision: str, shape: tuple[int, ...]) -> int:
-    """Inputs per scale of a [N, K] weight quantized under `precision`: K (per output channel)
-    or GROUP."""
-    return shape[-1] if precision in PER_CHANNEL else GROUP
+    """Inputs per scale of a [N, K] weight quantized under `precision`: K (per output channel),
+    BLOCK (q8_0) or GROUP."""
+    return shape[-1] if precision in PER_CHANNEL else BLOCK if is_block_kernel(precision) else GROUP
 
 
 def scales_name(weight_name: str) -> str:
@@ -85,10 +104,12 @@ def groups(name: str, shape: tuple[int, ...], group: int = GROUP) -> int:
 @dataclass(frozen=True)
 class Layout:
     """How one [N, K] weight is quantized: `bits` (8 or 4) per stored value, one scale per
-    `group` inputs, and for an `affine` one a bias per group too (module docstring)."""
+    `group` inputs, and for an `affine` one a bias per group too; a `packed` one (q8_0's) in
+    the Q8_0 kernel's tile order with f16 scales (module docstring)."""
     bits: int
     group: int = GROUP
     affine: bool = False
+    packed: bool = False
 
     def __post_init__(self):
         if self.bits not in STORAGE_DTYPE:
@@ -105,11 +126,33 @@ class Layout:
         identity changes with the bits, the group and the form)."""
         tag = f"int{self.bits}_g{self.group}"
         cut = (shape[0], groups(name, shape, self.group))
+        if self.packed:
+            if shape[0] % (2 * TILE):
+                raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] with N a multiple of {2 * TILE} "
+                                  f"(the q8_0 kernel's tiles)")
+            return [WeightSpec(name, shape, "i8", f"q8_0_tiles_g{self.group}"),
+                    WeightSpec(scales_name(name), cut, "f16", f"q8_0_tile_scales_g{self.group}")]
         out = [WeightSpec(name, shape[::-1], self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
                WeightSpec(scales_name(name), cut, "f32", f"group_scales_{tag}")]
         if self.affine:
             out.append(WeightSpec(biases_name(name), cut, "f32", f"recentred_biases_{tag}"))
         return out
+
+
+    def source_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint's [N, K] of a weight whose graph spec has `shape` (q transposed, unless packed)."""
+        return tuple(shape) if self.packed else tuple(shape[::-1])
+
+    def store(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q, scales) of an f32 weight [N, K] as the archive holds them: `stored`, or packed
+        for the kernel (`kernels.q8_matmul`'s `quantize_weight`, `pack_weight`, `pack_scales`:
+        [N, K] int8 and [N, K/32] f16 in its tile order)."""
+        if not self.packed:
+            return stored(w, self.bits, self.group)
+        from kernels import q8_matmul
+        q, scales = q8_matmul.quantize_weight(w)
+        return (q8_matmul.pack_weight(q).reshape(q.shape),
+                q8_matmul.pack_scales(scales).reshape(scales.shape))
 
 
 def native_layouts(entries) -> dict[str, Layout]:
@@ -259,10 +302,29 @@ class QuantizedWeight:
         return [v for v in (self.q, self.scales, self.biases) if v is not None]
 
 
-def grouped(weights: dict) -> dict:
+@dataclass(frozen=True)
+class BlockWeight:
+    """A packed (q8_0) [N, K] weight in a graph: q [N, K] i8 and its scales [N, K / 32] f16 in
+    the kernel's tile order, and the path of the kernel object its projections link
+    (kernels/q8_matmul.py `block_project`)."""
+    q: object  # builder.Value
+    scales: object  # builder.Value
+    kernel: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+
+def grouped(weights: dict, kernel: str | None = None) -> dict:
     """A graph's weights by name with each quantized weight's q, scales and any biases
-    (`scales_name`, `biases_name`) bound as one `QuantizedWeight` under the weight's name."""
+    (`scales_name`, `biases_name`) bound as one `QuantizedWeight` under the weight's name; a
+    packed one (f16 scales) as a `BlockWeight` over the `kernel` object."""
     out = dict(weights)
     for name in [n for n in out if n.endswith("weight") and scales_name(n) in out]:
-        out[name] = QuantizedWeight(out[name], out.pop(scales_name(name)), out.pop(biases_name(name), None))
+        q, scales = out[name], out.pop(scales_name(name))
+        if scales.dtype == "f16":
+            out[name] = BlockWeight(q, scales, kernel)
+        else:
+            out[name] = QuantizedWeight(q, scales, out.pop(biases_name(name), None))
     return out

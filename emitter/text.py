@@ -59,7 +59,8 @@ from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
 MODULE_NAME = "qwen3vl_text"
 PREFILL, DECODE, RESET = "prefill", "decode", "reset"
-MATMUL_SUFFIXES = ("proj.weight", "embed_tokens.weight", LM_HEAD)
+EMBEDDING = "embed_tokens.weight"
+MATMUL_SUFFIXES = ("proj.weight", EMBEDDING, LM_HEAD)
 KV_DTYPES = ("f32", "bf16")
 KV_CACHE_HELP = ("KV cache element type: bf16 halves the cache's memory, its keys and values rounded to bf16 "
                  "(docs/text.md gives the distance from f32).")
@@ -220,7 +221,8 @@ def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
 def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
     """{name: quant.Layout} of the weights the graph takes quantized: under int8 and int4 every
     matmul weight (symmetric, groups of quant.GROUP), under w8a8 in int8 with a scale per
-    output channel (`quant.group_of`); a checkpoint run in its own bits
+    output channel (`quant.group_of`), under q8_0 packed for its kernel in blocks of 32 but
+    the embedding table (int8 in groups of 32: it is gathered by rows); a checkpoint run in its own bits
     (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
     group and form (`quant.native_layouts`).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
@@ -235,8 +237,21 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
                           "and lm_head can run quantized")
     if layouts or not bits:
         return layouts
-    shapes = dict(weight_shapes(cfg))
-    return {n: quant.Layout(bits, quant.group_of(precision, shapes[n])) for n in names if n.endswith(MATMUL_SUFFIXES)}
+    shapes, packed = dict(weight_shapes(cfg)), quant.is_block_kernel(precision)
+    return {n: quant.Layout(bits, quant.group_of(precision, shapes[n]), packed=packed and not n.endswith(EMBEDDING))
+            for n in names if n.endswith(MATMUL_SUFFIXES)}
+
+
+def kernel_object(precision: str) -> str | None:
+    """The path of the Q8_0 kernel object a graph form of q8_0 links (q8_0 itself: the
+    default target's; built on first use: kernels/q8_matmul.py `build_object`), else None."""
+    if precision == quant.Q8_0:
+        from .identity import graph_precision
+        precision = graph_precision(precision)
+    if precision not in quant.KERNEL_ISA:
+        return None
+    from kernels import q8_matmul
+    return str(q8_matmul.build_object(quant.KERNEL_ISA[precision], q8_matmul.default_objects()))
 
 
 class TextGraph:
@@ -249,7 +264,7 @@ class TextGraph:
         self.inputs: dict[str, Value] = {}
         self.w = quant.grouped({s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype,
                                                          key=s.name, scope=PARAMETER_SCOPE)
-                                for s in text_weights(cfg, precision)})
+                                for s in text_weights(cfg, precision)}, kernel_object(precision))
         pool = pool_shape(cfg.num_key_value_heads, shape.blocks, cfg.head_dim)
         self.pages = [(self.b.state(f"layers.{n}.k_pages", pool, shape.kv_dtype),
                        self.b.state(f"layers.{n}.v_pages", pool, shape.kv_dtype)) for n in range(cfg.num_hidden_layers)]
@@ -491,11 +506,13 @@ def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, p
     if functions in ("all", "decode"):
         entries += [decode_function(cfg, shape, n, precision) for n in lane_counts(shape.lanes)]
     entries.append(reset_function(cfg, shape, precision))
-    functions_, shared = [], None
-    for entry, globals_ in entries:
-        assert shared is None or globals_ == shared, "every entry reads the same globals"
+    functions_, shared, weights = [], [], None
+    for entry, globals_ in entries:  # the same weight globals; each its own kernel executables (q8_0)
+        read = [g for g in globals_ if not g.startswith("stream.executable")]
+        assert weights is None or read == weights, "every entry reads the same globals"
         functions_.append(entry)
-        shared = globals_
+        weights = read
+        shared += [g for g in globals_ if g not in shared]
     kv = "" if shape.kv_dtype == "f32" else f" in {shape.kv_dtype}"
     header = (f"// Qwen3-VL language model, prompt buckets {', '.join(map(str, shape.buckets))}, context "
               f"{shape.context}, {shape.lanes} lanes, KV cache of {shape.blocks} blocks of {BLOCK}{kv}, "

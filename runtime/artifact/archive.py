@@ -27,6 +27,7 @@ import numpy as np
 import iree.runtime as rt
 
 from emitter import quant
+from kernels import q8_matmul
 from emitter.config import VisionConfig, graph_weights, weight_dtype
 from emitter.text import text_weights
 from emitter.text_config import TextConfig
@@ -38,11 +39,11 @@ from runtime.checkpoints import (gguf_blocks, gguf_text, gguf_vision, mlx_quant,
 # Bump when what an archive holds changes in a way no other field records.
 ARCHIVE_FORMAT = 1
 METADATA_PREFIX = "TENSORv0:"
-DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "i8": "int8", "i4": "int4"}  # graph dtype -> metadata name
-BITS = {"f32": 32, "bf16": 16, "i8": 8, "i4": 4}
+DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i8": "int8", "i4": "int4"}  # graph dtype -> metadata name
+BITS = {"f32": 32, "bf16": 16, "f16": 16, "i8": 8, "i4": 4}
 MADV_DONTNEED = 4  # Linux and macOS
 _CODE = (Path(checkpoint.__file__), Path(gguf_vision.__file__), Path(gguf_text.__file__), Path(gguf_blocks.__file__),
-         Path(quant.__file__), Path(__file__))  # the host transforms
+         Path(quant.__file__), Path(q8_matmul.__file__), Path(__file__))  # the host transforms
 
 
 class ArchiveError(ValueError):
@@ -189,7 +190,7 @@ def entry_arrays(index: rt.ParameterIndex, specs) -> list[np.ndarray]:
     no copy, they read the mapped file (an i4 entry: its bytes, two values to a byte)."""
     import ml_dtypes
     entries = dict(index.items())
-    dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "i8": np.int8}
+    dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "i8": np.int8}
     return [np.asarray(entries[w.name].file_view) if w.dtype == "i4" else
             np.asarray(entries[w.name].file_view).view(dtypes[w.dtype]).reshape(w.shape) for w in specs]
 

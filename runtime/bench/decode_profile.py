@@ -63,9 +63,9 @@ def write_archive(cfg, precision: str, path: Path) -> None:
         if spec.name in weights:  # a quantized weight's scales, made with it
             continue
         layout = layouts.get(spec.name)  # stored [K, N], drawn [N, K]
-        w = rng.standard_normal(spec.shape[::-1] if layout else spec.shape, dtype=np.float32) * np.float32(0.02)
+        w = rng.standard_normal(layout.source_shape(spec.shape) if layout else spec.shape, dtype=np.float32) * np.float32(0.02)
         if layout:
-            weights[spec.name], weights[quant.scales_name(spec.name)] = quant.stored(w, layout.bits, layout.group)
+            weights[spec.name], weights[quant.scales_name(spec.name)] = layout.store(w)
         else:
             weights[spec.name] = w if spec.dtype == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)
     rt.save_archive_file(weights, str(path))
@@ -73,8 +73,8 @@ def write_archive(cfg, precision: str, path: Path) -> None:
 
 def weight_bytes(cfg, precision: str) -> int:
     """Bytes of the module's weights under `precision` (archive and resident alike)."""
-    bits = {"f32": 32, "bf16": 16, "i8": 8, "i4": 4}
-    return sum(int(np.prod(s.shape)) * bits[s.dtype] // 8 for s in text_weights(*graph_form(cfg, precision)))
+    from runtime.artifact.archive import BITS
+    return sum(int(np.prod(s.shape)) * BITS[s.dtype] // 8 for s in text_weights(*graph_form(cfg, precision)))
 
 
 def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None,

@@ -193,13 +193,12 @@ def text_arrays(model_dir, cfg: TextConfig, precision: str = "f32") -> list:
             out.append((s.name, pending.pop(s.name)))
             continue
         layout, (key, entry) = layouts.get(s.name), entries[s.name]
-        shape = s.shape[::-1] if layout else s.shape
+        shape = layout.source_shape(s.shape) if layout else s.shape
         if layout and layout.affine:
             q, pending[quant.scales_name(s.name)], pending[quant.biases_name(s.name)] = read_affine(
                 key, entry, found, shape, qconfig)
         elif layout:
-            q, pending[quant.scales_name(s.name)] = quant.stored(read_text_weight(key, entry, found, shape, qconfig),
-                                                                 layout.bits, layout.group)
+            q, pending[quant.scales_name(s.name)] = layout.store(read_text_weight(key, entry, found, shape, qconfig))
         else:
             w = read_text_weight(key, entry, found, shape, qconfig)
             q = w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)

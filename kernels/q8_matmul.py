@@ -1,0 +1,244 @@
+"""A hand-written Q8_0 x Q8_0 projection (kernels/q8_matmul.c) in IREE-compiled graphs.
+
+llama.cpp's Q8_0 math: weights and activations in blocks of 32 inputs, an f32 scale per block
+on both sides, each block's int8 x int8 dot product summed exactly in int32 and scaled into an
+f32 accumulator (`reference`). IREE 3.13's own code for the grouped integer forms runs 3-10x
+slower than one group (docs/performance.md, "Integer activations: w8a8"), so this module links
+a C kernel into IREE's executables instead, through the embedded-ELF object mechanism:
+
+- `build_object` compiles kernels/q8_matmul.c with the system C compiler (`$CC`, else cc, gcc
+  or clang) into a bare-metal ELF object, once per source, ISA and compiler (cached on disk);
+  AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw), as `target_isa` picks from what iree-compile
+  resolves the target to;
+- `executable` writes a `stream.executable` whose `hal.executable.objects` names that object
+  and whose one export calls the C function once per workgroup of 128 outputs;
+  iree-compile links the object into the executable's embedded ELF (iree-lld), so the vmfb
+  is self-contained: the IREE runtime needs no plugin, flag or library to run it;
+- `block_project` emits the projection into a `Builder` graph: x quantized per row and block
+  of 32 in StableHLO (IREE's own code), then a `flow.dispatch` of the executable.
+
+Weights are stored packed in 16-output tiles (`pack_weight`, `pack_scales`): the kernel reads
+64 bytes of 16 outputs x 4 inputs per step, one vpdpbusd against 4 broadcast bytes of x.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from emitter import quant
+from emitter.builder import Builder, TensorType, Value
+from emitter.layers import quantize_groups
+
+SOURCE = Path(__file__).with_name("q8_matmul.c")
+BLOCK = quant.BLOCK  # inputs per scale, both sides (Q8_0)
+TILE = quant.TILE  # outputs per packed weight tile
+OBJECTS_ENV = "QWEN3VL_KERNEL_DIR"  # where `default_objects` keeps the built objects
+OUTPUTS_PER_WORKGROUP = 128  # a multiple of 2 * TILE (the AVX-512 loop takes two tiles at once)
+ENTRY = "q8_matmul_workgroup"
+# Bare-metal object flags (IREE's embedded ELF: no libc, no TLS, position independent); no FMA
+# contraction, so that the float math is the documented order (`reference`, bit for bit).
+COMMON_FLAGS = ("-std=c17", "-O3", "-ffreestanding", "-fPIC", "-fvisibility=hidden", "-fno-plt",
+                "-fno-stack-protector", "-fno-asynchronous-unwind-tables", "-fno-exceptions",
+                "-ffunction-sections", "-fdata-sections", "-ffp-contract=off")
+ISA_FLAGS = {
+    "avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi2"),
+}
+# LLVM target features each ISA's object needs, best first.
+ISA_FEATURES = {"avx512vnni": ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"), "avx2": ("+avx2",)}
+
+
+class KernelError(ValueError):
+    """A shape, weight or target the kernel cannot take, or an object that did not build."""
+
+
+def check_shape(m: int, n: int, k: int) -> None:
+    if m < 1:
+        raise KernelError(f"q8_matmul: rows {m}: expected at least 1")
+    if n % (2 * TILE) or n == 0:
+        raise KernelError(f"q8_matmul: outputs {n}: expected a positive multiple of {2 * TILE}")
+    if k % BLOCK or k == 0:
+        raise KernelError(f"q8_matmul: inputs {k}: expected a positive multiple of {BLOCK}")
+
+
+def isa_for_features(features: str) -> str:
+    """The best ISA whose features an LLVM `cpu_features` string ("+avx2,+fma,...") has."""
+    have = set(features.split(","))
+    for isa, needed in ISA_FEATURES.items():
+        if have.issuperset(needed):
+            return isa
+    raise KernelError(f"q8_matmul: target features {features[:80]!r}...: expected AVX2 or AVX-512 VNNI")
+
+
+def target_isa(flags: tuple[str, ...]) -> str:
+    """The ISA of the object to link for iree-compile `flags` (as they resolve on this machine)."""
+    from emitter.identity import resolved_device_target
+    device = resolved_device_target(tuple(flags))
+    found = re.search(r'\bcpu_features = "([^"]*)"', device)
+    if '"embedded-elf-x86_64"' not in device or not found:
+        raise KernelError(f"q8_matmul: target {device[:120]!r}...: expected an x86-64 llvm-cpu embedded ELF target")
+    return isa_for_features(found.group(1))
+
+
+def compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise KernelError("q8_matmul: no C compiler: expected $CC, cc, gcc or clang on PATH")
+
+
+def default_objects() -> Path:
+    """The folder of the objects a graph links: `$QWEN3VL_KERNEL_DIR`, else
+    `$XDG_CACHE_HOME/qwen3vl-kernels` (~/.cache/qwen3vl-kernels)."""
+    if os.environ.get(OBJECTS_ENV):
+        return Path(os.environ[OBJECTS_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3vl-kernels"
+
+
+def build_object(isa: str, out_dir: str | os.PathLike) -> Path:
+    """kernels/q8_matmul.c compiled for `isa` into `out_dir` (named by a hash of the source,
+    flags and compiler, so a stale object is never reused); written whole or not at all."""
+    if isa not in ISA_FLAGS:
+        raise KernelError(f"q8_matmul: ISA {isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    cc = compiler()
+    flags = [*COMMON_FLAGS, *ISA_FLAGS[isa]]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    out = Path(out_dir) / f"q8_matmul-{isa}-{key}.o"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        done = subprocess.run([cc, *flags, "-c", str(SOURCE), "-o", str(part)], capture_output=True, text=True)
+        if done.returncode:
+            raise KernelError(f"q8_matmul: {cc} failed for {isa}:\n{done.stderr.strip()}")
+        os.replace(part, out)
+    return out
+
+
+# -- weights -----------------------------------------------------------------
+def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q [N, K] int8 in [-127, 127], scales [N, K / 32] f16) of an f32 weight [N, K]:
+    `quant.quantize` at 8 bits in blocks of 32, the scales then rounded to f16 (llama.cpp's
+    Q8_0: 8.5 bits a weight)."""
+    q, scales = quant.quantize(w, 8, BLOCK)
+    return q, scales.astype(np.float16)
+
+
+def pack_weight(q: np.ndarray) -> np.ndarray:
+    """q [N, K] int8 as the kernel reads it: [N/16, K/4, 16, 4], flat."""
+    n, k = q.shape
+    check_shape(1, n, k)
+    if q.dtype != np.int8 or (q == -128).any():
+        raise KernelError("q8_matmul: weight: expected int8 values in [-127, 127]")
+    return np.ascontiguousarray(q.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)).reshape(-1)
+
+
+def pack_scales(scales: np.ndarray) -> np.ndarray:
+    """Weight scales [N, K/32] f16 as the kernel reads them: [N/16, K/32, 16], flat."""
+    n, blocks = scales.shape
+    if scales.dtype != np.float16:
+        raise KernelError(f"q8_matmul: weight scales of {scales.dtype}: expected float16 (Q8_0's)")
+    return np.ascontiguousarray(scales.reshape(n // TILE, TILE, blocks).transpose(0, 2, 1)).reshape(-1)
+
+
+# -- the math, in numpy ------------------------------------------------------
+def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(xq [M, K] int8, scales [M, K/32] f32, block sums of xq [M, K/32] int32) of f32 x,
+    as the graph computes them (`quant.quantize_activations` in blocks of 32)."""
+    xq, dx = quant.quantize_activations(x, BLOCK)
+    m, k = xq.shape
+    return xq, dx, xq.reshape(m, k // BLOCK, BLOCK).astype(np.int32).sum(axis=2, dtype=np.int32)
+
+
+def reference(xq: np.ndarray, dx: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """y [M, N] f32 as the kernel computes it, bit for bit: per block b in order,
+    acc += (f32(scales[:, b]) * dx[:, b]) * f32(i32 dot of the block), each op rounded to f32."""
+    m, k = xq.shape
+    blocks = k // BLOCK
+    sums = np.einsum("mbj,nbj->mnb", xq.reshape(m, blocks, BLOCK).astype(np.int32),
+                     q.reshape(-1, blocks, BLOCK).astype(np.int32), dtype=np.int32)
+    acc, scales = np.zeros((m, q.shape[0]), np.float32), scales.astype(np.float32)
+    for b in range(blocks):
+        acc = acc + (scales[None, :, b] * dx[:, b:b + 1]) * sums[:, :, b].astype(np.float32)
+    return acc
+
+
+# -- MLIR --------------------------------------------------------------------
+def executable_name(m: int, n: int, k: int) -> str:
+    return f"q8_matmul_{m}x{n}x{k}"
+
+
+def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
+    """A `stream.executable` linking `obj` whose export (`executable_name`: unique in a module
+    whose executables IREE links into one) computes y [M, N] from
+    (xq [M, K] i8, dx [M, K/32] f32, xs [M, K/32] i32, packed w [N*K] i8, packed scales
+    [N*K/32] f16): one workgroup per 128 outputs (fewer in the last), each a call of the C function."""
+    check_shape(m, n, k)
+    g = k // BLOCK
+    path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
+    shapes = {"x": (m * k, "i8"), "dx": (m * g, "f32"), "xs": (m * g, "i32"), "w": (n * k, "i8"),
+              "dw": (n * g, "f16"), "y": (m * n, "f32")}
+    memrefs = [f"memref<{size}x{t}>" for size, t in shapes.values()]
+    decl = ", ".join(memrefs)
+    subspans = [f"%{name} = stream.binding.subspan %b{name}[%c0] : !stream.binding -> {memref}"
+                for name, memref in zip(shapes, memrefs)]
+    body = "\n          ".join(subspans)
+    return f"""stream.executable private @{executable_name(m, n, k)} attributes {{
+    hal.executable.objects = #hal.executable.objects<{{
+      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{path}"}}>]
+    }}>
+  }} {{
+    stream.executable.export public @{executable_name(m, n, k)} workgroups(%n: index) -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %c1, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @{ENTRY}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
+      func.func @{executable_name(m, n, k)}({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
+          %c0 = arith.constant 0 : index
+          %m = arith.constant {m} : index
+          %n = arith.constant {n} : index
+          %k = arith.constant {k} : index
+          %tiles = arith.constant {OUTPUTS_PER_WORKGROUP // TILE} : index
+          %wg = hal.interface.workgroup.id[0] : index
+          {body}
+          func.call @{ENTRY}({", ".join("%" + name for name in shapes)}, %m, %n, %k, %tiles, %wg) : ({decl}, index, index, index, index, index) -> ()
+          return
+      }}
+    }}
+  }}"""
+
+
+def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Value]:
+    """(xq [M, K] i8, scales [M, K/32] f32, block sums [M, K/32] i32) of f32 x [M, K] in the
+    graph: `emitter.layers.quantize_groups` per row and block of 32 (`quantize_x`)."""
+    m, k = x.shape
+    xq3, dx = quantize_groups(b, b.reshape(x, (m, k // BLOCK, BLOCK), hint=hint + "_blocks"), hint)
+    xs = b.reduce(b.convert(xq3, "i32", hint=hint + "_i32"), [2], "add", hint=hint + "_sums")
+    return b.reshape(xq3, (m, k), hint=hint + "_i8"), dx, xs
+
+
+def block_project(b: Builder, x: Value, w: Value, scales: Value, obj: str | os.PathLike, hint: str = "q8") -> Value:
+    """x [M, K] f32 @ W.T -> [M, N] f32 through the kernel; `w` the packed weight [N*K] i8
+    (`pack_weight`), `scales` its packed scales [N*K/32] f16 (`pack_scales`), `obj` the
+    object `build_object` made for the graph's target."""
+    m, k = x.shape
+    n = w.shape[0] // k
+    if w.type != TensorType((n * k,), "i8") or scales.type != TensorType((n * k // BLOCK,), "f16"):
+        raise KernelError(f"q8_matmul {hint}: weight {w.type} and scales {scales.type}: expected "
+                          f"{TensorType((n * k,), 'i8')} and {TensorType((n * k // BLOCK,), 'f16')} for {k} inputs")
+    xq, dx, xs = quantized_blocks(b, x, hint + "_x")
+    name = executable_name(m, n, k)
+    return b.dispatch(name, executable(obj, m, n, k), name, [xq, dx, xs, w, scales],
+                      TensorType((m, n), "f32"), workload=n, hint=hint)

@@ -1,0 +1,175 @@
+"""--precision q8_0 (emitter/quant.py, kernels/q8_matmul.py): llama.cpp's Q8_0 weights (int8,
+an f16 scale per 32 inputs, packed in the kernel's tiles when the archive is written) and
+activations quantized per row and block of 32 at run time, every decoder projection and an
+untied lm_head through the hand-written kernel linked into the module. The session's logits
+against transformers' text model whose projections run numpy's `q8_matmul.reference` of the
+same integer math over the same weights (the embedding table and a tied lm_head: the int8
+form, groups of 32, dequantized); greedy tokens equal. The graph form names the kernel's ISA
+(the artifact identity); a width the kernel's tiles do not divide is one line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import rel_l2
+from helpers import chunked_logits
+from emitter import quant
+from emitter.config import ConfigError
+from emitter.identity import graph_precision
+from emitter.text import text_weights
+from kernels import q8_matmul
+from runtime.checkpoints.synthetic_text import write_text_model
+from test_quant import CFG
+
+TOL = 1e-5
+STEPS = 3
+UNTIED = dataclasses.replace(CFG, tie_word_embeddings=False)  # lm_head through the kernel too
+
+
+def ours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x's Q8_0 blocks as the q8_0 graph makes them: f32 scales (`q8_matmul.quantize_x`)."""
+    return q8_matmul.quantize_x(x)[:2]
+
+
+def llama_cpp(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x's Q8_0 blocks as llama.cpp's CPU matmul makes them (ggml `quantize_row_q8_0_ref`):
+    d = max|x| / 127, q = roundf(x * (1 / d)) (half away from zero), d kept in f16."""
+    m, k = x.shape
+    g = x.reshape(m, k // quant.BLOCK, quant.BLOCK)
+    d = (np.abs(g).max(axis=2) / np.float32(127)).astype(np.float32)
+    inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d))
+    scaled = g * inverse[:, :, None]
+    q = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int8)
+    return q.reshape(m, k), d.astype(np.float16).astype(np.float32)
+
+
+def q8_linear(weight, activations=ours):
+    """A torch module computing x @ weight.T in Q8_0 x Q8_0 (`q8_matmul.reference`): the
+    weight's blocks (`q8_matmul.quantize_weight`) against x's made by `activations`."""
+    import torch
+
+    w = weight.detach().numpy() if hasattr(weight, "detach") else weight
+    q, scales = q8_matmul.quantize_weight(w)
+
+    class Q8(torch.nn.Module):
+        def forward(self, x):
+            rows = x.detach().numpy().reshape(-1, x.shape[-1])
+            y = q8_matmul.reference(*activations(rows), q, scales)
+            return torch.from_numpy(y.reshape(*x.shape[:-1], q.shape[0]))
+    return Q8()
+
+
+def table_numbers(w: np.ndarray, form: str) -> np.ndarray:
+    """The embedding table's numbers: under our q8_0 int8 in groups of 32 with f32 scales,
+    in llama.cpp's Q8_0 file its blocks (f16 scales)."""
+    if form == "llama.cpp":
+        q, scales = q8_matmul.quantize_weight(w)
+        return quant.dequantize(q, scales.astype(np.float32), quant.BLOCK)
+    return quant.dequantize(*quant.quantize(w, 8, quant.BLOCK), quant.BLOCK)
+
+
+def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours") -> np.ndarray:
+    """transformers' Qwen3VLTextModel over the checkpoint with every projection in Q8_0
+    integer math (`q8_linear`) and the embedding table's `table_numbers`; lm_head: under
+    "ours" an untied one through `q8_linear`, a tied one the table's numbers in f32 (our
+    weight-only form), under "llama.cpp" either through `q8_linear` with llama.cpp's
+    activations. The logits of the prompt's last row and of `steps` greedy steps (each step
+    the whole sequence again: rows are independent in the kernel's math)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import load_file
+    from test_text_2b import transformers_model
+
+    activations = llama_cpp if form == "llama.cpp" else ours
+    hf = transformers_model(folder, cfg)
+    for layer in hf.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if name.endswith("proj"):
+                    setattr(parent, name, q8_linear(child.weight, activations))
+    raw = hf.embed_tokens.weight.detach().numpy()
+    hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table_numbers(raw, form)), requires_grad=False)
+    if cfg.tie_word_embeddings and form == "ours":
+        head = lambda h: h @ hf.embed_tokens.weight.numpy().T  # noqa: E731
+    else:
+        weight = raw if cfg.tie_word_embeddings else next(
+            load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
+            if "lm_head.weight" in load_file(str(f)))
+        module = q8_linear(weight, activations)
+        head = lambda h: module(torch.from_numpy(h)).numpy()  # noqa: E731
+    ids, rows = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(steps + 1):
+            n = len(ids)
+            hidden = hf(input_ids=torch.tensor([ids]),
+                        position_ids=torch.arange(n)[None, None].expand(3, 1, n)).last_hidden_state
+            rows.append(np.asarray(head(hidden[0, -1:].numpy())).reshape(-1))
+            ids.append(int(np.argmax(rows[-1])))
+    return np.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q8_0")
+    for name, cfg in (("tied", CFG), ("untied", UNTIED)):
+        write_text_model(root / name, cfg, seed=5)
+    return root
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name, cfg", [("untied", UNTIED), ("tied", CFG)])
+def test_q8_0_equals_numpys_integer_math(folders, name, cfg):
+    """Prefill (two chunks: 32 rows, then 5) and greedy decode steps through the kernel
+    against numpy's integer math of the same weights; against f32 it is quantized (the
+    control: the comparison can fail)."""
+    ours = chunked_logits(folders / name, folders / "cache", "q8_0", cfg.vocab_size, STEPS)
+    prompt = np.arange(37) * 7 % cfg.vocab_size
+    ref = reference_logits(folders / name, cfg, prompt, STEPS)
+    errors = [rel_l2(a, b) for a, b in zip(ours, ref)]
+    away = rel_l2(ours, chunked_logits(folders / name, folders / "cache", "f32", cfg.vocab_size, STEPS))
+    print(f"q8_0 ({name}) against numpy's integer math: relL2 {max(errors):.1e}; against f32 {away:.1e}")
+    assert max(errors) <= TOL, errors
+    assert np.array_equal(ours.argmax(1), ref.argmax(1))
+    assert away > 100 * TOL, away
+
+
+def test_q8_0_weights_are_q8_0_blocks_in_the_kernels_tiles():
+    specs = {s.name: s for s in text_weights(UNTIED, "q8_0")}
+    down, table = "model.language_model.layers.0.mlp.down_proj.weight", "model.language_model.embed_tokens.weight"
+    assert (specs[down].dtype, specs[down].shape) == ("i8", (UNTIED.hidden_size, UNTIED.intermediate_size))
+    assert specs[quant.scales_name(down)].dtype == "f16"
+    assert specs["lm_head.weight"].dtype == "i8" and specs[quant.scales_name("lm_head.weight")].dtype == "f16"
+    assert specs[table].shape == (UNTIED.hidden_size, UNTIED.vocab_size)  # int8's transposed form, f32 scales
+    assert specs[quant.scales_name(table)].dtype == "f32"
+    w = np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32)
+    q, scales = quant.Layout(8, quant.BLOCK, packed=True).store(w)
+    ref_q, ref_scales = q8_matmul.quantize_weight(w)
+    assert np.array_equal(q.reshape(-1), q8_matmul.pack_weight(ref_q))
+    assert np.array_equal(scales.reshape(-1), q8_matmul.pack_scales(ref_scales))
+
+
+def test_the_kernels_isa_is_part_of_the_identity():
+    """q8_0 builds a graph form named by the target's ISA: the host's (AVX-512 VNNI here, or
+    AVX2) and x86-64-v3's AVX2 differ in precision and graph (the linked object)."""
+    from emitter.identity import text_artifact_fields
+    from emitter.text import TextShape
+    assert graph_precision("q8_0", "llvm-cpu-x86-64-v3") == "q8_0-avx2"
+    host = graph_precision("q8_0", "llvm-cpu")
+    assert host in quant.KERNEL_ISA
+    fields = {p: text_artifact_fields(CFG, TextShape((32,), 64), 0, p) for p in ("q8_0-avx512vnni", "q8_0-avx2")}
+    assert fields["q8_0-avx2"]["graph_sha256"] != fields["q8_0-avx512vnni"]["graph_sha256"]
+    assert fields["q8_0-avx2"]["weight_schema"] == fields["q8_0-avx512vnni"]["weight_schema"]  # one archive
+
+
+def test_a_target_without_the_kernel_is_one_line():
+    with pytest.raises(ConfigError, match=r"^--precision q8_0: q8_matmul: target .*expected an x86-64 llvm-cpu"):
+        graph_precision("q8_0", "vulkan-spirv")
+
+
+def test_outputs_the_tiles_do_not_divide_are_one_line():
+    cfg = dataclasses.replace(CFG, num_key_value_heads=1)  # k_proj: 16 outputs
+    with pytest.raises(ConfigError, match=r"k_proj.weight: shape \[16, 64\]: expected \[N, K\] with N a multiple of "
+                                          r"32 \(the q8_0 kernel's tiles\)"):
+        text_weights(cfg, "q8_0")

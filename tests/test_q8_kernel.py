@@ -1,0 +1,133 @@
+"""The hand-written Q8_0 x Q8_0 kernel (kernels/q8_matmul.c, linked into IREE's executables by
+kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime (python and
+iree-run-module), bit for bit against numpy's integer math of the same order
+(`q8_matmul.reference`), for the host's best ISA (AVX-512 VNNI here) and for x86-64-v3 code
+(AVX2), at 1 to 6 rows; bad shapes and weights get a one-line error; a failed object build
+leaves nothing behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from emitter.builder import Builder, BuildError, TensorType
+from emitter.targets import target_flags
+from emitter.vision import render_module
+from kernels import q8_matmul as q8
+from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.iree_module import LoadedModule
+
+K, N = 512, 224  # a last workgroup of 96 outputs
+
+
+IREE_RUN_MODULE = Path(sys.executable).parent / "iree-run-module"
+
+
+def graph_vmfb(m: int, target: str, objects) -> bytes:
+    """x [M, K] f32, the packed weight and scales in; the projection and x's quantized blocks out."""
+    obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects)
+    b = Builder()
+    x = b.argument("x", (m, K))
+    y = q8.block_project(b, x, b.argument("w", (N * K,), "i8"), b.argument("s", (N * K // q8.BLOCK,), "f16"), obj)
+    xq, dx, xs = q8.quantized_blocks(b, x, "check")
+    text = render_module(b, [("y", y), ("xq", xq), ("dx", dx), ("xs", xs)], title="q8 kernel test")
+    return compile_mlir(text, target)
+
+
+def weights(seed: int):
+    """(q, scales) of a random [N, K] weight, Q8_0's grid."""
+    return q8.quantize_weight(np.random.default_rng(seed).standard_normal((N, K), dtype=np.float32))
+
+
+@pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
+@pytest.mark.parametrize("m", [1, 4, 6])
+def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m):
+    """Rows of 1, 4 (one pass of the kernel's 4-row loop) and 6 (a pass and a remainder of 2);
+    a row of zeros and a row with one large value among them."""
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, K), dtype=np.float32)
+    x[-1, 7] = 40.0
+    if m > 1:
+        x[0] = 0
+    q, scales = weights(m)
+    module = LoadedModule(graph_vmfb(m, target, tmp_path))
+    y, xq, dx, xs = module(x, q8.pack_weight(q), q8.pack_scales(scales))
+    ref_xq, ref_dx, ref_xs = q8.quantize_x(x)
+    assert np.array_equal(xq, ref_xq) and np.array_equal(dx, ref_dx) and np.array_equal(xs, ref_xs)
+    assert np.array_equal(y, q8.reference(ref_xq, ref_dx, q, scales))
+    if m > 1:
+        assert not y[0].any()
+
+
+def test_iree_run_module_runs_the_linked_kernel(tmp_path):
+    """The vmfb carries the kernel: IREE's own iree-run-module runs it, no plugin or flag."""
+    m = 2
+    x = np.random.default_rng(7).standard_normal((m, K), dtype=np.float32)
+    q, scales = weights(7)
+    (tmp_path / "q8.vmfb").write_bytes(graph_vmfb(m, "llvm-cpu", tmp_path / "objects"))
+    for name, array in (("x", x), ("w", q8.pack_weight(q)), ("s", q8.pack_scales(scales))):
+        np.save(tmp_path / f"{name}.npy", array)
+    subprocess.run([str(IREE_RUN_MODULE), "--device=local-task", f"--module={tmp_path / 'q8.vmfb'}", "--function=main",
+                    *[f"--input=@{tmp_path / name}.npy" for name in "xws"],
+                    *[f"--output=@{tmp_path / name}.npy" for name in ("y", "xq", "dx", "xs")]],
+                   check=True, capture_output=True)
+    xq, dx, _ = q8.quantize_x(x)
+    assert np.array_equal(np.load(tmp_path / "y.npy"), q8.reference(xq, dx, q, scales))
+
+
+def test_target_isa_follows_the_compile_target():
+    assert q8.target_isa(tuple(target_flags("llvm-cpu-x86-64-v3"))) == "avx2"
+    assert q8.isa_for_features("+avx2,+avx512f,+avx512bw,+avx512vl,+avx512vnni") == "avx512vnni"
+    with pytest.raises(q8.KernelError, match="expected AVX2 or AVX-512 VNNI"):
+        q8.isa_for_features("+sse4.2")
+
+
+@pytest.mark.parametrize("m, n, k, expected", [
+    (1, 80, 512, "outputs 80: expected a positive multiple of 32"),
+    (1, 128, 500, "inputs 500: expected a positive multiple of 32"),
+    (0, 128, 512, "rows 0: expected at least 1"),
+])
+def test_bad_shapes_get_one_line(m, n, k, expected):
+    with pytest.raises(q8.KernelError, match=expected) as e:
+        q8.executable("unused.o", m, n, k)
+    assert "\n" not in str(e.value)
+
+
+def test_a_weight_of_minus_128_is_refused():
+    """The AVX2 path's sign trick cannot negate -128: the packer refuses it."""
+    q = np.zeros((64, 32), np.int8)
+    q[3, 5] = -128
+    with pytest.raises(q8.KernelError, match=r"weight: expected int8 values in \[-127, 127\]"):
+        q8.pack_weight(q)
+
+
+def test_scales_must_be_f16():
+    with pytest.raises(q8.KernelError, match="scales of float32: expected float16"):
+        q8.pack_scales(np.ones((64, 1), np.float32))
+
+
+def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "broken-cc"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'broken-cc: no' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    out = tmp_path / "objects"
+    with pytest.raises(q8.KernelError, match="broken-cc failed for avx2"):
+        q8.build_object("avx2", out)
+    assert not any(out.rglob("*"))
+
+
+def test_dispatch_adds_its_executable_once():
+    b = Builder()
+    x = b.argument("x", (4,))
+    text = "stream.executable private @exe { }"
+    for _ in range(2):
+        b.dispatch("exe", text, "run", [x], TensorType((4,), "f32"), workload=4)
+    assert b.globals.count(text) == 1
+    with pytest.raises(BuildError, match="does not define @other"):
+        b.dispatch("other", text, "run", [x], TensorType((4,), "f32"), workload=4)
