@@ -65,7 +65,7 @@ def write_archive(cfg, precision: str, path: Path) -> None:
         layout = layouts.get(spec.name)  # stored [K, N], drawn [N, K]
         w = rng.standard_normal(spec.shape[::-1] if layout else spec.shape, dtype=np.float32) * np.float32(0.02)
         if layout:
-            weights[spec.name], weights[quant.scales_name(spec.name)] = quant.stored(w, layout.bits, layout.group)
+            weights[spec.name], weights[quant.scales_name(spec.name)] = quant.stored(w, layout)
         else:
             weights[spec.name] = w if spec.dtype == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)
     rt.save_archive_file(weights, str(path))

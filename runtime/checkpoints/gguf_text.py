@@ -216,7 +216,7 @@ def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
         if s.name in native:
             q = native_arrays(s.name, t, pending)
         elif layout:
-            q, pending[quant.scales_name(s.name)] = quant.stored(dequantized(t), layout.bits, layout.group)
+            q, pending[quant.scales_name(s.name)] = quant.stored(dequantized(t), layout)
         else:
             w = dequantized(t)
             q = w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)

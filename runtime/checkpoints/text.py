@@ -199,7 +199,7 @@ def text_arrays(model_dir, cfg: TextConfig, precision: str = "f32") -> list:
                 key, entry, found, shape, qconfig)
         elif layout:
             q, pending[quant.scales_name(s.name)] = quant.stored(read_text_weight(key, entry, found, shape, qconfig),
-                                                                 layout.bits, layout.group)
+                                                                 layout)
         else:
             w = read_text_weight(key, entry, found, shape, qconfig)
             q = w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)
