@@ -14,7 +14,10 @@ signed q in i8 (-128..127) or i4 (-8..7).
   max / -8 (Q4_0's rule), the values it rounds to, the least-squares step for those values
   (as llama.cpp's `make_qx_quants`), rounded to bf16; the candidate of least squared error
   is kept. On N(0, 1/K) weights (a numpy proxy, 1024x2048): relative error 0.082 against
-  0.108 for max|w| / 7 in groups of 64 and 0.086 for Q4_0's rule in groups of 32.
+  0.108 for max|w| / 7 in groups of 64 and 0.086 for Q4_0's rule in groups of 32. The
+  table lm_head reads (the embedding table when tied) stays in int8's layout under int4
+  (`HEAD_LAYOUTS`), as llama.cpp's Q4_0 files keep theirs in Q6_K: on the 2B random
+  checkpoint it is worth 0.29 -> 0.25 of logit distance (docs/performance.md).
 - Affine (an MLX-quantized checkpoint run in its bits, `--precision native`: mlx's
   `mx.quantize` layout, w = s*u + b per group, u unsigned 0..2^bits-1): re-centred once, when
   the archive is written (`from_affine`), to q = u - 2^(bits-1) and bias = b + 2^(bits-1)*s,
@@ -126,6 +129,9 @@ class Layout:
 
 # precision -> the layout of its weights (w8a8's group: each weight's K, `layout_of`)
 PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, 32, scales="bf16", searched=True), "w8a8": Layout(8)}
+# precision -> the layout of the table lm_head reads (the embedding table when tied), where it
+# differs: int4's in int8, as llama.cpp's Q4_0 keeps it in Q6_K (module docstring)
+HEAD_LAYOUTS = {"int4": Layout(8)}
 
 
 def bits_of(precision: str) -> int | None:
@@ -134,10 +140,11 @@ def bits_of(precision: str) -> int | None:
     return layout and layout.bits
 
 
-def layout_of(precision: str, shape: tuple[int, ...]) -> Layout:
-    """The layout of a [N, K] weight quantized under `precision`: PRECISION_LAYOUTS', with
-    one group of all K inputs (a scale per output channel) under PER_CHANNEL."""
-    layout = PRECISION_LAYOUTS[precision]
+def layout_of(precision: str, shape: tuple[int, ...], head: bool = False) -> Layout:
+    """The layout of a [N, K] weight quantized under `precision`: PRECISION_LAYOUTS' (the
+    `head` table, lm_head's: HEAD_LAYOUTS' where it has one), with one group of all K inputs
+    (a scale per output channel) under PER_CHANNEL."""
+    layout = HEAD_LAYOUTS.get(precision, PRECISION_LAYOUTS[precision]) if head else PRECISION_LAYOUTS[precision]
     return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
 
 

@@ -222,7 +222,7 @@ def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
 def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
     """{name: quant.Layout} of the weights the graph takes quantized: under int8, int4 and w8a8
     every matmul weight, in the precision's layout (`quant.layout_of`: symmetric; w8a8 in
-    int8 with a scale per output channel); a checkpoint run in its own bits
+    int8 with a scale per output channel; the table lm_head reads, int4's in int8); a checkpoint run in its own bits
     (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
     group and form (`quant.native_layouts`).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
@@ -238,7 +238,8 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
     if layouts or not bits:
         return layouts
     shapes = dict(weight_shapes(cfg))
-    return {n: quant.layout_of(precision, shapes[n]) for n in names if n.endswith(MATMUL_SUFFIXES)}
+    head = LM_HEAD if LM_HEAD in shapes else TEXT_PREFIX + "embed_tokens.weight"
+    return {n: quant.layout_of(precision, shapes[n], head=n == head) for n in names if n.endswith(MATMUL_SUFFIXES)}
 
 
 class TextGraph:

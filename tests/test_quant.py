@@ -20,7 +20,7 @@ from conftest import rel_l2
 from helpers import chunked_logits
 from emitter import quant
 from emitter.config import ConfigError
-from emitter.text import text_weights
+from emitter.text import text_weights, weight_layouts
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
 from runtime.bench.decode_profile import decode_module
@@ -103,6 +103,20 @@ def test_a_width_the_group_does_not_divide_is_one_line():
         text_weights(TEXT_PRESETS["tiny"], "int8")
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_int4_keeps_the_table_lm_head_reads_in_int8(tied):
+    """Under int4 the projections are i4 with bf16 scales per 32, and the table lm_head reads
+    (the embedding table when tied, else lm_head; an untied embedding table stays i4) is
+    int8's layout, as llama.cpp's Q4_0 keeps it in Q6_K."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    dtypes = {s.name: s.dtype for s in text_weights(cfg, "int4")}
+    head = "lm_head.weight" if not tied else next(n for n in dtypes if n.endswith("embed_tokens.weight"))
+    assert dtypes[head] == "i8" and dtypes[quant.scales_name(head)] == "f32"
+    quantized = [n for n, d in dtypes.items() if d in ("i8", "i4")]
+    assert all(dtypes[n] == "i4" and dtypes[quant.scales_name(n)] == "bf16" for n in quantized if n != head)
+    assert len(quantized) == 7 * cfg.num_hidden_layers + 1 + (not tied)
+
+
 def test_int8_is_part_of_the_identity():
     from emitter.identity import text_artifact_fields
     from emitter.text import TextShape
@@ -121,10 +135,9 @@ def models(tmp_path_factory):
     write_text_model(root / "model", CFG, seed=5)
     for precision in quant.PRECISION_LAYOUTS:
         weights = load_text_weights(root / "model", CFG)
-        for spec in text_weights(CFG, precision):
-            if spec.dtype in ("i8", "i4"):
-                layout = quant.layout_of(precision, weights[spec.name].shape)
-                weights[spec.name] = quant.dequantize(*quant.quantize(weights[spec.name], layout), layout.group)
+        layouts = weight_layouts(CFG, precision, list(weights))
+        for name, layout in layouts.items():
+            weights[name] = quant.dequantize(*quant.quantize(weights[name], layout), layout.group)
         folder = root / f"reference-{precision}"
         folder.mkdir()
         shutil.copy(root / "model" / "config.json", folder)
