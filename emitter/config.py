@@ -247,7 +247,7 @@ VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the v
 # Each precision in the module headers:
 PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
                    "int8": ", int8 weights with f32 scales per 64, f32 matmuls",
-                   "int4": ", int4 weights with bf16 scales per 32, f32 matmuls",
+                   "int4": ", int4 weights with f32 scales per 64, f32 matmuls",
                    "w8a8": ", int8 weights with an f32 scale per output, int8 activations per row, i32 matmuls"}
 # The parameter scope every module's weight globals are read from (keys: checkpoint names).
 PARAMETER_SCOPE = "model"
@@ -256,7 +256,7 @@ PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulat
                   "(bf16-f32, said in one line). f32 is exact.")
 QUANT_HELP = ("int8 (the language model): its projections, embedding table and lm_head stored in int8 with one "
               "f32 scale per 64 weights (8.5 bits a weight, 27% of f32's bytes), f32 activations; the vision tower "
-              "runs in f32. int4: in 4 bits (-8..7) with one bf16 scale per 32 weights, each searched for the least "
+              "runs in f32. int4: in 4 bits (-8..7) with one f32 scale per 64 weights, each searched for the least "
               "squared error (4.5 bits a weight, as llama.cpp's Q4_0). w8a8: int8 weights with one scale per output "
               "channel, and each projection's input quantized to int8 per row at run time, multiplied in int32 "
               "(faster decode, larger error than int8). docs/text.md gives their distance from f32. "

@@ -8,16 +8,17 @@ signed q in i8 (-128..127) or i4 (-8..7).
 - Symmetric, the layouts of `--precision int8|int4` (`PRECISION_LAYOUTS`), w ~ q * scale,
   exactly that product in f32 (`dequantize`): the quantized graph computes with these
   numbers and nothing else. int8: groups of 64, f32 scales, scale = max|w| / 127,
-  q = clamp(round(w / scale), -127, 127). int4: groups of 32, bf16 scales (4.5 bits a
-  weight, as before with f32 scales per 64, and as llama.cpp's Q4_0), all 16 levels -8..7,
-  and each group's scale searched (`searched`): for candidate steps around the signed
-  max / -8 (Q4_0's rule), the values it rounds to, the least-squares step for those values
-  (as llama.cpp's `make_qx_quants`), rounded to bf16; the candidate of least squared error
-  is kept. On N(0, 1/K) weights (a numpy proxy, 1024x2048): relative error 0.082 against
-  0.108 for max|w| / 7 in groups of 64 and 0.086 for Q4_0's rule in groups of 32. The
-  table lm_head reads (the embedding table when tied) stays in int8's layout under int4
-  (`HEAD_LAYOUTS`), as llama.cpp's Q4_0 files keep theirs in Q6_K: on the 2B random
-  checkpoint it is worth 0.29 -> 0.25 of logit distance (docs/performance.md).
+  q = clamp(round(w / scale), -127, 127). int4: groups of 64, f32 scales (4.5 bits a
+  weight, as llama.cpp's Q4_0 with f16 scales per 32), all 16 levels -8..7, and each
+  group's scale searched (`searched`): for candidate steps around the signed max / -8
+  (Q4_0's rule), the values it rounds to, the least-squares step for those values (as
+  llama.cpp's `make_qx_quants`), rounded to the scales' type; the candidate of least
+  squared error is kept. The table lm_head reads (the embedding table when tied) stays in
+  int8's layout under int4 (`HEAD_LAYOUTS`), as llama.cpp's Q4_0 files keep theirs in Q6_K.
+  Logit distance from f32 on the 2B random checkpoint (docs/performance.md): 0.395 before
+  (max|w| / 7 per 64), 0.278 now; groups of 32 with bf16 scales (`Layout(4, 32, scales="bf16")`,
+  the same bits) reach 0.251, under Q4_0's 0.264, but IREE 3.13's scale-and-sum over 64
+  groups made the decode step 2.2x slower, so the default stays at 64.
 - Affine (an MLX-quantized checkpoint run in its bits, `--precision native`: mlx's
   `mx.quantize` layout, w = s*u + b per group, u unsigned 0..2^bits-1): re-centred once, when
   the archive is written (`from_affine`), to q = u - 2^(bits-1) and bias = b + 2^(bits-1)*s,
@@ -128,7 +129,7 @@ class Layout:
 
 
 # precision -> the layout of its weights (w8a8's group: each weight's K, `layout_of`)
-PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, 32, scales="bf16", searched=True), "w8a8": Layout(8)}
+PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8": Layout(8)}
 # precision -> the layout of the table lm_head reads (the embedding table when tied), where it
 # differs: int4's in int8, as llama.cpp's Q4_0 keeps it in Q6_K (module docstring)
 HEAD_LAYOUTS = {"int4": Layout(8)}

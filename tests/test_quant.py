@@ -1,6 +1,6 @@
 """--precision int8 and int4 (emitter/quant.py): the language model's matmul weights and
-embedding table in i8 with an f32 scale per 64 inputs, or in i4 with a searched bf16 scale per
-32. The quantized session against the f32 session
+embedding table in i8 with an f32 scale per 64 inputs, or in i4 with a searched f32 scale per
+64. The quantized session against the f32 session
 over the dequantized weights (the same numbers, so relL2 <= 1e-5), and against the
 unquantized model (a distance quantization must show); the decode dispatches read i8; the
 resident weights are the i8 ones."""
@@ -71,15 +71,16 @@ def searched_group(w: np.ndarray) -> float:
     return best[1]
 
 
-def test_int4_uses_16_levels_and_searched_bf16_scales():
-    """int4: groups of 32, all of -8..7, each group's bf16 scale the one `searched_group` finds;
+def test_searched_bf16_scales_per_32_use_16_levels():
+    """A searched 4-bit layout at Q4_0's bits (groups of 32, bf16 scales): all of -8..7, each
+    group's bf16 scale the one `searched_group` finds;
     on N(0, 1) weights closer than Q4_0's rule (llama.cpp's quantize_row_q4_0_ref: d = the
     signed max / -8 in f16, q = round(w / d) + 8 clamped to 0..15)."""
     import ml_dtypes
     rng = np.random.default_rng(1)
     w = rng.standard_normal((64, 256), dtype=np.float32)
     w[3, 32:64] = 0  # an all-zero group
-    layout = quant.PRECISION_LAYOUTS["int4"]
+    layout = quant.Layout(4, 32, scales="bf16", searched=True)
     q, scales = quant.quantize(w, layout)
     assert layout.group == 32 and scales.dtype == ml_dtypes.bfloat16 and scales.shape == (64, 8)
     assert q.min() == -8 and q.max() == 7 and scales[3, 1] == 0 and not q[3, 32:64].any()
@@ -105,7 +106,7 @@ def test_a_width_the_group_does_not_divide_is_one_line():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_int4_keeps_the_table_lm_head_reads_in_int8(tied):
-    """Under int4 the projections are i4 with bf16 scales per 32, and the table lm_head reads
+    """Under int4 the projections are i4 with f32 scales per 64, and the table lm_head reads
     (the embedding table when tied, else lm_head; an untied embedding table stays i4) is
     int8's layout, as llama.cpp's Q4_0 keeps it in Q6_K."""
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
@@ -113,7 +114,7 @@ def test_int4_keeps_the_table_lm_head_reads_in_int8(tied):
     head = "lm_head.weight" if not tied else next(n for n in dtypes if n.endswith("embed_tokens.weight"))
     assert dtypes[head] == "i8" and dtypes[quant.scales_name(head)] == "f32"
     quantized = [n for n, d in dtypes.items() if d in ("i8", "i4")]
-    assert all(dtypes[n] == "i4" and dtypes[quant.scales_name(n)] == "bf16" for n in quantized if n != head)
+    assert all(dtypes[n] == "i4" and dtypes[quant.scales_name(n)] == "f32" for n in quantized if n != head)
     assert len(quantized) == 7 * cfg.num_hidden_layers + 1 + (not tied)
 
 
