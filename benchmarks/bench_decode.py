@@ -30,7 +30,7 @@ from pathlib import Path
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
 from emitter.config import PRECISIONS
-from runtime.bench.decode_profile import MLX_FORMS, decode_module, profile_report, step_ms, weight_bytes, write_archive
+from runtime.bench.decode_profile import NATIVE_FORMS, decode_module, profile_report, step_ms, weight_bytes, write_archive
 
 
 def main(argv=None) -> int:
@@ -39,9 +39,10 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size (lm_head rows)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096])
-    parser.add_argument("--precision", nargs="+", default=["f32"], choices=[*PRECISIONS, *MLX_FORMS],
+    parser.add_argument("--precision", nargs="+", default=["f32"], choices=[*PRECISIONS, *NATIVE_FORMS],
                         help="one or more graph precisions, timed alternating (the first is the base); mlx4, "
-                             "mlx8: an MLX checkpoint's affine weights in their bits, groups of 64")
+                             "mlx8: an MLX checkpoint's affine weights in their bits, groups of 64; q4_0: GGUF Q4_0's "
+                             "layout; int4-g64: int4's before its bf16 scales per 32")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the contexts")
     parser.add_argument("--repeats", type=int, default=10, help="decode calls per timing")
     parser.add_argument("--threads", type=int, default=2)

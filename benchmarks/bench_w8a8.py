@@ -147,7 +147,7 @@ def weight_arrays(form: str, n: int, k: int, count: int, seed: int = 0):
         q, scales = q8_matmul.quantize_weight(w)
         packed, packed_scales = q8_matmul.pack_weight(q), q8_matmul.pack_scales(scales)
         return [pair for i in range(count) for pair in ((f"w{i}", np.roll(packed, i)), (f"s{i}", packed_scales))]
-    q, scales = quant.stored(w, bits, group)
+    q, scales = quant.stored(w, quant.Layout(bits, group))
     biases = [(f"b{i}", scales * -8) for i in range(count)] if form == "mlx4" else []
     return [pair for i in range(count) for pair in ((f"q{i}", np.roll(q, i)), (f"s{i}", scales))] + biases
 
@@ -196,9 +196,9 @@ def quality(n: int = 1024, k: int = 2048, m: int = 8, outliers: int = 8, seed: i
     q, s = q8_matmul.quantize_weight(w)
     xq, dx, _ = q8_matmul.quantize_x(x)
     forms = {"q8k": q8_matmul.reference(xq, dx, q, s),
-             "w8a8-row": quant.integer_matmul(x, *quant.quantize(w, 8, k)),
-             "w8a8-g32": quant.integer_matmul(x, *quant.quantize(w, 8, 32)),
-             "int8": x @ quant.dequantize(*quant.quantize(w, 8, quant.GROUP), quant.GROUP).T,
+             "w8a8-row": quant.integer_matmul(x, *quant.quantize(w, quant.Layout(8, k))),
+             "w8a8-g32": quant.integer_matmul(x, *quant.quantize(w, quant.Layout(8, 32))),
+             "int8": x @ quant.dequantize(*quant.quantize(w, quant.Layout(8)), quant.GROUP).T,
              "q8_0 weights, f32 x": x @ (q * np.repeat(s.astype(np.float32), q8_matmul.BLOCK, axis=1)).T}
     return {form: float(np.linalg.norm(v - y) / np.linalg.norm(y)) for form, v in forms.items()}
 

@@ -229,7 +229,7 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 # IREE 3.13 lowers a bf16 x bf16 matmul to scalar code (~50x slower than f32;
 # docs/performance.md, "bf16 on every CPU").
 # Users ask for "f32" or "bf16"; `identity.graph_precision` picks the bf16 form for a target.
-# "int8" and "int4" (the language model only): its matmul weights stored in i8 / i4 with f32
+# "int8" and "int4" (the language model only): its matmul weights stored in i8 / i4 with
 # group scales (emitter/quant.py), f32 activations; "w8a8" int8 weights with a scale per output
 # channel and activations quantized to int8 per row at run time (the projections in i32);
 # "q8_0" llama.cpp's Q8_0 through a hand-written kernel (emitter/quant.py), its graph forms
@@ -261,7 +261,8 @@ PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulat
                   "(bf16-f32, said in one line). f32 is exact.")
 QUANT_HELP = ("int8 (the language model): its projections, embedding table and lm_head stored in int8 with one "
               "f32 scale per 64 weights (8.5 bits a weight, 27% of f32's bytes), f32 activations; the vision tower "
-              "runs in f32. int4: the same in 4 bits (4.5 bits a weight). w8a8: int8 weights with one scale per output "
+              "runs in f32. int4: in 4 bits (-8..7) with one f32 scale per 64 weights, each searched for the least "
+              "squared error (4.5 bits a weight, as llama.cpp's Q4_0). w8a8: int8 weights with one scale per output "
               "channel, and each projection's input quantized to int8 per row at run time, multiplied in int32 "
               "(faster decode, larger error than int8). q8_0: llama.cpp's Q8_0 (int8 weights with an f16 scale per 32, "
               "8.5 bits a weight; the embedding table int8 with f32 scales per 32), each projection's input quantized "

@@ -259,10 +259,16 @@ def dequantized(b: Builder, q: Value, scales: Value, hint: str, biases: Value | 
     k, n = q.shape
     g = scales.shape[1]
     wide = b.convert(b.reshape(q, (g, k // g, n), hint=hint + "_groups"), "f32", hint=hint + "_wide")
-    scaled = b.multiply(wide, b.broadcast_in_dim(scales, wide.shape, [2, 0], hint=hint + "_scales"), hint=hint)
+    scaled = b.multiply(wide, b.broadcast_in_dim(wide_scales(b, scales, hint), wide.shape, [2, 0],
+                                                 hint=hint + "_scales"), hint=hint)
     if biases is not None:
         scaled = b.add(scaled, b.broadcast_in_dim(biases, wide.shape, [2, 0], hint=hint + "_biases"), hint=hint)
     return b.reshape(scaled, (k, n), hint=hint)
+
+
+def wide_scales(b: Builder, scales: Value, hint: str) -> Value:
+    """A quantized weight's group scales in f32 (stored f32, or bf16: `quant.Layout.scales`)."""
+    return cast(b, scales, "f32", hint + "_scales_f32")
 
 
 def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str = "proj") -> Value:
@@ -294,7 +300,7 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     partial = b.dot_general(x3, q3, ([2], [1]), ([0], [0]), hint=hint + "_partial", result_dtype="f32")
     if weight.biases is None:
         return b.reduce(group_scaled(b, partial, weight.scales, hint), [0], "add", hint=hint)
-    scales = b.broadcast_in_dim(weight.scales, partial.shape, [2, 0], hint=hint + "_scales")
+    scales = b.broadcast_in_dim(wide_scales(b, weight.scales, hint), partial.shape, [2, 0], hint=hint + "_scales")
     scaled = b.multiply(partial, scales, hint=hint + "_scaled")
     sums = b.broadcast_in_dim(b.reduce(x3, [2], "add", hint=hint + "_sums"), partial.shape, [0, 1],
                               hint=hint + "_sums")
@@ -314,7 +320,8 @@ def group_scaled(b: Builder, partial: Value, scales: Value, hint: str) -> Value:
     hoists them into module initialization, a resident f32 copy the size of the scales
     (1/16 of an int8 weight's bytes, 1/8 of an int4 one's), so a call reads them as it read
     the scales."""
-    inverse = b.divide(b.constant(1.0, scales.shape, hint=hint + "_one"), scales, hint=hint + "_inverse")
+    inverse = b.divide(b.constant(1.0, scales.shape, hint=hint + "_one"), wide_scales(b, scales, hint),
+                       hint=hint + "_inverse")
     return b.divide(partial, b.broadcast_in_dim(inverse, partial.shape, [2, 0], hint=hint + "_inverse"),
                     hint=hint + "_scaled")
 
@@ -356,7 +363,8 @@ def integer_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str = "
     sums = b.dot_general(xq, q3, ([2], [1]), ([0], [0]), hint=hint + "_i32", result_dtype="i32")
     partial = b.convert(sums, "f32", hint=hint + "_partial")
     scales = b.multiply(b.broadcast_in_dim(x_scales, partial.shape, [0, 1], hint=hint + "_x_scales"),
-                        b.broadcast_in_dim(weight.scales, partial.shape, [2, 0], hint=hint + "_scales"),
+                        b.broadcast_in_dim(wide_scales(b, weight.scales, hint), partial.shape, [2, 0],
+                                           hint=hint + "_scales"),
                         hint=hint + "_scales")
     return b.reduce(b.multiply(partial, scales, hint=hint + "_scaled"), [0], "add", hint=hint)
 

@@ -3,10 +3,22 @@ in the archive and in the graph, and the numbers, in one place. A weight's `Layo
 bits (8 or 4), its group (inputs per scale: 32, 64, 128, ...) and whether it is affine.
 
 A weight w [N, K] is cut along K into groups of `group` consecutive inputs, each with one
-f32 scale; its values are stored as signed q in i8 (-128..127) or i4 (-8..7).
-- Symmetric (`--precision int8|int4`, groups of GROUP): scale = max|w| / 127 (or / 7),
-  q = clamp(round(w / scale), -127, 127) (or -7..7), and w ~ q * scale, exactly that product
-  in f32 (`dequantize`): the quantized graph computes with these numbers and nothing else.
+scale (f32, or bf16 where the layout says so: `Layout.scales`); its values are stored as
+signed q in i8 (-128..127) or i4 (-8..7).
+- Symmetric, the layouts of `--precision int8|int4` (`PRECISION_LAYOUTS`), w ~ q * scale,
+  exactly that product in f32 (`dequantize`): the quantized graph computes with these
+  numbers and nothing else. int8: groups of 64, f32 scales, scale = max|w| / 127,
+  q = clamp(round(w / scale), -127, 127). int4: groups of 64, f32 scales (4.5 bits a
+  weight, as llama.cpp's Q4_0 with f16 scales per 32), all 16 levels -8..7, and each
+  group's scale searched (`searched`): for candidate steps around the signed max / -8
+  (Q4_0's rule), the values it rounds to, the least-squares step for those values (as
+  llama.cpp's `make_qx_quants`), rounded to the scales' type; the candidate of least
+  squared error is kept. The table lm_head reads (the embedding table when tied) stays in
+  int8's layout under int4 (`HEAD_LAYOUTS`), as llama.cpp's Q4_0 files keep theirs in Q6_K.
+  Logit distance from f32 on the 2B random checkpoint (docs/performance.md): 0.395 before
+  (max|w| / 7 per 64), 0.278 now; groups of 32 with bf16 scales (`Layout(4, 32, scales="bf16")`,
+  the same bits) reach 0.251, under Q4_0's 0.264, but IREE 3.13's scale-and-sum over 64
+  groups made the decode step 2.2x slower, so the default stays at 64.
 - Affine (an MLX-quantized checkpoint run in its bits, `--precision native`: mlx's
   `mx.quantize` layout, w = s*u + b per group, u unsigned 0..2^bits-1): re-centred once, when
   the archive is written (`from_affine`), to q = u - 2^(bits-1) and bias = b + 2^(bits-1)*s,
@@ -42,16 +54,16 @@ beside the packed one (measured: 2.0x the i8 bytes resident, against 1.1x when s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import ml_dtypes
 import numpy as np
 
 from .config import ConfigError, WeightSpec
 
-GROUP = 64  # inputs per scale of `--precision int8|int4`
+GROUP = 64  # inputs per scale of `--precision int8` (and the default of a `Layout`)
 Q8_0 = "q8_0"  # the user's name of the kernel precision
 KERNEL_ISA = {"q8_0-avx512vnni": "avx512vnni", "q8_0-avx2": "avx2"}  # its graph forms -> the kernel object's ISA
-QUANTIZED_BITS = {"int8": 8, "int4": 4, "w8a8": 8, Q8_0: 8, **{p: 8 for p in KERNEL_ISA}}  # precision -> bits
 PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a group of all K inputs
 BLOCK = 32  # inputs per scale of Q8_0 (llama.cpp's block)
 TILE = 16  # outputs per tile of a packed (q8_0) weight; N a multiple of two tiles
@@ -59,11 +71,8 @@ ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
 SYMMETRIC = "symmetric"  # the fourth item of a symmetric weight's `native_weights` entry
-
-
-def bits_of(precision: str) -> int | None:
-    """The bits of a quantized precision's weights, or None for a float precision."""
-    return QUANTIZED_BITS.get(precision)
+SCALE_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}  # a layout's scale type -> numpy's
+CANDIDATES = (0.8, 0.85, 0.9, 0.95, 1.0)  # a searched group's trial steps, in units of its signed max / -2^(bits-1)
 
 
 def levels(bits: int) -> int:
@@ -74,12 +83,6 @@ def levels(bits: int) -> int:
 def is_block_kernel(precision: str) -> bool:
     """Whether `precision` is q8_0 or one of its graph forms (`KERNEL_ISA`)."""
     return precision == Q8_0 or precision in KERNEL_ISA
-
-
-def group_of(precision: str, shape: tuple[int, ...]) -> int:
-    """Inputs per scale of a [N, K] weight quantized under `precision`: K (per output channel),
-    BLOCK (q8_0) or GROUP."""
-    return shape[-1] if precision in PER_CHANNEL else BLOCK if is_block_kernel(precision) else GROUP
 
 
 def scales_name(weight_name: str) -> str:
@@ -104,27 +107,40 @@ def groups(name: str, shape: tuple[int, ...], group: int = GROUP) -> int:
 @dataclass(frozen=True)
 class Layout:
     """How one [N, K] weight is quantized: `bits` (8 or 4) per stored value, one scale per
-    `group` inputs, and for an `affine` one a bias per group too; a `packed` one (q8_0's) in
-    the Q8_0 kernel's tile order with f16 scales (module docstring)."""
+    `group` inputs, and for an `affine` one a bias per group too (module docstring); the
+    scales' element type (`scales`: f32 or bf16; biases are f32); whether each group's
+    scale is `searched` over all 2^bits levels (else max|w| / levels), made by `quantize`;
+    and a `packed` one (q8_0's) in the Q8_0 kernel's tile order with f16 scales."""
     bits: int
     group: int = GROUP
     affine: bool = False
+    scales: str = "f32"
+    searched: bool = False
     packed: bool = False
 
     def __post_init__(self):
         if self.bits not in STORAGE_DTYPE:
             raise ConfigError(f"quantization bits {self.bits}: expected one of {', '.join(map(str, STORAGE_DTYPE))}")
+        if self.scales not in SCALE_DTYPES:
+            raise ConfigError(f"quantization scales {self.scales}: expected one of {', '.join(SCALE_DTYPES)}")
 
     @property
     def dtype(self) -> str:
         """The graph's element type of q."""
         return STORAGE_DTYPE[self.bits]
 
+    @property
+    def tag(self) -> str:
+        """The layout in the names of the host transforms (the artifact identity): bits and
+        group, then the scales' type and the search where they are not the default."""
+        return (f"int{self.bits}_g{self.group}" + ("" if self.scales == "f32" else f"_{self.scales}")
+                + ("_searched" if self.searched else ""))
+
     def specs(self, name: str, shape: tuple[int, int]) -> list[WeightSpec]:
         """The graph weights of the [N, K] weight `name`: q [K, N], its scales [N, K / group]
-        and an affine weight's biases; their host transforms name the layout (so the artifact
-        identity changes with the bits, the group and the form)."""
-        tag = f"int{self.bits}_g{self.group}"
+        and an affine weight's biases; their host transforms name the layout (`tag`: so the
+        artifact identity changes with the bits, the group, the scales and the form)."""
+        tag = self.tag
         cut = (shape[0], groups(name, shape, self.group))
         if self.packed:
             if shape[0] % (2 * TILE):
@@ -133,7 +149,7 @@ class Layout:
             return [WeightSpec(name, shape, "i8", f"q8_0_tiles_g{self.group}"),
                     WeightSpec(scales_name(name), cut, "f16", f"q8_0_tile_scales_g{self.group}")]
         out = [WeightSpec(name, shape[::-1], self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
-               WeightSpec(scales_name(name), cut, "f32", f"group_scales_{tag}")]
+               WeightSpec(scales_name(name), cut, self.scales, f"group_scales_{tag}")]
         if self.affine:
             out.append(WeightSpec(biases_name(name), cut, "f32", f"recentred_biases_{tag}"))
         return out
@@ -148,11 +164,37 @@ class Layout:
         for the kernel (`kernels.q8_matmul`'s `quantize_weight`, `pack_weight`, `pack_scales`:
         [N, K] int8 and [N, K/32] f16 in its tile order)."""
         if not self.packed:
-            return stored(w, self.bits, self.group)
+            return stored(w, self)
         from kernels import q8_matmul
         q, scales = q8_matmul.quantize_weight(w)
         return (q8_matmul.pack_weight(q).reshape(q.shape),
                 q8_matmul.pack_scales(scales).reshape(scales.shape))
+
+
+# precision -> the layout of its weights (w8a8's group: each weight's K; q8_0's embedding
+# table, gathered by rows, unpacked: `layout_of`)
+PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8": Layout(8),
+                     **{p: Layout(8, BLOCK, packed=True) for p in (Q8_0, *KERNEL_ISA)}}
+# precision -> the layout of the table lm_head reads (the embedding table when tied), where it
+# differs: int4's in int8, as llama.cpp's Q4_0 keeps it in Q6_K (module docstring)
+HEAD_LAYOUTS = {"int4": Layout(8)}
+
+
+def bits_of(precision: str) -> int | None:
+    """The bits of a quantized precision's weights, or None for a float precision."""
+    layout = PRECISION_LAYOUTS.get(precision)
+    return layout and layout.bits
+
+
+def layout_of(precision: str, shape: tuple[int, ...], head: bool = False, gathered: bool = False) -> Layout:
+    """The layout of a [N, K] weight quantized under `precision`: PRECISION_LAYOUTS' (the
+    `head` table, lm_head's: HEAD_LAYOUTS' where it has one), with one group of all K inputs
+    (a scale per output channel) under PER_CHANNEL; a `gathered` one (the embedding table,
+    read by rows) never packed."""
+    layout = HEAD_LAYOUTS.get(precision, PRECISION_LAYOUTS[precision]) if head else PRECISION_LAYOUTS[precision]
+    if gathered and layout.packed:
+        return replace(layout, packed=False)
+    return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
 
 
 def native_layouts(entries) -> dict[str, Layout]:
@@ -171,24 +213,69 @@ def native_entry(name: str, layout: Layout) -> tuple:
     return (name, layout.bits, layout.group) if layout.affine else (name, layout.bits, layout.group, SYMMETRIC)
 
 
-def quantize(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
-    """(q [N, K] int8, scales [N, K / group] f32) of an f32 weight [N, K]: per group
-    scale = max|w| / levels, q = clamp(round-half-even(w / scale)). An all-zero group has
-    scale 0 and q 0."""
+def quantize(w: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(q [N, K] int8, scales [N, K / group] in the layout's scale type) of an f32 weight
+    [N, K], symmetric: per group `searched` or scale = max|w| / levels with
+    q = clamp(round-half-even(w / scale), -levels, levels). An all-zero group has scale 0
+    and q 0. Made `BLOCK_ROWS` rows at a time."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
-    g = w.reshape(n, k // group, group)
-    scales = (np.abs(g).max(axis=2) / np.float32(levels(bits))).astype(np.float32)
-    safe = np.where(scales == 0, np.float32(1), scales)
-    q = np.clip(np.rint(g / safe[:, :, None]), -levels(bits), levels(bits)).astype(np.int8)
-    return q.reshape(n, k), scales
+    q = np.empty((n, k), np.int8)
+    scales = np.empty((n, k // layout.group), SCALE_DTYPES[layout.scales])
+    for r in range(0, n, BLOCK_ROWS):
+        g = w[r:r + BLOCK_ROWS].reshape(-1, k // layout.group, layout.group)
+        if layout.searched:
+            step, lo, hi = searched(g, layout), -(1 << (layout.bits - 1)), levels(layout.bits)
+        else:
+            step = as_scales(np.abs(g).max(axis=2) / np.float32(levels(layout.bits)), layout)
+            lo, hi = -levels(layout.bits), levels(layout.bits)
+        q[r:r + BLOCK_ROWS] = rounded(g, step, lo, hi).reshape(-1, k)  # cast to int8 on assignment
+        scales[r:r + BLOCK_ROWS] = step
+    return q, scales
 
 
-def stored(w: np.ndarray, bits: int, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
-    """(q transposed [K, N], scales [N, K / group] f32): an f32 weight [N, K] as the
-    archive holds it (`quantize`, `arranged`)."""
-    q, scales = quantize(w, bits, group)
-    return arranged(row_blocks(q), q.shape, bits), scales
+def as_scales(step: np.ndarray, layout: Layout) -> np.ndarray:
+    """f32 steps rounded to the layout's scale type (to nearest even), as f32."""
+    return step.astype(SCALE_DTYPES[layout.scales]).astype(np.float32)
+
+
+def rounded(g: np.ndarray, step: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The values (whole numbers in f32) of groups g [R, G, g] at steps [R, G]:
+    clamp(round-half-even(w / step), lo, hi); 0 where the step is 0. In place, one array."""
+    out = np.divide(g, np.where(step == 0, np.float32(1), step)[:, :, None])
+    np.rint(out, out=out)
+    return np.clip(out, lo, hi, out=out)
+
+
+def searched(g: np.ndarray, layout: Layout) -> np.ndarray:
+    """The f32 steps (each exact in the layout's scale type) of groups g [R, G, g] over all
+    2^bits levels, -2^(bits-1)..2^(bits-1)-1: for each of CANDIDATES times the signed max /
+    -2^(bits-1), the values it rounds to, the least-squares step for them (sum(q w) / sum(q q)),
+    rounded to the scale type; per group the one whose values give the least squared error."""
+    lo, hi = -(1 << (layout.bits - 1)), levels(layout.bits)
+    top = np.take_along_axis(g, np.abs(g).argmax(axis=2)[:, :, None], axis=2)[:, :, 0]
+    best = least = None
+    for c in CANDIDATES:
+        q = rounded(g, top * np.float32(c / lo), lo, hi)
+        norm = np.einsum("rgk,rgk->rg", q, q)
+        step = as_scales(np.einsum("rgk,rgk->rg", q, g) / np.where(norm == 0, np.float32(1), norm), layout)
+        miss = rounded(g, step, lo, hi)
+        miss *= step[:, :, None]
+        miss -= g
+        error = np.einsum("rgk,rgk->rg", miss, miss)
+        if best is None:
+            best, least = step, error
+        else:
+            better = error < least
+            best, least = np.where(better, step, best), np.where(better, error, least)
+    return best
+
+
+def stored(w: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(q transposed [K, N], scales [N, K / group]): an f32 weight [N, K] as the archive
+    holds it (`quantize`, `arranged`)."""
+    q, scales = quantize(w, layout)
+    return arranged(row_blocks(q), q.shape, layout.bits), scales
 
 
 def from_affine(code_blocks, shape: tuple[int, int], scales: np.ndarray, biases: np.ndarray,
@@ -240,7 +327,7 @@ def dequantize(q: np.ndarray, scales: np.ndarray, group: int = GROUP, biases: np
     """The f32 weight [N, K] the quantized graph computes with: q * scale of its group
     (+ the group's bias for an affine weight)."""
     n, k = q.shape
-    g = q.reshape(n, k // group, group).astype(np.float32) * scales[:, :, None]
+    g = q.reshape(n, k // group, group).astype(np.float32) * np.asarray(scales, np.float32)[:, :, None]
     if biases is not None:
         g += biases[:, :, None]
     return g.reshape(n, k)

@@ -219,10 +219,10 @@ def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
-    """{name: quant.Layout} of the weights the graph takes quantized: under int8 and int4 every
-    matmul weight (symmetric, groups of quant.GROUP), under w8a8 in int8 with a scale per
-    output channel (`quant.group_of`), under q8_0 packed for its kernel in blocks of 32 but
-    the embedding table (int8 in groups of 32: it is gathered by rows); a checkpoint run in its own bits
+    """{name: quant.Layout} of the weights the graph takes quantized: under int8, int4, w8a8
+    and q8_0 every matmul weight, in the precision's layout (`quant.layout_of`: symmetric; w8a8
+    in int8 with a scale per output channel; the table lm_head reads, int4's in int8; q8_0's
+    packed for its kernel in blocks of 32 but the embedding table, gathered by rows); a checkpoint run in its own bits
     (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
     group and form (`quant.native_layouts`).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
@@ -237,8 +237,9 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
                           "and lm_head can run quantized")
     if layouts or not bits:
         return layouts
-    shapes, packed = dict(weight_shapes(cfg)), quant.is_block_kernel(precision)
-    return {n: quant.Layout(bits, quant.group_of(precision, shapes[n]), packed=packed and not n.endswith(EMBEDDING))
+    shapes = dict(weight_shapes(cfg))
+    head = LM_HEAD if LM_HEAD in shapes else TEXT_PREFIX + EMBEDDING
+    return {n: quant.layout_of(precision, shapes[n], head=n == head, gathered=n.endswith(EMBEDDING))
             for n in names if n.endswith(MATMUL_SUFFIXES)}
 
 

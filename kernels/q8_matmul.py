@@ -130,7 +130,7 @@ def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(q [N, K] int8 in [-127, 127], scales [N, K / 32] f16) of an f32 weight [N, K]:
     `quant.quantize` at 8 bits in blocks of 32, the scales then rounded to f16 (llama.cpp's
     Q8_0: 8.5 bits a weight)."""
-    q, scales = quant.quantize(w, 8, BLOCK)
+    q, scales = quant.quantize(w, quant.Layout(8, BLOCK))
     return q, scales.astype(np.float16)
 
 

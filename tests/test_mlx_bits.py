@@ -143,9 +143,9 @@ def test_decode_dispatches_read_the_bits(tmp_path, form):
     """With biases too, the decode dispatches contract the weights in their bits (f32 x i4
     or i8 -> f32), and none widens one to an f32 copy (as tests/test_quant.py checks int8/int4)."""
     from runtime.artifact.compiler import compile_mlir
-    from runtime.bench.decode_profile import MLX_FORMS, decode_module
+    from runtime.bench.decode_profile import NATIVE_FORMS, decode_module
 
-    bits = quant.STORAGE_DTYPE[MLX_FORMS[form]]
+    bits = NATIVE_FORMS[form].dtype
     compile_mlir(decode_module(dataclasses.replace(CFG, tie_word_embeddings=False), 64, form),
                  extra_flags=[f"--iree-hal-dump-executable-sources-to={tmp_path}"])
     names = [m for f in tmp_path.glob("*decode*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]

@@ -68,7 +68,7 @@ def table_numbers(w: np.ndarray, form: str) -> np.ndarray:
     if form == "llama.cpp":
         q, scales = q8_matmul.quantize_weight(w)
         return quant.dequantize(q, scales.astype(np.float32), quant.BLOCK)
-    return quant.dequantize(*quant.quantize(w, 8, quant.BLOCK), quant.BLOCK)
+    return quant.dequantize(*quant.quantize(w, quant.Layout(8, quant.BLOCK)), quant.BLOCK)
 
 
 def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours") -> np.ndarray:

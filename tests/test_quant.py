@@ -1,5 +1,6 @@
 """--precision int8 and int4 (emitter/quant.py): the language model's matmul weights and
-embedding table in i8 / i4 with an f32 scale per 64 inputs. The quantized session against the f32 session
+embedding table in i8 with an f32 scale per 64 inputs, or in i4 with a searched f32 scale per
+64. The quantized session against the f32 session
 over the dequantized weights (the same numbers, so relL2 <= 1e-5), and against the
 unquantized model (a distance quantization must show); the decode dispatches read i8; the
 resident weights are the i8 ones."""
@@ -19,7 +20,7 @@ from conftest import rel_l2
 from helpers import chunked_logits
 from emitter import quant
 from emitter.config import ConfigError
-from emitter.text import text_weights
+from emitter.text import text_weights, weight_layouts
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
 from runtime.bench.decode_profile import decode_module
@@ -38,25 +39,83 @@ def test_quantize_is_symmetric_groupwise():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((6, 256), dtype=np.float32)
     w[2, 64:128] = 0  # an all-zero group
-    q, scales = quant.quantize(w, 8)
+    q, scales = quant.quantize(w, quant.PRECISION_LAYOUTS["int8"])
     assert q.dtype == np.int8 and scales.shape == (6, 4) and scales.dtype == np.float32
     groups = w.reshape(6, 4, 64)
     assert np.array_equal(scales, np.abs(groups).max(axis=2) / np.float32(127))
     assert np.abs(q).max() == 127 and scales[2, 1] == 0 and not q[2, 64:128].any()
     error = np.abs(quant.dequantize(q, scales) - w).reshape(6, 4, 64)
     assert (error <= scales[:, :, None] / 2 * (1 + 1e-6)).all()  # round to nearest
-    q4, scales4 = quant.quantize(w, 4)
+    q4, scales4 = quant.quantize(w, quant.Layout(4))
     assert np.array_equal(scales4, np.abs(groups).max(axis=2) / np.float32(7)) and np.abs(q4).max() == 7
-    packed, _ = quant.stored(w, 4)  # transposed [K, N], element 2i in byte i's low nibble
+    packed, _ = quant.stored(w, quant.Layout(4))  # transposed [K, N], element 2i in byte i's low nibble
     low, high = (packed & 15).astype(np.int8), (packed >> 4).astype(np.int8)
     unpacked = np.stack([low, high], 1).reshape(-1)
     assert np.array_equal(np.where(unpacked > 7, unpacked - 16, unpacked), q4.T.reshape(-1))
+
+
+def searched_group(w: np.ndarray) -> float:
+    """One group's int4 step, as `quant.searched` describes it, one candidate at a time in
+    float64 arithmetic rounded where the layout rounds (a reference of the same math)."""
+    import ml_dtypes
+    top = w[np.argmax(np.abs(w))]
+    best = None
+    for c in quant.CANDIDATES:
+        q = np.clip(np.rint(w / (top * np.float32(c / -8))), -8, 7) if top else np.zeros_like(w)
+        norm = np.float32(q @ q)
+        step = np.float32((np.float32(q @ w) / (norm if norm else np.float32(1))).astype(ml_dtypes.bfloat16))
+        values = np.clip(np.rint(w / step), -8, 7) if step else np.zeros_like(w)
+        error = float(np.sum((values.astype(np.float64) * step - w) ** 2))
+        if best is None or error < best[0]:
+            best = (error, step)
+    return best[1]
+
+
+def test_searched_bf16_scales_per_32_use_16_levels():
+    """A searched 4-bit layout at Q4_0's bits (groups of 32, bf16 scales): all of -8..7, each
+    group's bf16 scale the one `searched_group` finds;
+    on N(0, 1) weights closer than Q4_0's rule (llama.cpp's quantize_row_q4_0_ref: d = the
+    signed max / -8 in f16, q = round(w / d) + 8 clamped to 0..15)."""
+    import ml_dtypes
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 256), dtype=np.float32)
+    w[3, 32:64] = 0  # an all-zero group
+    layout = quant.Layout(4, 32, scales="bf16", searched=True)
+    q, scales = quant.quantize(w, layout)
+    assert layout.group == 32 and scales.dtype == ml_dtypes.bfloat16 and scales.shape == (64, 8)
+    assert q.min() == -8 and q.max() == 7 and scales[3, 1] == 0 and not q[3, 32:64].any()
+    groups = w.reshape(64, 8, 32)
+    expected = [[searched_group(g) for g in row] for row in groups[:8]]
+    assert np.allclose(scales[:8].astype(np.float32), expected, rtol=0, atol=0), (scales[:8], expected)
+    wide = scales.astype(np.float32)[:, :, None]
+    assert np.array_equal(q.reshape(64, 8, 32), np.clip(np.rint(groups / np.where(wide == 0, 1, wide)), -8, 7))
+    top = np.take_along_axis(groups, np.abs(groups).argmax(axis=2)[:, :, None], axis=2)
+    d = top / np.float32(-8)
+    q4_0 = (np.minimum(np.floor(groups * np.where(d == 0, 0, 1 / np.where(d == 0, 1, d)) + np.float32(8.5)), 15) - 8
+            ) * d.astype(np.float16).astype(np.float32)
+    ours = quant.dequantize(q, scales, layout.group)
+    print(f"relative error: ours {rel_l2(ours, w):.4f}, Q4_0's rule {rel_l2(q4_0.reshape(w.shape), w):.4f}")
+    assert rel_l2(ours, w) < 0.97 * rel_l2(q4_0.reshape(w.shape), w)
 
 
 def test_a_width_the_group_does_not_divide_is_one_line():
     with pytest.raises(ConfigError, match=r"embed_tokens.weight: shape \[384, 48\]: expected \[N, K\] with K a "
                                           r"multiple of the quantization group 64"):
         text_weights(TEXT_PRESETS["tiny"], "int8")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int4_keeps_the_table_lm_head_reads_in_int8(tied):
+    """Under int4 the projections are i4 with f32 scales per 64, and the table lm_head reads
+    (the embedding table when tied, else lm_head; an untied embedding table stays i4) is
+    int8's layout, as llama.cpp's Q4_0 keeps it in Q6_K."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    dtypes = {s.name: s.dtype for s in text_weights(cfg, "int4")}
+    head = "lm_head.weight" if not tied else next(n for n in dtypes if n.endswith("embed_tokens.weight"))
+    assert dtypes[head] == "i8" and dtypes[quant.scales_name(head)] == "f32"
+    quantized = [n for n, d in dtypes.items() if d in ("i8", "i4")]
+    assert all(dtypes[n] == "i4" and dtypes[quant.scales_name(n)] == "f32" for n in quantized if n != head)
+    assert len(quantized) == 7 * cfg.num_hidden_layers + 1 + (not tied)
 
 
 def test_int8_is_part_of_the_identity():
@@ -75,13 +134,11 @@ def models(tmp_path_factory):
     replaced by its dequantization (`quant.dequantize`), in f32."""
     root = tmp_path_factory.mktemp("quant")
     write_text_model(root / "model", CFG, seed=5)
-    for precision in quant.QUANTIZED_BITS:
+    for precision in quant.PRECISION_LAYOUTS:
         weights = load_text_weights(root / "model", CFG)
-        for spec in text_weights(CFG, precision):
-            if spec.dtype in ("i8", "i4"):
-                group = quant.group_of(precision, weights[spec.name].shape)
-                weights[spec.name] = quant.dequantize(*quant.quantize(weights[spec.name], quant.bits_of(precision),
-                                                                      group), group)
+        layouts = weight_layouts(CFG, precision, list(weights))
+        for name, layout in layouts.items():
+            weights[name] = quant.dequantize(*quant.quantize(weights[name], layout), layout.group)
         folder = root / f"reference-{precision}"
         folder.mkdir()
         shutil.copy(root / "model" / "config.json", folder)

@@ -50,7 +50,7 @@ def test_integer_projection_equals_numpys_integer_math(m, group):
     x[-1, 7] = 40.0
     if m > 2:
         x[0] = 0
-    q, scales = quant.quantize(rng.standard_normal((n, k), dtype=np.float32), 8, group)
+    q, scales = quant.quantize(rng.standard_normal((n, k), dtype=np.float32), quant.Layout(8, group))
     y, xq = graph(m, k, n, group)(x, np.ascontiguousarray(q.T), scales)
     ref_xq, _ = quant.quantize_activations(x, group)
     assert np.array_equal(xq.transpose(1, 0, 2).reshape(m, k), ref_xq)

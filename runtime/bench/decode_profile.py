@@ -31,18 +31,21 @@ def decode_shape(context: int, lanes: int = 1) -> TextShape:
     return TextShape((min(512, context),), context, lanes)
 
 
-# Benchmark names of an MLX checkpoint run in its bits (`--precision mlx`): every matmul weight
-# affine at these bits, groups of 64 (mlx-vlm's default), over f32.
-MLX_FORMS = {"mlx4": 4, "mlx8": 8}
+# Benchmark names of a quantized checkpoint run in its bits (`--precision native`): every
+# matmul weight in this layout, over f32. MLX's affine forms (groups of 64, mlx-vlm's
+# default); GGUF's Q4_0 (symmetric, groups of 32, f32 scales); `int4-g64`, int4's layout
+# before its scales went bf16 per 32 (symmetric, f32 scales per 64: the same graph).
+NATIVE_FORMS = {"mlx4": quant.Layout(4, 64, affine=True), "mlx8": quant.Layout(8, 64, affine=True),
+                "q4_0": quant.Layout(4, 32), "int4-g64": quant.Layout(4, 64)}
 
 
 def graph_form(cfg, precision: str):
     """(config, graph precision) of a benchmark precision: a graph precision as it is, or
-    an `MLX_FORMS` name as the config of such a checkpoint over f32."""
-    if precision not in MLX_FORMS:
+    a `NATIVE_FORMS` name as the config of such a checkpoint over f32."""
+    if precision not in NATIVE_FORMS:
         return cfg, precision
     names = [s.name for s in text_weights(cfg) if s.name.endswith(MATMUL_SUFFIXES)]
-    return replace(cfg, native_weights=tuple((n, MLX_FORMS[precision], quant.GROUP) for n in names)), "f32"
+    return replace(cfg, native_weights=tuple(quant.native_entry(n, NATIVE_FORMS[precision]) for n in names)), "f32"
 
 
 def decode_module(cfg, context: int, precision: str, lanes: int = 1) -> str:
