@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,14 @@ def raw_request(server, body: dict) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(head.encode() + data)
     return sock
+
+
+def concurrently(*calls) -> list:
+    """The results of `calls` (callables of no argument), run at once in threads of their own.
+    Waits for every one (each request is bounded by its HTTP client's own timeout, not by a
+    clock here) and re-raises the first failure."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
 def wait_for(condition, timeout: float = 10.0) -> bool:

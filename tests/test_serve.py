@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("httpx2")
 
-from serve_helpers import (QWEN3VL, Server, chat, corrupt_png, generate, httpx, long_stream,  # noqa: E402
-                           module_server, raw_request, resident_bytes, user, wait_for)
+from serve_helpers import (QWEN3VL, Server, chat, concurrently, corrupt_png, generate, httpx,  # noqa: E402
+                           long_stream, module_server, raw_request, resident_bytes, user, wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +61,12 @@ def test_greedy_equals_generate(server, solo, shape, stream):
 
 def test_four_concurrent_requests_each_equal_their_solo_run(server, solo):
     jobs = [("text", True), ("one image", False), ("two images", True), ("one image", True)]
-    results = [None] * len(jobs)
 
-    def run(i, shape, stream):
+    def request(shape, stream):
         prompt, n = SHAPES[shape]
-        results[i] = chat(server, [user(prompt, server.images[:n])], stream, max_tokens=8)
+        return lambda: chat(server, [user(prompt, server.images[:n])], stream, max_tokens=8)
 
-    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = concurrently(*(request(*job) for job in jobs))
     for (shape, _), result in zip(jobs, results):
         same_as_generate(result, solo[shape])
 
@@ -175,17 +170,9 @@ def test_prefix_cache_is_exact(server, solo, tmp_path):
     same_as_generate(chat(server, [user(prompt, server.images[:n])], max_tokens=8, temperature=0), solo["one image"])
     hit = hits() - before
     assert hit >= (solo["one image"]["prompt_tokens"] - 1) // 16 * 16 > 0
-    results = [None, None]
-
-    def run(i):
-        results[i] = chat(server, [user(prompt, server.images[:n])], i == 1, max_tokens=8, temperature=0)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     before = hits()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = concurrently(*(lambda stream=stream: chat(server, [user(prompt, server.images[:n])], stream,
+                                                        max_tokens=8, temperature=0) for stream in (False, True)))
     for result in results:
         same_as_generate(result, solo["one image"])
     assert hits() == before + 2 * hit
@@ -285,7 +272,7 @@ def test_batched_sequences_equal_their_solo_runs_and_a_failure_disturbs_none(ser
         "url": corrupt_png(server.images[1])}}, {"type": "text", "text": "x"}]}]}
     r = server.post(bad)
     for t in threads:
-        t.join(120)
+        t.join()  # each request bounded by its client's own timeout
     assert r.status_code == 400 and "cannot decode image" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "messages[0].content[0].image_url.url"  # the URL's own
     assert results["long"] == alone_long and results["sampled"] == alone_sampled
@@ -332,7 +319,7 @@ def test_a_sequence_overflowing_mid_decode_fails_alone(server, tmp_path):
             events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
         finally:
             response.close(), client.close()
-        beside.join(120)
+        beside.join()
         pieces = [e["choices"][0]["delta"].get("content") for e in events if e.get("choices")]
         error = events[-1]["error"]
         assert len([p for p in pieces if p]) >= 2, events  # it decoded, then failed
@@ -358,13 +345,7 @@ def test_a_full_pool_makes_requests_wait_and_preempts(server, tmp_path):
         prompts = [[user("Go on.")], [user("Tell a story.")], [user("Say something.")]]
         alone = [chat(small, p, **kw) for p in prompts]
         assert small.metric("qwen3vl_preemptions_total") == 0
-        results = [None] * 3
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, chat(small, prompts[i], i == 1, **kw)))
-                   for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = concurrently(*(lambda i=i: chat(small, prompts[i], i == 1, **kw) for i in range(3)))
         assert small.metric("qwen3vl_preemptions_total") >= 1
         assert [r[0] for r in results] == [r[0] for r in alone]
         assert all(r[2]["completion_tokens"] == 400 for r in results)
