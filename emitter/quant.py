@@ -64,14 +64,13 @@ from dataclasses import dataclass, replace
 import ml_dtypes
 import numpy as np
 
-from .config import ConfigError, WeightSpec
+from .config import KERNEL_ISA_NAMES, ConfigError, WeightSpec
 
 GROUP = 64  # inputs per scale of `--precision int8` (and the default of a `Layout`)
 Q8_0, Q4_0 = "q8_0", "q4_0"  # the user's names of the kernel precisions
 KERNEL_BITS = {Q8_0: 8, Q4_0: 4}  # kernel precision -> its weights' bits
-KERNEL_ISAS = ("avx512vnni", "avx2")  # the kernel objects' ISAs, best first (kernels/q8_matmul.py)
 # the kernel precisions' graph forms ("q8_0-avx512vnni", ...) -> the kernel object's ISA
-KERNEL_ISA = {f"{p}-{isa}": isa for p in KERNEL_BITS for isa in KERNEL_ISAS}
+KERNEL_ISA = {f"{p}-{isa}": isa for p in KERNEL_BITS for isa in KERNEL_ISA_NAMES}
 PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a group of all K inputs
 BLOCK = 32  # inputs per scale of Q8_0 (llama.cpp's block)
 TILE = 16  # outputs per tile of a packed (q8_0, q4_0) weight; N a multiple of two tiles
@@ -159,9 +158,9 @@ class Layout:
             if shape[0] % (2 * TILE):
                 raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] with N a multiple of {2 * TILE} "
                                   f"(the q{self.bits}_0 kernel's tiles)")
-            form = f"q{self.bits}_0_tile" + ("" if self.bits == 8 else "_searched")
-            return [WeightSpec(name, (shape[0], shape[1] * self.bits // 8), "i8", f"{form}s_g{self.group}"),
-                    WeightSpec(scales_name(name), cut, "f16", f"{form}_scales_g{self.group}")]
+            form = f"q{self.bits}_0_tile", ("_searched" if self.searched else "") + f"_g{self.group}"
+            return [WeightSpec(name, (shape[0], shape[1] * self.bits // 8), "i8", "s".join(form)),
+                    WeightSpec(scales_name(name), cut, "f16", "_scales".join(form))]
         out = [WeightSpec(name, shape[::-1], self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
                WeightSpec(scales_name(name), cut, self.scales, f"group_scales_{tag}")]
         if self.affine:

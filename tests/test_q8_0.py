@@ -46,13 +46,14 @@ def llama_cpp(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(m, k), d.astype(np.float16).astype(np.float32)
 
 
-def q8_linear(weight, activations=ours):
-    """A torch module computing x @ weight.T in Q8_0 x Q8_0 (`q8_matmul.reference`): the
-    weight's blocks (`q8_matmul.quantize_weight`) against x's made by `activations`."""
+def q8_linear(weight, activations=ours, blocks=q8_matmul.quantize_weight):
+    """A torch module computing x @ weight.T in Q8_0 x Q8_0, or Q4_0 x Q8_0 (`q8_matmul.reference`):
+    the weight's blocks made by `blocks` (Q8_0's `q8_matmul.quantize_weight`) against x's made
+    by `activations`."""
     import torch
 
     w = weight.detach().numpy() if hasattr(weight, "detach") else weight
-    q, scales = q8_matmul.quantize_weight(w)
+    q, scales = blocks(w)
 
     class Q8(torch.nn.Module):
         def forward(self, x):
@@ -71,12 +72,13 @@ def table_numbers(w: np.ndarray, form: str) -> np.ndarray:
     return quant.dequantize(*quant.quantize(w, quant.Layout(8, quant.BLOCK)), quant.BLOCK)
 
 
-def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours") -> np.ndarray:
+def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours",
+                     blocks=q8_matmul.quantize_weight) -> np.ndarray:
     """transformers' Qwen3VLTextModel over the checkpoint with every projection in Q8_0
-    integer math (`q8_linear`) and the embedding table's `table_numbers`; lm_head: under
-    "ours" an untied one through `q8_linear`, a tied one the table's numbers in f32 (our
-    weight-only form), under "llama.cpp" either through `q8_linear` with llama.cpp's
-    activations. The logits of the prompt's last row and of `steps` greedy steps (each step
+    integer math (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's) and the
+    embedding table's `table_numbers`; lm_head: under "ours" an untied one through `q8_linear`
+    (`blocks`), a tied one the table's numbers in f32 (our weight-only form), under "llama.cpp"
+    either through `q8_linear` in Q8_0 with llama.cpp's activations. The logits of the prompt's last row and of `steps` greedy steps (each step
     the whole sequence again: rows are independent in the kernel's math)."""
     torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
@@ -88,7 +90,7 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if name.endswith("proj"):
-                    setattr(parent, name, q8_linear(child.weight, activations))
+                    setattr(parent, name, q8_linear(child.weight, activations, blocks))
     raw = hf.embed_tokens.weight.detach().numpy()
     hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table_numbers(raw, form)), requires_grad=False)
     if cfg.tie_word_embeddings and form == "ours":
@@ -97,7 +99,7 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
         weight = raw if cfg.tie_word_embeddings else next(
             load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
             if "lm_head.weight" in load_file(str(f)))
-        module = q8_linear(weight, activations)
+        module = q8_linear(weight, activations, q8_matmul.quantize_weight if form == "llama.cpp" else blocks)
         head = lambda h: module(torch.from_numpy(h)).numpy()  # noqa: E731
     ids, rows = list(prompt), []
     with torch.inference_mode():
