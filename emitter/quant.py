@@ -46,7 +46,11 @@ signed q in i8 (-128..127) or i4 (-8..7).
   32 with an f16 scale each, the scale searched as int4's (`searched`, rounded to f16), stored
   two codes to a byte in the kernel's tiles (Q4_0's 18 bytes a block, 4.5 bits a weight), against
   the same Q8_0 activations (llama.cpp's Q4_0 x Q8_0 dot product); graph forms "q4_0-avx512vnni",
-  "q4_0-avx2". Its embedding table (tied lm_head with it) is int8 in groups of 32, as q8_0's.
+  "q4_0-avx2". The table lm_head reads stays 8-bit (`HEAD_LAYOUTS`, as int4's and as llama.cpp's
+  Q4_0 files keep `output` in Q6_K): an untied lm_head in Q8_0 through the same kernel, the
+  embedding table (a tied lm_head with it) int8 in groups of 32, as q8_0's. (With lm_head in
+  Q4_0 too, the logits on tests/test_gguf.py's checkpoint were 0.110 from f32, against 0.074
+  for llama.cpp's Q4_0 x Q8_0 math with its wider head.)
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
@@ -192,8 +196,10 @@ PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8"
                      **{p: Layout(4, BLOCK, scales="f16", searched=True, packed=True)
                         for p in (Q4_0, *KERNEL_ISA) if kernel_precision(p) == Q4_0}}
 # precision -> the layout of the table lm_head reads (the embedding table when tied), where it
-# differs: int4's in int8, as llama.cpp's Q4_0 keeps it in Q6_K (module docstring)
-HEAD_LAYOUTS = {"int4": Layout(8)}
+# differs: int4's in int8 and q4_0's in Q8_0 (its kernel's 8-bit entry), as llama.cpp's Q4_0
+# keeps it in Q6_K (module docstring)
+HEAD_LAYOUTS = {"int4": Layout(8), **{p: Layout(8, BLOCK, packed=True) for p in PRECISION_LAYOUTS
+                                      if kernel_precision(p) == Q4_0}}
 
 
 def bits_of(precision: str) -> int | None:

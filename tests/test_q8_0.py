@@ -77,7 +77,7 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
     """transformers' Qwen3VLTextModel over the checkpoint with every projection in Q8_0
     integer math (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's) and the
     embedding table's `table_numbers`; lm_head: under "ours" an untied one through `q8_linear`
-    (`blocks`), a tied one the table's numbers in f32 (our weight-only form), under "llama.cpp"
+    in Q8_0, a tied one the table's numbers in f32 (our weight-only form), under "llama.cpp"
     either through `q8_linear` in Q8_0 with llama.cpp's activations. The logits of the prompt's last row and of `steps` greedy steps (each step
     the whole sequence again: rows are independent in the kernel's math)."""
     torch = pytest.importorskip("torch")
@@ -99,7 +99,7 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
         weight = raw if cfg.tie_word_embeddings else next(
             load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
             if "lm_head.weight" in load_file(str(f)))
-        module = q8_linear(weight, activations, q8_matmul.quantize_weight if form == "llama.cpp" else blocks)
+        module = q8_linear(weight, activations)
         head = lambda h: module(torch.from_numpy(h)).numpy()  # noqa: E731
     ids, rows = list(prompt), []
     with torch.inference_mode():
