@@ -15,13 +15,11 @@ import functools
 import numpy as np
 import pytest
 
-from conftest import rel_l2
-from helpers import chunked_logits
 from emitter import quant
 from emitter.identity import graph_precision
 from emitter.text import text_weights
 from kernels import q8_matmul
-from test_q8_0 import CFG, STEPS, TOL, UNTIED, folders, reference_logits  # noqa: F401 (the fixture)
+from test_q8_0 import CFG, UNTIED, check_integer_math, folders  # noqa: F401 (the fixture)
 
 Q4_0 = functools.partial(q8_matmul.quantize_weight, bits=4)  # our Q4_0 blocks (searched f16 scales)
 
@@ -32,15 +30,7 @@ def test_q4_0_equals_numpys_integer_math(folders, name, cfg):
     """Prefill (two chunks: 32 rows, then 5) and greedy decode steps through the kernel
     against numpy's integer math of the same weights; against f32 it is quantized (the
     control: the comparison can fail)."""
-    ours = chunked_logits(folders / name, folders / "cache", "q4_0", cfg.vocab_size, STEPS)
-    prompt = np.arange(37) * 7 % cfg.vocab_size
-    ref = reference_logits(folders / name, cfg, prompt, STEPS, blocks=Q4_0)
-    errors = [rel_l2(a, b) for a, b in zip(ours, ref)]
-    away = rel_l2(ours, chunked_logits(folders / name, folders / "cache", "f32", cfg.vocab_size, STEPS))
-    print(f"q4_0 ({name}) against numpy's integer math: relL2 {max(errors):.1e}; against f32 {away:.1e}")
-    assert max(errors) <= TOL, errors
-    assert np.array_equal(ours.argmax(1), ref.argmax(1))
-    assert away > 100 * TOL, away
+    check_integer_math(folders, name, cfg, "q4_0", Q4_0)
 
 
 def test_q4_0_weights_are_q4_0_blocks_in_the_kernels_tiles():

@@ -126,12 +126,18 @@ def test_q8_0_equals_numpys_integer_math(folders, name, cfg):
     """Prefill (two chunks: 32 rows, then 5) and greedy decode steps through the kernel
     against numpy's integer math of the same weights; against f32 it is quantized (the
     control: the comparison can fail)."""
-    ours = chunked_logits(folders / name, folders / "cache", "q8_0", cfg.vocab_size, STEPS)
+    check_integer_math(folders, name, cfg, "q8_0", q8_matmul.quantize_weight)
+
+
+def check_integer_math(folders, name: str, cfg, precision: str, blocks) -> None:
+    """The session's logits under `precision` against `reference_logits` with the weights'
+    `blocks`: relL2 <= TOL, greedy tokens equal, and far from f32's."""
+    ours = chunked_logits(folders / name, folders / "cache", precision, cfg.vocab_size, STEPS)
     prompt = np.arange(37) * 7 % cfg.vocab_size
-    ref = reference_logits(folders / name, cfg, prompt, STEPS)
+    ref = reference_logits(folders / name, cfg, prompt, STEPS, blocks=blocks)
     errors = [rel_l2(a, b) for a, b in zip(ours, ref)]
     away = rel_l2(ours, chunked_logits(folders / name, folders / "cache", "f32", cfg.vocab_size, STEPS))
-    print(f"q8_0 ({name}) against numpy's integer math: relL2 {max(errors):.1e}; against f32 {away:.1e}")
+    print(f"{precision} ({name}) against numpy's integer math: relL2 {max(errors):.1e}; against f32 {away:.1e}")
     assert max(errors) <= TOL, errors
     assert np.array_equal(ours.argmax(1), ref.argmax(1))
     assert away > 100 * TOL, away
