@@ -235,11 +235,12 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 # "q8_0" and "q4_0" llama.cpp's Q8_0 and Q4_0 x Q8_0 through a hand-written kernel (emitter/quant.py),
 # their graph forms naming the kernel's ISA (the activations given to it in f32, quantized inside
 # its dispatch's graph).
-KERNEL_FORMS = {"q8_0": "i8", "q4_0": "i4"}  # the kernel precisions (emitter/quant.py KERNEL_BITS) -> weight dtype
-KERNEL_ISA_NAMES = {"avx512vnni": "AVX-512 VNNI", "avx2": "AVX2"}  # their graph forms' ISAs (quant.KERNEL_ISAS)
+KERNEL_FORMS = {"q8_0": "i8", "q4_0": "i4"}  # the kernel precisions -> their weights' dtype (quant.KERNEL_BITS)
+KERNEL_ISA_NAMES = {"avx512vnni": "AVX-512 VNNI", "avx2": "AVX2"}  # their graph forms' ISAs (quant.KERNEL_ISA)
 PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32"), "int8": ("i8", "f32"),
               "int4": ("i4", "f32"), "w8a8": ("i8", "i8"),
-              **{form: (dtype, "f32") for p, dtype in KERNEL_FORMS.items() for form in (p, *(f"{p}-{isa}" for isa in KERNEL_ISA_NAMES))}}
+              **{form: (dtype, "f32") for p, dtype in KERNEL_FORMS.items()
+                 for form in (p, *(f"{p}-{isa}" for isa in KERNEL_ISA_NAMES))}}
 USER_PRECISIONS = ("f32", "bf16")
 # "native" (a quantized checkpoint's own bits: an MLX-quantized folder, a llama.cpp GGUF):
 # each weight it stores quantized in bits that run as stored is kept in them with its
@@ -248,7 +249,7 @@ USER_PRECISIONS = ("f32", "bf16")
 # "mlx", its first name, is still accepted (`is_native`).
 NATIVE_PRECISION = "native"
 MLX_PRECISION = "mlx"  # the same as NATIVE_PRECISION
-TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", "w8a8", "q8_0", "q4_0", NATIVE_PRECISION, MLX_PRECISION)  # what generate and serve offer
+TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", "w8a8", *KERNEL_FORMS, NATIVE_PRECISION, MLX_PRECISION)  # generate/serve
 VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
 # Each precision in the module headers:
 PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
@@ -272,10 +273,10 @@ QUANT_HELP = ("int8 (the language model): its projections, embedding table and l
               "(faster decode, larger error than int8). q8_0: llama.cpp's Q8_0 (int8 weights with an f16 scale per 32, "
               "8.5 bits a weight; the embedding table int8 with f32 scales per 32), each projection's input quantized "
               "per 32 at run time and multiplied in int32 by a hand-written kernel (AVX-512 VNNI, else AVX2) linked "
-              "into the module. q4_0: llama.cpp's Q4_0 through the same kernel (4-bit weights, -8..7, with an f16 scale "
-              "per 32 searched for the least squared error: 4.5 bits a weight; lm_head in Q8_0 and the embedding "
-              "table int8, as q8_0's), "
-              "against the same int8 activations. docs/text.md gives their distance from f32. "
+              "into the module. q4_0: llama.cpp's Q4_0 through the same kernel (4-bit weights, -8..7, with an f16 "
+              "scale per 32 searched for the least squared error: 4.5 bits a weight; lm_head in Q8_0 and the "
+              "embedding table int8, as q8_0's), against the same int8 activations. docs/text.md gives their "
+              "distance from f32. "
               "native: a quantized checkpoint in its own bits, exact against its own dequantization (under f32 "
               "its weights are expanded to f32 at load): an MLX one as mlx-vlm writes it (8- and 4-bit weights in "
               "their group size and per-module settings), or llama.cpp's GGUF (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "

@@ -155,7 +155,8 @@ def graph_precision(precision: str, target: str | None = None, extra_flags=()) -
     if precision in quant.KERNEL_BITS:  # q8_0, q4_0: the kernel object of the target's ISA
         from kernels import q8_matmul
         try:
-            return f"{precision}-{q8_matmul.target_isa(tuple(target_flags(target or DEFAULT_TARGET)) + tuple(extra_flags))}"
+            flags = tuple(target_flags(target or DEFAULT_TARGET)) + tuple(extra_flags)
+            return f"{precision}-{q8_matmul.target_isa(flags)}"
         except q8_matmul.KernelError as e:
             raise ConfigError(f"--precision {precision}: {e}") from None
     return precision

@@ -68,18 +68,18 @@ from dataclasses import dataclass, replace
 import ml_dtypes
 import numpy as np
 
-from .config import KERNEL_ISA_NAMES, ConfigError, WeightSpec
+from .config import KERNEL_FORMS, KERNEL_ISA_NAMES, ConfigError, WeightSpec
 
 GROUP = 64  # inputs per scale of `--precision int8` (and the default of a `Layout`)
 Q8_0, Q4_0 = "q8_0", "q4_0"  # the user's names of the kernel precisions
-KERNEL_BITS = {Q8_0: 8, Q4_0: 4}  # kernel precision -> its weights' bits
+STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
+KERNEL_BITS = {p: {v: k for k, v in STORAGE_DTYPE.items()}[dtype] for p, dtype in KERNEL_FORMS.items()}  # -> bits
 # the kernel precisions' graph forms ("q8_0-avx512vnni", ...) -> the kernel object's ISA
 KERNEL_ISA = {f"{p}-{isa}": isa for p in KERNEL_BITS for isa in KERNEL_ISA_NAMES}
 PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a group of all K inputs
 BLOCK = 32  # inputs per scale of Q8_0 (llama.cpp's block)
 TILE = 16  # outputs per tile of a packed (q8_0, q4_0) weight; N a multiple of two tiles
 ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at run time
-STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
 SYMMETRIC = "symmetric"  # the fourth item of a symmetric weight's `native_weights` entry
 SCALE_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}  # a layout's scale type -> numpy's

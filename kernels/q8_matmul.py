@@ -180,7 +180,8 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def reference(xq: np.ndarray, dx: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """y [M, N] f32 as the kernel computes it at either width (q [N, K] int8 unpacked), bit for bit: per block b in order,
+    """y [M, N] f32 as the kernel computes it at either width (q [N, K] int8, unpacked), bit for
+    bit: per block b in order,
     acc += (f32(scales[:, b]) * dx[:, b]) * f32(i32 dot of the block), each op rounded to f32."""
     m, k = xq.shape
     blocks = k // BLOCK

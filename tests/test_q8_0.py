@@ -78,8 +78,9 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
     integer math (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's) and the
     embedding table's `table_numbers`; lm_head: under "ours" an untied one through `q8_linear`
     in Q8_0, a tied one the table's numbers in f32 (our weight-only form), under "llama.cpp"
-    either through `q8_linear` in Q8_0 with llama.cpp's activations. The logits of the prompt's last row and of `steps` greedy steps (each step
-    the whole sequence again: rows are independent in the kernel's math)."""
+    either through `q8_linear` in Q8_0 with llama.cpp's activations. The logits of the
+    prompt's last row and of `steps` greedy steps (each step the whole sequence again: rows
+    are independent in the kernel's math)."""
     torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
     from test_text_2b import transformers_model
