@@ -41,8 +41,9 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--precision", nargs="+", default=["f32"], choices=[*PRECISIONS, *NATIVE_FORMS],
                         help="one or more graph precisions, timed alternating (the first is the base); mlx4, "
-                             "mlx8: an MLX checkpoint's affine weights in their bits, groups of 64; q4_0: GGUF Q4_0's "
-                             "layout; int4-g64: int4's before its bf16 scales per 32")
+                             "mlx8: an MLX checkpoint's affine weights in their bits, groups of 64; gguf-q4_0: a "
+                             "GGUF Q4_0 file in its bits (f32 activations; q4_0 is the kernel's precision); "
+                             "int4-g64: int4's layout")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the contexts")
     parser.add_argument("--repeats", type=int, default=10, help="decode calls per timing")
     parser.add_argument("--threads", type=int, default=2)

@@ -24,7 +24,8 @@ sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
 - q8k / q8k-avx2: llama.cpp's Q8_0 x Q8_0 math (int8 weights and activations in blocks of 32,
   a scale per block on both sides) in a hand-written C kernel that iree-compile links into
   the executable (kernels/q8_matmul.py): the target's best ISA (AVX-512 VNNI or AVX2), or its
-  AVX2 build on the same target.
+  AVX2 build on the same target. q4k / q4k-avx2: llama.cpp's Q4_0 x Q8_0 math in the same
+  kernel (4-bit weights, Q4_0's 18 bytes a block of 32 with its f16 scale).
 
 `--quality` prints, instead of timing, each integer form's relL2 from the f32 projection in
 numpy (the same math: `quant.integer_matmul`, `q8_matmul.reference`) on x with a few outlier
@@ -72,7 +73,7 @@ from runtime.bench.roof import memory_bandwidth_gbs  # noqa: E402
 from runtime.vision import set_thread_count  # noqa: E402
 
 WEIGHT_ONLY = ("int8", "int4", "mlx4")
-KERNEL_FORMS = ("q8k", "q8k-avx2")  # kernels/q8_matmul.py
+KERNEL_FORMS = ("q8k", "q8k-avx2", "q4k", "q4k-avx2")  # kernels/q8_matmul.py
 FORMS = (*WEIGHT_ONLY, "bf16", "w8a8-row", "w8a8-g32", "w8a8-g64", "w8a8-g256", "w4a8-row", *KERNEL_FORMS)
 ASM_COUNTS = ("vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd", "vfmadd", "vdpbf16ps", "vcvtdq2ps", "vpmovsxbd",
               "vpmovsxbw")
@@ -85,7 +86,7 @@ def form_layout(form: str, k: int) -> tuple[int, int]:
     if form in WEIGHT_ONLY:
         return (8 if form == "int8" else 4), quant.GROUP
     if form in KERNEL_FORMS:
-        return 8, q8_matmul.BLOCK
+        return (4 if form.startswith("q4") else 8), q8_matmul.BLOCK
     bits = 8 if form.startswith("w8") else 4
     size = form.split("-")[1]
     return bits, k if size == "row" else int(size[1:])
@@ -100,14 +101,14 @@ def weight_bytes(form: str, n: int, k: int) -> int:
 
 
 def kernel_object(form: str, objects: Path) -> Path:
-    """The kernel object a q8k form links: the compile target's ISA, or AVX2."""
-    isa = "avx2" if form == "q8k-avx2" else q8_matmul.target_isa(tuple(target_flags("llvm-cpu")))
+    """The kernel object a kernel form links: the compile target's ISA, or AVX2."""
+    isa = "avx2" if form.endswith("-avx2") else q8_matmul.target_isa(tuple(target_flags("llvm-cpu")))
     return q8_matmul.build_object(isa, objects)
 
 
 def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, objects: Path | None = None) -> str:
     """`count` distinct weights as parameter globals, functions f0.. each projecting x by
-    `per_call` of them; a q8k form links its kernel object, built into `objects`."""
+    `per_call` of them; a kernel form (q8k, q4k) links its kernel object, built into `objects`."""
     bits, group = form_layout(form, k)
     functions, globals_ = [], []
     for f in range(count // per_call):
@@ -116,7 +117,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, ob
         results = []
         for i in range(f * per_call, (f + 1) * per_call):
             if form in KERNEL_FORMS:
-                w = b.parameter(f"w{i}", (n * k,), "i8", f"w{i}")
+                w = b.parameter(f"w{i}", (n * k * bits // 8,), "i8", f"w{i}")
                 s = b.parameter(f"s{i}", (n * k // group,), "f16", f"s{i}")
                 y = q8_matmul.block_project(b, x, w, s, kernel_object(form, objects), hint=f"p{i}")
             elif bits == 16:
@@ -144,8 +145,8 @@ def weight_arrays(form: str, n: int, k: int, count: int, seed: int = 0):
         base = (w.view(np.uint32) >> 16).astype(np.uint16)
         return [(f"w{i}", np.roll(base, i)) for i in range(count)]
     if form in KERNEL_FORMS:
-        q, scales = q8_matmul.quantize_weight(w)
-        packed, packed_scales = q8_matmul.pack_weight(q), q8_matmul.pack_scales(scales)
+        q, scales = q8_matmul.quantize_weight(w, bits)
+        packed, packed_scales = q8_matmul.pack_weight(q, bits), q8_matmul.pack_scales(scales)
         return [pair for i in range(count) for pair in ((f"w{i}", np.roll(packed, i)), (f"s{i}", packed_scales))]
     q, scales = quant.stored(w, quant.Layout(bits, group))
     biases = [(f"b{i}", scales * -8) for i in range(count)] if form == "mlx4" else []
@@ -196,6 +197,7 @@ def quality(n: int = 1024, k: int = 2048, m: int = 8, outliers: int = 8, seed: i
     q, s = q8_matmul.quantize_weight(w)
     xq, dx, _ = q8_matmul.quantize_x(x)
     forms = {"q8k": q8_matmul.reference(xq, dx, q, s),
+             "q4k": q8_matmul.reference(xq, dx, *q8_matmul.quantize_weight(w, 4)),
              "w8a8-row": quant.integer_matmul(x, *quant.quantize(w, quant.Layout(8, k))),
              "w8a8-g32": quant.integer_matmul(x, *quant.quantize(w, quant.Layout(8, 32))),
              "int8": x @ quant.dequantize(*quant.quantize(w, quant.Layout(8)), quant.GROUP).T,
@@ -223,7 +225,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--flags", nargs="*", default=[], help="extra iree-compile flags")
     p.add_argument("--asm", metavar="DIR", help="dump each form's executables (M = 1) here and count instructions")
-    p.add_argument("--objects", default="build/kernels", help="where the q8k forms' kernel objects are built")
+    p.add_argument("--objects", default="build/kernels", help="where the kernel forms' kernel objects are built")
     p.add_argument("--quality", action="store_true", help="print the integer forms' relL2 from f32 (numpy), no timing")
     p.add_argument("--save", metavar="DIR", help="write each form's vmfb, weights and x here")
     p.add_argument("--json")

@@ -232,11 +232,15 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
 # "int8" and "int4" (the language model only): its matmul weights stored in i8 / i4 with
 # group scales (emitter/quant.py), f32 activations; "w8a8" int8 weights with a scale per output
 # channel and activations quantized to int8 per row at run time (the projections in i32);
-# "q8_0" llama.cpp's Q8_0 through a hand-written kernel (emitter/quant.py), its graph forms
-# naming the kernel's ISA (the activations given to it in f32, quantized inside its dispatch's graph).
+# "q8_0" and "q4_0" llama.cpp's Q8_0 and Q4_0 x Q8_0 through a hand-written kernel (emitter/quant.py),
+# their graph forms naming the kernel's ISA (the activations given to it in f32, quantized inside
+# its dispatch's graph).
+KERNEL_FORMS = {"q8_0": "i8", "q4_0": "i4"}  # the kernel precisions -> their weights' dtype (quant.KERNEL_BITS)
+KERNEL_ISA_NAMES = {"avx512vnni": "AVX-512 VNNI", "avx2": "AVX2"}  # their graph forms' ISAs (quant.KERNEL_ISA)
 PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32"), "int8": ("i8", "f32"),
-              "int4": ("i4", "f32"), "w8a8": ("i8", "i8"), "q8_0": ("i8", "f32"), "q8_0-avx512vnni": ("i8", "f32"),
-              "q8_0-avx2": ("i8", "f32")}
+              "int4": ("i4", "f32"), "w8a8": ("i8", "i8"),
+              **{form: (dtype, "f32") for p, dtype in KERNEL_FORMS.items()
+                 for form in (p, *(f"{p}-{isa}" for isa in KERNEL_ISA_NAMES))}}
 USER_PRECISIONS = ("f32", "bf16")
 # "native" (a quantized checkpoint's own bits: an MLX-quantized folder, a llama.cpp GGUF):
 # each weight it stores quantized in bits that run as stored is kept in them with its
@@ -245,15 +249,17 @@ USER_PRECISIONS = ("f32", "bf16")
 # "mlx", its first name, is still accepted (`is_native`).
 NATIVE_PRECISION = "native"
 MLX_PRECISION = "mlx"  # the same as NATIVE_PRECISION
-TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", "w8a8", "q8_0", NATIVE_PRECISION, MLX_PRECISION)  # what generate and serve offer
+TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", "w8a8", *KERNEL_FORMS, NATIVE_PRECISION, MLX_PRECISION)  # generate/serve
 VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
 # Each precision in the module headers:
 PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
                    "int8": ", int8 weights with f32 scales per 64, f32 matmuls",
                    "int4": ", int4 weights with f32 scales per 64, f32 matmuls",
                    "w8a8": ", int8 weights with an f32 scale per output, int8 activations per row, i32 matmuls",
-                   **{p: f", Q8_0 weights and activations (f16 scales per 32), the {isa} kernel"
-                      for p, isa in (("q8_0", "host's"), ("q8_0-avx512vnni", "AVX-512 VNNI"), ("q8_0-avx2", "AVX2"))}}
+                   **{form: f", {numbers} (f16 scales per 32), the {isa} kernel"
+                      for p, numbers in (("q8_0", "Q8_0 weights and activations"),
+                                         ("q4_0", "Q4_0 weights and Q8_0 activations"))
+                      for form, isa in ((p, "host's"), *((f"{p}-{i}", name) for i, name in KERNEL_ISA_NAMES.items()))}}
 # The parameter scope every module's weight globals are read from (keys: checkpoint names).
 PARAMETER_SCOPE = "model"
 PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulation, ~1e-3 error; operands in bf16 "
@@ -267,7 +273,10 @@ QUANT_HELP = ("int8 (the language model): its projections, embedding table and l
               "(faster decode, larger error than int8). q8_0: llama.cpp's Q8_0 (int8 weights with an f16 scale per 32, "
               "8.5 bits a weight; the embedding table int8 with f32 scales per 32), each projection's input quantized "
               "per 32 at run time and multiplied in int32 by a hand-written kernel (AVX-512 VNNI, else AVX2) linked "
-              "into the module. docs/text.md gives their distance from f32. "
+              "into the module. q4_0: llama.cpp's Q4_0 through the same kernel (4-bit weights, -8..7, with an f16 "
+              "scale per 32 searched for the least squared error: 4.5 bits a weight; lm_head in Q8_0 and the "
+              "embedding table int8, as q8_0's), against the same int8 activations. docs/text.md gives their "
+              "distance from f32. "
               "native: a quantized checkpoint in its own bits, exact against its own dequantization (under f32 "
               "its weights are expanded to f32 at load): an MLX one as mlx-vlm writes it (8- and 4-bit weights in "
               "their group size and per-module settings), or llama.cpp's GGUF (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "

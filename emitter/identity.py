@@ -15,7 +15,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from . import __version__
+from . import __version__, quant
 from .config import ConfigError, VisionConfig, check_precision, graph_weights
 from .targets import DEFAULT_TARGET, TARGETS, target_flags
 from .vision import check_binding, check_bucket, default_inspect_blocks, emit_artifact_module
@@ -152,12 +152,13 @@ def graph_precision(precision: str, target: str | None = None, extra_flags=()) -
     check_precision(precision)
     if precision == "bf16":
         return bf16_form(target or DEFAULT_TARGET, extra_flags)[0]
-    if precision == "q8_0":  # the kernel object of the target's ISA
+    if precision in quant.KERNEL_BITS:  # q8_0, q4_0: the kernel object of the target's ISA
         from kernels import q8_matmul
         try:
-            return f"q8_0-{q8_matmul.target_isa(tuple(target_flags(target or DEFAULT_TARGET)) + tuple(extra_flags))}"
+            flags = tuple(target_flags(target or DEFAULT_TARGET)) + tuple(extra_flags)
+            return f"{precision}-{q8_matmul.target_isa(flags)}"
         except q8_matmul.KernelError as e:
-            raise ConfigError(f"--precision q8_0: {e}") from None
+            raise ConfigError(f"--precision {precision}: {e}") from None
     return precision
 
 

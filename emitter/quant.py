@@ -42,6 +42,15 @@ signed q in i8 (-128..127) or i4 (-8..7).
   f16 in the kernel's tile order (`Layout.store`); the embedding table, gathered by rows, stays
   in the int8 form (groups of 32, f32 scales, transposed), and a tied lm_head with it runs
   weight-only (`quantized_project`).
+- Q4_0 (`--precision q4_0`, llama.cpp's name): the same with 4-bit weights, -8..7 in blocks of
+  32 with an f16 scale each, the scale searched as int4's (`searched`, rounded to f16), stored
+  two codes to a byte in the kernel's tiles (Q4_0's 18 bytes a block, 4.5 bits a weight), against
+  the same Q8_0 activations (llama.cpp's Q4_0 x Q8_0 dot product); graph forms "q4_0-avx512vnni",
+  "q4_0-avx2". The table lm_head reads stays 8-bit (`HEAD_LAYOUTS`, as int4's and as llama.cpp's
+  Q4_0 files keep `output` in Q6_K): an untied lm_head in Q8_0 through the same kernel, the
+  embedding table (a tied lm_head with it) int8 in groups of 32, as q8_0's. (With lm_head in
+  Q4_0 too, the logits on tests/test_gguf.py's checkpoint were 0.110 from f32, against 0.074
+  for llama.cpp's Q4_0 x Q8_0 math with its wider head.)
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
@@ -59,19 +68,21 @@ from dataclasses import dataclass, replace
 import ml_dtypes
 import numpy as np
 
-from .config import ConfigError, WeightSpec
+from .config import KERNEL_FORMS, KERNEL_ISA_NAMES, ConfigError, WeightSpec
 
 GROUP = 64  # inputs per scale of `--precision int8` (and the default of a `Layout`)
-Q8_0 = "q8_0"  # the user's name of the kernel precision
-KERNEL_ISA = {"q8_0-avx512vnni": "avx512vnni", "q8_0-avx2": "avx2"}  # its graph forms -> the kernel object's ISA
+Q8_0, Q4_0 = "q8_0", "q4_0"  # the user's names of the kernel precisions
+STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
+KERNEL_BITS = {p: {v: k for k, v in STORAGE_DTYPE.items()}[dtype] for p, dtype in KERNEL_FORMS.items()}  # -> bits
+# the kernel precisions' graph forms ("q8_0-avx512vnni", ...) -> the kernel object's ISA
+KERNEL_ISA = {f"{p}-{isa}": isa for p in KERNEL_BITS for isa in KERNEL_ISA_NAMES}
 PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a group of all K inputs
 BLOCK = 32  # inputs per scale of Q8_0 (llama.cpp's block)
-TILE = 16  # outputs per tile of a packed (q8_0) weight; N a multiple of two tiles
+TILE = 16  # outputs per tile of a packed (q8_0, q4_0) weight; N a multiple of two tiles
 ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at run time
-STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
 SYMMETRIC = "symmetric"  # the fourth item of a symmetric weight's `native_weights` entry
-SCALE_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}  # a layout's scale type -> numpy's
+SCALE_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}  # a layout's scale type -> numpy's
 CANDIDATES = (0.8, 0.85, 0.9, 0.95, 1.0)  # a searched group's trial steps, in units of its signed max / -2^(bits-1)
 
 
@@ -81,8 +92,13 @@ def levels(bits: int) -> int:
 
 
 def is_block_kernel(precision: str) -> bool:
-    """Whether `precision` is q8_0 or one of its graph forms (`KERNEL_ISA`)."""
-    return precision == Q8_0 or precision in KERNEL_ISA
+    """Whether `precision` is q8_0, q4_0 or one of their graph forms (`KERNEL_ISA`)."""
+    return precision in KERNEL_BITS or precision in KERNEL_ISA
+
+
+def kernel_precision(precision: str) -> str:
+    """The user's name (q8_0, q4_0) of a kernel precision or graph form."""
+    return precision.split("-")[0]
 
 
 def scales_name(weight_name: str) -> str:
@@ -110,7 +126,7 @@ class Layout:
     `group` inputs, and for an `affine` one a bias per group too (module docstring); the
     scales' element type (`scales`: f32 or bf16; biases are f32); whether each group's
     scale is `searched` over all 2^bits levels (else max|w| / levels), made by `quantize`;
-    and a `packed` one (q8_0's) in the Q8_0 kernel's tile order with f16 scales."""
+    and a `packed` one (q8_0's, q4_0's) in the block kernel's tile order with f16 scales."""
     bits: int
     group: int = GROUP
     affine: bool = False
@@ -145,9 +161,10 @@ class Layout:
         if self.packed:
             if shape[0] % (2 * TILE):
                 raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] with N a multiple of {2 * TILE} "
-                                  f"(the q8_0 kernel's tiles)")
-            return [WeightSpec(name, shape, "i8", f"q8_0_tiles_g{self.group}"),
-                    WeightSpec(scales_name(name), cut, "f16", f"q8_0_tile_scales_g{self.group}")]
+                                  f"(the q{self.bits}_0 kernel's tiles)")
+            form = f"q{self.bits}_0_tile", ("_searched" if self.searched else "") + f"_g{self.group}"
+            return [WeightSpec(name, (shape[0], shape[1] * self.bits // 8), "i8", "s".join(form)),
+                    WeightSpec(scales_name(name), cut, "f16", "_scales".join(form))]
         out = [WeightSpec(name, shape[::-1], self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
                WeightSpec(scales_name(name), cut, self.scales, f"group_scales_{tag}")]
         if self.affine:
@@ -156,28 +173,33 @@ class Layout:
 
 
     def source_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The checkpoint's [N, K] of a weight whose graph spec has `shape` (q transposed, unless packed)."""
-        return tuple(shape) if self.packed else tuple(shape[::-1])
+        """The checkpoint's [N, K] of a weight whose graph spec has `shape` (q transposed, unless
+        packed: [N, K * bits / 8] bytes)."""
+        return (shape[0], shape[1] * 8 // self.bits) if self.packed else tuple(shape[::-1])
 
     def store(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q, scales) of an f32 weight [N, K] as the archive holds them: `stored`, or packed
         for the kernel (`kernels.q8_matmul`'s `quantize_weight`, `pack_weight`, `pack_scales`:
-        [N, K] int8 and [N, K/32] f16 in its tile order)."""
+        [N, K * bits / 8] bytes and [N, K/32] f16 in its tile order)."""
         if not self.packed:
             return stored(w, self)
         from kernels import q8_matmul
-        q, scales = q8_matmul.quantize_weight(w)
-        return (q8_matmul.pack_weight(q).reshape(q.shape),
+        q, scales = q8_matmul.quantize_weight(w, self.bits)
+        return (q8_matmul.pack_weight(q, self.bits).reshape(q.shape[0], -1),
                 q8_matmul.pack_scales(scales).reshape(scales.shape))
 
 
-# precision -> the layout of its weights (w8a8's group: each weight's K; q8_0's embedding
-# table, gathered by rows, unpacked: `layout_of`)
+# precision -> the layout of its weights (w8a8's group: each weight's K; the kernel
+# precisions' embedding table, gathered by rows, in int8: `layout_of`)
 PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8": Layout(8),
-                     **{p: Layout(8, BLOCK, packed=True) for p in (Q8_0, *KERNEL_ISA)}}
+                     **{p: Layout(8, BLOCK, packed=True) for p in (Q8_0, *KERNEL_ISA) if kernel_precision(p) == Q8_0},
+                     **{p: Layout(4, BLOCK, scales="f16", searched=True, packed=True)
+                        for p in (Q4_0, *KERNEL_ISA) if kernel_precision(p) == Q4_0}}
 # precision -> the layout of the table lm_head reads (the embedding table when tied), where it
-# differs: int4's in int8, as llama.cpp's Q4_0 keeps it in Q6_K (module docstring)
-HEAD_LAYOUTS = {"int4": Layout(8)}
+# differs: int4's in int8 and q4_0's in Q8_0 (its kernel's 8-bit entry), as llama.cpp's Q4_0
+# keeps it in Q6_K (module docstring)
+HEAD_LAYOUTS = {"int4": Layout(8), **{p: Layout(8, BLOCK, packed=True) for p in PRECISION_LAYOUTS
+                                      if kernel_precision(p) == Q4_0}}
 
 
 def bits_of(precision: str) -> int | None:
@@ -190,10 +212,10 @@ def layout_of(precision: str, shape: tuple[int, ...], head: bool = False, gather
     """The layout of a [N, K] weight quantized under `precision`: PRECISION_LAYOUTS' (the
     `head` table, lm_head's: HEAD_LAYOUTS' where it has one), with one group of all K inputs
     (a scale per output channel) under PER_CHANNEL; a `gathered` one (the embedding table,
-    read by rows) never packed."""
+    read by rows) never packed: a kernel precision's in int8 in its blocks, f32 scales."""
     layout = HEAD_LAYOUTS.get(precision, PRECISION_LAYOUTS[precision]) if head else PRECISION_LAYOUTS[precision]
     if gathered and layout.packed:
-        return replace(layout, packed=False)
+        return Layout(8, layout.group)
     return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
 
 
@@ -391,16 +413,16 @@ class QuantizedWeight:
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A packed (q8_0) [N, K] weight in a graph: q [N, K] i8 and its scales [N, K / 32] f16 in
-    the kernel's tile order, and the path of the kernel object its projections link
-    (kernels/q8_matmul.py `block_project`)."""
+    """A packed (q8_0, q4_0) [N, K] weight in a graph: q [N, K * bits / 8] i8 and its scales
+    [N, K / 32] f16 in the kernel's tile order, and the path of the kernel object its
+    projections link (kernels/q8_matmul.py `block_project`)."""
     q: object  # builder.Value
     scales: object  # builder.Value
     kernel: str
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.q.shape
+        return self.q.shape[0], self.scales.shape[1] * BLOCK
 
 
 def grouped(weights: dict, kernel: str | None = None) -> dict:

@@ -219,10 +219,11 @@ def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
-    """{name: quant.Layout} of the weights the graph takes quantized: under int8, int4, w8a8
-    and q8_0 every matmul weight, in the precision's layout (`quant.layout_of`: symmetric; w8a8
-    in int8 with a scale per output channel; the table lm_head reads, int4's in int8; q8_0's
-    packed for its kernel in blocks of 32 but the embedding table, gathered by rows); a checkpoint run in its own bits
+    """{name: quant.Layout} of the weights the graph takes quantized: under int8, int4, w8a8,
+    q8_0 and q4_0 every matmul weight, in the precision's layout (`quant.layout_of`: symmetric; w8a8
+    in int8 with a scale per output channel; the table lm_head reads, int4's in int8; q8_0's and
+    q4_0's packed for their kernel in blocks of 32 but the embedding table, gathered by rows, in
+    int8); a checkpoint run in its own bits
     (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
     group and form (`quant.native_layouts`).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
@@ -244,9 +245,9 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
 
 
 def kernel_object(precision: str) -> str | None:
-    """The path of the Q8_0 kernel object a graph form of q8_0 links (q8_0 itself: the
-    default target's; built on first use: kernels/q8_matmul.py `build_object`), else None."""
-    if precision == quant.Q8_0:
+    """The path of the kernel object a graph form of q8_0 or q4_0 links (q8_0 or q4_0 itself:
+    the default target's; built on first use: kernels/q8_matmul.py `build_object`), else None."""
+    if precision in quant.KERNEL_BITS:
         from .identity import graph_precision
         precision = graph_precision(precision)
     if precision not in quant.KERNEL_ISA:

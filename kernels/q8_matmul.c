@@ -1,6 +1,7 @@
-// q8_matmul: y[M, N] = x[M, K] @ w[N, K]^T in blocks of 32 on both sides (llama.cpp Q8_0 x Q8_0
-// math), one IREE workgroup's share, linked into IREE's embedded ELF executables through
-// `hal.executable.objects` (kernels/q8_matmul.py writes the dispatch that calls it).
+// q8_matmul: y[M, N] = x[M, K] @ w[N, K]^T against activations quantized per row and block of
+// 32 (llama.cpp's Q8_0), with weights in Q8_0 (int8) or Q4_0 (4-bit codes) blocks of 32: llama.cpp's
+// Q8_0 x Q8_0 and Q4_0 x Q8_0 math, one IREE workgroup's share, linked into IREE's embedded ELF
+// executables through `hal.executable.objects` (kernels/q8_matmul.py writes the dispatch that calls it).
 //
 //   y[m, n] = sum over blocks b, in order, of ((float)dw[n, b] * dx[m, b]) * (float)isum(m, n, b)
 //   isum(m, n, b) = sum_{j < 32} (int32)xq[m, 32b + j] * (int32)w[n, 32b + j]   (exact)
@@ -11,10 +12,14 @@
 // Layouts (all row-major):
 //   xq  int8  [M, K]          activations quantized per row and block of 32
 //   dx  f32   [M, K/32]       their scales
-//   xs  int32 [M, K/32]       sum of each block of xq (the VNNI path's +128 correction)
-//   w   int8  [N/16, K/4, 16, 4]: w[16t + i, 4q + j] at ((t * K/4 + q) * 16 + i) * 4 + j,
+//   xs  int32 [M, K/32]       sum of each block of xq (the unsigned-weight paths' correction)
+//   w, 8 bits: int8 [N/16, K/4, 16, 4]: w[16t + i, 4q + j] at ((t * K/4 + q) * 16 + i) * 4 + j,
 //             values in [-127, 127] (the AVX2 path's sign trick cannot negate -128)
-//   dw  f16   [N/16, K/32, 16]: dw[16t + i, b] at (t * K/32 + b) * 16 + i (Q8_0's f16 scales)
+//   w, 4 bits: uint8 [N/16, K/32, 4, 16, 4] of codes u = w + 8 (w in [-8, 7]), two to a byte: the
+//             byte at (((t * K/32 + b) * 4 + q) * 16 + i) * 4 + j holds u[16t + i, 32b + 4q + j] in its
+//             low nibble and u[16t + i, 32b + 16 + 4q + j] in its high one (one 64-byte load, an and
+//             and a shift give two steps of the 8-bit layout; 18 bytes a block with its scale, Q4_0's)
+//   dw  f16   [N/16, K/32, 16]: dw[16t + i, b] at (t * K/32 + b) * 16 + i (Q8_0's and Q4_0's f16 scales)
 //   y   f32   [M, N]
 // N a multiple of 32, K a multiple of 32.
 //
@@ -25,19 +30,33 @@
 
 #define Q8_ROWS 4                 // rows of x per pass over a weight tile (registers)
 
+// Bytes of one tile's block of 32 inputs at `bits` a weight, and the offset the unsigned
+// weights' sums carry (u = w + OFFSET: 128 for the 8-bit xor, 8 for Q4_0's codes).
+#define BLOCK_BYTES(bits) (16 * 32 * (bits) / 8)
+#define OFFSET(bits) (1 << ((bits) - 1))
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 #define Q8_TILES_AT_ONCE 2  // two tiles share each broadcast of x: half the broadcasts a dot product
 
-// Tiles [0, 2) (32 outputs; tile p's weights at wt + 16 K p, scales at dwt + 16 K/32 p) against
-// rows [0, MC) of x: vpdpbusd takes u8 x s8, so the weights go in as w + 128 (one xor) and
-// 128 * xs is taken off each block's i32 sum.
+// Step q (inputs 4q..4q+3 of the block) of one tile's block as unsigned bytes, 16 outputs x 4
+// inputs: 8 bits, w + 128 (one xor); 4 bits, the codes' low nibbles (q < 4) or high ones.
+static inline __attribute__((always_inline)) __m512i unsigned_step(const uint8_t* restrict block, int q,
+                                                                   const int bits) {
+  if (bits == 8)
+    return _mm512_xor_si512(_mm512_loadu_si512((const void*)(block + q * 64)), _mm512_set1_epi8((char)0x80));
+  __m512i v = _mm512_loadu_si512((const void*)(block + (q & 3) * 64));
+  return _mm512_and_si512(q < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+}
+
+// Tiles [0, 2) (32 outputs; tile p's weights at wt + p * K/32 * BLOCK_BYTES, scales at dwt + 16 K/32 p)
+// against rows [0, MC) of x: vpdpbusd takes u8 x s8, so the weights go in unsigned and OFFSET * xs
+// is taken off each block's i32 sum.
 static inline __attribute__((always_inline)) void tile_rows(
     const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
-    const int8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
-    size_t n0, const int MC) {
+    const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
+    size_t n0, const int MC, const int bits) {
   const size_t blocks = K / 32;
-  const __m512i flip = _mm512_set1_epi8((char)0x80);
   __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS];
   for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
     for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
@@ -48,7 +67,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int q = 0; q < 8; ++q) {
       __m512i wu[Q8_TILES_AT_ONCE];
       for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-        wu[p] = _mm512_xor_si512(_mm512_loadu_si512((const void*)(wt + p * 16 * K + (b * 8 + q) * 64)), flip);
+        wu[p] = unsigned_step(wt + (p * blocks + b) * BLOCK_BYTES(bits), q, bits);
       for (int m = 0; m < MC; ++m) {
         int32_t quad;
         __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
@@ -57,7 +76,7 @@ static inline __attribute__((always_inline)) void tile_rows(
       }
     }
     for (int m = 0; m < MC; ++m) {
-      __m512i correction = _mm512_set1_epi32(128 * xs[m * blocks + b]);
+      __m512i correction = _mm512_set1_epi32(OFFSET(bits) * xs[m * blocks + b]);
       __m512 d = _mm512_set1_ps(dx[m * blocks + b]);
       for (int p = 0; p < Q8_TILES_AT_ONCE; ++p) {
         __m512i exact = _mm512_sub_epi32(isum[p][m], correction);
@@ -75,40 +94,50 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 #define Q8_TILES_AT_ONCE 1
 
-// The same with AVX2, one tile at a time: per 8 outputs, vpmaddubsw of |x| (u8) against w with x's sign
-// (llama.cpp's trick), then vpmaddwd with ones to i32.
-static inline __attribute__((always_inline)) __m256i dot4(__m256i w, __m256i xb, __m256i ones) {
-  __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb));
-  return _mm256_madd_epi16(p, ones);
+// The same with AVX2, one tile at a time, per 8 outputs (`half` 0 or 1 of the tile) x 4 inputs:
+// 8 bits, vpmaddubsw of |x| (u8) against w with x's sign (llama.cpp's trick); 4 bits,
+// vpmaddubsw of the codes (u8, at most 15: no saturation) against x, OFFSET * xs taken off
+// after; then vpmaddwd with ones to i32.
+static inline __attribute__((always_inline)) __m256i dot_step(const uint8_t* restrict block, int q, int half,
+                                                              __m256i xb, const int bits) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (bits == 8) {
+    __m256i w = _mm256_loadu_si256((const __m256i*)(block + q * 64 + half * 32));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb)), ones);
+  }
+  __m256i v = _mm256_loadu_si256((const __m256i*)(block + (q & 3) * 64 + half * 32));
+  __m256i u = _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xb), ones);
 }
 
 static inline __attribute__((always_inline)) void tile_rows(
     const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
-    const int8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
-    size_t n0, const int MC) {
-  (void)xs;
+    const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
+    size_t n0, const int MC, const int bits) {
   const size_t blocks = K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 lo[Q8_ROWS], hi[Q8_ROWS];
   for (int m = 0; m < MC; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
   for (size_t b = 0; b < blocks; ++b) {
     __m256i slo[Q8_ROWS], shi[Q8_ROWS];
     for (int m = 0; m < MC; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
-    const int8_t* wb = wt + b * 8 * 64;
+    const uint8_t* wb = wt + b * BLOCK_BYTES(bits);
     for (int q = 0; q < 8; ++q) {
-      __m256i w0 = _mm256_loadu_si256((const __m256i*)(wb + q * 64));
-      __m256i w1 = _mm256_loadu_si256((const __m256i*)(wb + q * 64 + 32));
       for (int m = 0; m < MC; ++m) {
         int32_t quad;
         __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
         __m256i xb = _mm256_set1_epi32(quad);
-        slo[m] = _mm256_add_epi32(slo[m], dot4(w0, xb, ones));
-        shi[m] = _mm256_add_epi32(shi[m], dot4(w1, xb, ones));
+        slo[m] = _mm256_add_epi32(slo[m], dot_step(wb, q, 0, xb, bits));
+        shi[m] = _mm256_add_epi32(shi[m], dot_step(wb, q, 1, xb, bits));
       }
     }
     __m256 dlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + b * 16)));
     __m256 dhi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + b * 16 + 8)));
     for (int m = 0; m < MC; ++m) {
+      if (bits != 8) {  // the codes' offset
+        __m256i correction = _mm256_set1_epi32(OFFSET(bits) * xs[m * blocks + b]);
+        slo[m] = _mm256_sub_epi32(slo[m], correction);
+        shi[m] = _mm256_sub_epi32(shi[m], correction);
+      }
       __m256 d = _mm256_set1_ps(dx[m * blocks + b]);
       lo[m] = _mm256_add_ps(lo[m], _mm256_mul_ps(_mm256_mul_ps(dlo, d), _mm256_cvtepi32_ps(slo[m])));
       hi[m] = _mm256_add_ps(hi[m], _mm256_mul_ps(_mm256_mul_ps(dhi, d), _mm256_cvtepi32_ps(shi[m])));
@@ -130,24 +159,35 @@ static inline __attribute__((always_inline)) void tile_rows(
   type* name##_allocated, type* name, size_t name##_off, size_t name##_size, size_t name##_stride
 
 // Workgroup `wg` computes tiles [tiles wg, tiles wg + tiles) (16 outputs each; fewer in the last
-// workgroup) for every row of x.
-void q8_matmul_workgroup(Q8_MEMREF(const int8_t, xq), Q8_MEMREF(const float, dx), Q8_MEMREF(const int32_t, xs),
-                         Q8_MEMREF(const int8_t, w), Q8_MEMREF(const uint16_t, dw), Q8_MEMREF(float, y), size_t M,
-                         size_t N, size_t K, size_t tiles, size_t wg) {
-  xq += xq_off, dx += dx_off, xs += xs_off, w += w_off, dw += dw_off, y += y_off;
+// workgroup) for every row of x, its weights `bits` wide.
+static inline __attribute__((always_inline)) void workgroup(
+    const int8_t* restrict xq, const float* restrict dx, const int32_t* restrict xs, const uint8_t* restrict w,
+    const uint16_t* restrict dw, float* restrict y, size_t M, size_t N, size_t K, size_t tiles, size_t wg,
+    const int bits) {
   const size_t blocks = K / 32;
   const size_t end = (wg + 1) * tiles < N / 16 ? (wg + 1) * tiles : N / 16;
   for (size_t t = wg * tiles; t < end; t += Q8_TILES_AT_ONCE) {
-    const int8_t* wt = w + t * 16 * K;
+    const uint8_t* wt = w + t * blocks * BLOCK_BYTES(bits);
     const uint16_t* dwt = dw + t * blocks * 16;
     size_t m = 0;
     for (; m + Q8_ROWS <= M; m += Q8_ROWS)
-      tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, Q8_ROWS);
+      tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, Q8_ROWS, bits);
     switch (M - m) {
-      case 3: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 3); break;
-      case 2: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 2); break;
-      case 1: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 1); break;
+      case 3: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 3, bits); break;
+      case 2: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 2, bits); break;
+      case 1: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 1, bits); break;
       default: break;
     }
   }
 }
+
+// The entries (kernels/q8_matmul.py `ENTRIES`): Q8_0 weights, and Q4_0 weights, against Q8_0 x.
+#define Q8_ENTRY(name, bits)                                                                                  \
+  void name(Q8_MEMREF(const int8_t, xq), Q8_MEMREF(const float, dx), Q8_MEMREF(const int32_t, xs),             \
+            Q8_MEMREF(const uint8_t, w), Q8_MEMREF(const uint16_t, dw), Q8_MEMREF(float, y), size_t M, size_t N, \
+            size_t K, size_t tiles, size_t wg) {                                                              \
+    workgroup(xq + xq_off, dx + dx_off, xs + xs_off, w + w_off, dw + dw_off, y + y_off, M, N, K, tiles, wg,  \
+              bits);                                                                                          \
+  }
+Q8_ENTRY(q8_matmul_workgroup, 8)
+Q8_ENTRY(q4_matmul_workgroup, 4)

@@ -1,8 +1,10 @@
-"""A hand-written Q8_0 x Q8_0 projection (kernels/q8_matmul.c) in IREE-compiled graphs.
+"""Hand-written Q8_0 x Q8_0 and Q4_0 x Q8_0 projections (kernels/q8_matmul.c) in IREE-compiled graphs.
 
-llama.cpp's Q8_0 math: weights and activations in blocks of 32 inputs, an f32 scale per block
-on both sides, each block's int8 x int8 dot product summed exactly in int32 and scaled into an
-f32 accumulator (`reference`). IREE 3.13's own code for the grouped integer forms runs 3-10x
+llama.cpp's Q8_0 math: weights and activations in blocks of 32 inputs, a scale per block
+on both sides (the weights' f16), each block's int8 x int8 dot product summed exactly in int32
+and scaled into an f32 accumulator (`reference`); Q4_0 x Q8_0 the same with the weights in
+4 bits (-8..7, Q4_0's 18 bytes a block of 32 with its f16 scale), one kernel per weight width
+(`ENTRIES`) over the same loops and activations. IREE 3.13's own code for the grouped integer forms runs 3-10x
 slower than one group (docs/performance.md, "Integer activations: w8a8"), so this module links
 a C kernel into IREE's executables instead, through the embedded-ELF object mechanism:
 
@@ -18,7 +20,8 @@ a C kernel into IREE's executables instead, through the embedded-ELF object mech
   of 32 in StableHLO (IREE's own code), then a `flow.dispatch` of the executable.
 
 Weights are stored packed in 16-output tiles (`pack_weight`, `pack_scales`): the kernel reads
-64 bytes of 16 outputs x 4 inputs per step, one vpdpbusd against 4 broadcast bytes of x.
+64 bytes of 16 outputs x 4 inputs per step, one vpdpbusd against 4 broadcast bytes of x; at 4
+bits one 64-byte load holds two steps (low nibbles, high nibbles), unpacked by an and and a shift.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ BLOCK = quant.BLOCK  # inputs per scale, both sides (Q8_0)
 TILE = quant.TILE  # outputs per packed weight tile
 OBJECTS_ENV = "QWEN3VL_KERNEL_DIR"  # where `default_objects` keeps the built objects
 OUTPUTS_PER_WORKGROUP = 128  # a multiple of 2 * TILE (the AVX-512 loop takes two tiles at once)
-ENTRY = "q8_matmul_workgroup"
+ENTRIES = {8: "q8_matmul_workgroup", 4: "q4_matmul_workgroup"}  # weight bits -> the C function
 # Bare-metal object flags (IREE's embedded ELF: no libc, no TLS, position independent); no FMA
 # contraction, so that the float math is the documented order (`reference`, bit for bit).
 COMMON_FLAGS = ("-std=c17", "-O3", "-ffreestanding", "-fPIC", "-fvisibility=hidden", "-fno-plt",
@@ -126,21 +129,37 @@ def build_object(isa: str, out_dir: str | os.PathLike) -> Path:
 
 
 # -- weights -----------------------------------------------------------------
-def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(q [N, K] int8 in [-127, 127], scales [N, K / 32] f16) of an f32 weight [N, K]:
-    `quant.quantize` at 8 bits in blocks of 32, the scales then rounded to f16 (llama.cpp's
-    Q8_0: 8.5 bits a weight)."""
+def quantize_weight(w: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """(q [N, K] int8, scales [N, K / 32] f16) of an f32 weight [N, K]. 8 bits: q in
+    [-127, 127], `quant.quantize` in blocks of 32, the scales then rounded to f16 (llama.cpp's
+    Q8_0: 8.5 bits a weight). 4 bits: q in [-8, 7], each block's f16 scale searched for the
+    least squared error (`quant.searched`, as int4's; Q4_0's bytes: 4.5 bits a weight)."""
+    if bits == 4:
+        return quant.quantize(w, quant.Layout(4, BLOCK, scales="f16", searched=True))
     q, scales = quant.quantize(w, quant.Layout(8, BLOCK))
     return q, scales.astype(np.float16)
 
 
-def pack_weight(q: np.ndarray) -> np.ndarray:
-    """q [N, K] int8 as the kernel reads it: [N/16, K/4, 16, 4], flat."""
+def check_bits(bits: int) -> int:
+    if bits not in ENTRIES:
+        raise KernelError(f"q8_matmul: weight bits {bits}: expected one of {', '.join(map(str, ENTRIES))}")
+    return bits
+
+
+def pack_weight(q: np.ndarray, bits: int = 8) -> np.ndarray:
+    """q [N, K] int8 as the kernel reads it, flat: 8 bits [N/16, K/4, 16, 4]; 4 bits the codes
+    q + 8 in bytes [N/16, K/32, 4, 16, 4], inputs 4s..4s+3 of a block in the low nibbles and
+    16+4s..16+4s+3 in the high ones (kernels/q8_matmul.c)."""
     n, k = q.shape
     check_shape(1, n, k)
-    if q.dtype != np.int8 or (q == -128).any():
-        raise KernelError("q8_matmul: weight: expected int8 values in [-127, 127]")
-    return np.ascontiguousarray(q.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)).reshape(-1)
+    low = -(1 << (check_bits(bits) - 1)) + (bits == 8)  # -127 at 8 bits (the AVX2 sign trick), -8 at 4
+    if q.dtype != np.int8 or (q < low).any() or (q > (1 << (bits - 1)) - 1).any():
+        raise KernelError(f"q8_matmul: weight: expected int8 values in [{low}, {(1 << (bits - 1)) - 1}]")
+    if bits == 8:
+        return np.ascontiguousarray(q.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)).reshape(-1)
+    codes = (q + np.int8(8)).view(np.uint8).reshape(n // TILE, TILE, k // BLOCK, 2, 4, 4)
+    steps = codes.transpose(0, 2, 3, 4, 1, 5)  # tile, block, half, step, output, input
+    return (steps[:, :, 0] | (steps[:, :, 1] << np.uint8(4))).reshape(-1).view(np.int8)
 
 
 def pack_scales(scales: np.ndarray) -> np.ndarray:
@@ -161,7 +180,8 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def reference(xq: np.ndarray, dx: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """y [M, N] f32 as the kernel computes it, bit for bit: per block b in order,
+    """y [M, N] f32 as the kernel computes it at either width (q [N, K] int8, unpacked), bit for
+    bit: per block b in order,
     acc += (f32(scales[:, b]) * dx[:, b]) * f32(i32 dot of the block), each op rounded to f32."""
     m, k = xq.shape
     blocks = k // BLOCK
@@ -174,38 +194,39 @@ def reference(xq: np.ndarray, dx: np.ndarray, q: np.ndarray, scales: np.ndarray)
 
 
 # -- MLIR --------------------------------------------------------------------
-def executable_name(m: int, n: int, k: int) -> str:
-    return f"q8_matmul_{m}x{n}x{k}"
+def executable_name(m: int, n: int, k: int, bits: int = 8) -> str:
+    return f"q{bits}_matmul_{m}x{n}x{k}"
 
 
-def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
+def executable(obj: str | os.PathLike, m: int, n: int, k: int, bits: int = 8) -> str:
     """A `stream.executable` linking `obj` whose export (`executable_name`: unique in a module
     whose executables IREE links into one) computes y [M, N] from
-    (xq [M, K] i8, dx [M, K/32] f32, xs [M, K/32] i32, packed w [N*K] i8, packed scales
-    [N*K/32] f16): one workgroup per 128 outputs (fewer in the last), each a call of the C function."""
+    (xq [M, K] i8, dx [M, K/32] f32, xs [M, K/32] i32, packed w [N*K*bits/8] i8, packed scales
+    [N*K/32] f16): one workgroup per 128 outputs (fewer in the last), each a call of the C
+    function of the weights' `bits` (`ENTRIES`)."""
     check_shape(m, n, k)
-    g = k // BLOCK
+    g, entry, export = k // BLOCK, ENTRIES[check_bits(bits)], executable_name(m, n, k, bits)
     path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
-    shapes = {"x": (m * k, "i8"), "dx": (m * g, "f32"), "xs": (m * g, "i32"), "w": (n * k, "i8"),
+    shapes = {"x": (m * k, "i8"), "dx": (m * g, "f32"), "xs": (m * g, "i32"), "w": (n * k * bits // 8, "i8"),
               "dw": (n * g, "f16"), "y": (m * n, "f32")}
     memrefs = [f"memref<{size}x{t}>" for size, t in shapes.values()]
     decl = ", ".join(memrefs)
     subspans = [f"%{name} = stream.binding.subspan %b{name}[%c0] : !stream.binding -> {memref}"
                 for name, memref in zip(shapes, memrefs)]
     body = "\n          ".join(subspans)
-    return f"""stream.executable private @{executable_name(m, n, k)} attributes {{
+    return f"""stream.executable private @{export} attributes {{
     hal.executable.objects = #hal.executable.objects<{{
       #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{path}"}}>]
     }}>
   }} {{
-    stream.executable.export public @{executable_name(m, n, k)} workgroups(%n: index) -> (index, index, index) {{
+    stream.executable.export public @{export} workgroups(%n: index) -> (index, index, index) {{
       %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
       %c1 = arith.constant 1 : index
       stream.return %x, %c1, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func private @{ENTRY}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
-      func.func @{executable_name(m, n, k)}({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
+      func.func private @{entry}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
+      func.func @{export}({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
           %c0 = arith.constant 0 : index
           %m = arith.constant {m} : index
           %n = arith.constant {n} : index
@@ -213,7 +234,7 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
           %tiles = arith.constant {OUTPUTS_PER_WORKGROUP // TILE} : index
           %wg = hal.interface.workgroup.id[0] : index
           {body}
-          func.call @{ENTRY}({", ".join("%" + name for name in shapes)}, %m, %n, %k, %tiles, %wg) : ({decl}, index, index, index, index, index) -> ()
+          func.call @{entry}({", ".join("%" + name for name in shapes)}, %m, %n, %k, %tiles, %wg) : ({decl}, index, index, index, index, index) -> ()
           return
       }}
     }}
@@ -230,15 +251,18 @@ def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Val
 
 
 def block_project(b: Builder, x: Value, w: Value, scales: Value, obj: str | os.PathLike, hint: str = "q8") -> Value:
-    """x [M, K] f32 @ W.T -> [M, N] f32 through the kernel; `w` the packed weight [N*K] i8
-    (`pack_weight`), `scales` its packed scales [N*K/32] f16 (`pack_scales`), `obj` the
-    object `build_object` made for the graph's target."""
+    """x [M, K] f32 @ W.T -> [M, N] f32 through the kernel; `w` the packed weight [N*K*bits/8] i8
+    (`pack_weight`: 8 or 4 bits, told by its size), `scales` its packed scales [N*K/32] f16
+    (`pack_scales`), `obj` the object `build_object` made for the graph's target."""
     m, k = x.shape
-    n = w.shape[0] // k
-    if w.type != TensorType((n * k,), "i8") or scales.type != TensorType((n * k // BLOCK,), "f16"):
+    n = scales.shape[0] * BLOCK // k
+    bits = 8 * w.shape[0] // max(n * k, 1)
+    if (bits not in ENTRIES or w.type != TensorType((n * k * bits // 8,), "i8")
+            or scales.type != TensorType((n * k // BLOCK,), "f16")):
         raise KernelError(f"q8_matmul {hint}: weight {w.type} and scales {scales.type}: expected "
-                          f"{TensorType((n * k,), 'i8')} and {TensorType((n * k // BLOCK,), 'f16')} for {k} inputs")
+                          f"{TensorType((n * k,), 'i8')} or {TensorType((n * k // 2,), 'i8')} and "
+                          f"{TensorType((n * k // BLOCK,), 'f16')} for {k} inputs")
     xq, dx, xs = quantized_blocks(b, x, hint + "_x")
-    name = executable_name(m, n, k)
-    return b.dispatch(name, executable(obj, m, n, k), name, [xq, dx, xs, w, scales],
+    name = executable_name(m, n, k, bits)
+    return b.dispatch(name, executable(obj, m, n, k, bits), name, [xq, dx, xs, w, scales],
                       TensorType((m, n), "f32"), workload=n, hint=hint)

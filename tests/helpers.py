@@ -98,3 +98,16 @@ def chunked_logits(model, cache, precision: str, vocab: int, steps: int) -> np.n
     for step in range(steps):
         rows.append(session.decode(int(np.argmax(rows[-1])), n + step))
     return np.stack(rows)
+
+
+def q4_0_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q [N, K] int8 in -8..7, d [N, K/32] f16) of f32 w [N, K] by llama.cpp's Q4_0 rule
+    (ggml `quantize_row_q4_0_ref`): per block of 32, d = the signed max / -8,
+    q = min(floor(w / d + 8.5), 15) - 8 with d in f32, then d kept in f16."""
+    n, k = w.shape
+    groups = np.asarray(w, np.float32).reshape(n, k // 32, 32)
+    top = np.take_along_axis(groups, np.abs(groups).argmax(axis=2)[:, :, None], axis=2)[:, :, 0]
+    d = top / np.float32(-8)
+    inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d))
+    q = np.minimum(np.floor(groups * inverse[:, :, None] + np.float32(8.5)), 15) - 8
+    return q.astype(np.int8).reshape(n, k), d.astype(np.float16)

@@ -110,6 +110,30 @@ def test_our_q8_0_against_llama_cpps_q8_0_at_equal_bits(files, tmp_path):
     assert 0 < ours <= theirs, (ours, theirs)
 
 
+@pytest.mark.parity
+def test_our_q4_0_against_llama_cpps_q4_0_at_equal_bits(files, tmp_path):
+    """The bar at 4 bits: the distance of `--precision q4_0` (Q4_0 weights with searched f16
+    scales, Q8_0 activations, the kernel) from the f32 model is no worse than llama.cpp's
+    Q4_0 x Q8_0 math's (transformers with ggml's Q4_0 rule, `helpers.q4_0_blocks`, against
+    llama.cpp's Q8_0 activations in every projection; the table and lm_head in Q8_0, as
+    llama.cpp keeps them wider). Our int4 and the Q4_0 file in its bits (f32 activations)
+    are printed beside them."""
+    from helpers import q4_0_blocks
+    from test_q8_0 import reference_logits
+
+    cache = tmp_path / "cache"
+    original = logits(files["hf"], cache, "f32")
+    ours = rel_l2(logits(files["hf"], cache, "q4_0"), original)
+    prompt = np.arange(37) * 7 % CFG.vocab_size
+    theirs = rel_l2(reference_logits(files["hf"], CFG, prompt, len(original) - 1, "llama.cpp", q4_0_blocks),
+                    original)
+    int4 = rel_l2(logits(files["hf"], cache, "int4"), original)
+    weight_only = rel_l2(logits(files["q4_0"], cache, NATIVE_PRECISION), original)
+    print(f"distance from the f32 model: our q4_0 {ours:.3e}, llama.cpp's Q4_0 x Q8_0 math {theirs:.3e}, our int4 "
+          f"{int4:.3e}, the Q4_0 file in its bits with f32 activations {weight_only:.3e}")
+    assert 0 < ours <= theirs, (ours, theirs)
+
+
 def test_unsupported_quant_type_is_one_line(files, tmp_path):
     bad = requantize(files["f32"], tmp_path / "mxfp4.gguf", gguf.GGMLQuantizationType.MXFP4)
     cfg, _ = model_text_config(bad)

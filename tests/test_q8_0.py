@@ -46,13 +46,14 @@ def llama_cpp(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(m, k), d.astype(np.float16).astype(np.float32)
 
 
-def q8_linear(weight, activations=ours):
-    """A torch module computing x @ weight.T in Q8_0 x Q8_0 (`q8_matmul.reference`): the
-    weight's blocks (`q8_matmul.quantize_weight`) against x's made by `activations`."""
+def q8_linear(weight, activations=ours, blocks=q8_matmul.quantize_weight):
+    """A torch module computing x @ weight.T in Q8_0 x Q8_0, or Q4_0 x Q8_0 (`q8_matmul.reference`):
+    the weight's blocks made by `blocks` (Q8_0's `q8_matmul.quantize_weight`) against x's made
+    by `activations`."""
     import torch
 
     w = weight.detach().numpy() if hasattr(weight, "detach") else weight
-    q, scales = q8_matmul.quantize_weight(w)
+    q, scales = blocks(w)
 
     class Q8(torch.nn.Module):
         def forward(self, x):
@@ -71,13 +72,15 @@ def table_numbers(w: np.ndarray, form: str) -> np.ndarray:
     return quant.dequantize(*quant.quantize(w, quant.Layout(8, quant.BLOCK)), quant.BLOCK)
 
 
-def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours") -> np.ndarray:
+def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours",
+                     blocks=q8_matmul.quantize_weight) -> np.ndarray:
     """transformers' Qwen3VLTextModel over the checkpoint with every projection in Q8_0
-    integer math (`q8_linear`) and the embedding table's `table_numbers`; lm_head: under
-    "ours" an untied one through `q8_linear`, a tied one the table's numbers in f32 (our
-    weight-only form), under "llama.cpp" either through `q8_linear` with llama.cpp's
-    activations. The logits of the prompt's last row and of `steps` greedy steps (each step
-    the whole sequence again: rows are independent in the kernel's math)."""
+    integer math (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's) and the
+    embedding table's `table_numbers`; lm_head: under "ours" an untied one through `q8_linear`
+    in Q8_0, a tied one the table's numbers in f32 (our weight-only form), under "llama.cpp"
+    either through `q8_linear` in Q8_0 with llama.cpp's activations. The logits of the
+    prompt's last row and of `steps` greedy steps (each step the whole sequence again: rows
+    are independent in the kernel's math)."""
     torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
     from test_text_2b import transformers_model
@@ -88,7 +91,7 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if name.endswith("proj"):
-                    setattr(parent, name, q8_linear(child.weight, activations))
+                    setattr(parent, name, q8_linear(child.weight, activations, blocks))
     raw = hf.embed_tokens.weight.detach().numpy()
     hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table_numbers(raw, form)), requires_grad=False)
     if cfg.tie_word_embeddings and form == "ours":
@@ -124,12 +127,18 @@ def test_q8_0_equals_numpys_integer_math(folders, name, cfg):
     """Prefill (two chunks: 32 rows, then 5) and greedy decode steps through the kernel
     against numpy's integer math of the same weights; against f32 it is quantized (the
     control: the comparison can fail)."""
-    ours = chunked_logits(folders / name, folders / "cache", "q8_0", cfg.vocab_size, STEPS)
+    check_integer_math(folders, name, cfg, "q8_0", q8_matmul.quantize_weight)
+
+
+def check_integer_math(folders, name: str, cfg, precision: str, blocks) -> None:
+    """The session's logits under `precision` against `reference_logits` with the weights'
+    `blocks`: relL2 <= TOL, greedy tokens equal, and far from f32's."""
+    ours = chunked_logits(folders / name, folders / "cache", precision, cfg.vocab_size, STEPS)
     prompt = np.arange(37) * 7 % cfg.vocab_size
-    ref = reference_logits(folders / name, cfg, prompt, STEPS)
+    ref = reference_logits(folders / name, cfg, prompt, STEPS, blocks=blocks)
     errors = [rel_l2(a, b) for a, b in zip(ours, ref)]
     away = rel_l2(ours, chunked_logits(folders / name, folders / "cache", "f32", cfg.vocab_size, STEPS))
-    print(f"q8_0 ({name}) against numpy's integer math: relL2 {max(errors):.1e}; against f32 {away:.1e}")
+    print(f"{precision} ({name}) against numpy's integer math: relL2 {max(errors):.1e}; against f32 {away:.1e}")
     assert max(errors) <= TOL, errors
     assert np.array_equal(ours.argmax(1), ref.argmax(1))
     assert away > 100 * TOL, away

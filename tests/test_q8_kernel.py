@@ -1,9 +1,9 @@
-"""The hand-written Q8_0 x Q8_0 kernel (kernels/q8_matmul.c, linked into IREE's executables by
-kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime (python and
-iree-run-module), bit for bit against numpy's integer math of the same order
-(`q8_matmul.reference`), for the host's best ISA (AVX-512 VNNI here) and for x86-64-v3 code
-(AVX2), at 1 to 6 rows; bad shapes and weights get a one-line error; a failed object build
-leaves nothing behind."""
+"""The hand-written Q8_0 x Q8_0 and Q4_0 x Q8_0 kernels (kernels/q8_matmul.c, linked into IREE's
+executables by kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime
+(python and iree-run-module), bit for bit against numpy's integer math of the same order
+(`q8_matmul.reference`), at 8 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
+for x86-64-v3 code (AVX2), at 1 to 6 rows; bad shapes and weights get a one-line error; a failed
+object build leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -27,35 +27,39 @@ K, N = 512, 224  # a last workgroup of 96 outputs
 IREE_RUN_MODULE = Path(sys.executable).parent / "iree-run-module"
 
 
-def graph_vmfb(m: int, target: str, objects) -> bytes:
-    """x [M, K] f32, the packed weight and scales in; the projection and x's quantized blocks out."""
+def graph_vmfb(m: int, target: str, objects, bits: int = 8) -> bytes:
+    """x [M, K] f32, the packed weight (`bits` wide) and scales in; the projection and x's
+    quantized blocks out."""
     obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects)
     b = Builder()
     x = b.argument("x", (m, K))
-    y = q8.block_project(b, x, b.argument("w", (N * K,), "i8"), b.argument("s", (N * K // q8.BLOCK,), "f16"), obj)
+    y = q8.block_project(b, x, b.argument("w", (N * K * bits // 8,), "i8"),
+                         b.argument("s", (N * K // q8.BLOCK,), "f16"), obj)
     xq, dx, xs = q8.quantized_blocks(b, x, "check")
     text = render_module(b, [("y", y), ("xq", xq), ("dx", dx), ("xs", xs)], title="q8 kernel test")
     return compile_mlir(text, target)
 
 
-def weights(seed: int):
-    """(q, scales) of a random [N, K] weight, Q8_0's grid."""
-    return q8.quantize_weight(np.random.default_rng(seed).standard_normal((N, K), dtype=np.float32))
+def weights(seed: int, bits: int = 8):
+    """(q, scales) of a random [N, K] weight, Q8_0's grid (8 bits) or Q4_0's (4)."""
+    return q8.quantize_weight(np.random.default_rng(seed).standard_normal((N, K), dtype=np.float32), bits)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
 @pytest.mark.parametrize("m", [1, 4, 6])
-def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m):
+def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m, bits):
     """Rows of 1, 4 (one pass of the kernel's 4-row loop) and 6 (a pass and a remainder of 2);
-    a row of zeros and a row with one large value among them."""
+    a row of zeros and a row with one large value among them; at 4 bits every code, -8..7, occurs."""
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, K), dtype=np.float32)
     x[-1, 7] = 40.0
     if m > 1:
         x[0] = 0
-    q, scales = weights(m)
-    module = LoadedModule(graph_vmfb(m, target, tmp_path))
-    y, xq, dx, xs = module(x, q8.pack_weight(q), q8.pack_scales(scales))
+    q, scales = weights(m, bits)
+    assert bits == 8 or set(np.unique(q)) == set(range(-8, 8))
+    module = LoadedModule(graph_vmfb(m, target, tmp_path, bits))
+    y, xq, dx, xs = module(x, q8.pack_weight(q, bits), q8.pack_scales(scales))
     ref_xq, ref_dx, ref_xs = q8.quantize_x(x)
     assert np.array_equal(xq, ref_xq) and np.array_equal(dx, ref_dx) and np.array_equal(xs, ref_xs)
     assert np.array_equal(y, q8.reference(ref_xq, ref_dx, q, scales))
@@ -63,13 +67,14 @@ def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m):
         assert not y[0].any()
 
 
-def test_iree_run_module_runs_the_linked_kernel(tmp_path):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_iree_run_module_runs_the_linked_kernel(tmp_path, bits):
     """The vmfb carries the kernel: IREE's own iree-run-module runs it, no plugin or flag."""
     m = 2
     x = np.random.default_rng(7).standard_normal((m, K), dtype=np.float32)
-    q, scales = weights(7)
-    (tmp_path / "q8.vmfb").write_bytes(graph_vmfb(m, "llvm-cpu", tmp_path / "objects"))
-    for name, array in (("x", x), ("w", q8.pack_weight(q)), ("s", q8.pack_scales(scales))):
+    q, scales = weights(7, bits)
+    (tmp_path / "q8.vmfb").write_bytes(graph_vmfb(m, "llvm-cpu", tmp_path / "objects", bits))
+    for name, array in (("x", x), ("w", q8.pack_weight(q, bits)), ("s", q8.pack_scales(scales))):
         np.save(tmp_path / f"{name}.npy", array)
     subprocess.run([str(IREE_RUN_MODULE), "--device=local-task", f"--module={tmp_path / 'q8.vmfb'}", "--function=main",
                     *[f"--input=@{tmp_path / name}.npy" for name in "xws"],
@@ -103,6 +108,30 @@ def test_a_weight_of_minus_128_is_refused():
     q[3, 5] = -128
     with pytest.raises(q8.KernelError, match=r"weight: expected int8 values in \[-127, 127\]"):
         q8.pack_weight(q)
+
+
+@pytest.mark.parametrize("value", [8, -9])
+def test_a_4_bit_weight_outside_its_codes_is_refused(value):
+    q = np.zeros((64, 32), np.int8)
+    q[3, 5] = value
+    with pytest.raises(q8.KernelError, match=r"weight: expected int8 values in \[-8, 7\]$"):
+        q8.pack_weight(q, 4)
+
+
+def test_q4_weight_bytes_are_q4_0s_size_and_unpack_to_the_codes():
+    """18 bytes a block of 32 with its f16 scale (Q4_0's); each byte two codes q + 8, inputs
+    4s..4s+3 of a block low, 16+4s.. high (kernels/q8_matmul.c's layout)."""
+    q, scales = weights(3, 4)
+    packed = q8.pack_weight(q, 4).view(np.uint8)
+    assert (packed.nbytes + q8.pack_scales(scales).nbytes) * 32 == 18 * q.size
+    steps = packed.reshape(N // q8.TILE, K // q8.BLOCK, 4, q8.TILE, 4)
+    halves = np.stack([steps & 15, steps >> 4], axis=2).astype(np.int8) - 8  # tile, block, half, step, out, in
+    assert np.array_equal(halves.transpose(0, 4, 1, 2, 3, 5).reshape(N, K), q)
+
+
+def test_bad_bits_are_one_line():
+    with pytest.raises(q8.KernelError, match=r"^q8_matmul: weight bits 2: expected one of 8, 4$"):
+        q8.executable("unused.o", 1, 64, 64, bits=2)
 
 
 def test_scales_must_be_f16():

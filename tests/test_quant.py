@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_l2
-from helpers import chunked_logits
+from helpers import chunked_logits, q4_0_blocks
 from emitter import quant
 from emitter.config import ConfigError
 from emitter.text import text_weights, weight_layouts
@@ -89,10 +89,7 @@ def test_searched_bf16_scales_per_32_use_16_levels():
     assert np.allclose(scales[:8].astype(np.float32), expected, rtol=0, atol=0), (scales[:8], expected)
     wide = scales.astype(np.float32)[:, :, None]
     assert np.array_equal(q.reshape(64, 8, 32), np.clip(np.rint(groups / np.where(wide == 0, 1, wide)), -8, 7))
-    top = np.take_along_axis(groups, np.abs(groups).argmax(axis=2)[:, :, None], axis=2)
-    d = top / np.float32(-8)
-    q4_0 = (np.minimum(np.floor(groups * np.where(d == 0, 0, 1 / np.where(d == 0, 1, d)) + np.float32(8.5)), 15) - 8
-            ) * d.astype(np.float16).astype(np.float32)
+    q4_0 = quant.dequantize(*q4_0_blocks(w), 32)
     ours = quant.dequantize(q, scales, layout.group)
     print(f"relative error: ours {rel_l2(ours, w):.4f}, Q4_0's rule {rel_l2(q4_0.reshape(w.shape), w):.4f}")
     assert rel_l2(ours, w) < 0.97 * rel_l2(q4_0.reshape(w.shape), w)

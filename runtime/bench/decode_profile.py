@@ -33,10 +33,10 @@ def decode_shape(context: int, lanes: int = 1) -> TextShape:
 
 # Benchmark names of a quantized checkpoint run in its bits (`--precision native`): every
 # matmul weight in this layout, over f32. MLX's affine forms (groups of 64, mlx-vlm's
-# default); GGUF's Q4_0 (symmetric, groups of 32, f32 scales); `int4-g64`, int4's layout
-# before its scales went bf16 per 32 (symmetric, f32 scales per 64: the same graph).
+# default); `gguf-q4_0`, a GGUF Q4_0 file run in its bits (symmetric, groups of 32, f32 scales;
+# not `--precision q4_0`, the kernel's); `int4-g64`, int4's layout (symmetric, f32 scales per 64).
 NATIVE_FORMS = {"mlx4": quant.Layout(4, 64, affine=True), "mlx8": quant.Layout(8, 64, affine=True),
-                "q4_0": quant.Layout(4, 32), "int4-g64": quant.Layout(4, 64)}
+                "gguf-q4_0": quant.Layout(4, 32), "int4-g64": quant.Layout(4, 64)}
 
 
 def graph_form(cfg, precision: str):
