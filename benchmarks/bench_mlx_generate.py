@@ -144,7 +144,7 @@ def main(argv=None) -> int:
             report(name, generate(args.folder, image, args.max_new_tokens, name))
         for kind in ("irpa", "vmfb"):
             for p in sorted((args.folder / "cache").rglob(f"*.{kind}")):
-                print(f"  {p.name[:12]}...{kind}: {p.stat().st_size / GB:.2f} GB")
+                print(f"  {p.name[:12]}...{kind}: {p.stat().st_size / 1e6:.1f} MB")
     finally:
         if not args.keep:
             shutil.rmtree(args.folder, ignore_errors=True)

@@ -33,7 +33,6 @@ from emitter.text import text_weights
 from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
-from runtime.artifact.iree_module import return_freed_memory
 from runtime.checkpoints import (gguf_blocks, gguf_text, gguf_vision, mlx_quant, text as text_checkpoint,
                                  vision as checkpoint)
 
@@ -219,18 +218,13 @@ def release_mapped_pages(index: rt.ParameterIndex) -> bool:
 def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: str, progress=None) -> Path:
     """The archive of `fields` from the cache (its size and sha256 checked against the
     manifest), written on a miss from `arrays()` ((name, array) pairs in `specs` order: the
-    checkpoint is read, checked and converted only then). Both models' archives. The arrays,
-    freed once written, are handed back to the kernel (`return_freed_memory`): the heap that
-    `keep_freed_memory` keeps would otherwise hold their size (5.7 GB for a 4-bit MLX 8B)
-    resident through the compile and load that follow."""
+    checkpoint is read, checked and converted only then). Both models' archives."""
     report = progress or (lambda message: None)
 
     def write(path: Path) -> None:
         named = arrays()
         report(f"{label}: writing {path.name} ({precision}, {sum(a.nbytes for _, a in named) / 1e9:.2f} GB) ...")
         write_entries(path, named, specs)
-        del named
-        return_freed_memory()
 
     path, _ = cache.get_or_write(fields, "irpa", write, progress)
     return path
