@@ -10,7 +10,8 @@ in their bits, and the archive's size.
 
     .venv/bin/python benchmarks/bench_mlx_memory.py --preset qwen3-vl-2b --layers 4
 
-Memory: the f32 run peaks at about 2.6x the f32 weights (2B widths, 4 layers: ~5 GB).
+Memory: the f32 run peaks at about 2.6x the f32 weights (2B widths, 4 layers: ~5 GB). The whole
+model at a preset's size, tower included, through `qwen3vl generate`: bench_mlx_generate.py.
 """
 
 from __future__ import annotations

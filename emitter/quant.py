@@ -80,6 +80,10 @@ PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a
 BLOCK = 32  # inputs per scale of Q8_0 (llama.cpp's block)
 TILE = 16  # outputs per tile of a packed (q8_0, q4_0) weight; N a multiple of two tiles
 ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at run time
+# Outputs that a per-call dequantized i4 weight's N must be a multiple of: IREE's CPU codegen
+# masks the last tile of any other N with a `vector.maskedload` of i4 it cannot lower (N = 4304,
+# the 8B tower's fc1; 4320 fails too, 4352 compiles), so such a weight is held in i8 (`held_bits`).
+I4_OUTPUTS = 64
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
 SYMMETRIC = "symmetric"  # the fourth item of a symmetric weight's `native_weights` entry
 SCALE_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}  # a layout's scale type -> numpy's
@@ -217,6 +221,12 @@ def layout_of(precision: str, shape: tuple[int, ...], head: bool = False, gather
     if gathered and layout.packed:
         return Layout(8, layout.group)
     return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
+
+
+def held_bits(bits: int, outputs: int) -> int:
+    """The bits a `bits`-bit weight of `outputs` rows is held in when it is dequantized per call:
+    its own, except 4-bit codes at an N that I4_OUTPUTS does not divide, held in 8 (exact)."""
+    return 8 if bits == 4 and outputs % I4_OUTPUTS else bits
 
 
 def native_layouts(entries) -> dict[str, Layout]:

@@ -20,7 +20,8 @@ from emitter import quant
 from emitter.config import ConfigError
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TEXT_PRESETS
-from runtime.bench.mlx_memory import STORED_HEAD, STORED_PREFIX, measure, write_mlx_text
+from runtime.bench.mlx_memory import measure, write_mlx_text
+from runtime.checkpoints.synthetic_mlx import STORED_HEAD, STORED_PREFIX, stored_name
 from runtime.checkpoints.text import native_weights, load_text_weights
 from runtime.checkpoints.vision import CheckpointError
 from runtime.text import TextSession
@@ -205,7 +206,7 @@ def quantize_text_in_place(folder, bits: int, group: int) -> None:
         if not (name.startswith(TEXT_PREFIX) or name == LM_HEAD):
             arrays[name] = mx.array(w)
             continue
-        key = STORED_HEAD + ".weight" if name == LM_HEAD else STORED_PREFIX + name[len(TEXT_PREFIX):]
+        key = stored_name(name)
         if w.ndim != 2:
             arrays[key] = mx.array(w)
             continue
@@ -255,11 +256,12 @@ def test_bits_that_disagree_with_the_config_are_one_line(tmp_path):
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.vmfb"))
 
 
-@pytest.mark.parametrize("bits, group", [(8, 32), (4, 64)])
-def test_vision_tower_in_its_bits(tmp_path, bits, group):
+@pytest.mark.parametrize("bits, group, intermediate", [(8, 32, 128), (4, 64, 128), (4, 64, 208)])
+def test_vision_tower_in_its_bits(tmp_path, bits, group, intermediate):
     """An MLX-quantized tower's linears in their bits (`--precision mlx`: the position table
     expanded): its outputs within relL2 1e-5 of the f32 session over the same folder (the
-    same weights dequantized at load), its archive holding the linears in i8 / i4."""
+    same weights dequantized at load), its archive holding the linears in i8 / i4; a 4-bit
+    fc1 of 208 outputs (as the 8B's of 4304: IREE cannot compile it in i4) held in i8."""
     from PIL import Image
 
     from emitter.config import PRESETS, graph_weights
@@ -267,8 +269,8 @@ def test_vision_tower_in_its_bits(tmp_path, bits, group):
     from runtime.vision import VisionSession
 
     policy = dict(DEFAULT_PROCESSOR, size={"shortest_edge": 4096, "longest_edge": 32768})
-    write_checkpoint(tmp_path / "m", PRESETS["tiny"], seed=2, layout="mlx", bits=bits, group_size=group,
-                     processor_policy_dict=policy)
+    write_checkpoint(tmp_path / "m", dataclasses.replace(PRESETS["tiny"], intermediate_size=intermediate), seed=2,
+                     layout="mlx", bits=bits, group_size=group, processor_policy_dict=policy)
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8))]
     sessions = {p: VisionSession(tmp_path / "m", buckets=(64,), cache_dir=tmp_path / "cache", precision=p)
@@ -278,8 +280,10 @@ def test_vision_tower_in_its_bits(tmp_path, bits, group):
     errors += [rel_l2(a, b) for a, b in zip(ours.deepstack_features, reference.deepstack_features)]
     assert max(errors) <= TOL, errors
     cfg = sessions["mlx"].cfg
-    dtypes = {s.name: s.dtype for s in graph_weights(cfg)}
-    assert cfg.native_weights and all(dtypes[n] == quant.STORAGE_DTYPE[bits] for n, _, _ in cfg.native_weights)
+    specs = {s.name: s for s in graph_weights(cfg)}
+    held = {n: quant.STORAGE_DTYPE[8 if bits == 8 or specs[n].shape[1] % 64 else 4] for n, _, _ in cfg.native_weights}
+    assert cfg.native_weights and all(specs[n].dtype == held[n] for n in held)
+    assert held["model.visual.blocks.0.mlp.linear_fc1.weight"] == ("i8" if bits == 8 or intermediate == 208 else "i4")
     assert not any(n.endswith("pos_embed.weight") for n, _, _ in cfg.native_weights)
     sizes = {p: s.archive_path.stat().st_size for p, s in sessions.items()}
     assert sizes["mlx"] < 0.6 * sizes["f32"], sizes

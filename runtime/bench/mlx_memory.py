@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+from emitter.text_config import TextConfig
+from runtime.checkpoints.synthetic_mlx import stored_name
 from runtime.checkpoints.synthetic_text import random_text_tensors
 
-STORED_PREFIX = "language_model.model."  # mlx-vlm's names of the decoder's tensors
-STORED_HEAD = "language_model.lm_head"
 
 CHILD = """
 import json, sys
@@ -38,11 +37,6 @@ session.decode(int(np.argmax(logits)), 40)
 print(json.dumps({"peak": status("VmHWM:") - rss, "loaded": loaded, "answered": status("RssAnon:") - anon,
                   "archive": session.archive_path.stat().st_size}))
 """
-
-
-def stored_name(name: str) -> str:
-    """mlx-vlm's name of a decoder tensor."""
-    return STORED_HEAD + ".weight" if name == LM_HEAD else STORED_PREFIX + name[len(TEXT_PREFIX):]
 
 
 def write_mlx_text(folder: Path, cfg: TextConfig, bits: int, group: int, modules: dict | None = None,

@@ -43,7 +43,7 @@ DEFAULT_PROCESSOR = {
     "do_convert_rgb": True,
     "image_processor_type": "Qwen2VLImageProcessor",
 }
-_ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 
 
 # --------------------------------------------------------------------------- numerics
@@ -66,7 +66,7 @@ def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(f"dtype {dtype!r}: expected 'f32', 'f16' or 'bf16'")
 
 
-def _to_bytes(x: np.ndarray, dtype: str) -> tuple[str, bytes]:
+def to_bytes(x: np.ndarray, dtype: str) -> tuple[str, bytes]:
     if dtype == "f32":
         return "F32", np.ascontiguousarray(x, dtype="<f4").tobytes()
     if dtype == "f16":
@@ -111,20 +111,26 @@ def quantize_mlx(w: np.ndarray, bits: int, group_size: int,
 
 # --------------------------------------------------------------------------- safetensors
 
+def safetensors_header(entries, metadata: dict[str, str] | None = None) -> bytes:
+    """The start of a safetensors file whose tensors follow in order: its 8-byte length and
+    JSON header (padded to 8 bytes), from (name, dtype tag, shape, byte count) entries."""
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
 def write_safetensors(path: str | Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]],
                       metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file from {name: (dtype tag, shape, raw little-endian bytes)},
     atomically (whole or not at all)."""
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    for name, (dtype, shape, data) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    write_atomic(path, b"".join([len(text).to_bytes(8, "little"), text, *(d for _, _, d in tensors.values())]))
+    head = safetensors_header(((name, dtype, shape, len(data)) for name, (dtype, shape, data) in tensors.items()),
+                              metadata)
+    write_atomic(path, b"".join([head, *(d for _, _, d in tensors.values())]))
 
 
 # --------------------------------------------------------------------------- weights
@@ -235,8 +241,8 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     temp folder of a killed writer is removed by the next write)."""
     if layout not in ("hf", "mlx"):
         raise ValueError(f"layout {layout!r}: expected 'hf' or 'mlx'")
-    if dtype not in _ST_DTYPE:
-        raise ValueError(f"dtype {dtype!r}: expected one of {list(_ST_DTYPE)}")
+    if dtype not in ST_DTYPE:
+        raise ValueError(f"dtype {dtype!r}: expected one of {list(ST_DTYPE)}")
     if bits is not None and layout != "mlx":
         raise ValueError("quantized checkpoints use the MLX layout")
     if shards < 1:
@@ -258,6 +264,33 @@ def write_checkpoint(model_dir: str | Path, cfg: VisionConfig, seed: int = 0, la
     return source
 
 
+def checkpoint_config(cfg: VisionConfig, dtype: str, model_type: str = "qwen3_vl") -> dict:
+    """config.json of a vision checkpoint as released ones write it (`_text_config`'s small
+    stand-in language model; `synthetic_text` replaces it with a whole one)."""
+    vision = {"model_type": model_type, **cfg.to_hf_vision_config()}
+    if cfg.rope_theta != ROPE_THETA:
+        vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": float(cfg.rope_theta)}
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration" if model_type == "qwen3_vl"
+                          else "Qwen3VLMoeForConditionalGeneration"],
+        "model_type": model_type,
+        **asdict(TokenIds()),  # as released: the ids a config.json naming none means
+        "tie_word_embeddings": False,
+        "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype],
+        "text_config": _text_config(cfg),
+        "vision_config": vision,
+    }
+
+
+def quantization_block(bits: int, group_size: int, overrides: dict | None = None) -> dict:
+    """config.json's MLX `quantization` (and `quantization_config`) as mlx-vlm writes them:
+    the global settings, then each overridden module under its stored path."""
+    quant: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    for module, settings in sorted((overrides or {}).items()):
+        quant[MLX_PREFIX + module] = settings
+    return {"quantization": quant, "quantization_config": quant}
+
+
 def _write_files(model_dir: Path, cfg: VisionConfig, seed: int, layout: str, dtype: str, bits: int | None,
                  group_size: int, shards: int, processor_policy_dict: dict | None, model_type: str,
                  quant_overrides: dict[str, dict | bool] | None) -> dict[str, np.ndarray]:
@@ -269,7 +302,7 @@ def _write_files(model_dir: Path, cfg: VisionConfig, seed: int, layout: str, dty
     tensors: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
 
     def put(name: str, arr: np.ndarray, kind: str) -> None:
-        tag, data = _to_bytes(arr, kind)
+        tag, data = to_bytes(arr, kind)
         tensors[name] = (tag, tuple(arr.shape), data)
 
     prefix = HF_PREFIX if layout == "hf" else MLX_PREFIX
@@ -314,25 +347,9 @@ def _write_files(model_dir: Path, cfg: VisionConfig, seed: int, layout: str, dty
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_atomic(model_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
-    vision = {"model_type": model_type, **cfg.to_hf_vision_config()}  # as released checkpoints write it
-    if cfg.rope_theta != ROPE_THETA:
-        vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": float(cfg.rope_theta)}
-    config = {
-        "architectures": ["Qwen3VLForConditionalGeneration" if model_type == "qwen3_vl"
-                          else "Qwen3VLMoeForConditionalGeneration"],
-        "model_type": model_type,
-        **asdict(TokenIds()),  # as released: the ids a config.json naming none means
-        "tie_word_embeddings": False,
-        "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype],
-        "text_config": _text_config(cfg),
-        "vision_config": vision,
-    }
+    config = checkpoint_config(cfg, dtype, model_type)
     if layout == "mlx" and bits is not None:
-        quant: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
-        for module, settings in sorted(overrides.items()):
-            quant[MLX_PREFIX + module] = settings
-        config["quantization"] = quant
-        config["quantization_config"] = quant
+        config.update(quantization_block(bits, group_size, overrides))
     write_atomic(model_dir / "config.json", json.dumps(config, indent=2) + "\n")
     processor = DEFAULT_PROCESSOR if processor_policy_dict is None else processor_policy_dict
     write_atomic(model_dir / "preprocessor_config.json", json.dumps(processor, indent=2) + "\n")

@@ -17,7 +17,8 @@ from emitter.config import VisionConfig
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
-from runtime.checkpoints.synthetic import check_new_folder, write_checkpoint, write_safetensors
+from runtime.checkpoints.synthetic import (check_new_folder, safetensors_header, write_checkpoint,
+                                           write_safetensors)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
@@ -137,6 +138,16 @@ def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfi
 
 def _add_language_model(model_dir: Path, text: TextConfig, seed: int, thinking: bool = False) -> None:
     """Tokenizer, template, generation config and the whole text model into a vision checkpoint."""
+    from safetensors.numpy import load_file
+    stored = {name: a for name, a in load_file(str(model_dir / "model.safetensors")).items()
+              if not name.startswith(TEXT_PREFIX) and name != LM_HEAD}
+    _write_with_text(model_dir / "model.safetensors", stored, text, seed + 7)
+    add_language_files(model_dir, text, seed, thinking)
+
+
+def add_language_files(model_dir: Path, text: TextConfig, seed: int, thinking: bool = False) -> None:
+    """What a checkpoint holds for its language model beside the weights: the tokenizer,
+    its ids and the text config in config.json, the chat template, the generation config."""
     tokenizer = train_tokenizer(text.vocab_size, seed)
     if tokenizer.get_vocab_size() > text.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {text.vocab_size}")
@@ -144,11 +155,6 @@ def _add_language_model(model_dir: Path, text: TextConfig, seed: int, thinking: 
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-
-    from safetensors.numpy import load_file
-    stored = {name: a for name, a in load_file(str(model_dir / "model.safetensors")).items()
-              if not name.startswith(TEXT_PREFIX) and name != LM_HEAD}
-    _write_with_text(model_dir / "model.safetensors", stored, text, seed + 7)
 
     config = json.loads((model_dir / "config.json").read_text())
     config.update(ids, tie_word_embeddings=text.tie_word_embeddings, text_config=text.to_hf_text_config())
@@ -170,15 +176,9 @@ def _write_with_text(path: Path, stored: dict[str, np.ndarray], text: TextConfig
     have been read from it."""
     entries = [(name, _tag(a), a.shape, a.nbytes) for name, a in stored.items()]
     entries += [(s.name, "F32", s.shape, int(np.prod(s.shape)) * 4) for s in text_weights(text)]
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, tag, shape, nbytes in entries:
-        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
     new = path.with_name(path.name + ".new")
     with open(new, "wb") as f:
-        f.write(len(head).to_bytes(8, "little") + head)
+        f.write(safetensors_header(entries, {"format": "pt"}))
         for a in stored.values():
             f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
         for _, w in random_text_tensors(text, seed):
@@ -195,15 +195,24 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def write_text_preset_checkpoint(folder, preset_name: str, layout: str = "hf", dtype: str = "f32", bits=None,
-                                 seed: int = 0) -> str:
-    """`qwen3vl random-checkpoint --with-text`: the vision and text presets of one name; a line saying what."""
+                                 seed: int = 0, group_size: int = 64) -> str:
+    """`qwen3vl random-checkpoint --with-text`: the vision and text presets of one name, in the
+    Hugging Face layout in f32, or in mlx-vlm's (`synthetic_mlx`: any dtype, quantized with
+    `bits`); a line saying what."""
     from emitter.config import ConfigError, preset
     from emitter.text_config import TEXT_PRESETS
 
-    if layout != "hf" or dtype != "f32" or bits:
-        raise ValueError("--with-text: writes the Hugging Face layout in f32 only (no --layout mlx, --dtype, --bits)")
+    if layout == "hf" and (dtype != "f32" or bits):
+        raise ValueError("--with-text: writes the Hugging Face layout in f32 only (no --dtype, --bits; "
+                         "--layout mlx takes them)")
     if preset_name not in TEXT_PRESETS:
         raise ConfigError(f"--preset {preset_name!r}: no language-model preset; expected one of "
                           f"{', '.join(TEXT_PRESETS)}")
+    if layout == "mlx":
+        from runtime.checkpoints.synthetic_mlx import write_mlx_generation_checkpoint
+        write_mlx_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name],
+                                        int(bits) if bits else None, group_size, dtype, seed)
+        quantized = f", {bits}-bit groups of {group_size}" if bits else ""
+        return f"wrote {folder} ({preset_name}, mlx, {dtype}{quantized}, with a language model, tokenizer and chat template)"
     write_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name], seed=seed)
     return f"wrote {folder} ({preset_name}, hf, f32, with a language model, tokenizer and chat template)"

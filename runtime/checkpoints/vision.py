@@ -459,24 +459,28 @@ def _read_stored(s: StoredWeight, cfg: VisionConfig) -> np.ndarray:
 
 
 def read_affine(entry: TensorEntry, bits: int, scales_e: TensorEntry, biases_e: TensorEntry,
-                shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                shape: tuple[int, int], held: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """An MLX affine-quantized [out, in] weight (its stored layout checked) as the archive
-    holds it in its bits: `quant.from_affine`'s q [in, out] re-centred, scales and biases f32,
-    converted a block of rows at a time; never in f32."""
+    holds it in its bits (or in `held` bits, `quant.held_bits`): `quant.from_affine`'s q
+    [in, out] re-centred, scales and biases f32, converted a block of rows at a time; never
+    in f32."""
     scales, biases = read_float_tensor(scales_e), read_float_tensor(biases_e)
     for arr, e in ((scales, scales_e), (biases, biases_e)):
         if not np.isfinite(arr).all():
             raise CheckpointError(f"{e.name}: non-finite values (in {e.file})")
     packed = read_uint32_tensor(entry)
     return quant.from_affine((unpack_bytes(rows, bits) for rows in quant.row_blocks(packed)), shape, scales, biases,
-                             bits)
+                             held or bits)
 
 
 def vision_native_weights(model_dir: str | Path, cfg: VisionConfig) -> tuple[tuple[str, int, int], ...]:
     """(Hugging Face name, bits, group size) of each linear the folder stores MLX-quantized in
     bits that run as stored (8 and 4), from the headers and config.json
-    (`VisionConfig.native_weights`; other bits, and the position table, are expanded to f32)."""
-    return tuple((s.hf_name, s.quant[0], s.quant[1]) for s in check_checkpoint(model_dir, cfg)
+    (`VisionConfig.native_weights`; other bits, and the position table, are expanded to f32).
+    Its calls being many rows, each is dequantized per call: a 4-bit one whose outputs IREE
+    cannot tile in i4 is listed, and held, at 8 bits (`quant.held_bits`)."""
+    return tuple((s.hf_name, quant.held_bits(s.quant[0], s.shape[0]), s.quant[1])
+                 for s in check_checkpoint(model_dir, cfg)
                  if s.quant and s.quant[0] in quant.STORAGE_DTYPE and s.hf_name.endswith(MATMUL_WEIGHT_SUFFIXES))
 
 
@@ -486,7 +490,7 @@ def vision_arrays(model_dir: str | Path, cfg: VisionConfig, precision: str = "f3
     for `cfg.native_weights` in their bits (`read_affine`: q, then its scales and biases)."""
     import ml_dtypes
     stored = {s.hf_name: s for s in check_checkpoint(model_dir, cfg)}
-    affine = {name for name, _, _ in cfg.native_weights}
+    affine = {name: bits for name, bits, _ in cfg.native_weights}
     out, pending = [], {}
     for w in graph_weights(cfg, precision):
         if w.name in pending:  # made with its weight, just before
@@ -494,7 +498,7 @@ def vision_arrays(model_dir: str | Path, cfg: VisionConfig, precision: str = "f3
         elif w.name in affine:
             s = stored[w.name]
             q, pending[quant.scales_name(w.name)], pending[quant.biases_name(w.name)] = read_affine(
-                s.entry, s.quant[0], *s.quant[2:], s.shape)
+                s.entry, s.quant[0], *s.quant[2:], s.shape, held=affine[w.name])
             out.append(q)
         else:
             a = _read_stored(stored[w.name], cfg)

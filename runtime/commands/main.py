@@ -150,11 +150,15 @@ def export(model, output, buckets, precision, target, name, diagnostics, cache_d
 @click.option("--layout", type=click.Choice(["hf", "mlx"]), default="hf", show_default=True)
 @click.option("--dtype", type=click.Choice(["f32", "bf16", "f16"]), default="f32", show_default=True)
 @click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="MLX affine quantization.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
+              help="Weights per MLX scale and bias (with --bits).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--with-text", is_flag=True,
               help="Also a whole random language model, a byte-level BPE tokenizer and a chat template "
-                   "(for `qwen3vl generate`; HF layout, f32).")
-def random_checkpoint(folder, preset_name, layout, dtype, bits, seed, with_text):
+                   "(for `qwen3vl generate`): HF layout in f32, or --layout mlx in --dtype, with --bits its codes "
+                   "drawn at random in their bits (any preset's size: the 4-bit 8B is about 5 GB, written a tensor "
+                   "at a time).")
+def random_checkpoint(folder, preset_name, layout, dtype, bits, group_size, seed, with_text):
     """Write a deterministic random-weight checkpoint folder (for demos and tests).
 
     DIR must be new or empty; the folder is written whole or not at all."""
@@ -164,9 +168,10 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, seed, with_text)
     cfg = preset(preset_name)
     if with_text:
         from runtime.checkpoints.synthetic_text import write_text_preset_checkpoint
-        click.echo(write_text_preset_checkpoint(folder, preset_name, layout, dtype, bits, seed))
+        click.echo(write_text_preset_checkpoint(folder, preset_name, layout, dtype, bits, seed, int(group_size)))
         return
-    write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None)
+    write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None,
+                     group_size=int(group_size))
     click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
 
 
