@@ -244,15 +244,17 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
 
 
 def kernel_object(precision: str) -> str | None:
-    """The path of the Q8_0 kernel object a graph form of q8_0 links (q8_0 itself: the
-    default target's; built on first use: kernels/q8_matmul.py `build_object`), else None."""
+    """The file name of the Q8_0 kernel object a graph form of q8_0 links (q8_0 itself: the
+    default target's), else None. Built into `default_objects()` if not there (by `make
+    install`, else on first use: kernels/q8_matmul.py `build_object`); the name alone, so that
+    the graph does not depend on the folder (iree-compile finds it: `search_flags`)."""
     if precision == quant.Q8_0:
         from .identity import graph_precision
         precision = graph_precision(precision)
     if precision not in quant.KERNEL_ISA:
         return None
     from kernels import q8_matmul
-    return str(q8_matmul.build_object(quant.KERNEL_ISA[precision], q8_matmul.default_objects()))
+    return q8_matmul.build_object(quant.KERNEL_ISA[precision], q8_matmul.default_objects()).name
 
 
 class TextGraph:

@@ -7,11 +7,13 @@ slower than one group (docs/performance.md, "Integer activations: w8a8"), so thi
 a C kernel into IREE's executables instead, through the embedded-ELF object mechanism:
 
 - `build_object` compiles kernels/q8_matmul.c with the system C compiler (`$CC`, else cc, gcc
-  or clang) into a bare-metal ELF object, once per source, ISA and compiler (cached on disk);
+  or clang) into a bare-metal ELF object, once per source, ISA and compiler (cached on disk,
+  named by their hash; `make install` builds every ISA's: `python -m kernels`);
   AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw), as `target_isa` picks from what iree-compile
   resolves the target to;
 - `executable` writes a `stream.executable` whose `hal.executable.objects` names that object
-  and whose one export calls the C function once per workgroup of 128 outputs;
+  (a graph names it by file name alone, found through `search_flags` at compile time, so that
+  the graph, and so the artifact identity, is the same whatever folder holds it) and whose one export calls the C function once per workgroup of 128 outputs;
   iree-compile links the object into the executable's embedded ELF (iree-lld), so the vmfb
   is self-contained: the IREE runtime needs no plugin, flag or library to run it;
 - `block_project` emits the projection into a `Builder` graph: x quantized per row and block
@@ -92,7 +94,8 @@ def compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
-    raise KernelError("q8_matmul: no C compiler: expected $CC, cc, gcc or clang on PATH")
+    raise KernelError("q8_matmul: no C compiler: expected $CC, cc, gcc or clang on PATH (--precision q8_0's "
+                      "kernel is built from source; install gcc or clang)")
 
 
 def default_objects() -> Path:
@@ -101,6 +104,11 @@ def default_objects() -> Path:
     if os.environ.get(OBJECTS_ENV):
         return Path(os.environ[OBJECTS_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3vl-kernels"
+
+
+def search_flags() -> list[str]:
+    """iree-compile flags that find an object a graph names by file name: `default_objects()`."""
+    return [f"--iree-hal-executable-object-search-path={default_objects()}"]
 
 
 def build_object(isa: str, out_dir: str | os.PathLike) -> Path:
@@ -179,7 +187,7 @@ def executable_name(m: int, n: int, k: int) -> str:
 
 
 def executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
-    """A `stream.executable` linking `obj` whose export (`executable_name`: unique in a module
+    """A `stream.executable` linking `obj` (a path, or a file name `search_flags` finds) whose export (`executable_name`: unique in a module
     whose executables IREE links into one) computes y [M, N] from
     (xq [M, K] i8, dx [M, K/32] f32, xs [M, K/32] i32, packed w [N*K] i8, packed scales
     [N*K/32] f16): one workgroup per 128 outputs (fewer in the last), each a call of the C function."""

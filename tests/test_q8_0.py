@@ -10,6 +10,7 @@ form, groups of 32, dequantized); greedy tokens equal. The graph form names the 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -161,6 +162,20 @@ def test_the_kernels_isa_is_part_of_the_identity():
     fields = {p: text_artifact_fields(CFG, TextShape((32,), 64), 0, p) for p in ("q8_0-avx512vnni", "q8_0-avx2")}
     assert fields["q8_0-avx2"]["graph_sha256"] != fields["q8_0-avx512vnni"]["graph_sha256"]
     assert fields["q8_0-avx2"]["weight_schema"] == fields["q8_0-avx512vnni"]["weight_schema"]  # one archive
+
+
+def test_the_identity_does_not_depend_on_the_kernel_folder(tmp_path, monkeypatch):
+    """Two `$QWEN3VL_KERNEL_DIR`s, one identity: the graph names the object by file name (a
+    hash of its source, flags and compiler), built into each folder."""
+    from emitter.identity import text_artifact_fields
+    from emitter.text import TextShape
+    fields = []
+    for folder in ("one", "two"):
+        monkeypatch.setenv(q8_matmul.OBJECTS_ENV, str(tmp_path / folder))
+        fields.append(text_artifact_fields(CFG, TextShape((32,), 64), 0, "q8_0-avx2"))
+        assert [p.name for p in (tmp_path / folder).iterdir()] == [q8_matmul.build_object("avx2", tmp_path).name]
+    assert fields[0] == fields[1]
+    assert str(tmp_path) not in json.dumps(fields[0])
 
 
 def test_a_target_without_the_kernel_is_one_line():
