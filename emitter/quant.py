@@ -39,9 +39,9 @@ signed q in i8 (-128..127) or i4 (-8..7).
   the kernel's ISA (`KERNEL_ISA`: "q8_0-avx512vnni", "q8_0-avx2"; emitter/identity.py's
   `graph_precision` picks one for the target), so a module built for one ISA is never
   served to another. Its weights are `packed` layouts: q [N, K] int8 and the scales [N, K/32]
-  f16 in the kernel's tile order (`Layout.store`); the embedding table, gathered by rows, stays
-  in the int8 form (groups of 32, f32 scales, transposed), and a tied lm_head with it runs
-  weight-only (`quantized_project`).
+  f16 in the kernel's tile order (`Layout.store`), the embedding table's too: its rows are
+  gathered out of the tiles (kernels/q8_matmul.py `block_rows`), and a tied lm_head
+  multiplies it through the kernel like any projection.
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
@@ -171,8 +171,7 @@ class Layout:
                 q8_matmul.pack_scales(scales).reshape(scales.shape))
 
 
-# precision -> the layout of its weights (w8a8's group: each weight's K; q8_0's embedding
-# table, gathered by rows, unpacked: `layout_of`)
+# precision -> the layout of its weights (w8a8's group: each weight's K; `layout_of`)
 PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8": Layout(8),
                      **{p: Layout(8, BLOCK, packed=True) for p in (Q8_0, *KERNEL_ISA)}}
 # precision -> the layout of the table lm_head reads (the embedding table when tied), where it
@@ -186,14 +185,11 @@ def bits_of(precision: str) -> int | None:
     return layout and layout.bits
 
 
-def layout_of(precision: str, shape: tuple[int, ...], head: bool = False, gathered: bool = False) -> Layout:
+def layout_of(precision: str, shape: tuple[int, ...], head: bool = False) -> Layout:
     """The layout of a [N, K] weight quantized under `precision`: PRECISION_LAYOUTS' (the
     `head` table, lm_head's: HEAD_LAYOUTS' where it has one), with one group of all K inputs
-    (a scale per output channel) under PER_CHANNEL; a `gathered` one (the embedding table,
-    read by rows) never packed."""
+    (a scale per output channel) under PER_CHANNEL."""
     layout = HEAD_LAYOUTS.get(precision, PRECISION_LAYOUTS[precision]) if head else PRECISION_LAYOUTS[precision]
-    if gathered and layout.packed:
-        return replace(layout, packed=False)
     return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
 
 

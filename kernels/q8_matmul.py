@@ -17,7 +17,9 @@ a C kernel into IREE's executables instead, through the embedded-ELF object mech
   iree-compile links the object into the executable's embedded ELF (iree-lld), so the vmfb
   is self-contained: the IREE runtime needs no plugin, flag or library to run it;
 - `block_project` emits the projection into a `Builder` graph: x quantized per row and block
-  of 32 in StableHLO (IREE's own code), then a `flow.dispatch` of the executable.
+  of 32 in StableHLO (IREE's own code), then a `flow.dispatch` of the executable;
+  `block_rows` gathers rows of such a weight out of its tiles (the embedding table, which
+  a tied lm_head multiplies through the kernel), each row's blocks times their f16 scales.
 
 Weights are stored packed in 16-output tiles (`pack_weight`, `pack_scales`): the kernel reads
 64 bytes of 16 outputs x 4 inputs per step, one vpdpbusd against 4 broadcast bytes of x.
@@ -250,3 +252,24 @@ def block_project(b: Builder, x: Value, w: Value, scales: Value, obj: str | os.P
     name = executable_name(m, n, k)
     return b.dispatch(name, executable(obj, m, n, k), name, [xq, dx, xs, w, scales],
                       TensorType((m, n), "f32"), workload=n, hint=hint)
+
+
+def block_rows(b: Builder, w: Value, scales: Value, rows: Value, hint: str = "q8_rows") -> Value:
+    """Rows `rows` [T] i32 of a packed weight (w [N, K] i8 and scales [N, K/32] f16 in the
+    tile order of `pack_weight`, `pack_scales`) as f32 [T, K]: each block of 32 times its
+    scale (llama.cpp's `dequantize_row_q8_0`), gathered straight out of the tiles."""
+    n, k = w.shape
+    tile = b.constant(TILE, rows.shape, "i32", hint=hint + "_tile")
+    at = [b.reshape(op(rows, tile, hint=hint + "_at"), (rows.shape[0], 1), hint=hint + "_at")
+          for op in (b.divide, b.remainder)]
+    points = b.concatenate(at, 1, hint=hint + "_points")  # (tile, output within it) of each row
+    q = b.gather_points(b.reshape(w, (n // TILE, k // 4, TILE, 4), hint=hint + "_tiles"), [0, 2], points,
+                        hint=hint + "_q")  # [T, K/4, 4]
+    d = b.gather_points(b.reshape(scales, (n // TILE, k // BLOCK, TILE), hint=hint + "_tile_scales"), [0, 2],
+                        points, hint=hint + "_scales")  # [T, K/32]
+    t = rows.shape[0]
+    blocks = b.convert(b.reshape(q, (t, k // BLOCK, BLOCK), hint=hint + "_blocks"), "f32", hint=hint + "_wide")
+    scaled = b.multiply(blocks, b.broadcast_in_dim(b.convert(d, "f32", hint=hint + "_scales_f32"), blocks.shape,
+                                                   [0, 1], hint=hint + "_scales"), hint=hint)
+    return b.reshape(scaled, (t, k), hint=hint)
+
