@@ -592,8 +592,8 @@ def main() -> None:
     images = write_images(work / "images")
     prepared = time.perf_counter() - start
     rows = [r for r in PAIRS if r[0] in args.rows]
-    tmp = work / "runs"
-    tmp.mkdir(exist_ok=True)
+    tmp = work / "runs" / args.preset  # per preset: the quality step's logits files are named by precision only
+    tmp.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
               "preset": args.preset, "threads": args.threads, "isa": args.isa, "target": target, "llama_cpp": f"llama-cpp-python {args.version} sdist",
               "converter_patch": patched, "llama_repack": REPACK_NOTE if llama_repacks() else NO_REPACK_NOTE, "machine_before": machine(),
