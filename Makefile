@@ -3,16 +3,22 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test-deps test parity golden demo clean
+.PHONY: install kernels test-deps test parity golden demo clean
 
-# The package alone (what `make demo` needs).
-install: $(BIN)/emit-qwen3vl
+# The package alone (what `make demo` needs), and the hand-written kernels' objects.
+install: $(BIN)/emit-qwen3vl kernels
 
 $(BIN)/emit-qwen3vl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e .
 	@touch $@
+
+# kernels/q8_matmul.c (--precision q8_0) compiled for AVX-512 VNNI and AVX2 with the system C
+# compiler ($CC, cc, gcc or clang) into $QWEN3VL_KERNEL_DIR (default ~/.cache/qwen3vl-kernels);
+# cached by a hash of source, flags and compiler, so a rerun builds nothing.
+kernels: $(BIN)/emit-qwen3vl
+	$(BIN)/python -m kernels
 
 # The test-only dependencies, pinned in pyproject.toml's `test` extra: pytest, and torch,
 # transformers and the rest for the checks against the reference implementations.
@@ -22,7 +28,7 @@ $(VENV)/.test-deps: pyproject.toml $(BIN)/emit-qwen3vl
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $@
 
-test: test-deps
+test: test-deps kernels
 	QWEN3VL_REQUIRE_REFERENCES=1 $(BIN)/pytest -q
 
 # Only the checks against transformers (and the other reference implementations).

@@ -4,7 +4,8 @@ The module's `decode` function alone (emitter/text.py), at a preset's widths wit
 `--layers` decoder layers and a small vocabulary (lm_head out of the way), random weights in
 a parameter archive; `iree-benchmark-module` times a step at each `--contexts` size
 and `--precision`, alternating, in one run. `--profile` adds, per context, IREE's per-dispatch times
-(`iree-profile`, host-execution events) and the copies the step's command buffer makes.
+(`iree-profile`, host-execution events) in all and by kind, the copies the step's command buffer
+makes, and the read bandwidth measured then (the time the weights' bytes take at it).
 
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 256 4096 --rounds 3
     .venv/bin/python benchmarks/bench_decode.py --layers 2 --contexts 4096 --profile
@@ -77,11 +78,16 @@ def main(argv=None) -> int:
                   f"({min(t):.2f}-{max(t):.2f})  x{statistics.median(t) / base:.2f} of {runs[0][0]} at context "
                   f"{runs[0][1]}, {runs[0][2]} lane(s); weights {weight_bytes(cfg, precision) / 1e6:.0f} MB")
         if args.profile:
+            from runtime.bench.roof import memory_bandwidth_gbs
+            read = memory_bandwidth_gbs(args.threads)["read_gbs"]
+            print(f"  read bandwidth now: {read:.1f} GB/s (torch, a 1 GiB sum, {args.threads} threads)")
             for run in runs:
                 precision, context, lanes = run
                 path = tmp / f"decode_{precision}_{context}_{lanes}.ireeprof"
                 step_ms(vmfbs[run], archives[precision], context - 1, 3, args.threads, profile=path, lanes=lanes)
-                print(f"  {precision} context {context} lanes {lanes} (profiled, 3 steps):")
+                floor = weight_bytes(cfg, precision) / read / 1e6
+                print(f"  {precision} context {context} lanes {lanes} (profiled, 3 steps; its weights at that "
+                      f"bandwidth: {floor:.2f} ms):")
                 print("\n".join(profile_report(path, 3)))
     return 0
 

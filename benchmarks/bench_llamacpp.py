@@ -15,7 +15,8 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
    the output).
 3. Rounds, the side that goes first alternating between rounds, per precision pair
    (ours f32 / llama.cpp f32, ours bf16 / llama.cpp bf16 text + f16 projector; at equal
-   bits, text only (PAIRS): ours int8 (groups of 64) / Q8_0, ours int4 / Q4_0 and Q4_K_M;
+   bits, text only (PAIRS): ours int8 (groups of 64) / Q8_0, ours q8_0 (Q8_0 weights and
+   activations through the hand-written kernel, row "q8_0-kernel") / Q8_0, ours int4 / Q4_0 and Q4_K_M;
    the answer's projector is then llama.cpp's f16 one and ours the f32 tower):
    - vision per image (256x256, 512x512, 1024x1024 noise PNGs): llama-mtmd-cli's encode time
      ("slice encoded in" / "batch encoding done in", preprocessing excluded; the text model
@@ -75,7 +76,7 @@ PROMPT = "Describe the image."
 PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
 TASKS = ("vision", "text", "answer")
 QUALITY_TOKENS = 64
-QUANTIZED = ("q8_0", "q4_0", "q4_k_m")  # rows of quantized weights: text only (the projector is the f16 one)
+QUANTIZED = ("q8_0", "q8_0-kernel", "q4_0", "q4_k_m")  # rows of quantized weights: text only (the projector is the f16 one)
 NO_REPACK_NOTE = ("llama.cpp's quantized text models run with --no-repack (llama-bench --repack 0): with repacking "
                   "on, a VM with amx flags in /proc/cpuinfo died in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
                   "SIGSEGV at warm-up); f32/bf16 text is not repacked either way")
@@ -89,8 +90,16 @@ def llama_repacks() -> bool:
     return "amx" not in Path("/proc/cpuinfo").read_text()
 # (row, ours' precision or None, llama.cpp text GGUF, llama.cpp projector GGUF)
 PAIRS = (("f32", "f32", "text-f32", "mmproj-f32"), ("bf16", "bf16", "text-bf16", "mmproj-f16"),
-         ("q8_0", "int8", "text-q8_0", "mmproj-f16"), ("q4_0", "int4", "text-q4_0", "mmproj-f16"),
+         ("q8_0", "int8", "text-q8_0", "mmproj-f16"), ("q8_0-kernel", "q8_0", "text-q8_0", "mmproj-f16"),
+         ("q4_0", "int4", "text-q4_0", "mmproj-f16"),
          ("q4_k_m", "int4", "text-q4_k_m", "mmproj-f16"))
+
+
+def llama_type(text: str) -> str:
+    """llama.cpp's name of a row's text GGUF type ("text-q8_0" -> "Q8_0")."""
+    return text.removeprefix("text-").upper()
+
+
 LLAMA_QUANTIZE = {"text-q4_0": "Q4_0", "text-q4_k_m": "Q4_K_M"}  # written by llama-quantize from text-f32
 
 
@@ -367,7 +376,7 @@ def quality(model: Path, files: dict, rows, logits_tool: Path, threads: int, tar
         if name in QUANTIZED:
             result[name] = {"ours": distance(lambda: ours(precision), lambda: ours("f32")),
                             "llama": distance(lambda: llama(text), lambda: llama("text-f32")),
-                            "ours_precision": precision}
+                            "ours_precision": precision, "llama_type": llama_type(text)}
             print(f"  {name} quality: {result[name]}", flush=True)
     return result
 
@@ -381,7 +390,7 @@ def quality_table(q: dict) -> str:
              "| row | ours: relL2 / argmax agree | llama.cpp: relL2 / argmax agree |", "|---|---|---|"]
     for name, row in q.items():
         if isinstance(row, dict) and "ours" in row:
-            lines.append(f"| {row['ours_precision']} / {name.upper()} | {fmt(row['ours'])} | {fmt(row['llama'])} |")
+            lines.append(f"| {row['ours_precision']} / {row['llama_type']} | {fmt(row['ours'])} | {fmt(row['llama'])} |")
     lines.append(f"ours f32 against llama.cpp f32: {fmt(q['ours_f32_vs_llama_f32'])}")
     return "\n".join(lines)
 
@@ -526,14 +535,15 @@ def bits_labels(rounds: list[dict]) -> dict:
     form = next((v["ours"]["built_as"] for r in rounds for k, v in r.get("bf16", {}).items()
                  if k.startswith("vision") and "built_as" in v.get("ours", {})), "?")
     labels = {}
-    for name, precision, *_ in PAIRS:
+    for name, precision, gguf, _ in PAIRS:
         text = next((r[name]["text"] for r in rounds if name in r and "text" in r[name]), {})
         llama, ours = text.get("llama", {}), text.get("ours", {})
         lbpw = f"{llama['bits_per_weight']:.2f} bpw" if "bits_per_weight" in llama else "?"
         obpw = (f"{ours['archive_bytes'] * 8 / llama['params']:.2f} bpw"
                 if "archive_bytes" in ours and "params" in llama else "?")
-        built = f", built as {form}" if precision == "bf16" else ""
-        labels[name] = f"{precision} ({obpw}{built}) / {name.upper()} ({lbpw})"
+        built = (f", built as {form}" if precision == "bf16" else
+                 f", built as {ours['built_as']}" if ours.get("built_as", precision) != precision else "")
+        labels[name] = f"{precision} ({obpw}{built}) / {llama_type(gguf)} ({lbpw})"
     return labels
 
 
@@ -582,8 +592,8 @@ def main() -> None:
     images = write_images(work / "images")
     prepared = time.perf_counter() - start
     rows = [r for r in PAIRS if r[0] in args.rows]
-    tmp = work / "runs"
-    tmp.mkdir(exist_ok=True)
+    tmp = work / "runs" / args.preset  # per preset: the quality step's logits files are named by precision only
+    tmp.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
               "preset": args.preset, "threads": args.threads, "isa": args.isa, "target": target, "llama_cpp": f"llama-cpp-python {args.version} sdist",
               "converter_patch": patched, "llama_repack": REPACK_NOTE if llama_repacks() else NO_REPACK_NOTE, "machine_before": machine(),

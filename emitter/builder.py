@@ -532,6 +532,22 @@ class Builder:
         return self._op(hint or "gather", f'"stablehlo.gather"({x}, {idx}) {{{attrs}}} : '
                                           f"({x.type}, {idx.type}) -> {t}", t)
 
+    def gather_points(self, x: Value, axes: list[int], indices: Value, hint=None) -> Value:
+        """x's sub-tensors at `indices` [N, len(axes)] i32, each a point in `axes` (collapsed),
+        whole along the other dims: [N, *x's other dims] (rows of a tiled table)."""
+        n, width = indices.shape if indices.rank == 2 else (None, None)
+        if indices.dtype != "i32" or width != len(axes) or not all(0 <= a < x.rank for a in axes):
+            raise BuildError(f"gather_points: needs [N, {len(axes)}] i32 indices and axes of {x.type}, "
+                             f"got {indices.type}")
+        kept = [d for d in range(x.rank) if d not in axes]
+        t = TensorType((n, *[x.shape[d] for d in kept]), x.dtype)
+        sizes = [1 if d in axes else x.shape[d] for d in range(x.rank)]
+        attrs = (f"dimension_numbers = #stablehlo.gather<offset_dims = [{_ints(range(1, len(kept) + 1))}], "
+                 f"collapsed_slice_dims = [{_ints(axes)}], start_index_map = [{_ints(axes)}], index_vector_dim = 1>, "
+                 f"slice_sizes = {_array(sizes)}, indices_are_sorted = false")
+        return self._op(hint or "gather", f'"stablehlo.gather"({x}, {indices}) {{{attrs}}} : '
+                                          f"({x.type}, {indices.type}) -> {t}", t)
+
     def scatter_slices(self, x: Value, axis: int, indices: Value, updates: Value, hint=None) -> Value:
         """x with its slices at `indices` [N] i32 along `axis` replaced by `updates` (x's shape
         with that dim N); an index given twice keeps one of its updates."""

@@ -39,18 +39,18 @@ signed q in i8 (-128..127) or i4 (-8..7).
   the kernel's ISA (`KERNEL_ISA`: "q8_0-avx512vnni", "q8_0-avx2"; emitter/identity.py's
   `graph_precision` picks one for the target), so a module built for one ISA is never
   served to another. Its weights are `packed` layouts: q [N, K] int8 and the scales [N, K/32]
-  f16 in the kernel's tile order (`Layout.store`); the embedding table, gathered by rows, stays
-  in the int8 form (groups of 32, f32 scales, transposed), and a tied lm_head with it runs
-  weight-only (`quantized_project`).
+  f16 in the kernel's tile order (`Layout.store`), the embedding table's too: its rows are
+  gathered out of the tiles (kernels/q8_matmul.py `block_rows`), and a tied lm_head
+  multiplies it through the kernel like any projection.
 - Q4_0 (`--precision q4_0`, llama.cpp's name): the same with 4-bit weights, -8..7 in blocks of
   32 with an f16 scale each, the scale searched as int4's (`searched`, rounded to f16), stored
   two codes to a byte in the kernel's tiles (Q4_0's 18 bytes a block, 4.5 bits a weight), against
   the same Q8_0 activations (llama.cpp's Q4_0 x Q8_0 dot product); graph forms "q4_0-avx512vnni",
   "q4_0-avx2". The table lm_head reads stays 8-bit (`HEAD_LAYOUTS`, as int4's and as llama.cpp's
-  Q4_0 files keep `output` in Q6_K): an untied lm_head in Q8_0 through the same kernel, the
-  embedding table (a tied lm_head with it) int8 in groups of 32, as q8_0's. (With lm_head in
-  Q4_0 too, the logits on tests/test_gguf.py's checkpoint were 0.110 from f32, against 0.074
-  for llama.cpp's Q4_0 x Q8_0 math with its wider head.)
+  Q4_0 files keep `output` in Q6_K), and so does the embedding table (rows are gathered out of
+  8-bit tiles only): both Q8_0, packed, through the same kernel. (With lm_head in Q4_0 too, the
+  logits on tests/test_gguf.py's checkpoint were 0.110 from f32, against 0.074 for llama.cpp's
+  Q4_0 x Q8_0 math with its wider head.)
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
@@ -193,8 +193,7 @@ class Layout:
                 q8_matmul.pack_scales(scales).reshape(scales.shape))
 
 
-# precision -> the layout of its weights (w8a8's group: each weight's K; the kernel
-# precisions' embedding table, gathered by rows, in int8: `layout_of`)
+# precision -> the layout of its weights (w8a8's group: each weight's K; `layout_of`)
 PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8": Layout(8),
                      **{p: Layout(8, BLOCK, packed=True) for p in (Q8_0, *KERNEL_ISA) if kernel_precision(p) == Q8_0},
                      **{p: Layout(4, BLOCK, scales="f16", searched=True, packed=True)
@@ -215,11 +214,11 @@ def bits_of(precision: str) -> int | None:
 def layout_of(precision: str, shape: tuple[int, ...], head: bool = False, gathered: bool = False) -> Layout:
     """The layout of a [N, K] weight quantized under `precision`: PRECISION_LAYOUTS' (the
     `head` table, lm_head's: HEAD_LAYOUTS' where it has one), with one group of all K inputs
-    (a scale per output channel) under PER_CHANNEL; a `gathered` one (the embedding table,
-    read by rows) never packed: a kernel precision's in int8 in its blocks, f32 scales."""
+    (a scale per output channel) under PER_CHANNEL; a `gathered` one (the embedding table, read
+    by rows) of a kernel precision in Q8_0's packed layout, whose 8-bit tiles rows are gathered from."""
     layout = HEAD_LAYOUTS.get(precision, PRECISION_LAYOUTS[precision]) if head else PRECISION_LAYOUTS[precision]
     if gathered and layout.packed:
-        return Layout(8, layout.group)
+        return Layout(8, BLOCK, packed=True)
     return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
 
 

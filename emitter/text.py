@@ -222,8 +222,8 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
     """{name: quant.Layout} of the weights the graph takes quantized: under int8, int4, w8a8,
     q8_0 and q4_0 every matmul weight, in the precision's layout (`quant.layout_of`: symmetric; w8a8
     in int8 with a scale per output channel; the table lm_head reads, int4's in int8; q8_0's and
-    q4_0's packed for their kernel in blocks of 32 but the embedding table, gathered by rows, in
-    int8); a checkpoint run in its own bits
+    q4_0's packed for their kernel in blocks of 32, the embedding table in Q8_0's 8-bit tiles under
+    both); a checkpoint run in its own bits
     (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
     group and form (`quant.native_layouts`).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
@@ -240,20 +240,22 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
         return layouts
     shapes = dict(weight_shapes(cfg))
     head = LM_HEAD if LM_HEAD in shapes else TEXT_PREFIX + EMBEDDING
-    return {n: quant.layout_of(precision, shapes[n], head=n == head, gathered=n.endswith(EMBEDDING))
+    return {n: quant.layout_of(precision, shapes[n], head=n == head)
             for n in names if n.endswith(MATMUL_SUFFIXES)}
 
 
 def kernel_object(precision: str) -> str | None:
-    """The path of the kernel object a graph form of q8_0 or q4_0 links (q8_0 or q4_0 itself:
-    the default target's; built on first use: kernels/q8_matmul.py `build_object`), else None."""
+    """The file name of the kernel object a graph form of q8_0 or q4_0 links (q8_0 or q4_0
+    itself: the default target's), else None. Built into `default_objects()` if not there (by
+    `make install`, else on first use: kernels/q8_matmul.py `build_object`); the name alone, so
+    that the graph does not depend on the folder (iree-compile finds it: `search_flags`)."""
     if precision in quant.KERNEL_BITS:
         from .identity import graph_precision
         precision = graph_precision(precision)
     if precision not in quant.KERNEL_ISA:
         return None
     from kernels import q8_matmul
-    return str(q8_matmul.build_object(quant.KERNEL_ISA[precision], q8_matmul.default_objects()))
+    return q8_matmul.build_object(quant.KERNEL_ISA[precision], q8_matmul.default_objects()).name
 
 
 class TextGraph:
@@ -331,6 +333,9 @@ class TextGraph:
             columns = dequantized(self.b, self.b.gather_slices(table.q, 1, tokens, hint="embed_q"),
                                   self.b.gather_rows(table.scales, tokens, hint="embed_scales"), "embed", biases)
             return self.b.transpose(columns, [1, 0], hint="embed")
+        if isinstance(table, quant.BlockWeight):  # q8_0: rows out of the kernel's tiles
+            from kernels.q8_matmul import block_rows
+            return block_rows(self.b, table.q, table.scales, tokens, hint="embed")
         rows = self.b.gather_rows(table, tokens, hint="embed")
         return rows if rows.dtype == "f32" else self.b.convert(rows, "f32", hint="embed")
 

@@ -9,15 +9,19 @@ slower than one group (docs/performance.md, "Integer activations: w8a8"), so thi
 a C kernel into IREE's executables instead, through the embedded-ELF object mechanism:
 
 - `build_object` compiles kernels/q8_matmul.c with the system C compiler (`$CC`, else cc, gcc
-  or clang) into a bare-metal ELF object, once per source, ISA and compiler (cached on disk);
+  or clang) into a bare-metal ELF object, once per source, ISA and compiler (cached on disk,
+  named by their hash; `make install` builds every ISA's: `python -m kernels`);
   AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw), as `target_isa` picks from what iree-compile
   resolves the target to;
 - `executable` writes a `stream.executable` whose `hal.executable.objects` names that object
-  and whose one export calls the C function once per workgroup of 128 outputs;
+  (a graph names it by file name alone, found through `search_flags` at compile time, so that
+  the graph, and so the artifact identity, is the same whatever folder holds it) and whose one export calls the C function once per workgroup of 128 outputs;
   iree-compile links the object into the executable's embedded ELF (iree-lld), so the vmfb
   is self-contained: the IREE runtime needs no plugin, flag or library to run it;
 - `block_project` emits the projection into a `Builder` graph: x quantized per row and block
-  of 32 in StableHLO (IREE's own code), then a `flow.dispatch` of the executable.
+  of 32 in StableHLO (IREE's own code), then a `flow.dispatch` of the executable;
+  `block_rows` gathers rows of such a weight out of its tiles (the embedding table, which
+  a tied lm_head multiplies through the kernel), each row's blocks times their f16 scales.
 
 Weights are stored packed in 16-output tiles (`pack_weight`, `pack_scales`): the kernel reads
 64 bytes of 16 outputs x 4 inputs per step, one vpdpbusd against 4 broadcast bytes of x; at 4
@@ -95,7 +99,8 @@ def compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
-    raise KernelError("q8_matmul: no C compiler: expected $CC, cc, gcc or clang on PATH")
+    raise KernelError("q8_matmul: no C compiler: expected $CC, cc, gcc or clang on PATH (--precision q8_0's "
+                      "kernel is built from source; install gcc or clang)")
 
 
 def default_objects() -> Path:
@@ -104,6 +109,11 @@ def default_objects() -> Path:
     if os.environ.get(OBJECTS_ENV):
         return Path(os.environ[OBJECTS_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen3vl-kernels"
+
+
+def search_flags() -> list[str]:
+    """iree-compile flags that find an object a graph names by file name: `default_objects()`."""
+    return [f"--iree-hal-executable-object-search-path={default_objects()}"]
 
 
 def build_object(isa: str, out_dir: str | os.PathLike) -> Path:
@@ -199,8 +209,9 @@ def executable_name(m: int, n: int, k: int, bits: int = 8) -> str:
 
 
 def executable(obj: str | os.PathLike, m: int, n: int, k: int, bits: int = 8) -> str:
-    """A `stream.executable` linking `obj` whose export (`executable_name`: unique in a module
-    whose executables IREE links into one) computes y [M, N] from
+    """A `stream.executable` linking `obj` (a path, or a file name `search_flags` finds) whose
+    export (`executable_name`: unique in a module whose executables IREE links into one)
+    computes y [M, N] from
     (xq [M, K] i8, dx [M, K/32] f32, xs [M, K/32] i32, packed w [N*K*bits/8] i8, packed scales
     [N*K/32] f16): one workgroup per 128 outputs (fewer in the last), each a call of the C
     function of the weights' `bits` (`ENTRIES`)."""
@@ -266,3 +277,24 @@ def block_project(b: Builder, x: Value, w: Value, scales: Value, obj: str | os.P
     name = executable_name(m, n, k, bits)
     return b.dispatch(name, executable(obj, m, n, k, bits), name, [xq, dx, xs, w, scales],
                       TensorType((m, n), "f32"), workload=n, hint=hint)
+
+
+def block_rows(b: Builder, w: Value, scales: Value, rows: Value, hint: str = "q8_rows") -> Value:
+    """Rows `rows` [T] i32 of a packed weight (w [N, K] i8 and scales [N, K/32] f16 in the
+    tile order of `pack_weight`, `pack_scales`) as f32 [T, K]: each block of 32 times its
+    scale (llama.cpp's `dequantize_row_q8_0`), gathered straight out of the tiles."""
+    n, k = w.shape
+    tile = b.constant(TILE, rows.shape, "i32", hint=hint + "_tile")
+    at = [b.reshape(op(rows, tile, hint=hint + "_at"), (rows.shape[0], 1), hint=hint + "_at")
+          for op in (b.divide, b.remainder)]
+    points = b.concatenate(at, 1, hint=hint + "_points")  # (tile, output within it) of each row
+    q = b.gather_points(b.reshape(w, (n // TILE, k // 4, TILE, 4), hint=hint + "_tiles"), [0, 2], points,
+                        hint=hint + "_q")  # [T, K/4, 4]
+    d = b.gather_points(b.reshape(scales, (n // TILE, k // BLOCK, TILE), hint=hint + "_tile_scales"), [0, 2],
+                        points, hint=hint + "_scales")  # [T, K/32]
+    t = rows.shape[0]
+    blocks = b.convert(b.reshape(q, (t, k // BLOCK, BLOCK), hint=hint + "_blocks"), "f32", hint=hint + "_wide")
+    scaled = b.multiply(blocks, b.broadcast_in_dim(b.convert(d, "f32", hint=hint + "_scales_f32"), blocks.shape,
+                                                   [0, 1], hint=hint + "_scales"), hint=hint)
+    return b.reshape(scaled, (t, k), hint=hint)
+

@@ -643,3 +643,17 @@ def test_emitting_twice_is_identical_and_compiles():
     e = np.exp(s - s.max(1, keepdims=True))
     np.testing.assert_allclose(scores, s, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out, np.vectorize(math.erf)(np.concatenate([e[d], h], 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_gather_points_takes_points_of_the_named_axes():
+    """x[t, :, i, :] for each (t, i) row of the indices, against numpy's fancy indexing
+    (the Q8_0 table's rows out of its tiles); indices of the wrong width are one line."""
+    b = Builder()
+    x = b.argument("x", (3, 4, 5, 2))
+    points = b.argument("points", (2, 2), "i32")
+    module = LoadedModule(compile_mlir(render_module(b, [("y", b.gather_points(x, [0, 2], points))], title="t")))
+    xs = np.arange(3 * 4 * 5 * 2, dtype=np.float32).reshape(3, 4, 5, 2)
+    at = np.array([[2, 4], [0, 1]], np.int32)
+    assert np.array_equal(module(xs, at)[0], xs[at[:, 0], :, at[:, 1], :])
+    with pytest.raises(BuildError, match=r"gather_points: needs \[N, 2\] i32 indices"):
+        b.gather_points(x, [0, 2], b.argument("bad", (2, 3), "i32"))

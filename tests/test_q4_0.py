@@ -4,8 +4,9 @@ byte in the kernel's tiles when the archive is written) against activations quan
 and block of 32 at run time (Q8_0's), every decoder projection and an untied lm_head through the
 hand-written kernel linked into the module; an untied lm_head in Q8_0 through the same kernel.
 The session's logits against transformers' text model whose projections run numpy's
-`q8_matmul.reference` of the same integer math over the same weights (the embedding table and
-a tied lm_head: int8 in groups of 32, dequantized, as q8_0's); greedy tokens equal. The graph
+`q8_matmul.reference` of the same integer math over the same weights (the embedding table in
+Q8_0 blocks, as q8_0's: its rows gathered out of the tiles, and a tied lm_head through the
+kernel in Q8_0); greedy tokens equal. The graph
 form names the kernel's ISA (the artifact identity)."""
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ def test_q4_0_equals_numpys_integer_math(folders, name, cfg):
 
 def test_q4_0_weights_are_q4_0_blocks_in_the_kernels_tiles():
     """Projections: 16 bytes of codes and an f16 scale a block of 32 (Q4_0's 4.5 bits a
-    weight); an untied lm_head in Q8_0 blocks (as llama.cpp keeps `output` wider); the
-    embedding table int8 per 32 with f32 scales, transposed."""
+    weight); an untied lm_head and the embedding table in Q8_0 blocks in the kernel's 8-bit
+    tiles (as llama.cpp keeps `output` wider)."""
     specs = {s.name: s for s in text_weights(UNTIED, "q4_0")}
     down, table = "model.language_model.layers.0.mlp.down_proj.weight", "model.language_model.embed_tokens.weight"
     assert (specs[down].dtype, specs[down].shape) == ("i8", (UNTIED.hidden_size, UNTIED.intermediate_size // 2))
     assert specs[quant.scales_name(down)].dtype == "f16"
     assert specs["lm_head.weight"].shape == (UNTIED.vocab_size, UNTIED.hidden_size)
     assert specs[quant.scales_name("lm_head.weight")].dtype == "f16"
-    assert (specs[table].dtype, specs[table].shape) == ("i8", (UNTIED.hidden_size, UNTIED.vocab_size))
-    assert specs[quant.scales_name(table)].dtype == "f32"
+    assert (specs[table].dtype, specs[table].shape) == ("i8", (UNTIED.vocab_size, UNTIED.hidden_size))  # packed
+    assert specs[quant.scales_name(table)].dtype == "f16"
     w = np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32)
     q, scales = quant.PRECISION_LAYOUTS["q4_0"].store(w)
     ref_q, ref_scales = Q4_0(w)

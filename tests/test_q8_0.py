@@ -1,15 +1,17 @@
 """--precision q8_0 (emitter/quant.py, kernels/q8_matmul.py): llama.cpp's Q8_0 weights (int8,
 an f16 scale per 32 inputs, packed in the kernel's tiles when the archive is written) and
-activations quantized per row and block of 32 at run time, every decoder projection and an
-untied lm_head through the hand-written kernel linked into the module. The session's logits
-against transformers' text model whose projections run numpy's `q8_matmul.reference` of the
-same integer math over the same weights (the embedding table and a tied lm_head: the int8
-form, groups of 32, dequantized); greedy tokens equal. The graph form names the kernel's ISA
-(the artifact identity); a width the kernel's tiles do not divide is one line."""
+activations quantized per row and block of 32 at run time, every decoder projection and
+lm_head (a tied one: the embedding table's tiles, whose rows the graph also gathers) through
+the hand-written kernel linked into the module. The session's logits against transformers'
+text model whose projections and lm_head run numpy's `q8_matmul.reference` of the same
+integer math over the same weights, its embedding table the Q8_0 blocks dequantized; greedy
+tokens equal. The graph form names the kernel's ISA (the artifact identity, which does not
+depend on the kernel's folder); a width the kernel's tiles do not divide is one line."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -63,24 +65,21 @@ def q8_linear(weight, activations=ours, blocks=q8_matmul.quantize_weight):
     return Q8()
 
 
-def table_numbers(w: np.ndarray, form: str) -> np.ndarray:
-    """The embedding table's numbers: under our q8_0 int8 in groups of 32 with f32 scales,
-    in llama.cpp's Q8_0 file its blocks (f16 scales)."""
-    if form == "llama.cpp":
-        q, scales = q8_matmul.quantize_weight(w)
-        return quant.dequantize(q, scales.astype(np.float32), quant.BLOCK)
-    return quant.dequantize(*quant.quantize(w, quant.Layout(8, quant.BLOCK)), quant.BLOCK)
+def table_numbers(w: np.ndarray) -> np.ndarray:
+    """The embedding table's numbers, ours and in llama.cpp's Q8_0 file alike: its Q8_0
+    blocks (f16 scales), dequantized."""
+    q, scales = q8_matmul.quantize_weight(w)
+    return quant.dequantize(q, scales.astype(np.float32), quant.BLOCK)
 
 
 def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours",
                      blocks=q8_matmul.quantize_weight) -> np.ndarray:
-    """transformers' Qwen3VLTextModel over the checkpoint with every projection in Q8_0
-    integer math (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's) and the
-    embedding table's `table_numbers`; lm_head: under "ours" an untied one through `q8_linear`
-    in Q8_0, a tied one the table's numbers in f32 (our weight-only form), under "llama.cpp"
-    either through `q8_linear` in Q8_0 with llama.cpp's activations. The logits of the
-    prompt's last row and of `steps` greedy steps (each step the whole sequence again: rows
-    are independent in the kernel's math)."""
+    """transformers' Qwen3VLTextModel over the checkpoint with every projection in integer math
+    (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's), lm_head (tied: the
+    table's Q8_0 blocks) in Q8_0 integer math and the embedding table's `table_numbers`;
+    activations quantized as our graph does ("ours") or as llama.cpp does ("llama.cpp"). The
+    logits of the prompt's last row and of `steps` greedy steps (each step the whole sequence
+    again: rows are independent in the kernel's math)."""
     torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
     from test_text_2b import transformers_model
@@ -93,15 +92,12 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
                 if name.endswith("proj"):
                     setattr(parent, name, q8_linear(child.weight, activations, blocks))
     raw = hf.embed_tokens.weight.detach().numpy()
-    hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table_numbers(raw, form)), requires_grad=False)
-    if cfg.tie_word_embeddings and form == "ours":
-        head = lambda h: h @ hf.embed_tokens.weight.numpy().T  # noqa: E731
-    else:
-        weight = raw if cfg.tie_word_embeddings else next(
-            load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
-            if "lm_head.weight" in load_file(str(f)))
-        module = q8_linear(weight, activations)
-        head = lambda h: module(torch.from_numpy(h)).numpy()  # noqa: E731
+    hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table_numbers(raw)), requires_grad=False)
+    weight = raw if cfg.tie_word_embeddings else next(
+        load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
+        if "lm_head.weight" in load_file(str(f)))
+    module = q8_linear(weight, activations)
+    head = lambda h: module(torch.from_numpy(h)).numpy()  # noqa: E731
     ids, rows = list(prompt), []
     with torch.inference_mode():
         for _ in range(steps + 1):
@@ -150,8 +146,8 @@ def test_q8_0_weights_are_q8_0_blocks_in_the_kernels_tiles():
     assert (specs[down].dtype, specs[down].shape) == ("i8", (UNTIED.hidden_size, UNTIED.intermediate_size))
     assert specs[quant.scales_name(down)].dtype == "f16"
     assert specs["lm_head.weight"].dtype == "i8" and specs[quant.scales_name("lm_head.weight")].dtype == "f16"
-    assert specs[table].shape == (UNTIED.hidden_size, UNTIED.vocab_size)  # int8's transposed form, f32 scales
-    assert specs[quant.scales_name(table)].dtype == "f32"
+    assert (specs[table].dtype, specs[table].shape) == ("i8", (UNTIED.vocab_size, UNTIED.hidden_size))  # packed
+    assert specs[quant.scales_name(table)].dtype == "f16"
     w = np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32)
     q, scales = quant.Layout(8, quant.BLOCK, packed=True).store(w)
     ref_q, ref_scales = q8_matmul.quantize_weight(w)
@@ -170,6 +166,20 @@ def test_the_kernels_isa_is_part_of_the_identity():
     fields = {p: text_artifact_fields(CFG, TextShape((32,), 64), 0, p) for p in ("q8_0-avx512vnni", "q8_0-avx2")}
     assert fields["q8_0-avx2"]["graph_sha256"] != fields["q8_0-avx512vnni"]["graph_sha256"]
     assert fields["q8_0-avx2"]["weight_schema"] == fields["q8_0-avx512vnni"]["weight_schema"]  # one archive
+
+
+def test_the_identity_does_not_depend_on_the_kernel_folder(tmp_path, monkeypatch):
+    """Two `$QWEN3VL_KERNEL_DIR`s, one identity: the graph names the object by file name (a
+    hash of its source, flags and compiler), built into each folder."""
+    from emitter.identity import text_artifact_fields
+    from emitter.text import TextShape
+    fields = []
+    for folder in ("one", "two"):
+        monkeypatch.setenv(q8_matmul.OBJECTS_ENV, str(tmp_path / folder))
+        fields.append(text_artifact_fields(CFG, TextShape((32,), 64), 0, "q8_0-avx2"))
+        assert [p.name for p in (tmp_path / folder).iterdir()] == [q8_matmul.build_object("avx2", tmp_path).name]
+    assert fields[0] == fields[1]
+    assert str(tmp_path) not in json.dumps(fields[0])
 
 
 def test_a_target_without_the_kernel_is_one_line():

@@ -3,10 +3,13 @@ executables by kernels/q8_matmul.py): compiled by the real iree-compile, run by 
 (python and iree-run-module), bit for bit against numpy's integer math of the same order
 (`q8_matmul.reference`), at 8 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
 for x86-64-v3 code (AVX2), at 1 to 6 rows; bad shapes and weights get a one-line error; a failed
-object build leaves nothing behind."""
+object build leaves nothing behind. The install step (`python -m kernels`) builds every ISA's
+object once, and a missing C compiler is one line; a graph naming the object by file name
+compiles from whatever folder `$QWEN3VL_KERNEL_DIR` names."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,19 +21,22 @@ from emitter.builder import Builder, BuildError, TensorType
 from emitter.targets import target_flags
 from emitter.vision import render_module
 from kernels import q8_matmul as q8
-from runtime.artifact.compiler import compile_mlir
+from runtime.artifact.compiler import CompileError, compile_mlir
 from runtime.artifact.iree_module import LoadedModule
 
 K, N = 512, 224  # a last workgroup of 96 outputs
 
 
 IREE_RUN_MODULE = Path(sys.executable).parent / "iree-run-module"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def graph_vmfb(m: int, target: str, objects, bits: int = 8) -> bytes:
+def graph_vmfb(m: int, target: str, objects, bits: int = 8, by_name: bool = False) -> bytes:
     """x [M, K] f32, the packed weight (`bits` wide) and scales in; the projection and x's
-    quantized blocks out."""
+    quantized blocks out; `by_name`: the graph names the object by file name (as the text
+    module does)."""
     obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects)
+    obj = obj.name if by_name else obj
     b = Builder()
     x = b.argument("x", (m, K))
     y = q8.block_project(b, x, b.argument("w", (N * K * bits // 8,), "i8"),
@@ -82,6 +88,47 @@ def test_iree_run_module_runs_the_linked_kernel(tmp_path, bits):
                    check=True, capture_output=True)
     xq, dx, _ = q8.quantize_x(x)
     assert np.array_equal(np.load(tmp_path / "y.npy"), q8.reference(xq, dx, q, scales))
+
+
+def test_a_graph_naming_the_object_compiles_from_the_kernel_folder(tmp_path, monkeypatch):
+    """The object by file name, in a folder of `$QWEN3VL_KERNEL_DIR`: compile_mlir finds it there
+    (and only there: the graph holds no folder)."""
+    monkeypatch.setenv(q8.OBJECTS_ENV, str(tmp_path / "elsewhere"))
+    m = 3
+    x = np.random.default_rng(3).standard_normal((m, K), dtype=np.float32)
+    q, scales = weights(3)
+    y = LoadedModule(graph_vmfb(m, "llvm-cpu", tmp_path / "elsewhere", by_name=True))(
+        x, q8.pack_weight(q), q8.pack_scales(scales))[0]
+    assert np.array_equal(y, q8.reference(*q8.quantize_x(x)[:2], q, scales))
+    monkeypatch.setenv(q8.OBJECTS_ENV, str(tmp_path / "empty"))
+    with pytest.raises(CompileError, match="referenced object file not found"):
+        graph_vmfb(m, "llvm-cpu", tmp_path / "elsewhere", by_name=True)
+
+
+def install_step(folder: Path, **env) -> subprocess.CompletedProcess:
+    """`python -m kernels --dir folder` (the install step) in a child process."""
+    return subprocess.run([sys.executable, "-m", "kernels", "--dir", str(folder)], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, **env))
+
+
+def test_the_install_step_builds_every_isa_once(tmp_path):
+    first = install_step(tmp_path)
+    assert first.returncode == 0, first.stderr
+    built = sorted(tmp_path.glob("*.o"))
+    assert [p.name.split("-")[1] for p in built] == sorted(q8.ISA_FLAGS)
+    assert first.stdout.split() == [str(q8.build_object(isa, tmp_path)) for isa in q8.ISA_FLAGS]
+    stamps = [p.stat().st_mtime_ns for p in built]
+    again = install_step(tmp_path)
+    assert again.returncode == 0 and [p.stat().st_mtime_ns for p in built] == stamps  # nothing rebuilt
+
+
+def test_the_install_step_without_a_c_compiler_is_one_line(tmp_path):
+    """No $CC and nothing on PATH: one line naming what is missing, exit 1, nothing written."""
+    done = install_step(tmp_path / "objects", PATH=str(tmp_path), CC="")
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("error: q8_matmul: no C compiler: expected $CC, cc, gcc or clang on PATH "
+                                   "(--precision q8_0's kernel is built from source; install gcc or clang)")
+    assert not (tmp_path / "objects").exists()
 
 
 def test_target_isa_follows_the_compile_target():

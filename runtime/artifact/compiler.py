@@ -17,6 +17,7 @@ from iree.compiler.tools.binaries import find_tool
 from emitter.errors import Failure
 from emitter.identity import graph_precision, precision_note
 from emitter.targets import target_flags
+from kernels.q8_matmul import search_flags
 
 # What iree.compiler.compile_str put before our flags; kept so the vmfb stays the same.
 BASE_FLAGS = ("--iree-input-type=auto", "--iree-vm-bytecode-module-output-format=flatbuffer-binary",
@@ -45,8 +46,9 @@ def die_with_parent() -> None:
 
 
 def compile_command(target: str = "llvm-cpu", extra_flags=()) -> list[str]:
-    """The iree-compile command line: MLIR on stdin, vmfb on stdout."""
-    return [find_tool("iree-compile"), "-", *BASE_FLAGS, *target_flags(target), *extra_flags]
+    """The iree-compile command line: MLIR on stdin, vmfb on stdout; hand-written kernel
+    objects a graph names by file name are found in their folder (`search_flags`)."""
+    return [find_tool("iree-compile"), "-", *BASE_FLAGS, *target_flags(target), *search_flags(), *extra_flags]
 
 
 def compile_mlir(text: str, target: str = "llvm-cpu", extra_flags=()) -> bytes:

@@ -109,13 +109,40 @@ def copy_lengths(path: Path) -> list[int]:
     return [int(m) for m in re.findall(r"op=copy .*length=(\d+)", commands)]
 
 
+def dispatch_kind(key: str) -> str:
+    """What a decode dispatch does, from the name IREE gives it (or the kernel's export)."""
+    if key.startswith("q8_matmul"):
+        return "projections and lm_head, Q8_0 kernel"
+    if any(op in key for op in ("matmul", "vecmat", "matvec")):
+        return "matmuls, IREE's (projections of other precisions, rope tables)"
+    if "xi8" in key or "i8xi32" in key:
+        return "activation quantization"
+    if "gather" in key or "softmax" in key:
+        return "attention (KV block reads, scores)"
+    if "memcpy" in key or "copy" in key:
+        return "copies"
+    if "reduction" in key:
+        return "reductions (norms, attention sums)"
+    return "elementwise (rope, residuals, gating)"
+
+
 def profile_report(path: Path, steps: int, top: int = 8) -> list[str]:
-    """The top dispatches by time per step, and the copies in the step's command buffer."""
+    """Dispatch time per step in all and by kind (`dispatch_kind`), the top dispatches, and
+    the copies in the step's command buffer."""
     out = subprocess.run([str(TOOLS / "iree-profile"), "dispatch", "--format=jsonl", str(path)],
                          capture_output=True, text=True, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     groups = sorted((r for r in rows if r.get("type") == "host_dispatch_group"), key=lambda r: -r["total_ns"])
-    lines = [f"    {r['total_ns'] / steps / 1e6:7.2f} ms/step  {r['key']}" for r in groups[:top]]
+    kinds: dict[str, list] = {}
+    for r in groups:
+        kind = kinds.setdefault(dispatch_kind(r["key"]), [0, 0])
+        kind[0], kind[1] = kind[0] + r["total_ns"], kind[1] + r["count"]
+    lines = [f"    {sum(r['total_ns'] for r in groups) / steps / 1e6:7.2f} ms/step in "
+             f"{sum(r['count'] for r in groups) // steps} dispatches, by kind:"]
+    lines += [f"    {ns / steps / 1e6:7.2f} ms/step {count // steps:4d}x  {kind}"
+              for kind, (ns, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
+    lines.append("    top dispatches:")
+    lines += [f"    {r['total_ns'] / steps / 1e6:7.2f} ms/step  {r['key']}" for r in groups[:top]]
     sizes = copy_lengths(path)
     big = [s for s in sizes if s >= 1 << 20]
     lines.append(f"    copies recorded: {len(sizes)}, of them >= 1 MiB: {len(big)} ({sum(big) / 2**20:.0f} MiB)")

@@ -1,0 +1,34 @@
+"""`python -m kernels [--dir DIR]`: build every hand-written kernel object for every ISA it
+has (kernels/q8_matmul.py `build_object`) into DIR, default `$QWEN3VL_KERNEL_DIR` or
+~/.cache/qwen3vl-kernels; each object is named by a hash of its source, flags and compiler,
+so a rerun builds nothing. The install step (`make install`) runs it. A missing C compiler or
+a failed build is one line on stderr and exit status 1."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kernels import q8_matmul
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, help="where the objects go (default: $QWEN3VL_KERNEL_DIR, else "
+                        "~/.cache/qwen3vl-kernels)")
+    args = parser.parse_args(argv)
+    folder = args.dir or q8_matmul.default_objects()
+    try:
+        for isa in q8_matmul.ISA_FLAGS:
+            print(q8_matmul.build_object(isa, folder))
+    except q8_matmul.KernelError as e:
+        lines = str(e).splitlines()
+        reason = next((line.strip() for line in lines[1:] if "error" in line), "")
+        print(f"error: {lines[0]}{' ' + reason if reason else ''}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
