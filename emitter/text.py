@@ -240,7 +240,7 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
         return layouts
     shapes = dict(weight_shapes(cfg))
     head = LM_HEAD if LM_HEAD in shapes else TEXT_PREFIX + EMBEDDING
-    return {n: quant.layout_of(precision, shapes[n], head=n == head)
+    return {n: quant.layout_of(precision, shapes[n], head=n == head, gathered=n.endswith(EMBEDDING))
             for n in names if n.endswith(MATMUL_SUFFIXES)}
 
 
