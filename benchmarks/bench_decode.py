@@ -31,7 +31,9 @@ from pathlib import Path
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
 from emitter.config import PRECISIONS
-from runtime.bench.decode_profile import NATIVE_FORMS, decode_module, profile_report, step_ms, weight_bytes, write_archive
+from emitter.quant import compile_flags
+from runtime.bench.decode_profile import (NATIVE_FORMS, decode_module, graph_form, profile_report, step_ms,
+                                          weight_bytes, write_archive)
 
 
 def main(argv=None) -> int:
@@ -61,7 +63,9 @@ def main(argv=None) -> int:
             write_archive(cfg, precision, archives[precision])
         for precision, context, lanes in runs:
             vmfbs[precision, context, lanes] = tmp / f"decode_{precision}_{context}_{lanes}.vmfb"
-            vmfbs[precision, context, lanes].write_bytes(compile_mlir(decode_module(cfg, context, precision, lanes)))
+            flags = compile_flags(graph_form(cfg, precision)[1])  # as the session compiles that precision
+            vmfbs[precision, context, lanes].write_bytes(compile_mlir(decode_module(cfg, context, precision, lanes),
+                                                                      extra_flags=flags))
         times = {run: [] for run in runs}
         for _ in range(args.rounds):
             for run in runs:  # the last slot: every key but the new one masked in

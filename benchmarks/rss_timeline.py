@@ -3,7 +3,8 @@
 A child process runs what `Generator.generate` runs, one phase at a time, and says when
 each phase ends: the vision session loaded (its weights packed by IREE), the image
 encoded, the vision session let go (as `generate` does for its one answer), the text
-session loaded, the answer (prefill and decode). At each phase's end it reads its own
+session loaded, the answer (prefill and decode), and with `--prefills N` N - 1 more
+prefills of the same prompt (memory kept per call shows as growth from one to the next). At each phase's end it reads its own
 /proc/self/status (RssAnon, RssFile), glibc's heap (mallinfo2: bytes in use and bytes freed
 but kept) and the resident pages of each weight archive it maps. The parent samples the
 child's /proc/PID/status every 20 ms, so each phase also gets its peak, and ends with the
@@ -110,6 +111,8 @@ def child(options: dict) -> None:
     sampler = Sampler(gen.sampling, chat.ids, gen.text.cfg.vocab_size)
     tokens, _, _ = run_tokens(gen.text, chat, sampler, options["new"], gen.tokenizer.eos_ids)
     mark("decoded")
+    for _ in range(options["prefills"] - 1):  # the same prompt again: what each later call keeps
+        gen.text.prefill(chat.ids, chat.positions, chat.visual, chat.embeds, chat.deepstack)
     print("TOKENS " + json.dumps([int(t) for t in np.asarray(tokens)]), flush=True)
 
 
@@ -173,6 +176,9 @@ def main() -> None:
     p.add_argument("--prompt", default="Describe the image.")
     p.add_argument("--new", type=int, default=16, help="new tokens")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefills", type=int, default=1,
+                   help="prefill the prompt this many times in all (the later ones after the answer), each "
+                        "call a phase: memory a serving process keeps per call")
     p.add_argument("--keep-vision", action="store_true",
                    help="keep the vision session beside the language model (generate lets it go)")
     p.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent),

@@ -103,6 +103,7 @@ class Builder:
         self._names: set[str] = set()
         self._stage = "input"
         self.extents: dict[str, Value] = {}  # a Dim's base -> its size, scalar i32 (`bind`)
+        self._call_zero: Value | None = None
 
     # -- naming and stages -------------------------------------------------
     @contextmanager
@@ -136,6 +137,21 @@ class Builder:
         value = Value(self._fresh(name), TensorType(shape, dtype))
         self.arguments.append((value, abi_name or name))
         return value
+
+    def call_zero(self) -> Value | None:
+        """0.0, an f32 scalar computed from the function's first integer argument of static
+        shape (its first element times 0): a value no compiler can fold or move out of the
+        call, to make what is added to it a per-call computation; None when no argument
+        serves. Built once per function, at its first use."""
+        if self._call_zero is None:
+            arg = next((a for a, _ in self.arguments if a.dtype in ("i32", "i64") and is_static(a.shape)), None)
+            if arg is None:
+                return None
+            first = self.reshape(self.slice(arg, [0] * arg.rank, [1] * arg.rank, hint="call_first"), (),
+                                 hint="call_first") if arg.rank else arg
+            self._call_zero = self.multiply(self.convert(first, "f32", hint="call_zero"),
+                                            self.constant(0.0, ()), hint="call_zero")
+        return self._call_zero
 
     def parameter(self, name: str, shape, dtype: str, key: str, scope: str = "model") -> Value:
         """An immutable module global read from a parameter archive (`scope::key`), loaded

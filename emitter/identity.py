@@ -230,9 +230,10 @@ def text_artifact_fields(cfg, shape, deepstack_layers: int, precision: str = "f3
     """`artifact_fields` of the language-model module (`text.emit_text_module`) of a
     `text.TextShape`; `graph`: the module's MLIR text when the caller has it already."""
     from .text import emit_text_module, text_weights
+    from .quant import compile_flags
     graph = graph or emit_text_module(cfg, shape, deepstack_layers, precision)
     return artifact_fields("text", cfg.to_dict(), graph, text_weights(cfg, precision), precision, target,
-                           buckets=list(shape.buckets), context=shape.context, deepstack_layers=deepstack_layers,
+                           extra_flags=compile_flags(precision), buckets=list(shape.buckets), context=shape.context, deepstack_layers=deepstack_layers,
                            lanes=shape.lanes, kv_blocks=shape.blocks, kv_cache_dtype=shape.kv_dtype)
 
 

@@ -245,11 +245,30 @@ def block_project(b: Builder, x: Value, weight: BlockWeight, hint: str) -> Value
 SPLIT_K_ROWS = 8
 
 
-def packed(b: Builder, weight: QuantizedWeight) -> QuantizedWeight:
-    """q, the scales (and any biases) behind one barrier, for a dequantization: without it
-    IREE hoists what depends only on globals into module initialization, resident f32 copies
-    of weight size (the dequantized weight; the scales broadcast to the weight's shape)."""
+def held(b: Builder, weight: QuantizedWeight) -> QuantizedWeight:
+    """q, the scales (and any biases) behind one barrier: IREE hoists nothing that reads
+    them into module initialization (e.g. a relaid copy of q for a gather of its columns)."""
     return QuantizedWeight(*b.optimization_barriers(weight.parts, hint="packed"))
+
+
+def per_call_weight(b: Builder, weight: QuantizedWeight) -> QuantizedWeight:
+    """The weight for a dequantization made per call: its scales (and any biases) plus this
+    call's zero (`Builder.call_zero`), so that nothing of the dequantization depends on
+    globals alone; else IREE hoists it into module initialization, resident f32 copies of
+    weight size (the dequantized weight; the scales broadcast to the weight's shape).
+    Without an argument to give the zero, `held`. Through `held` alone, at 2B widths every
+    int8 prefill call grew the process by 64 MiB blocks that IREE 3.13's transient pool
+    kept (0.13 GB a 500-token call; docs/performance.md, "Peak RSS of one answer at equal
+    bits")."""
+    zero = b.call_zero()
+    if zero is None:
+        return held(b, weight)
+
+    def per_call(v: Value, hint: str) -> Value:
+        return b.add(wide_scales(b, v, hint), b.broadcast_in_dim(zero, v.shape, [], hint=hint), hint=hint)
+
+    biases = None if weight.biases is None else per_call(weight.biases, "per_call_biases")
+    return QuantizedWeight(weight.q, per_call(weight.scales, "per_call_scales"), biases)
 
 
 def dequantized(b: Builder, q: Value, scales: Value, hint: str, biases: Value | None = None) -> Value:
@@ -289,8 +308,8 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     if b.activations == "i8" and x.rank == 2:
         return integer_project(b, x, weight, hint)
     if x.rank != 2 or x.shape[0] > SPLIT_K_ROWS:
-        held = packed(b, weight)
-        w_t = dequantized(b, held.q, held.scales, hint + "_weight", held.biases)
+        w = per_call_weight(b, weight)
+        w_t = dequantized(b, w.q, w.scales, hint + "_weight", w.biases)
         return b.dot_general(cast(b, x, "f32", hint + "_f32"), w_t, ([x.rank - 1], [0]), hint=hint,
                              result_dtype="f32")
     (m, k), (n, _), g = x.shape, weight.shape, weight.scales.shape[1]

@@ -205,6 +205,22 @@ HEAD_LAYOUTS = {"int4": Layout(8), **{p: Layout(8, BLOCK, packed=True) for p in 
                                       if kernel_precision(p) == Q4_0}}
 
 
+# iree-compile flags of a language-model module whose weights are weight-only quantized
+# (int8, int4): data tiling from global optimization instead of dispatch creation. Both
+# pack prefill's dequantized weights for the tiled matmul per call; dispatch creation also
+# encodes decode's split-K q at load, as the identity layout, a resident copy of every
+# quantized weight beside the archive pages prefill reads (docs/performance.md, "One copy
+# of the int8 weights"); global optimization resolves that encoding away.
+WEIGHT_ONLY_FLAGS = ("--iree-opt-data-tiling=false", "--iree-global-opt-data-tiling")
+
+
+def compile_flags(precision: str) -> tuple[str, ...]:
+    """The iree-compile flags a text module of `precision` adds to its target's
+    (`WEIGHT_ONLY_FLAGS` for int8 and int4; none for the rest)."""
+    layout = PRECISION_LAYOUTS.get(precision)
+    return WEIGHT_ONLY_FLAGS if layout and not layout.packed and precision not in PER_CHANNEL else ()
+
+
 def bits_of(precision: str) -> int | None:
     """The bits of a quantized precision's weights, or None for a float precision."""
     layout = PRECISION_LAYOUTS.get(precision)

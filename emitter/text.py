@@ -53,7 +53,7 @@ from .config import (PARAMETER_SCOPE, PRECISION_NOTES, ConfigError, WeightSpec, 
                      weight_dtype)
 from .attention import grouped_attention, token_attention
 from .kv_pages import BLOCK, SPAN, SPAN_BLOCKS, pool_shape, read_blocks, read_span, write_chunk, write_token
-from .layers import apply_rotary, dequantized, gated_mlp, mrope_tables, packed, project, rms_norm, rope_inv_freq
+from .layers import apply_rotary, dequantized, gated_mlp, held, mrope_tables, project, rms_norm, rope_inv_freq
 from .module import function, render
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 
@@ -328,7 +328,7 @@ class TextGraph:
     def embed(self, tokens: Value) -> Value:
         table = self.w[TEXT_PREFIX + "embed_tokens.weight"]
         if isinstance(table, quant.QuantizedWeight):  # the rows (q's columns) dequantized
-            table = packed(self.b, table)
+            table = held(self.b, table)
             biases = None if table.biases is None else self.b.gather_rows(table.biases, tokens, hint="embed_biases")
             columns = dequantized(self.b, self.b.gather_slices(table.q, 1, tokens, hint="embed_q"),
                                   self.b.gather_rows(table.scales, tokens, hint="embed_scales"), "embed", biases)

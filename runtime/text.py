@@ -39,7 +39,8 @@ from runtime.artifact.archive import release_mapped_pages
 from runtime.artifact.build import compiled_module
 from runtime.artifact.cache import ArtifactCache, load_verified
 from runtime.artifact.compiler import resolve_precision
-from runtime.artifact.iree_module import LoadedModule, device_config, invoke, parameters_module
+from runtime.artifact.iree_module import (LoadedModule, device_config, invoke, parameters_module,
+                                          return_freed_memory)
 from runtime.outputs import check_finite
 from runtime.sampling import Sampler, SamplingParams, generation_defaults
 from runtime.inputs.text_stream import TextStream
@@ -181,11 +182,14 @@ class TextSession:
     def _load(self):
         """Load the module over the archive (`LoadedModule`: out of memory is one line); IREE
         packs the weights now, after which the archive's mapped pages are let go (pages read
-        later fault back from the file). Then the KV pools are stored whole once (`reset`)."""
+        later fault back from the file). Then the KV pools are stored whole once (`reset`),
+        and the heap the load freed is given back (`return_freed_memory`: 1.15 GB at 2B
+        int8 and q8_0 that `keep_freed_memory` would otherwise keep resident)."""
         self._loaded = LoadedModule(load_verified(self.vmfb_path), config=self.config, function=None,
                                     module_name=MODULE_NAME, modules=[parameters_module(self.config, self.parameters)])
         release_mapped_pages(self.parameters)
         self._reset(self._loaded.module)
+        return_freed_memory()
         return self._loaded.module
 
     def _reset(self, module) -> None:
@@ -555,8 +559,6 @@ class Generator:
         A collection first: the session sits in reference cycles, so dropping the reference
         alone frees it only at the interpreter's next collection."""
         import gc
-
-        from runtime.artifact.iree_module import return_freed_memory
 
         self._vision = None
         gc.collect()

@@ -123,15 +123,17 @@ def emit_graph(plan: BuildPlan) -> str:
 def compiled_module(cache: ArtifactCache, fields: dict, graph: Callable[[], str], target: str, label: str,
                     detail: str, progress: Callable[[str], None] | None = None) -> tuple[Path, bool]:
     """(the vmfb of `fields` in the cache, whether it was compiled now): on a miss, under the
-    cache's lock, `graph()`'s MLIR compiled for `target`; `progress` hears `label: compiling
-    <identity> (detail) ...` and the time it took. Both models' modules are built here."""
+    cache's lock, `graph()`'s MLIR compiled for `target` with the flags `fields` record
+    (the target's and any the module adds); `progress` hears `label: compiling <identity>
+    (detail) ...` and the time it took. Both models' modules are built here."""
     report = progress or (lambda message: None)
     identity = artifact_identity(fields)
+    extra_flags = fields["target"]["flags"][len(target_flags(target)):]
 
     def emit() -> bytes:
         report(f"{label}: compiling {identity[:12]} ({detail}) ...")
         t0 = time.monotonic()
-        data = compile_mlir(graph(), target)
+        data = compile_mlir(graph(), target, extra_flags)
         report(f"{label}: compiled in {time.monotonic() - t0:.1f} s")
         return data
 
