@@ -16,7 +16,8 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
 3. Rounds, the side that goes first alternating between rounds, per precision pair
    (ours f32 / llama.cpp f32, ours bf16 / llama.cpp bf16 text + f16 projector; at equal
    bits, text only (PAIRS): ours int8 (groups of 64) / Q8_0, ours q8_0 (Q8_0 weights and
-   activations through the hand-written kernel, row "q8_0-kernel") / Q8_0, ours int4 / Q4_0 and Q4_K_M;
+   activations through the hand-written kernel, row "q8_0-kernel") / Q8_0, ours int4 / Q4_0 and Q4_K_M,
+   ours q4_0 (Q4_0 weights, Q8_0 activations, the same kernel, row "q4_0-kernel") / Q4_0;
    the answer's projector is then llama.cpp's f16 one and ours the f32 tower):
    - vision per image (256x256, 512x512, 1024x1024 noise PNGs): llama-mtmd-cli's encode time
      ("slice encoded in" / "batch encoding done in", preprocessing excluded; the text model
@@ -76,7 +77,7 @@ PROMPT = "Describe the image."
 PREFILL, DECODE, ANSWER_TOKENS, ANSWER_CONTEXT = 512, 64, 16, 4096
 TASKS = ("vision", "text", "answer")
 QUALITY_TOKENS = 64
-QUANTIZED = ("q8_0", "q8_0-kernel", "q4_0", "q4_k_m")  # rows of quantized weights: text only (the projector is the f16 one)
+QUANTIZED = ("q8_0", "q8_0-kernel", "q4_0", "q4_0-kernel", "q4_k_m")  # rows of quantized weights: text only (the projector is the f16 one)
 NO_REPACK_NOTE = ("llama.cpp's quantized text models run with --no-repack (llama-bench --repack 0): with repacking "
                   "on, a VM with amx flags in /proc/cpuinfo died in the AMX buffer type (Q8_0: SIGILL, Q4_K_M: "
                   "SIGSEGV at warm-up); f32/bf16 text is not repacked either way")
@@ -91,7 +92,7 @@ def llama_repacks() -> bool:
 # (row, ours' precision or None, llama.cpp text GGUF, llama.cpp projector GGUF)
 PAIRS = (("f32", "f32", "text-f32", "mmproj-f32"), ("bf16", "bf16", "text-bf16", "mmproj-f16"),
          ("q8_0", "int8", "text-q8_0", "mmproj-f16"), ("q8_0-kernel", "q8_0", "text-q8_0", "mmproj-f16"),
-         ("q4_0", "int4", "text-q4_0", "mmproj-f16"),
+         ("q4_0", "int4", "text-q4_0", "mmproj-f16"), ("q4_0-kernel", "q4_0", "text-q4_0", "mmproj-f16"),
          ("q4_k_m", "int4", "text-q4_k_m", "mmproj-f16"))
 
 
