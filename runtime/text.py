@@ -432,10 +432,12 @@ def checkpoint_precision(model_dir) -> str:
 
 
 def vision_precision(precision: str) -> str:
-    """The vision tower's precision beside the language model's: f32 under int8 and int4
-    (its linears are not quantized), else the same (under native the linears a tower
-    stores in 8 or 4 bits run in those bits, `build.make_plan`)."""
-    return "f32" if quant.bits_of(precision) else precision
+    """The vision tower's precision beside the language model's: bf16 under the quantized
+    text precisions (int8, int4, w8a8, q8_0, q4_0: their linears are not quantized, and
+    bf16 halves the tower's weights, as llama.cpp's f16 projector beside its quantized text),
+    else the same (under native the linears a tower stores in 8 or 4 bits run in those bits,
+    `build.make_plan`)."""
+    return "bf16" if quant.bits_of(precision) else precision
 
 
 def vision_parts(model_dir):

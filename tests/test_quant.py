@@ -238,7 +238,7 @@ def test_int8_weights_resident_in_their_bits(tmp_path, precision):
 
 @pytest.mark.parametrize("precision", ["int8", "w8a8"])
 def test_generate_quantized_from_the_command_line(tmp_path, precision):
-    """`qwen3vl generate --precision int8` (and w8a8) with an image (the vision tower in f32
+    """`qwen3vl generate --precision int8` (and w8a8) with an image (the vision tower in bf16
     beside the quantized language model): it answers, its first logits near the f32 command's."""
     from helpers import generate_logits, write_images
     from emitter.config import PRESETS
