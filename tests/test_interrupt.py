@@ -109,6 +109,13 @@ INTERRUPTED = WORKER.replace("from runtime.commands.main import terminated", "fr
 assert "with command_errors()" in INTERRUPTED
 
 
+def as_in_a_terminal() -> None:
+    """A child's SIGINT handled by default, as under a terminal's shell, whatever the test
+    runner inherited (a shell's background job starts with SIGINT ignored, and Python then
+    installs no Ctrl-C handler): the `preexec_fn` of the Ctrl-C tests' children."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupted(child: subprocess.Popen, wait_for) -> tuple[int, str]:
     """Ctrl-C (SIGINT to the process alone) once `wait_for()` is true: (exit status, stderr)."""
     try:
@@ -127,7 +134,7 @@ def interrupted(child: subprocess.Popen, wait_for) -> tuple[int, str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads CPU time from /proc")
 def test_ctrl_c_during_a_long_call_is_one_line_and_130():
     child = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=Path(__file__).resolve().parents[1])
+                             text=True, cwd=Path(__file__).resolve().parents[1], preexec_fn=as_in_a_terminal)
     status, stderr = interrupted(child, lambda: computing(child) is None)
     assert status == 130, stderr
     assert stderr.strip().splitlines() == ["error: interrupted (SIGINT)"]
@@ -139,7 +146,8 @@ def test_ctrl_c_during_a_compile_is_one_line_and_130(tmp_path):
 
     qwen3vl = str(Path(sys.executable).parent / "qwen3vl")
     child = subprocess.Popen([qwen3vl, "build", "--preset", "qwen3-vl-2b", "--bucket", "64", "--cache-dir",
-                              str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=as_in_a_terminal)
     status, stderr = interrupted(child, lambda: children_named(child.pid, "iree-compile"))
     assert status == 130, stderr
     assert stderr.strip().splitlines()[-1] == "error: interrupted (SIGINT)" and "Aborted" not in stderr
