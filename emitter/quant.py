@@ -166,9 +166,9 @@ class Layout:
             if shape[0] % (2 * TILE):
                 raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] with N a multiple of {2 * TILE} "
                                   f"(the q{self.bits}_0 kernel's tiles)")
-            form = f"q{self.bits}_0_tile", ("_searched" if self.searched else "") + f"_g{self.group}"
-            return [WeightSpec(name, (shape[0], shape[1] * self.bits // 8), "i8", "s".join(form)),
-                    WeightSpec(scales_name(name), cut, "f16", "_scales".join(form))]
+            suffix = ("_searched" if self.searched else "") + f"_g{self.group}"
+            return [WeightSpec(name, (shape[0], shape[1] * self.bits // 8), "i8", f"q{self.bits}_0_tiles{suffix}"),
+                    WeightSpec(scales_name(name), cut, "f16", f"q{self.bits}_0_tile_scales{suffix}")]
         out = [WeightSpec(name, shape[::-1], self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
                WeightSpec(scales_name(name), cut, self.scales, f"group_scales_{tag}")]
         if self.affine:
@@ -193,16 +193,17 @@ class Layout:
                 q8_matmul.pack_scales(scales).reshape(scales.shape))
 
 
+# the kernel precisions' layouts: Q8_0's also holds q4_0's lm_head table and both's embedding table
+KERNEL_LAYOUTS = {Q8_0: Layout(8, BLOCK, packed=True), Q4_0: Layout(4, BLOCK, scales="f16", searched=True, packed=True)}
 # precision -> the layout of its weights (w8a8's group: each weight's K; `layout_of`)
 PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8": Layout(8),
-                     **{p: Layout(8, BLOCK, packed=True) for p in (Q8_0, *KERNEL_ISA) if kernel_precision(p) == Q8_0},
-                     **{p: Layout(4, BLOCK, scales="f16", searched=True, packed=True)
-                        for p in (Q4_0, *KERNEL_ISA) if kernel_precision(p) == Q4_0}}
+                     **{p: KERNEL_LAYOUTS[k] for k in KERNEL_BITS
+                        for p in (k, *(f"{k}-{isa}" for isa in KERNEL_ISA_NAMES))}}
 # precision -> the layout of the table lm_head reads (the embedding table when tied), where it
 # differs: int4's in int8 and q4_0's in Q8_0 (its kernel's 8-bit entry), as llama.cpp's Q4_0
 # keeps it in Q6_K (module docstring)
-HEAD_LAYOUTS = {"int4": Layout(8), **{p: Layout(8, BLOCK, packed=True) for p in PRECISION_LAYOUTS
-                                      if kernel_precision(p) == Q4_0}}
+HEAD_LAYOUTS = {"int4": Layout(8), **{p: KERNEL_LAYOUTS[Q8_0] for p in PRECISION_LAYOUTS
+                                      if is_block_kernel(p) and kernel_precision(p) == Q4_0}}
 
 
 # iree-compile flags of a language-model module whose weights are weight-only quantized
@@ -234,7 +235,7 @@ def layout_of(precision: str, shape: tuple[int, ...], head: bool = False, gather
     by rows) of a kernel precision in Q8_0's packed layout, whose 8-bit tiles rows are gathered from."""
     layout = HEAD_LAYOUTS.get(precision, PRECISION_LAYOUTS[precision]) if head else PRECISION_LAYOUTS[precision]
     if gathered and layout.packed:
-        return Layout(8, BLOCK, packed=True)
+        return KERNEL_LAYOUTS[Q8_0]
     return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
 
 
