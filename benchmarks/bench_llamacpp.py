@@ -26,7 +26,8 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
      image's patches), after a warm-up call; one image per process on both sides;
    - prefill tokens/s at 512 tokens and decode ms/token over 64 tokens: `llama-bench -p 512
      -n 64 -r 1` against a `TextSession` (bucket 512, context 576) in a child process
-     (prefill of 512 random ids, then 64 greedy decode steps, after a warm-up);
+     (prefill of 512 random ids, then 64 greedy decode steps, after a warm-up; our KV cache
+     in --kv-cache-dtype, llama-bench's in its default f16);
    - one answer, one 256x256 image + a short prompt, 16 new tokens, context 4096:
      `llama-mtmd-cli -c 4096 -n 16 --ignore-eos` against `qwen3vl generate --context 4096
      --max-new-tokens 16`: time to first token (llama.cpp: encode + prompt eval; ours:
@@ -278,7 +279,8 @@ def child_text(options: dict) -> dict:
 
     set_thread_count(options["threads"])
     session = TextSession(options["model"], buckets=(PREFILL,), context=PREFILL + DECODE,
-                          precision=options["precision"], target=options["target"])
+                          precision=options["precision"], target=options["target"],
+                          kv_cache_dtype=options.get("kv", "f32"))
     session.module
     ids = np.random.default_rng(0).integers(0, session.cfg.vocab_size, PREFILL)
     positions = np.broadcast_to(np.arange(PREFILL), (3, PREFILL))
@@ -412,7 +414,7 @@ def warm_ours(model: Path, images: dict, precisions, threads: int, target: str, 
     the cache. Returns each run's result (or error), by step."""
     seconds = {}
     for precision in precisions:
-        options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
+        options = {"model": str(model), "precision": precision, "threads": threads, "target": target, "kv": kv}
         for size, path in ((s, p) for s, p in images.items() if s in sizes and precision in ("f32", "bf16")
                            and "vision" in tasks):
             image = dict(options, image=[size, str(path)])
@@ -439,10 +441,10 @@ def attempt(run) -> dict:
 def one_round(first: str, row, model: Path, images: dict, files: dict, bindir: Path, threads: int,
               target: str, tmp: Path, sizes=IMAGE_SIZES, tasks=TASKS, kv: str = "f32") -> dict:
     """One round of one precision row: vision, text, answer (those of `tasks`), each side in
-    turn (`first` goes first); our answer's KV cache in `kv`. Ours is skipped when the row
+    turn (`first` goes first); our text and answer KV cache in `kv`. Ours is skipped when the row
     has no precision of ours, and for images not in `sizes` (recorded as an error saying so)."""
     name, precision, text, mmproj = row
-    options = {"model": str(model), "precision": precision, "threads": threads, "target": target}
+    options = {"model": str(model), "precision": precision, "threads": threads, "target": target, "kv": kv}
     small = images[min(images)]
     repack = name not in QUANTIZED or llama_repacks()
     sides = {f"vision_{s}": {
@@ -571,7 +573,7 @@ def main() -> None:
                    help="figures to measure: vision per image, text (prefill and decode), answer (time to first "
                         "token, decode at context 4096, peak RSS)")
     p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32",
-                   help="our answer's KV cache (llama.cpp's default is f16)")
+                   help="our KV cache in the text and answer tasks (llama.cpp's default is f16)")
     p.add_argument("--quality", action="store_true",
                    help="also each side's logit distance from its own f32 model at each row's bits")
     p.add_argument("--skip-warm", action="store_true",
