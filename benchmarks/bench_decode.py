@@ -14,7 +14,11 @@ makes, and the read bandwidth measured then (the time the weights' bytes take at
     .venv/bin/python benchmarks/bench_decode.py --layers 4 --contexts 1024 --lanes 1 4 --precision f32 bf16
 
 `--lanes` times the server's batched step (`decode_<lanes>`, one token for each of
-that many sequences) instead of one sequence's.
+that many sequences) instead of one sequence's. Each precision is built with the flags the
+session compiles it with (`quant.compile_flags`); `--without-module-flags` also times each
+one that has any built without them (`<precision>/plain`: the A/B of those flags).
+
+    .venv/bin/python benchmarks/bench_decode.py --layers 8 --contexts 576 --precision mlx4 --without-module-flags
 
 Memory: the archive (2B widths: ~0.2 GB per layer in f32) and one module at a time.
 """
@@ -36,6 +40,18 @@ from runtime.bench.decode_profile import (NATIVE_FORMS, decode_module, graph_for
                                           weight_bytes, write_archive)
 
 
+def module_flags(cfg, precision: str) -> tuple[str, ...]:
+    """The iree-compile flags the session adds for `precision` (a NATIVE_FORMS name: its
+    checkpoint's config over f32)."""
+    form_cfg, form = graph_form(cfg, precision)
+    return compile_flags(form, form_cfg.native_weights)
+
+
+def base_precision(label: str) -> str:
+    """The precision of a run's label (`<precision>/plain`: that precision without its flags)."""
+    return label.split("/")[0]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen3-vl-2b", choices=sorted(TEXT_PRESETS))
@@ -52,26 +68,31 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lanes", type=int, nargs="+", default=[1], help="sequences per step (the server's lanes)")
     parser.add_argument("--profile", action="store_true", help="per-dispatch times and copies per context")
+    parser.add_argument("--without-module-flags", action="store_true",
+                        help="also time each precision that adds iree-compile flags (quant.compile_flags) built "
+                             "without them, as <precision>/plain")
     args = parser.parse_args(argv)
     cfg = replace(TEXT_PRESETS[args.preset], num_hidden_layers=args.layers, vocab_size=args.vocab)
-    runs = [(p, c, n) for p in args.precision for c in args.contexts for n in args.lanes]
+    flags = {p: module_flags(cfg, p) for p in args.precision}
+    if args.without_module_flags:
+        flags.update({f"{p}/plain": () for p in args.precision if flags[p]})
+    runs = [(p, c, n) for p in flags for c in args.contexts for n in args.lanes]
     with tempfile.TemporaryDirectory(prefix="bench_decode.") as tmp:
         tmp = Path(tmp)
         archives, vmfbs = {}, {}
         for precision in args.precision:
             archives[precision] = tmp / f"weights_{precision}.irpa"
             write_archive(cfg, precision, archives[precision])
-        for precision, context, lanes in runs:
-            vmfbs[precision, context, lanes] = tmp / f"decode_{precision}_{context}_{lanes}.vmfb"
-            flags = compile_flags(graph_form(cfg, precision)[1])  # as the session compiles that precision
-            vmfbs[precision, context, lanes].write_bytes(compile_mlir(decode_module(cfg, context, precision, lanes),
-                                                                      extra_flags=flags))
+        for label, context, lanes in runs:
+            vmfbs[label, context, lanes] = tmp / f"decode_{label.replace('/', '_')}_{context}_{lanes}.vmfb"
+            module = decode_module(cfg, context, base_precision(label), lanes)
+            vmfbs[label, context, lanes].write_bytes(compile_mlir(module, extra_flags=flags[label]))
         times = {run: [] for run in runs}
         for _ in range(args.rounds):
             for run in runs:  # the last slot: every key but the new one masked in
-                precision, context, lanes = run
-                times[run].append(step_ms(vmfbs[run], archives[precision], context - 1, args.repeats, args.threads,
-                                          lanes=lanes))
+                label, context, lanes = run
+                times[run].append(step_ms(vmfbs[run], archives[base_precision(label)], context - 1, args.repeats,
+                                          args.threads, lanes=lanes))
         print(f"{args.preset} widths, {args.layers} layers, vocab {args.vocab}, {args.threads} threads: ms per "
               f"decode step, median (min-max) of {args.rounds} rounds")
         base = statistics.median(times[runs[0]])
@@ -80,16 +101,18 @@ def main(argv=None) -> int:
             t = times[run]
             print(f"  {precision:8s} context {context:6d} lanes {lanes}: {statistics.median(t):7.2f} "
                   f"({min(t):.2f}-{max(t):.2f})  x{statistics.median(t) / base:.2f} of {runs[0][0]} at context "
-                  f"{runs[0][1]}, {runs[0][2]} lane(s); weights {weight_bytes(cfg, precision) / 1e6:.0f} MB")
+                  f"{runs[0][1]}, {runs[0][2]} lane(s); weights "
+                  f"{weight_bytes(cfg, base_precision(precision)) / 1e6:.0f} MB")
         if args.profile:
             from runtime.bench.roof import memory_bandwidth_gbs
             read = memory_bandwidth_gbs(args.threads)["read_gbs"]
             print(f"  read bandwidth now: {read:.1f} GB/s (torch, a 1 GiB sum, {args.threads} threads)")
             for run in runs:
                 precision, context, lanes = run
-                path = tmp / f"decode_{precision}_{context}_{lanes}.ireeprof"
-                step_ms(vmfbs[run], archives[precision], context - 1, 3, args.threads, profile=path, lanes=lanes)
-                floor = weight_bytes(cfg, precision) / read / 1e6
+                path = tmp / f"decode_{precision.replace('/', '_')}_{context}_{lanes}.ireeprof"
+                step_ms(vmfbs[run], archives[base_precision(precision)], context - 1, 3, args.threads, profile=path,
+                        lanes=lanes)
+                floor = weight_bytes(cfg, base_precision(precision)) / read / 1e6
                 print(f"  {precision} context {context} lanes {lanes} (profiled, 3 steps; its weights at that "
                       f"bandwidth: {floor:.2f} ms):")
                 print("\n".join(profile_report(path, 3)))

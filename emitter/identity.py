@@ -233,7 +233,8 @@ def text_artifact_fields(cfg, shape, deepstack_layers: int, precision: str = "f3
     from .quant import compile_flags
     graph = graph or emit_text_module(cfg, shape, deepstack_layers, precision)
     return artifact_fields("text", cfg.to_dict(), graph, text_weights(cfg, precision), precision, target,
-                           extra_flags=compile_flags(precision), buckets=list(shape.buckets), context=shape.context, deepstack_layers=deepstack_layers,
+                           extra_flags=compile_flags(precision, cfg.native_weights), buckets=list(shape.buckets),
+                           context=shape.context, deepstack_layers=deepstack_layers,
                            lanes=shape.lanes, kv_blocks=shape.blocks, kv_cache_dtype=shape.kv_dtype)
 
 

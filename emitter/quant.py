@@ -206,20 +206,23 @@ HEAD_LAYOUTS = {"int4": Layout(8), **{p: KERNEL_LAYOUTS[Q8_0] for p in PRECISION
                                       if is_block_kernel(p) and kernel_precision(p) == Q4_0}}
 
 
-# iree-compile flags of a language-model module whose weights are weight-only quantized
-# (int8, int4): data tiling from global optimization instead of dispatch creation. Both
-# pack prefill's dequantized weights for the tiled matmul per call; dispatch creation also
-# encodes decode's split-K q at load, as the identity layout, a resident copy of every
-# quantized weight beside the archive pages prefill reads (docs/performance.md, "One copy
-# of the int8 weights"); global optimization resolves that encoding away.
+# iree-compile flags of a module whose weights are weight-only quantized and dequantized per
+# call (int8, int4, a checkpoint's own bits: MLX's, GGUF's): data tiling from global
+# optimization instead of dispatch creation. Both pack prefill's dequantized weights for the
+# tiled matmul per call; dispatch creation also encodes decode's split-K q at load, as the
+# identity layout, a resident copy of every quantized weight beside the archive pages
+# prefill reads (docs/performance.md, "One copy of the int8 weights"; at the 4-bit MLX 8B
+# 5.0 GB, docs/text.md); global optimization resolves that encoding away.
 WEIGHT_ONLY_FLAGS = ("--iree-opt-data-tiling=false", "--iree-global-opt-data-tiling")
 
 
-def compile_flags(precision: str) -> tuple[str, ...]:
-    """The iree-compile flags a text module of `precision` adds to its target's
-    (`WEIGHT_ONLY_FLAGS` for int8 and int4; none for the rest)."""
+def compile_flags(precision: str, native_weights=()) -> tuple[str, ...]:
+    """The iree-compile flags a text module of `precision` adds to its target's:
+    `WEIGHT_ONLY_FLAGS` for int8 and int4 and for a checkpoint run in its own bits (its
+    config's `native_weights` not empty); none for the rest (float, w8a8, q8_0, q4_0)."""
     layout = PRECISION_LAYOUTS.get(precision)
-    return WEIGHT_ONLY_FLAGS if layout and not layout.packed and precision not in PER_CHANNEL else ()
+    weight_only = layout and not layout.packed and precision not in PER_CHANNEL
+    return WEIGHT_ONLY_FLAGS if weight_only or native_weights else ()
 
 
 def bits_of(precision: str) -> int | None:
