@@ -99,10 +99,11 @@ def main(argv=None) -> int:
         for run in runs:
             precision, context, lanes = run
             t = times[run]
+            rounds = sorted(a / b for a, b in zip(t, times[runs[0]]))  # each round's own ratio to the base
             print(f"  {precision:8s} context {context:6d} lanes {lanes}: {statistics.median(t):7.2f} "
                   f"({min(t):.2f}-{max(t):.2f})  x{statistics.median(t) / base:.2f} of {runs[0][0]} at context "
-                  f"{runs[0][1]}, {runs[0][2]} lane(s); weights "
-                  f"{weight_bytes(cfg, base_precision(precision)) / 1e6:.0f} MB")
+                  f"{runs[0][1]}, {runs[0][2]} lane(s) (rounds' own: median x{statistics.median(rounds):.3f}, "
+                  f"{rounds[0]:.2f}-{rounds[-1]:.2f}); weights {weight_bytes(cfg, base_precision(precision)) / 1e6:.0f} MB")
         if args.profile:
             from runtime.bench.roof import memory_bandwidth_gbs
             read = memory_bandwidth_gbs(args.threads)["read_gbs"]

@@ -145,17 +145,21 @@ def test_int8_over_an_affine_checkpoint_is_one_line(checkpoint):
 @pytest.mark.parametrize("form", ["mlx4", "mlx8"])
 def test_decode_dispatches_read_the_bits(tmp_path, form):
     """With biases too, the decode dispatches contract the weights in their bits (f32 x i4
-    or i8 -> f32), and none widens one to an f32 copy (as tests/test_quant.py checks int8/int4)."""
+    or i8 -> f32), and none widens one to an f32 copy (as tests/test_quant.py checks int8/int4);
+    built with the flags the session adds (`quant.compile_flags`), nothing re-encodes them at load."""
     from runtime.artifact.compiler import compile_mlir
-    from runtime.bench.decode_profile import NATIVE_FORMS, decode_module
+    from runtime.bench.decode_profile import NATIVE_FORMS, decode_module, graph_form
 
     bits = NATIVE_FORMS[form].dtype
-    compile_mlir(decode_module(dataclasses.replace(CFG, tie_word_embeddings=False), 64, form),
-                 extra_flags=[f"--iree-hal-dump-executable-sources-to={tmp_path}"])
-    names = [m for f in tmp_path.glob("*decode*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=False)
+    stored, precision = graph_form(cfg, form)
+    flags = quant.compile_flags(precision, stored.native_weights)
+    compile_mlir(decode_module(cfg, 64, form), extra_flags=[*flags, f"--iree-hal-dump-executable-sources-to={tmp_path}"])
+    names = [m for f in tmp_path.glob("*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]
     contractions = [n for n in names if re.search(rf"_(matmul|vecmat|matvec)\w*_f32x{bits}xf32$", n)]
-    widening = [n for n in names if n.endswith(f"{bits}xf32") and n not in contractions]
-    assert contractions and not widening, names
+    widening = [n for n in names if "decode" in n and n.endswith(f"{bits}xf32") and n not in contractions]
+    encoded = [n for n in names if re.search(rf"_encode_\w*x{bits}_to_", n)]
+    assert flags and contractions and not widening and not encoded, names
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
