@@ -39,7 +39,8 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 #define Q8_TILES_AT_ONCE 2  // two tiles share each broadcast of x: half the broadcasts a dot product
-#define Q8_ROWS 4           // rows of x per pass over the tiles (their sums and accumulators: 16 zmm)
+#define ROWS(bits) 4        // rows of x per pass over the tiles (their sums and accumulators: 16 zmm)
+#define Q8_ROWS_MAX 4
 
 // Step q (inputs 4q..4q+3 of the block) of one tile's block as unsigned bytes, 16 outputs x 4
 // inputs: 8 bits, w + 128 (one xor); 4 bits, the codes' low nibbles (q < 4) or high ones.
@@ -59,11 +60,11 @@ static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC, const int bits) {
   const size_t blocks = K / 32;
-  __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS];
+  __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
   for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
     for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
   for (size_t b = 0; b < blocks; ++b) {
-    __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS];
+    __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
     for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
       for (int m = 0; m < MC; ++m) isum[p][m] = _mm512_setzero_si512();
     for (int q = 0; q < 8; ++q) {
@@ -94,15 +95,27 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 #elif defined(__AVX2__)
 
-#define Q8_TILES_AT_ONCE 1
-#define Q8_ROWS 8  // rows of x per pass over a tile: each weight load feeds 8 rows
+// Two tiles a pass, in parts of 8 outputs (ymm lanes), PARTS(bits) of them sharing each
+// broadcast of x and ROWS(bits) rows each load of the weights (16 ymm: the rows' block sums, the
+// parts' weights): Zen 4 runs the broadcasts on fewer pipes than the dot products, so each
+// feeds as many parts as the registers hold.
+#define Q8_TILES_AT_ONCE 2
+#ifndef Q8_AVX2_PARTS8
+#define Q8_AVX2_PARTS8 2
+#define Q8_AVX2_ROWS8 4
+#define Q8_AVX2_PARTS4 4
+#define Q8_AVX2_ROWS4 2
+#endif
+#define PARTS(bits) ((bits) == 8 ? Q8_AVX2_PARTS8 : Q8_AVX2_PARTS4)
+#define ROWS(bits) ((bits) == 8 ? Q8_AVX2_ROWS8 : Q8_AVX2_ROWS4)
+#define Q8_ROWS_MAX 4
 
-// The same with AVX2 (16 ymm registers), per 8 outputs (`half` 0 or 1 of the tile) x 4 inputs a
-// step, each weight load feeding every row of the pass: 8 bits, vpmaddubsw of |w| (u8, shared by
-// the rows) against x with w's sign (llama.cpp's sign trick; |w| x |x| <= 127 x 127, no
-// saturation), vpmaddwd with ones to i32 every step; 4 bits, vpmaddubsw of the codes (u8, at most
-// 15) against x, summed in i16 over the block's 8 steps (at most 8 x 2 x 15 x 127 = 30480: exact)
-// and widened by one vpmaddwd a block, OFFSET * xs taken off after.
+// The same with AVX2, per 8 outputs (part j: tile j / 2, its half j % 2) x 4 inputs a step:
+// 8 bits, vpmaddubsw of |w| (u8, shared by the rows) against x with w's sign (llama.cpp's sign
+// trick; |w| x |x| <= 127 x 127, no saturation), vpmaddwd with ones to i32 every step; 4 bits,
+// vpmaddubsw of the codes (u8, at most 15) against x, summed in i16 over the block's 8 steps (at
+// most 8 x 2 x 15 x 127 = 30480: exact) and widened by one vpmaddwd a block, OFFSET * xs taken
+// off after.
 static inline __attribute__((always_inline)) __m256i step_weights(const uint8_t* restrict block, int q,
                                                                   const int bits) {
   if (bits == 8) return _mm256_loadu_si256((const __m256i*)(block + q * 64));
@@ -110,37 +123,36 @@ static inline __attribute__((always_inline)) __m256i step_weights(const uint8_t*
   return _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
 }
 
-// Rows [0, MC) of x against one tile, HALVES halves of it at a time (2 when few rows, else 1 so
-// that MC rows' block sums stay in registers); the f32 accumulators live in y (one load and store
-// per block and row: the registers go to the sums), the float math the documented order.
+// Rows [0, MC) of x against the two tiles' 4 parts, PARTS(bits) at a time; the f32 accumulators
+// live in y (a load and a store a block, row and part: the registers go to the sums), the float
+// math the documented order.
 static inline __attribute__((always_inline)) void tile_rows(
     const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC, const int bits) {
-  enum { HALVES_MAX = 2 };
-  const int HALVES = MC <= 3 ? 2 : 1;
+  enum { PARTS_MAX = 4 };
+  const int parts = PARTS(bits);
   const size_t blocks = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   Q8_UNROLL
-  for (int m = 0; m < MC; ++m) {
-    _mm256_storeu_ps(y + m * N + n0, _mm256_setzero_ps());
-    _mm256_storeu_ps(y + m * N + n0 + 8, _mm256_setzero_ps());
-  }
-  for (int h0 = 0; h0 < 2; h0 += HALVES) {
+  for (int m = 0; m < MC; ++m)
+    Q8_UNROLL
+    for (int j = 0; j < 2 * Q8_TILES_AT_ONCE; ++j) _mm256_storeu_ps(y + m * N + n0 + 8 * j, _mm256_setzero_ps());
+  for (int j0 = 0; j0 < 2 * Q8_TILES_AT_ONCE; j0 += parts) {
     for (size_t b = 0; b < blocks; ++b) {
-      const uint8_t* wb = wt + b * BLOCK_BYTES(bits) + h0 * 32;
-      __m256i s[HALVES_MAX][Q8_ROWS];
+      __m256i s[PARTS_MAX][Q8_ROWS_MAX];
       Q8_UNROLL
-      for (int h = 0; h < HALVES; ++h)
+      for (int j = 0; j < parts; ++j)
         Q8_UNROLL
-        for (int m = 0; m < MC; ++m) s[h][m] = _mm256_setzero_si256();
+        for (int m = 0; m < MC; ++m) s[j][m] = _mm256_setzero_si256();
       Q8_UNROLL
       for (int q = 0; q < 8; ++q) {
-        __m256i w[HALVES_MAX], aw[HALVES_MAX];
+        __m256i w[PARTS_MAX], aw[PARTS_MAX];
         Q8_UNROLL
-        for (int h = 0; h < HALVES; ++h) {
-          w[h] = step_weights(wb + h * 32, q, bits);
-          aw[h] = bits == 8 ? _mm256_abs_epi8(w[h]) : w[h];
+        for (int j = 0; j < parts; ++j) {
+          const int part = j0 + j;
+          w[j] = step_weights(wt + ((part / 2) * blocks + b) * BLOCK_BYTES(bits) + (part % 2) * 32, q, bits);
+          aw[j] = bits == 8 ? _mm256_abs_epi8(w[j]) : w[j];
         }
         Q8_UNROLL
         for (int m = 0; m < MC; ++m) {
@@ -148,26 +160,27 @@ static inline __attribute__((always_inline)) void tile_rows(
           __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
           __m256i xb = _mm256_set1_epi32(quad);
           Q8_UNROLL
-          for (int h = 0; h < HALVES; ++h) {
+          for (int j = 0; j < parts; ++j) {
             if (bits == 8)
-              s[h][m] = _mm256_add_epi32(
-                  s[h][m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(xb, w[h])), ones));
+              s[j][m] = _mm256_add_epi32(
+                  s[j][m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, w[j])), ones));
             else
-              s[h][m] = _mm256_add_epi16(s[h][m], _mm256_maddubs_epi16(w[h], xb));
-            __asm__("" : "+x"(s[h][m]));  // one running sum a register (else gcc keeps every step's product)
+              s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], xb));
+            __asm__("" : "+x"(s[j][m]));  // one running sum a register (else gcc keeps every step's product)
           }
         }
       }
       Q8_UNROLL
-      for (int h = 0; h < HALVES; ++h) {
-        __m256 dwv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + b * 16 + (h0 + h) * 8)));
+      for (int j = 0; j < parts; ++j) {
+        const int part = j0 + j;
+        __m256 dwv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + (part / 2) * 16 * blocks + b * 16 + (part % 2) * 8)));
         Q8_UNROLL
         for (int m = 0; m < MC; ++m) {
-          __m256i exact = s[h][m];
+          __m256i exact = s[j][m];
           if (bits != 8)  // the block's i16 sums widened, the codes' offset taken off
             exact = _mm256_sub_epi32(_mm256_madd_epi16(exact, ones),
                                      _mm256_set1_epi32(OFFSET(bits) * xs[m * blocks + b]));
-          float* acc = y + m * N + n0 + (h0 + h) * 8;
+          float* acc = y + m * N + n0 + 8 * part;
           __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(dx[m * blocks + b]));
           _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_mul_ps(scale, _mm256_cvtepi32_ps(exact))));
         }
@@ -197,15 +210,12 @@ static inline __attribute__((always_inline)) void workgroup(
     const uint8_t* wt = w + t * blocks * BLOCK_BYTES(bits);
     const uint16_t* dwt = dw + t * blocks * 16;
     size_t m = 0;
-    for (; m + Q8_ROWS <= M; m += Q8_ROWS)
-      tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, Q8_ROWS, bits);
+    for (; m + ROWS(bits) <= M; m += ROWS(bits))
+      tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, ROWS(bits), bits);
     switch (M - m) {  // the remaining rows, each count its own unrolled loop
 #define Q8_REST(r) \
-  case r: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, r, bits); break;
+  case r: if (r < ROWS(bits)) tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, r, bits); break;
       Q8_REST(1) Q8_REST(2) Q8_REST(3)
-#if Q8_ROWS > 4
-      Q8_REST(4) Q8_REST(5) Q8_REST(6) Q8_REST(7)
-#endif
 #undef Q8_REST
       default: break;
     }
