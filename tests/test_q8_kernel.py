@@ -55,9 +55,9 @@ def weights(seed: int, bits: int = 8):
 @pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
 @pytest.mark.parametrize("m", [1, 4, 6, 11])
 def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m, bits):
-    """Rows of 1, 4 (one pass of the AVX-512 loop's 4 rows; AVX2's 4-row remainder), 6 (a pass and
-    a remainder of 2; AVX2: 6 rows, one tile half at a time) and 11 (AVX2: a pass of 8 rows and a
-    remainder of 3, both halves at once);
+    """Rows of 1, 4 (one pass of the 4-row loop: AVX-512, and AVX2 at 8 bits; AVX2's Q4_0 loop
+    takes 2 rows a pass), 6 (a pass and a remainder of 2) and 11 (passes and a remainder of 3,
+    or of 1);
     a row of zeros and a row with one large value among them; at 4 bits every code, -8..7, occurs."""
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, K), dtype=np.float32)
