@@ -39,6 +39,10 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 #define Q8_TILES_AT_ONCE 2  // two tiles share each broadcast of x: half the broadcasts a dot product
+// Tiles at once at one row (decode, reading weights from DRAM): Q8_0 two, Q4_0 one, a single
+// stream of weights (benchmarks/bench_q8_loop.py: Q4_0 x0.70-0.79 the time of two at once, Q8_0
+// x1.09-1.15 with one).
+#define ONE_ROW_TILES(bits) ((bits) == 8 ? 2 : 1)
 #define ROWS(bits) 4        // rows of x per pass over the tiles (their sums and accumulators: 16 zmm)
 #define Q8_ROWS_MAX 4
 
@@ -60,54 +64,52 @@ static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC, const int bits) {
   const size_t blocks = K / 32;
-  __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
-  for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-    for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
-  for (size_t b = 0; b < blocks; ++b) {
-    __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
-    for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-      for (int m = 0; m < MC; ++m) isum[p][m] = _mm512_setzero_si512();
-    for (int q = 0; q < 8; ++q) {
-      __m512i wu[Q8_TILES_AT_ONCE];
-      for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-        wu[p] = unsigned_step(wt + (p * blocks + b) * BLOCK_BYTES(bits), q, bits);
+  const int at_once = MC == 1 ? ONE_ROW_TILES(bits) : Q8_TILES_AT_ONCE;
+  for (int p0 = 0; p0 < Q8_TILES_AT_ONCE; p0 += at_once) {
+    __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
+    for (int p = p0; p < p0 + at_once; ++p)
+      for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
+    for (size_t b = 0; b < blocks; ++b) {
+      __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
+      for (int p = p0; p < p0 + at_once; ++p)
+        for (int m = 0; m < MC; ++m) isum[p][m] = _mm512_setzero_si512();
+      for (int q = 0; q < 8; ++q) {
+        __m512i wu[Q8_TILES_AT_ONCE];
+        for (int p = p0; p < p0 + at_once; ++p)
+          wu[p] = unsigned_step(wt + (p * blocks + b) * BLOCK_BYTES(bits), q, bits);
+        for (int m = 0; m < MC; ++m) {
+          int32_t quad;
+          __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
+          __m512i xb = _mm512_set1_epi32(quad);
+          for (int p = p0; p < p0 + at_once; ++p) isum[p][m] = _mm512_dpbusd_epi32(isum[p][m], wu[p], xb);
+        }
+      }
       for (int m = 0; m < MC; ++m) {
-        int32_t quad;
-        __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
-        __m512i xb = _mm512_set1_epi32(quad);
-        for (int p = 0; p < Q8_TILES_AT_ONCE; ++p) isum[p][m] = _mm512_dpbusd_epi32(isum[p][m], wu[p], xb);
+        __m512i correction = _mm512_set1_epi32(OFFSET(bits) * xs[m * blocks + b]);
+        __m512 d = _mm512_set1_ps(dx[m * blocks + b]);
+        for (int p = p0; p < p0 + at_once; ++p) {
+          __m512i exact = _mm512_sub_epi32(isum[p][m], correction);
+          __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwt + p * 16 * blocks + b * 16)));
+          __m512 scale = _mm512_mul_ps(dwv, d);
+          acc[p][m] = _mm512_add_ps(acc[p][m], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(exact)));
+        }
       }
     }
-    for (int m = 0; m < MC; ++m) {
-      __m512i correction = _mm512_set1_epi32(OFFSET(bits) * xs[m * blocks + b]);
-      __m512 d = _mm512_set1_ps(dx[m * blocks + b]);
-      for (int p = 0; p < Q8_TILES_AT_ONCE; ++p) {
-        __m512i exact = _mm512_sub_epi32(isum[p][m], correction);
-        __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwt + p * 16 * blocks + b * 16)));
-        __m512 scale = _mm512_mul_ps(dwv, d);
-        acc[p][m] = _mm512_add_ps(acc[p][m], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(exact)));
-      }
-    }
+    for (int p = p0; p < p0 + at_once; ++p)
+      for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0 + 16 * p, acc[p][m]);
   }
-  for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-    for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0 + 16 * p, acc[p][m]);
 }
 
 #elif defined(__AVX2__)
 
 // Two tiles a pass, in parts of 8 outputs (ymm lanes), PARTS(bits) of them sharing each
-// broadcast of x and ROWS(bits) rows each load of the weights (16 ymm: the rows' block sums, the
-// parts' weights): Zen 4 runs the broadcasts on fewer pipes than the dot products, so each
-// feeds as many parts as the registers hold.
+// broadcast of x and ROWS(bits) rows each load of the weights, as many as the 16 ymm hold (the
+// rows' block sums, the parts' weights; 8 bits: w and |w|, two registers a part). The broadcasts
+// bound the loop, not the dot products: shared by 16 outputs rather than 8, the time at 512 rows
+// went x0.92 (8 bits) and x0.67 (4 bits); more rows a load without that, x1.0.
 #define Q8_TILES_AT_ONCE 2
-#ifndef Q8_AVX2_PARTS8
-#define Q8_AVX2_PARTS8 2
-#define Q8_AVX2_ROWS8 4
-#define Q8_AVX2_PARTS4 4
-#define Q8_AVX2_ROWS4 2
-#endif
-#define PARTS(bits) ((bits) == 8 ? Q8_AVX2_PARTS8 : Q8_AVX2_PARTS4)
-#define ROWS(bits) ((bits) == 8 ? Q8_AVX2_ROWS8 : Q8_AVX2_ROWS4)
+#define PARTS(bits) ((bits) == 8 ? 2 : 4)
+#define ROWS(bits) ((bits) == 8 ? 4 : 2)
 #define Q8_ROWS_MAX 4
 
 // The same with AVX2, per 8 outputs (part j: tile j / 2, its half j % 2) x 4 inputs a step:
@@ -131,7 +133,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC, const int bits) {
   enum { PARTS_MAX = 4 };
-  const int parts = PARTS(bits);
+  const int parts = MC == 1 ? 2 : PARTS(bits);  // one row: a tile at a time (Q4_0 x0.60 the time of two)
   const size_t blocks = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   Q8_UNROLL
