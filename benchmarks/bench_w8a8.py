@@ -100,15 +100,17 @@ def weight_bytes(form: str, n: int, k: int) -> int:
     return n * k * bits // 8 + scales * (2 if form == "mlx4" else 1)
 
 
-def kernel_object(form: str, objects: Path) -> Path:
-    """The kernel object a kernel form links: the compile target's ISA, or AVX2."""
+def kernel_object(form: str, objects: Path, source: Path = q8_matmul.SOURCE) -> Path:
+    """The kernel object a kernel form links: the compile target's ISA, or AVX2, built from `source`."""
     isa = "avx2" if form.endswith("-avx2") else q8_matmul.target_isa(tuple(target_flags("llvm-cpu")))
-    return q8_matmul.build_object(isa, objects)
+    return q8_matmul.build_object(isa, objects, source)
 
 
-def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, objects: Path | None = None) -> str:
+def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, objects: Path | None = None,
+                source: Path = q8_matmul.SOURCE) -> str:
     """`count` distinct weights as parameter globals, functions f0.. each projecting x by
-    `per_call` of them; a kernel form (q8k, q4k) links its kernel object, built into `objects`."""
+    `per_call` of them; a kernel form (q8k, q4k) links its kernel object, built from `source` into
+    `objects`."""
     bits, group = form_layout(form, k)
     functions, globals_ = [], []
     for f in range(count // per_call):
@@ -119,7 +121,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, ob
             if form in KERNEL_FORMS:
                 w = b.parameter(f"w{i}", (n * k * bits // 8,), "i8", f"w{i}")
                 s = b.parameter(f"s{i}", (n * k // group,), "f16", f"s{i}")
-                y = q8_matmul.block_project(b, x, w, s, kernel_object(form, objects), hint=f"p{i}")
+                y = q8_matmul.block_project(b, x, w, s, kernel_object(form, objects, source), hint=f"p{i}")
             elif bits == 16:
                 w = b.parameter(f"w{i}", (n, k), "bf16", f"w{i}")
                 y = project(b, x, w, hint=f"p{i}")
@@ -228,6 +230,9 @@ def main(argv=None) -> dict:
     p.add_argument("--objects", default="build/kernels", help="where the kernel forms' kernel objects are built")
     p.add_argument("--quality", action="store_true", help="print the integer forms' relL2 from f32 (numpy), no timing")
     p.add_argument("--save", metavar="DIR", help="write each form's vmfb, weights and x here")
+    p.add_argument("--baseline", metavar="C_FILE", type=Path,
+                   help="another version of kernels/q8_matmul.c (e.g. `git show main:kernels/q8_matmul.c`): each "
+                        "kernel form also runs as FORM@base with it, alternating with the others")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.quality:
@@ -240,26 +245,29 @@ def main(argv=None) -> dict:
     out = {"n": args.n, "k": args.k, "threads": args.threads, "flags": args.flags,
            "bandwidth_before": memory_bandwidth_gbs(args.threads), "rows": {}, "asm": {}}
     rng = np.random.default_rng(1)
+    runs = {form: (form, q8_matmul.SOURCE) for form in args.forms}  # name -> (form, kernel source)
+    if args.baseline:
+        runs.update({f"{form}@base": (form, args.baseline) for form in args.forms if form in KERNEL_FORMS})
     for m in args.rows:
         loaded = {}
-        for form in args.forms:
+        for name, (form, source) in runs.items():
             per = weight_bytes(form, args.n, args.k)
             count = math.ceil(args.megabytes * 1e6 / per / args.per_call) * args.per_call
-            text = module_text(form, args.n, args.k, m, count, args.per_call, Path(args.objects))
+            text = module_text(form, args.n, args.k, m, count, args.per_call, Path(args.objects), source)
             dump = None
             if args.asm and m == 1:
-                dump = Path(args.asm) / form
+                dump = Path(args.asm) / name
                 dump.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
             vmfb = compile_form(text, args.flags, dump)
             compiled = time.perf_counter() - start
             if dump:
-                out["asm"][form] = asm_counts(dump)
+                out["asm"][name] = asm_counts(dump)
             arrays = weight_arrays(form, args.n, args.k, count)
-            loaded[form] = (Loaded(config, vmfb, arrays, count // args.per_call), count, per)
+            loaded[name] = (Loaded(config, vmfb, arrays, count // args.per_call), count, per)
             if args.save:
-                save(Path(args.save), form, m, vmfb, arrays)
-            print(f"M={m} {form}: {count} weights, {count * per / 1e6:.0f} MB, compiled in {compiled:.1f} s",
+                save(Path(args.save), name, m, vmfb, arrays)
+            print(f"M={m} {name}: {count} weights, {count * per / 1e6:.0f} MB, compiled in {compiled:.1f} s",
                   flush=True)
         x = rng.standard_normal((m, args.k), dtype=np.float32)
         if args.save:
@@ -274,7 +282,7 @@ def main(argv=None) -> dict:
         for form, (_, count, per) in loaded.items():
             s = statistics.median(times[form])
             out["rows"][m][form] = {"ms": s * 1e3, "gbs": per / s / 1e9, "min_ms": min(times[form]) * 1e3}
-            print(f"M={m:<4} {form:<10} {s * 1e3:7.3f} ms/projection  {per / s / 1e9:6.1f} GB/s of weights "
+            print(f"M={m:<4} {form:<14} {s * 1e3:7.3f} ms/projection  {per / s / 1e9:6.1f} GB/s of weights "
                   f"(min {min(times[form]) * 1e3:.3f} ms)", flush=True)
         del loaded
     out["bandwidth_after"] = memory_bandwidth_gbs(args.threads)

@@ -28,16 +28,23 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define Q8_ROWS 4                 // rows of x per pass over a weight tile (registers)
-
 // Bytes of one tile's block of 32 inputs at `bits` a weight, and the offset the unsigned
 // weights' sums carry (u = w + OFFSET: 128 for the 8-bit xor, 8 for Q4_0's codes).
+// Loops over registers unrolled whole, so that their arrays stay in registers.
+#define Q8_UNROLL _Pragma("GCC unroll 16")
+
 #define BLOCK_BYTES(bits) (16 * 32 * (bits) / 8)
 #define OFFSET(bits) (1 << ((bits) - 1))
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 #define Q8_TILES_AT_ONCE 2  // two tiles share each broadcast of x: half the broadcasts a dot product
+// Tiles at once at one row (decode, reading weights from DRAM): Q8_0 two, Q4_0 one, a single
+// stream of weights (benchmarks/bench_q8_loop.py: Q4_0 x0.70-0.79 the time of two at once, Q8_0
+// x1.09-1.15 with one).
+#define ONE_ROW_TILES(bits) ((bits) == 8 ? 2 : 1)
+#define ROWS(bits) 4        // rows of x per pass over the tiles (their sums and accumulators: 16 zmm)
+#define Q8_ROWS_MAX 4
 
 // Step q (inputs 4q..4q+3 of the block) of one tile's block as unsigned bytes, 16 outputs x 4
 // inputs: 8 bits, w + 128 (one xor); 4 bits, the codes' low nibbles (q < 4) or high ones.
@@ -57,95 +64,130 @@ static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC, const int bits) {
   const size_t blocks = K / 32;
-  __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS];
-  for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-    for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
-  for (size_t b = 0; b < blocks; ++b) {
-    __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS];
-    for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-      for (int m = 0; m < MC; ++m) isum[p][m] = _mm512_setzero_si512();
-    for (int q = 0; q < 8; ++q) {
-      __m512i wu[Q8_TILES_AT_ONCE];
-      for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-        wu[p] = unsigned_step(wt + (p * blocks + b) * BLOCK_BYTES(bits), q, bits);
+  const int at_once = MC == 1 ? ONE_ROW_TILES(bits) : Q8_TILES_AT_ONCE;
+  for (int p0 = 0; p0 < Q8_TILES_AT_ONCE; p0 += at_once) {
+    __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
+    for (int p = p0; p < p0 + at_once; ++p)
+      for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
+    for (size_t b = 0; b < blocks; ++b) {
+      __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
+      for (int p = p0; p < p0 + at_once; ++p)
+        for (int m = 0; m < MC; ++m) isum[p][m] = _mm512_setzero_si512();
+      for (int q = 0; q < 8; ++q) {
+        __m512i wu[Q8_TILES_AT_ONCE];
+        for (int p = p0; p < p0 + at_once; ++p)
+          wu[p] = unsigned_step(wt + (p * blocks + b) * BLOCK_BYTES(bits), q, bits);
+        for (int m = 0; m < MC; ++m) {
+          int32_t quad;
+          __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
+          __m512i xb = _mm512_set1_epi32(quad);
+          for (int p = p0; p < p0 + at_once; ++p) isum[p][m] = _mm512_dpbusd_epi32(isum[p][m], wu[p], xb);
+        }
+      }
       for (int m = 0; m < MC; ++m) {
-        int32_t quad;
-        __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
-        __m512i xb = _mm512_set1_epi32(quad);
-        for (int p = 0; p < Q8_TILES_AT_ONCE; ++p) isum[p][m] = _mm512_dpbusd_epi32(isum[p][m], wu[p], xb);
+        __m512i correction = _mm512_set1_epi32(OFFSET(bits) * xs[m * blocks + b]);
+        __m512 d = _mm512_set1_ps(dx[m * blocks + b]);
+        for (int p = p0; p < p0 + at_once; ++p) {
+          __m512i exact = _mm512_sub_epi32(isum[p][m], correction);
+          __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwt + p * 16 * blocks + b * 16)));
+          __m512 scale = _mm512_mul_ps(dwv, d);
+          acc[p][m] = _mm512_add_ps(acc[p][m], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(exact)));
+        }
       }
     }
-    for (int m = 0; m < MC; ++m) {
-      __m512i correction = _mm512_set1_epi32(OFFSET(bits) * xs[m * blocks + b]);
-      __m512 d = _mm512_set1_ps(dx[m * blocks + b]);
-      for (int p = 0; p < Q8_TILES_AT_ONCE; ++p) {
-        __m512i exact = _mm512_sub_epi32(isum[p][m], correction);
-        __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwt + p * 16 * blocks + b * 16)));
-        __m512 scale = _mm512_mul_ps(dwv, d);
-        acc[p][m] = _mm512_add_ps(acc[p][m], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(exact)));
-      }
-    }
+    for (int p = p0; p < p0 + at_once; ++p)
+      for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0 + 16 * p, acc[p][m]);
   }
-  for (int p = 0; p < Q8_TILES_AT_ONCE; ++p)
-    for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0 + 16 * p, acc[p][m]);
 }
 
 #elif defined(__AVX2__)
 
-#define Q8_TILES_AT_ONCE 1
+// Two tiles a pass, in parts of 8 outputs (ymm lanes), PARTS(bits) of them sharing each
+// broadcast of x and ROWS(bits) rows each load of the weights, as many as the 16 ymm hold (the
+// rows' block sums, the parts' weights; 8 bits: w and |w|, two registers a part). The broadcasts
+// bound the loop, not the dot products: shared by 16 outputs rather than 8, the time at 512 rows
+// went x0.92 (8 bits) and x0.67 (4 bits); more rows a load without that, x1.0.
+#define Q8_TILES_AT_ONCE 2
+#define PARTS(bits) ((bits) == 8 ? 2 : 4)
+#define ROWS(bits) ((bits) == 8 ? 4 : 2)
+#define Q8_ROWS_MAX 4
 
-// The same with AVX2, one tile at a time, per 8 outputs (`half` 0 or 1 of the tile) x 4 inputs:
-// 8 bits, vpmaddubsw of |x| (u8) against w with x's sign (llama.cpp's trick); 4 bits,
-// vpmaddubsw of the codes (u8, at most 15: no saturation) against x, OFFSET * xs taken off
-// after; then vpmaddwd with ones to i32.
-static inline __attribute__((always_inline)) __m256i dot_step(const uint8_t* restrict block, int q, int half,
-                                                              __m256i xb, const int bits) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if (bits == 8) {
-    __m256i w = _mm256_loadu_si256((const __m256i*)(block + q * 64 + half * 32));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb)), ones);
-  }
-  __m256i v = _mm256_loadu_si256((const __m256i*)(block + (q & 3) * 64 + half * 32));
-  __m256i u = _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xb), ones);
+// The same with AVX2, per 8 outputs (part j: tile j / 2, its half j % 2) x 4 inputs a step:
+// 8 bits, vpmaddubsw of |w| (u8, shared by the rows) against x with w's sign (llama.cpp's sign
+// trick; |w| x |x| <= 127 x 127, no saturation), vpmaddwd with ones to i32 every step; 4 bits,
+// vpmaddubsw of the codes (u8, at most 15) against x, summed in i16 over the block's 8 steps (at
+// most 8 x 2 x 15 x 127 = 30480: exact) and widened by one vpmaddwd a block, OFFSET * xs taken
+// off after.
+static inline __attribute__((always_inline)) __m256i step_weights(const uint8_t* restrict block, int q,
+                                                                  const int bits) {
+  if (bits == 8) return _mm256_loadu_si256((const __m256i*)(block + q * 64));
+  __m256i v = _mm256_loadu_si256((const __m256i*)(block + (q & 3) * 64));
+  return _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
 }
 
+// Rows [0, MC) of x against the two tiles' 4 parts, PARTS(bits) at a time; the f32 accumulators
+// live in y (a load and a store a block, row and part: the registers go to the sums), the float
+// math the documented order.
 static inline __attribute__((always_inline)) void tile_rows(
     const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC, const int bits) {
+  enum { PARTS_MAX = 4 };
+  const int parts = MC == 1 ? 2 : PARTS(bits);  // one row: a tile at a time (Q4_0 x0.60 the time of two)
   const size_t blocks = K / 32;
-  __m256 lo[Q8_ROWS], hi[Q8_ROWS];
-  for (int m = 0; m < MC; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
-  for (size_t b = 0; b < blocks; ++b) {
-    __m256i slo[Q8_ROWS], shi[Q8_ROWS];
-    for (int m = 0; m < MC; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
-    const uint8_t* wb = wt + b * BLOCK_BYTES(bits);
-    for (int q = 0; q < 8; ++q) {
-      for (int m = 0; m < MC; ++m) {
-        int32_t quad;
-        __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
-        __m256i xb = _mm256_set1_epi32(quad);
-        slo[m] = _mm256_add_epi32(slo[m], dot_step(wb, q, 0, xb, bits));
-        shi[m] = _mm256_add_epi32(shi[m], dot_step(wb, q, 1, xb, bits));
+  const __m256i ones = _mm256_set1_epi16(1);
+  Q8_UNROLL
+  for (int m = 0; m < MC; ++m)
+    Q8_UNROLL
+    for (int j = 0; j < 2 * Q8_TILES_AT_ONCE; ++j) _mm256_storeu_ps(y + m * N + n0 + 8 * j, _mm256_setzero_ps());
+  for (int j0 = 0; j0 < 2 * Q8_TILES_AT_ONCE; j0 += parts) {
+    for (size_t b = 0; b < blocks; ++b) {
+      __m256i s[PARTS_MAX][Q8_ROWS_MAX];
+      Q8_UNROLL
+      for (int j = 0; j < parts; ++j)
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m) s[j][m] = _mm256_setzero_si256();
+      Q8_UNROLL
+      for (int q = 0; q < 8; ++q) {
+        __m256i w[PARTS_MAX], aw[PARTS_MAX];
+        Q8_UNROLL
+        for (int j = 0; j < parts; ++j) {
+          const int part = j0 + j;
+          w[j] = step_weights(wt + ((part / 2) * blocks + b) * BLOCK_BYTES(bits) + (part % 2) * 32, q, bits);
+          aw[j] = bits == 8 ? _mm256_abs_epi8(w[j]) : w[j];
+        }
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m) {
+          int32_t quad;
+          __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
+          __m256i xb = _mm256_set1_epi32(quad);
+          Q8_UNROLL
+          for (int j = 0; j < parts; ++j) {
+            if (bits == 8)
+              s[j][m] = _mm256_add_epi32(
+                  s[j][m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, w[j])), ones));
+            else
+              s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], xb));
+            __asm__("" : "+x"(s[j][m]));  // one running sum a register (else gcc keeps every step's product)
+          }
+        }
+      }
+      Q8_UNROLL
+      for (int j = 0; j < parts; ++j) {
+        const int part = j0 + j;
+        __m256 dwv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + (part / 2) * 16 * blocks + b * 16 + (part % 2) * 8)));
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m) {
+          __m256i exact = s[j][m];
+          if (bits != 8)  // the block's i16 sums widened, the codes' offset taken off
+            exact = _mm256_sub_epi32(_mm256_madd_epi16(exact, ones),
+                                     _mm256_set1_epi32(OFFSET(bits) * xs[m * blocks + b]));
+          float* acc = y + m * N + n0 + 8 * part;
+          __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(dx[m * blocks + b]));
+          _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_mul_ps(scale, _mm256_cvtepi32_ps(exact))));
+        }
       }
     }
-    __m256 dlo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + b * 16)));
-    __m256 dhi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + b * 16 + 8)));
-    for (int m = 0; m < MC; ++m) {
-      if (bits != 8) {  // the codes' offset
-        __m256i correction = _mm256_set1_epi32(OFFSET(bits) * xs[m * blocks + b]);
-        slo[m] = _mm256_sub_epi32(slo[m], correction);
-        shi[m] = _mm256_sub_epi32(shi[m], correction);
-      }
-      __m256 d = _mm256_set1_ps(dx[m * blocks + b]);
-      lo[m] = _mm256_add_ps(lo[m], _mm256_mul_ps(_mm256_mul_ps(dlo, d), _mm256_cvtepi32_ps(slo[m])));
-      hi[m] = _mm256_add_ps(hi[m], _mm256_mul_ps(_mm256_mul_ps(dhi, d), _mm256_cvtepi32_ps(shi[m])));
-    }
-  }
-  for (int m = 0; m < MC; ++m) {
-    _mm256_storeu_ps(y + m * N + n0, lo[m]);
-    _mm256_storeu_ps(y + m * N + n0 + 8, hi[m]);
   }
 }
 
@@ -170,12 +212,13 @@ static inline __attribute__((always_inline)) void workgroup(
     const uint8_t* wt = w + t * blocks * BLOCK_BYTES(bits);
     const uint16_t* dwt = dw + t * blocks * 16;
     size_t m = 0;
-    for (; m + Q8_ROWS <= M; m += Q8_ROWS)
-      tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, Q8_ROWS, bits);
-    switch (M - m) {
-      case 3: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 3, bits); break;
-      case 2: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 2, bits); break;
-      case 1: tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, 1, bits); break;
+    for (; m + ROWS(bits) <= M; m += ROWS(bits))
+      tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, ROWS(bits), bits);
+    switch (M - m) {  // the remaining rows, each count its own unrolled loop
+#define Q8_REST(r) \
+  case r: if (r < ROWS(bits)) tile_rows(xq + m * K, dx + m * blocks, xs + m * blocks, wt, dwt, y + m * N, N, K, t * 16, r, bits); break;
+      Q8_REST(1) Q8_REST(2) Q8_REST(3)
+#undef Q8_REST
       default: break;
     }
   }

@@ -116,22 +116,23 @@ def search_flags() -> list[str]:
     return [f"--iree-hal-executable-object-search-path={default_objects()}"]
 
 
-def build_object(isa: str, out_dir: str | os.PathLike) -> Path:
-    """kernels/q8_matmul.c compiled for `isa` into `out_dir` (named by a hash of the source,
-    flags and compiler, so a stale object is never reused); written whole or not at all."""
+def build_object(isa: str, out_dir: str | os.PathLike, source: Path = SOURCE) -> Path:
+    """kernels/q8_matmul.c (or another version of it, `source`: a benchmark's baseline) compiled
+    for `isa` into `out_dir` (named by a hash of the source, flags and compiler, so a stale
+    object is never reused); written whole or not at all."""
     if isa not in ISA_FLAGS:
         raise KernelError(f"q8_matmul: ISA {isa!r}: expected one of {', '.join(ISA_FLAGS)}")
     cc = compiler()
     flags = [*COMMON_FLAGS, *ISA_FLAGS[isa]]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([Path(source).read_text(), *flags, version]).encode()).hexdigest()[:16]
     out = Path(out_dir) / f"q8_matmul-{isa}-{key}.o"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        done = subprocess.run([cc, *flags, "-c", str(SOURCE), "-o", str(part)], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, "-c", str(source), "-o", str(part)], capture_output=True, text=True)
         if done.returncode:
             raise KernelError(f"q8_matmul: {cc} failed for {isa}:\n{done.stderr.strip()}")
         os.replace(part, out)

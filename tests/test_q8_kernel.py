@@ -2,7 +2,7 @@
 executables by kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime
 (python and iree-run-module), bit for bit against numpy's integer math of the same order
 (`q8_matmul.reference`), at 8 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
-for x86-64-v3 code (AVX2), at 1 to 6 rows; bad shapes and weights get a one-line error; a failed
+for x86-64-v3 code (AVX2), at 1 to 11 rows; bad shapes and weights get a one-line error; a failed
 object build leaves nothing behind. The install step (`python -m kernels`) builds every ISA's
 object once, and a missing C compiler is one line; a graph naming the object by file name
 compiles from whatever folder `$QWEN3VL_KERNEL_DIR` names."""
@@ -53,9 +53,11 @@ def weights(seed: int, bits: int = 8):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
-@pytest.mark.parametrize("m", [1, 4, 6])
+@pytest.mark.parametrize("m", [1, 4, 6, 11])
 def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m, bits):
-    """Rows of 1, 4 (one pass of the kernel's 4-row loop) and 6 (a pass and a remainder of 2);
+    """Rows of 1, 4 (one pass of the 4-row loop: AVX-512, and AVX2 at 8 bits; AVX2's Q4_0 loop
+    takes 2 rows a pass), 6 (a pass and a remainder of 2) and 11 (passes and a remainder of 3,
+    or of 1);
     a row of zeros and a row with one large value among them; at 4 bits every code, -8..7, occurs."""
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, K), dtype=np.float32)
