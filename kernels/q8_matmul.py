@@ -116,26 +116,47 @@ def search_flags() -> list[str]:
     return [f"--iree-hal-executable-object-search-path={default_objects()}"]
 
 
-def build_object(isa: str, out_dir: str | os.PathLike) -> Path:
-    """kernels/q8_matmul.c compiled for `isa` into `out_dir` (named by a hash of the source,
-    flags and compiler, so a stale object is never reused); written whole or not at all."""
+def build_object(isa: str, out_dir: str | os.PathLike, source: Path = SOURCE) -> Path:
+    """`source` (kernels/q8_matmul.c, or another kernel's C file) compiled for `isa` into
+    `out_dir`, named by the source's stem and a hash of the source, flags and compiler (so a
+    stale object is never reused); written whole or not at all."""
     if isa not in ISA_FLAGS:
-        raise KernelError(f"q8_matmul: ISA {isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+        raise KernelError(f"{source.stem}: ISA {isa!r}: expected one of {', '.join(ISA_FLAGS)}")
     cc = compiler()
     flags = [*COMMON_FLAGS, *ISA_FLAGS[isa]]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version]).encode()).hexdigest()[:16]
-    out = Path(out_dir) / f"q8_matmul-{isa}-{key}.o"
+    key = hashlib.sha256("\0".join([source.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    out = Path(out_dir) / f"{source.stem}-{isa}-{key}.o"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        done = subprocess.run([cc, *flags, "-c", str(SOURCE), "-o", str(part)], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, "-c", str(source), "-o", str(part)], capture_output=True, text=True)
         if done.returncode:
-            raise KernelError(f"q8_matmul: {cc} failed for {isa}:\n{done.stderr.strip()}")
+            raise KernelError(f"{source.stem}: {cc} failed for {isa}:\n{done.stderr.strip()}")
         os.replace(part, out)
     return out
+
+
+def object_executable(obj: str | os.PathLike, export: str, workgroups: str, module: str) -> str:
+    """A `stream.executable` @`export` linking `obj` (a path, or a file name `search_flags`
+    finds): its export's workgroup count `workgroups` (a region over the dispatch's workload
+    `%n`, ending in `stream.return`) and its `builtin.module` body `module` (the C function's
+    `hal.import.static` declaration and the export's function, which calls it)."""
+    path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
+    return f"""stream.executable private @{export} attributes {{
+    hal.executable.objects = #hal.executable.objects<{{
+      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{path}"}}>]
+    }}>
+  }} {{
+    stream.executable.export public @{export} workgroups(%n: index) -> (index, index, index) {{
+      {workgroups}
+    }}
+    builtin.module {{
+      {module}
+    }}
+  }}"""
 
 
 # -- weights -----------------------------------------------------------------
@@ -217,7 +238,6 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int, bits: int = 8) ->
     function of the weights' `bits` (`ENTRIES`)."""
     check_shape(m, n, k)
     g, entry, export = k // BLOCK, ENTRIES[check_bits(bits)], executable_name(m, n, k, bits)
-    path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
     shapes = {"x": (m * k, "i8"), "dx": (m * g, "f32"), "xs": (m * g, "i32"), "w": (n * k * bits // 8, "i8"),
               "dw": (n * g, "f16"), "y": (m * n, "f32")}
     memrefs = [f"memref<{size}x{t}>" for size, t in shapes.values()]
@@ -225,18 +245,10 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int, bits: int = 8) ->
     subspans = [f"%{name} = stream.binding.subspan %b{name}[%c0] : !stream.binding -> {memref}"
                 for name, memref in zip(shapes, memrefs)]
     body = "\n          ".join(subspans)
-    return f"""stream.executable private @{export} attributes {{
-    hal.executable.objects = #hal.executable.objects<{{
-      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{path}"}}>]
-    }}>
-  }} {{
-    stream.executable.export public @{export} workgroups(%n: index) -> (index, index, index) {{
-      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
+    workgroups = f"""%x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
       %c1 = arith.constant 1 : index
-      stream.return %x, %c1, %c1 : index, index, index
-    }}
-    builtin.module {{
-      func.func private @{entry}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
+      stream.return %x, %c1, %c1 : index, index, index"""
+    module = f"""func.func private @{entry}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
       func.func @{export}({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
           %c0 = arith.constant 0 : index
           %m = arith.constant {m} : index
@@ -247,9 +259,8 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int, bits: int = 8) ->
           {body}
           func.call @{entry}({", ".join("%" + name for name in shapes)}, %m, %n, %k, %tiles, %wg) : ({decl}, index, index, index, index, index) -> ()
           return
-      }}
-    }}
-  }}"""
+      }}"""
+    return object_executable(obj, export, workgroups, module)
 
 
 def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Value]:
