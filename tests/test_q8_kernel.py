@@ -4,8 +4,9 @@ executables by kernels/q8_matmul.py): compiled by the real iree-compile, run by 
 (`q8_matmul.reference`), at 8 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
 for x86-64-v3 code (AVX2), at 1 to 6 rows; bad shapes and weights get a one-line error; a failed
 object build leaves nothing behind. The install step (`python -m kernels`) builds every
-kernel's object (this one's and kernels/decode_attention.c's) for every ISA once, and a missing C compiler is one line; a graph naming the object by file name
-compiles from whatever folder `$QWEN3VL_KERNEL_DIR` names."""
+kernel's object (this one's and kernels/decode_attention.c's) for every ISA once, and a
+missing C compiler is one line; a graph naming the object by file name compiles from
+whatever folder `$QWEN3VL_KERNEL_DIR` names."""
 
 from __future__ import annotations
 
