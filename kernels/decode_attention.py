@@ -63,28 +63,13 @@ def executable(obj: str | os.PathLike, kv_heads: int, blocks: int, groups: int, 
     export, entry = executable_name(kv_heads, blocks, groups, head_dim, kv_dtype), ENTRIES[kv_dtype]
     pool = f"memref<{kv_heads * blocks * BLOCK * head_dim}x{kv_dtype}>"
     heads, own = f"memref<{kv_heads * groups * head_dim}xf32>", f"memref<{kv_heads * head_dim}xf32>"
-    memrefs = {"q": heads, "k": own, "v": own, "kp": pool, "vp": pool, "table": "memref<?xi32>{%span}",
-               "slot": "memref<1xi32>", "out": heads}
-    decl = ", ".join(m.split("{")[0] for m in memrefs.values())
-    subspans = "\n          ".join(f"%{name} = stream.binding.subspan %b{name}[%c0] : !stream.binding -> {m}"
-                                   for name, m in memrefs.items())
-    scale = struct.unpack("<I", struct.pack("<f", head_dim ** -0.5))[0]
+    bindings = {"q": heads, "k": own, "v": own, "kp": pool, "vp": pool, "table": "memref<?xi32>{%span}",
+                "slot": "memref<1xi32>", "out": heads}
+    scale = struct.unpack("<I", struct.pack("<f", head_dim ** -0.5))[0]  # f32(head_dim^-0.5)'s bits
     workgroups = """%c1 = arith.constant 1 : index
       stream.return %n, %c1, %c1 : index, index, index"""
-    args = ", ".join(f"%b{name}: !stream.binding" for name in memrefs if name != "out")
-    module = f"""func.func private @{entry}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
-      func.func @{export}({args}, %span: index, %bout: !stream.binding) {{
-          %c0 = arith.constant 0 : index
-          %blocks = arith.constant {blocks} : index
-          %groups = arith.constant {groups} : index
-          %d = arith.constant {head_dim} : index
-          %scale = arith.constant {scale} : index
-          %wg = hal.interface.workgroup.id[0] : index
-          {subspans}
-          func.call @{entry}({", ".join("%" + name for name in memrefs)}, %blocks, %groups, %d, %scale, %wg) : ({decl}, index, index, index, index, index) -> ()
-          return
-      }}"""
-    return object_executable(obj, export, workgroups, module)
+    return object_executable(obj, export, entry, bindings,
+                             {"blocks": blocks, "groups": groups, "d": head_dim, "scale": scale}, workgroups, ("span",))
 
 
 def token_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value, table: Value, slot: Value,

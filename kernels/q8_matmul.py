@@ -139,12 +139,25 @@ def build_object(isa: str, out_dir: str | os.PathLike, source: Path = SOURCE) ->
     return out
 
 
-def object_executable(obj: str | os.PathLike, export: str, workgroups: str, module: str) -> str:
+def object_executable(obj: str | os.PathLike, export: str, entry: str, bindings: dict[str, str],
+                      sizes: dict[str, int], workgroups: str, dims: tuple[str, ...] = ()) -> str:
     """A `stream.executable` @`export` linking `obj` (a path, or a file name `search_flags`
-    finds): its export's workgroup count `workgroups` (a region over the dispatch's workload
-    `%n`, ending in `stream.return`) and its `builtin.module` body `module` (the C function's
-    `hal.import.static` declaration and the export's function, which calls it)."""
+    finds) whose function calls the C function `entry` once per workgroup with each binding
+    (name -> memref type; a run-time dim written after it, `memref<?xi32>{%span}`), then the
+    `sizes` (index constants) and the workgroup id. The last binding is the result; `dims`
+    are the dispatch's index operands (after the others, as `Builder.dispatch` passes them).
+    `workgroups`: the export's workgroup-count region over the workload `%n`, ending in
+    `stream.return`."""
     path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
+    *operands, result = bindings
+    decl = ", ".join([*(m.split("{")[0] for m in bindings.values()), *["index"] * (len(sizes) + 1)])
+    args = ", ".join([*(f"%b{n}: !stream.binding" for n in operands), *(f"%{d}: index" for d in dims),
+                      f"%b{result}: !stream.binding"])
+    lines = [*(f"%{n} = arith.constant {v} : index" for n, v in sizes.items()),
+             "%wg = hal.interface.workgroup.id[0] : index",
+             *(f"%{n} = stream.binding.subspan %b{n}[%c0] : !stream.binding -> {m}" for n, m in bindings.items()),
+             f"func.call @{entry}({', '.join(f'%{n}' for n in [*bindings, *sizes, 'wg'])}) : ({decl}) -> ()"]
+    body = "\n          ".join(lines)
     return f"""stream.executable private @{export} attributes {{
     hal.executable.objects = #hal.executable.objects<{{
       #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{path}"}}>]
@@ -154,7 +167,12 @@ def object_executable(obj: str | os.PathLike, export: str, workgroups: str, modu
       {workgroups}
     }}
     builtin.module {{
-      {module}
+      func.func private @{entry}({decl}) attributes {{hal.import.static}}
+      func.func @{export}({args}) {{
+          %c0 = arith.constant 0 : index
+          {body}
+          return
+      }}
     }}
   }}"""
 
@@ -240,27 +258,11 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int, bits: int = 8) ->
     g, entry, export = k // BLOCK, ENTRIES[check_bits(bits)], executable_name(m, n, k, bits)
     shapes = {"x": (m * k, "i8"), "dx": (m * g, "f32"), "xs": (m * g, "i32"), "w": (n * k * bits // 8, "i8"),
               "dw": (n * g, "f16"), "y": (m * n, "f32")}
-    memrefs = [f"memref<{size}x{t}>" for size, t in shapes.values()]
-    decl = ", ".join(memrefs)
-    subspans = [f"%{name} = stream.binding.subspan %b{name}[%c0] : !stream.binding -> {memref}"
-                for name, memref in zip(shapes, memrefs)]
-    body = "\n          ".join(subspans)
     workgroups = f"""%x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
       %c1 = arith.constant 1 : index
       stream.return %x, %c1, %c1 : index, index, index"""
-    module = f"""func.func private @{entry}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
-      func.func @{export}({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
-          %c0 = arith.constant 0 : index
-          %m = arith.constant {m} : index
-          %n = arith.constant {n} : index
-          %k = arith.constant {k} : index
-          %tiles = arith.constant {OUTPUTS_PER_WORKGROUP // TILE} : index
-          %wg = hal.interface.workgroup.id[0] : index
-          {body}
-          func.call @{entry}({", ".join("%" + name for name in shapes)}, %m, %n, %k, %tiles, %wg) : ({decl}, index, index, index, index, index) -> ()
-          return
-      }}"""
-    return object_executable(obj, export, workgroups, module)
+    return object_executable(obj, export, entry, {name: f"memref<{size}x{t}>" for name, (size, t) in shapes.items()},
+                             {"m": m, "n": n, "k": k, "tiles": OUTPUTS_PER_WORKGROUP // TILE}, workgroups)
 
 
 def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Value]:
