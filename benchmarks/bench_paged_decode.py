@@ -45,7 +45,8 @@ try:
     from emitter.quant import compile_flags
 except ImportError:  # a tree before the kernel precisions
     compile_flags = lambda precision: []
-out, context, layers, vocab, precision, kv = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+out, context, layers, vocab = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+precision, kv = sys.argv[5], sys.argv[6]
 cfg = replace(TEXT_PRESETS["qwen3-vl-2b"], num_hidden_layers=layers, vocab_size=vocab)
 flags = compile_flags(precision)
 for lanes in map(int, sys.argv[7:]):  # a tree before the batched step knows one sequence only
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
     if len(lanes) > 1:
         report[f"{lanes[-1]}_lanes_over_{lanes[0]}"] = {name: round(median[name, lanes[-1]] / median[name, lanes[0]], 3)
                                                         for name in trees}
-    report.update(context=args.context, layers=args.layers, precision=args.precision, kv_cache_dtype=args.kv_cache_dtype,
+    report.update(context=args.context, layers=args.layers, precision=args.precision,
+                  kv_cache_dtype=args.kv_cache_dtype,
                   threads=1 if args.cpu else args.threads, measure="CPU ms" if args.cpu else "wall ms")
     print(json.dumps(report, indent=1))
     if args.json:

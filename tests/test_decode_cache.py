@@ -18,7 +18,8 @@ from runtime.artifact.compiler import compile_mlir
 @pytest.mark.parametrize("precision", ["f32", "q8_0"])
 def test_decode_step_copies_no_whole_cache(tmp_path, precision):
     context = 512
-    cfg = replace(TEXT_PRESETS["tiny"], num_hidden_layers=2, hidden_size=64, intermediate_size=128)  # the kernel's widths
+    # widths the Q8_0 kernel's tiles divide
+    cfg = replace(TEXT_PRESETS["tiny"], num_hidden_layers=2, hidden_size=64, intermediate_size=128)
     vmfb, archive, profile = tmp_path / "decode.vmfb", tmp_path / "w.irpa", tmp_path / "decode.ireeprof"
     module = bench.decode_module(cfg, context, precision)
     assert ("decode_attention" in module) == (precision == "q8_0")

@@ -6,8 +6,9 @@ the hand-written kernel linked into the module. The session's logits against tra
 text model whose projections and lm_head run numpy's `q8_matmul.reference` of the same
 integer math over the same weights, its embedding table the Q8_0 blocks dequantized; greedy
 tokens equal; decode's attention through the second kernel (kernels/decode_attention.py),
-lanes over a bf16 cache equal to each sequence alone. The graph form names the kernel's ISA (the artifact identity, which does not
-depend on the kernel's folder); a width the kernel's tiles do not divide is one line."""
+lanes over a bf16 cache equal to each sequence alone. The graph form names the kernel's ISA
+(the artifact identity, which does not depend on the kernel's folder); a width the kernel's
+tiles do not divide is one line."""
 
 from __future__ import annotations
 
