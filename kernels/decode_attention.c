@@ -74,12 +74,11 @@ static inline __attribute__((always_inline)) void head(
     const size_t rows = seen - j * ROWS < ROWS ? seen - j * ROWS : ROWS;
     const size_t block = (size_t)(uint32_t)table[j] < blocks ? (size_t)(uint32_t)table[j] : blocks - 1;
     const size_t first = (h * blocks + block) * ROWS * d;  // element of the block's row 0
+    for (size_t r = 0; r < rows; ++r)  // each K row read once for every query head of the group
+      for (size_t g = 0; g < groups; ++g) s[g][r] = dot(qh + g * d, k_pool, first + r * d, d, bf16) * scale;
     for (size_t g = 0; g < groups; ++g) {
       float top = peak[g];
-      for (size_t r = 0; r < rows; ++r) {
-        s[g][r] = dot(qh + g * d, k_pool, first + r * d, d, bf16) * scale;
-        top = s[g][r] > top ? s[g][r] : top;
-      }
+      for (size_t r = 0; r < rows; ++r) top = s[g][r] > top ? s[g][r] : top;
       if (top > peak[g]) {
         const float c = exp_f32(peak[g] - top);
         sum[g] *= c;
@@ -87,11 +86,13 @@ static inline __attribute__((always_inline)) void head(
         peak[g] = top;
       }
       for (size_t r = 0; r < rows; ++r) {
-        const float p = exp_f32(s[g][r] - peak[g]);
-        sum[g] += p;
-        for (size_t i = 0; i < d; ++i) acc[g][i] += p * load(v_pool, first + r * d + i, bf16);
+        s[g][r] = exp_f32(s[g][r] - peak[g]);
+        sum[g] += s[g][r];
       }
     }
+    for (size_t r = 0; r < rows; ++r)  // each V row read once for every query head of the group
+      for (size_t g = 0; g < groups; ++g)
+        for (size_t i = 0; i < d; ++i) acc[g][i] += s[g][r] * load(v_pool, first + r * d + i, bf16);
   }
   for (size_t g = 0; g < groups; ++g)
     for (size_t i = 0; i < d; ++i) out[(h * groups + g) * d + i] = acc[g][i] / sum[g];
@@ -107,9 +108,14 @@ static inline __attribute__((always_inline)) void head(
             MEMREF(const pool_type, k_pool), MEMREF(const pool_type, v_pool), MEMREF(const int32_t, table),     \
             MEMREF(const int32_t, slot), MEMREF(float, out), size_t blocks, size_t groups, size_t d,            \
             size_t scale_bits, size_t wg) {                                                                     \
-    head(q + q_off, own_k + own_k_off, own_v + own_v_off, k_pool + k_pool_off, v_pool + v_pool_off,            \
-         table + table_off, slot[slot_off], out + out_off, blocks, groups, d, table_size,                      \
-         bits_f32((uint32_t)scale_bits), wg, bf16);                                                           \
+    if (d == 128) /* Qwen3-VL's head_dim: loops of a constant length */                                       \
+      head(q + q_off, own_k + own_k_off, own_v + own_v_off, k_pool + k_pool_off, v_pool + v_pool_off,          \
+           table + table_off, slot[slot_off], out + out_off, blocks, groups, 128, table_size,                  \
+           bits_f32((uint32_t)scale_bits), wg, bf16);                                                         \
+    else                                                                                                        \
+      head(q + q_off, own_k + own_k_off, own_v + own_v_off, k_pool + k_pool_off, v_pool + v_pool_off,          \
+           table + table_off, slot[slot_off], out + out_off, blocks, groups, d, table_size,                    \
+           bits_f32((uint32_t)scale_bits), wg, bf16);                                                         \
   }
 ATTENTION_ENTRY(decode_attention_f32, float, 0)
 ATTENTION_ENTRY(decode_attention_bf16, uint16_t, 1)
