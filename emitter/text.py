@@ -327,7 +327,8 @@ class TextGraph:
         own = self.attended(k, v)
         if q.shape[0] == 1 and self.attention_kernel:
             from kernels import decode_attention
-            context = decode_attention.token_attention(b, self.attention_kernel, q, *loaded, table, start, *own)
+            context = decode_attention.token_attention(b, self.attention_kernel, q, *loaded, table, start,
+                                                       self.stored(k), self.stored(v))
         elif q.shape[0] == 1:
             cached = [self.read(read_blocks(b, pool, table)) for pool in loaded]
             context = token_attention(b, q, *cached, mask, *own)

@@ -3,7 +3,7 @@
 // blocks the sequence's block table names, read where they lie in the page pool.
 //
 // Pools [kv_heads, blocks, 16, head_dim] (f32 or bf16), q [kv_heads, groups, head_dim] f32,
-// the token's own k and v [kv_heads, head_dim] f32 (it is not in the cache yet), the table
+// the token's own k and v [kv_heads, head_dim] as the cache stores them (it is not in it yet), the table
 // [span_blocks] i32 and the token's slot (keys 0..slot-1 of the span are its context). The math,
 // in f32 and in this order (kernels/decode_attention.py `reference` is the same, in numpy):
 //   s = (q . k) * scale for the own key first, then for each block's rows in order;
@@ -58,15 +58,15 @@ static inline __attribute__((always_inline)) float dot(const float* restrict q, 
 }
 
 static inline __attribute__((always_inline)) void head(
-    const float* restrict q, const float* restrict own_k, const float* restrict own_v, const void* restrict k_pool,
+    const float* restrict q, const void* restrict own_k, const void* restrict own_v, const void* restrict k_pool,
     const void* restrict v_pool, const int32_t* restrict table, int32_t slot, float* restrict out, size_t blocks,
     size_t groups, size_t d, size_t span_blocks, float scale, size_t h, int bf16) {
   float peak[MAX_GROUPS], sum[MAX_GROUPS], acc[MAX_GROUPS][MAX_HEAD_DIM], s[MAX_GROUPS][ROWS];
   const float* qh = q + h * groups * d;
   for (size_t g = 0; g < groups; ++g) {  // the token's own key and value first
-    peak[g] = dot(qh + g * d, own_k, h * d, d, 0) * scale;
+    peak[g] = dot(qh + g * d, own_k, h * d, d, bf16) * scale;
     sum[g] = 1.0f;
-    for (size_t i = 0; i < d; ++i) acc[g][i] = own_v[h * d + i];
+    for (size_t i = 0; i < d; ++i) acc[g][i] = load(own_v, h * d + i, bf16);
   }
   size_t seen = slot < 0 ? 0 : (size_t)slot;
   if (seen > span_blocks * ROWS) seen = span_blocks * ROWS;
@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void head(
   type* name##_allocated, type* name, size_t name##_off, size_t name##_size, size_t name##_stride
 
 #define ATTENTION_ENTRY(name, pool_type, bf16)                                                                  \
-  void name(MEMREF(const float, q), MEMREF(const float, own_k), MEMREF(const float, own_v),                    \
+  void name(MEMREF(const float, q), MEMREF(const pool_type, own_k), MEMREF(const pool_type, own_v),            \
             MEMREF(const pool_type, k_pool), MEMREF(const pool_type, v_pool), MEMREF(const int32_t, table),     \
             MEMREF(const int32_t, slot), MEMREF(float, out), size_t blocks, size_t groups, size_t d,            \
             size_t scale_bits, size_t wg) {                                                                     \

@@ -54,7 +54,7 @@ def executable_name(kv_heads: int, blocks: int, groups: int, head_dim: int, kv_d
 
 def executable(obj: str | os.PathLike, kv_heads: int, blocks: int, groups: int, head_dim: int, kv_dtype: str) -> str:
     """A `stream.executable` whose export computes one token's attention output [kv_heads x
-    groups x head_dim] f32 from (q [the same] f32, own k and v [kv_heads x head_dim] f32, the
+    groups x head_dim] f32 from (q [the same] f32, own k and v [kv_heads x head_dim], the
     K and V pools [kv_heads x blocks x 16 x head_dim] of `kv_dtype`, the table [?] i32 and the
     slot [1] i32), then the table's length (an index): one workgroup per KV head."""
     if not fits(groups, head_dim, kv_dtype):
@@ -62,7 +62,7 @@ def executable(obj: str | os.PathLike, kv_heads: int, blocks: int, groups: int, 
                           f"expected at most {MAX_GROUPS}, a multiple of {LANES} up to {MAX_HEAD_DIM}, f32 or bf16")
     export, entry = executable_name(kv_heads, blocks, groups, head_dim, kv_dtype), ENTRIES[kv_dtype]
     pool = f"memref<{kv_heads * blocks * BLOCK * head_dim}x{kv_dtype}>"
-    heads, own = f"memref<{kv_heads * groups * head_dim}xf32>", f"memref<{kv_heads * head_dim}xf32>"
+    heads, own = f"memref<{kv_heads * groups * head_dim}xf32>", f"memref<{kv_heads * head_dim}x{kv_dtype}>"
     bindings = {"q": heads, "k": own, "v": own, "kp": pool, "vp": pool, "table": "memref<?xi32>{%span}",
                 "slot": "memref<1xi32>", "out": heads}
     scale = struct.unpack("<I", struct.pack("<f", head_dim ** -0.5))[0]  # f32(head_dim^-0.5)'s bits
@@ -76,7 +76,8 @@ def token_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value
                     own_k: Value, own_v: Value) -> Value:
     """emitter/attention.py `token_attention`'s result [1, H*D] for q [1, H, D] over the
     slots 0..slot-1 of the blocks `table` [N] names in the pools [KVH, blocks, 16, D] and
-    the token's own k, v [KVH, 1, D] (f32), through the kernel object `obj`."""
+    the token's own k, v [KVH, 1, D] (as the pools store them: their dtype), through the
+    kernel object `obj`."""
     _, heads, d = q.shape
     kv_heads, blocks, _, _ = k_pool.shape
     groups = heads // kv_heads
@@ -120,11 +121,11 @@ def _dot(q: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 def reference(q: np.ndarray, own_k: np.ndarray, own_v: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray,
               table: np.ndarray, slot: int) -> np.ndarray:
-    """The kernel's output [H, D] f32, bit for bit: q [H, D], own k and v [KVH, D] f32, pools
+    """The kernel's output [H, D] f32, bit for bit: q [H, D], own k and v [KVH, D] and pools
     [KVH, blocks, 16, D] (f32, or bf16 as uint16), the table [N] i32 and the slot."""
     f = np.float32
     widen = (lambda p: (p.astype(np.uint32) << np.uint32(16)).view(f)) if k_pool.dtype == np.uint16 else np.asarray
-    k_pool, v_pool = widen(k_pool), widen(v_pool)
+    k_pool, v_pool, own_k, own_v = widen(k_pool), widen(v_pool), widen(own_k), widen(own_v)
     kv_heads, blocks, _, d = k_pool.shape
     groups = q.shape[0] // kv_heads
     scale = f(d ** -0.5)

@@ -36,16 +36,16 @@ def vmfb(target: str, objects, kv_dtype: str, graph: bool = False) -> bytes:
     and v, the pools, a table of run-time length and the slot."""
     b = Builder()
     q = b.argument("q", (1, KV_HEADS * GROUPS, D))
-    own_k, own_v = b.argument("own_k", (KV_HEADS, 1, D)), b.argument("own_v", (KV_HEADS, 1, D))
+    own_k, own_v = (b.argument(n, (KV_HEADS, 1, D), kv_dtype) for n in ("own_k", "own_v"))  # as the cache holds them
     pools = [b.argument(n, (KV_HEADS, BLOCKS, BLOCK, D), kv_dtype) for n in ("k_pool", "v_pool")]
     table, slot = b.argument("table", (SPAN_BLOCKS,), "i32"), b.argument("slot", (), "i32")
     b.bind(SPAN_BLOCKS.base, b.dimension_size(table, 0))
     if graph:
         from emitter.kv_pages import SPAN, read_blocks
         from emitter.text import position_mask
-        cached = [b.convert(read_blocks(b, p, table), "f32") if kv_dtype != "f32" else read_blocks(b, p, table)
-                  for p in pools]
-        out = token_attention(b, q, *cached, position_mask(b, slot, 1, SPAN, own=False), own_k, own_v)
+        f32 = lambda x: b.convert(x, "f32") if kv_dtype != "f32" else x  # noqa: E731
+        cached = [f32(read_blocks(b, p, table)) for p in pools]
+        out = token_attention(b, q, *cached, position_mask(b, slot, 1, SPAN, own=False), f32(own_k), f32(own_v))
     else:
         obj = da.build_object_for(q8.target_isa(tuple(target_flags(target))), objects)
         out = da.token_attention(b, obj, q, *pools, table, slot, own_k, own_v)
@@ -53,7 +53,7 @@ def vmfb(target: str, objects, kv_dtype: str, graph: bool = False) -> bytes:
 
 
 def device_pools(*pools):
-    """Pools as the module takes them: bf16 ones (uint16 here) as ml_dtypes' bfloat16."""
+    """Pools (and own k, v) as the module takes them: bf16 ones (uint16 here) as ml_dtypes' bfloat16."""
     return [p.view(ml_dtypes.bfloat16) if p.dtype == np.uint16 else p for p in pools]
 
 
@@ -63,7 +63,7 @@ def inputs(seed: int, kv_dtype: str, span_blocks: int, slot: int):
     own = [rng.standard_normal((KV_HEADS, 1, D), dtype=np.float32) for _ in range(2)]
     pools = [rng.standard_normal((KV_HEADS, BLOCKS, BLOCK, D), dtype=np.float32) * 2 for _ in range(2)]
     if kv_dtype == "bf16":
-        pools = [bf16(p) for p in pools]
+        own, pools = [bf16(x) for x in own], [bf16(p) for p in pools]
     table = rng.permutation(np.arange(1, BLOCKS))[:span_blocks].astype(np.int32)
     table[-(-slot // BLOCK):] = 0  # the entries past the slot name block 0, as the runtime's padding
     return q, *own, *pools, table, np.int32(slot)
@@ -77,7 +77,7 @@ def test_kernel_is_numpys_math_bit_for_bit(tmp_path, target, kv_dtype):
     module = LoadedModule(vmfb(target, tmp_path, kv_dtype))
     for seed, (span, slot) in enumerate([(1, 0), (1, 7), (4, 48), (4, 37), (8, 100)]):
         q, k, v, kp, vp, table, s = inputs(seed, kv_dtype, span, slot)
-        out = np.asarray(module(q, k, v, *device_pools(kp, vp), table, s))
+        out = np.asarray(module(q, *device_pools(k, v, kp, vp), table, s))
         ref = da.reference(q[0], k[:, 0], v[:, 0], kp, vp, table, int(s))
         assert np.array_equal(out.reshape(ref.shape), ref), (span, slot, np.abs(out.reshape(ref.shape) - ref).max())
 
@@ -89,7 +89,7 @@ def test_kernel_is_the_graphs_attention(tmp_path, kv_dtype):
     graph = LoadedModule(vmfb("llvm-cpu", tmp_path, kv_dtype, graph=True))
     for seed, (span, slot) in enumerate([(2, 20), (8, 121)]):
         q, k, v, kp, vp, table, s = inputs(10 + seed, kv_dtype, span, slot)
-        args = (q, k, v, *device_pools(kp, vp), table, s)
+        args = (q, *device_pools(k, v, kp, vp), table, s)
         a, b = np.asarray(kernel(*args)).reshape(1, -1), np.asarray(graph(*args))
         assert np.abs(a - b).max() <= 2e-6 * np.abs(b).max(), np.abs(a - b).max()
 
