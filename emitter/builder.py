@@ -212,16 +212,23 @@ class Builder:
                  workload: int, hint: str = "dispatch") -> Value:
         """A `flow.dispatch` of export `@export` of a hand-written `stream.executable`
         `@executable` (its MLIR `text`, added to the module once) on `operands`, with
-        `workload` passed to the export's workgroup-count region (e.g. kernels/q8_matmul.py)."""
+        `workload` passed to the export's workgroup-count region (e.g. kernels/q8_matmul.py).
+        An operand of run-time shape carries its dims (`{%d}`), and each such dim is passed
+        after the operands too, an `index` argument of the export's function, in order."""
         if f"@{executable} " not in text:
             raise BuildError(f"dispatch: the executable text does not define @{executable}")
         if text not in self.globals:
             self.globals.append(text)
         count = self._fresh(f"{self._stage}.{hint}.workload" if self._stage else f"{hint}.workload")
         self.lines.append(f'%{count} = arith.constant {int(workload)} : index loc("{self._stage}")')
-        types = ", ".join(str(v.type) for v in operands)
-        return self._op(hint, f"flow.dispatch @{executable}::@{export}[%{count}]({', '.join(map(str, operands))})"
-                              f" : ({types}) -> {result}", result)
+        types, dims = [], []
+        for v in operands:
+            mine = [self._index(self.size(d), hint) for d in v.shape if isinstance(d, Dim)]
+            types.append(f"{v.type}{{{', '.join(mine)}}}" if mine else str(v.type))
+            dims += mine
+        return self._op(hint, f"flow.dispatch @{executable}::@{export}[%{count}]"
+                              f"({', '.join([*map(str, operands), *dims])}) : "
+                              f"({', '.join([*types, *['index'] * len(dims)])}) -> {result}", result)
 
     # -- checks ------------------------------------------------------------
     @staticmethod

@@ -244,18 +244,37 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
             for n in names if n.endswith(MATMUL_SUFFIXES)}
 
 
-def kernel_object(precision: str) -> str | None:
-    """The file name of the kernel object a graph form of q8_0 or q4_0 links (q8_0 or q4_0
-    itself: the default target's), else None. Built into `default_objects()` if not there (by
-    `make install`, else on first use: kernels/q8_matmul.py `build_object`); the name alone, so
-    that the graph does not depend on the folder (iree-compile finds it: `search_flags`)."""
+def kernel_isa(precision: str) -> str | None:
+    """The ISA of the kernel objects a graph form of q8_0 or q4_0 links (q8_0 or q4_0 itself:
+    the default target's), else None."""
     if precision in quant.KERNEL_BITS:
         from .identity import graph_precision
         precision = graph_precision(precision)
-    if precision not in quant.KERNEL_ISA:
+    return quant.KERNEL_ISA.get(precision)
+
+
+def kernel_object(precision: str) -> str | None:
+    """The file name of the kernel object a graph form of q8_0 or q4_0 links (`kernel_isa`),
+    else None. Built into `default_objects()` if not there (by `make install`, else on first
+    use: kernels/q8_matmul.py `build_object`); the name alone, so that the graph does not
+    depend on the folder (iree-compile finds it: `search_flags`)."""
+    isa = kernel_isa(precision)
+    if isa is None:
         return None
     from kernels import q8_matmul
-    return q8_matmul.build_object(quant.KERNEL_ISA[precision], q8_matmul.default_objects()).name
+    return q8_matmul.build_object(isa, q8_matmul.default_objects()).name
+
+
+def attention_object(cfg: TextConfig, shape: "TextShape", precision: str) -> str | None:
+    """The file name of the decode-attention kernel's object (kernels/decode_attention.py) a
+    graph form of q8_0 or q4_0 links for its one-token attention (`kernel_isa`'s); None for
+    other precisions (their graphs are the same for every target), or a shape the kernel does
+    not take."""
+    isa = kernel_isa(precision)
+    from kernels import decode_attention
+    if isa is None or not decode_attention.fits(cfg.groups, cfg.head_dim, shape.kv_dtype):
+        return None
+    return decode_attention.object_name(isa)
 
 
 class TextGraph:
@@ -269,6 +288,7 @@ class TextGraph:
         self.w = quant.grouped({s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype,
                                                          key=s.name, scope=PARAMETER_SCOPE)
                                 for s in text_weights(cfg, precision)}, kernel_object(precision))
+        self.attention_kernel = attention_object(cfg, shape, precision)
         pool = pool_shape(cfg.num_key_value_heads, shape.blocks, cfg.head_dim)
         self.pages = [(self.b.state(f"layers.{n}.k_pages", pool, shape.kv_dtype),
                        self.b.state(f"layers.{n}.v_pages", pool, shape.kv_dtype)) for n in range(cfg.num_hidden_layers)]
@@ -297,14 +317,19 @@ class TextGraph:
         array in slot order, so that a row's sums run over the same keys in the same order
         however its prompt was chunked (a prefix-cache hit rounds as a miss). One token
         (decode; its mask hides its own slot) attends over the cache where it lies and over
-        its own K/V beside it (`token_attention`). Attention reads the pools as loaded, and
+        its own K/V beside it (`token_attention`; in the q8_0 and q4_0 graphs the kernel of
+        kernels/decode_attention.py, one dispatch for the same math). Attention reads the pools as loaded, and
         the update is ordered after it (one barrier): reading the value just stored gave
         wrong results on IREE 3.13, and with the loaded value still to be read IREE copied
         each whole pool before updating it."""
         b = self.b
         loaded = [b.load_state(state) for state in self.pages[n]]
         own = self.attended(k, v)
-        if q.shape[0] == 1:
+        if q.shape[0] == 1 and self.attention_kernel:
+            from kernels import decode_attention
+            context = decode_attention.token_attention(b, self.attention_kernel, q, *loaded, table, start,
+                                                       self.stored(k), self.stored(v))
+        elif q.shape[0] == 1:
             cached = [self.read(read_blocks(b, pool, table)) for pool in loaded]
             context = token_attention(b, q, *cached, mask, *own)
         else:

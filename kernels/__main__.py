@@ -1,7 +1,7 @@
-"""`python -m kernels [--dir DIR]`: build every hand-written kernel object for every ISA it
-has (kernels/q8_matmul.py `build_object`) into DIR, default `$QWEN3VL_KERNEL_DIR` or
-~/.cache/qwen3vl-kernels; each object is named by a hash of its source, flags and compiler,
-so a rerun builds nothing. The install step (`make install`) runs it. A missing C compiler or
+"""`python -m kernels [--dir DIR]`: build every hand-written kernel object (kernels/q8_matmul.c,
+kernels/decode_attention.c) for every ISA (kernels/q8_matmul.py `build_object`) into DIR,
+default `$QWEN3VL_KERNEL_DIR` or ~/.cache/qwen3vl-kernels; each object is named by a hash of
+its source, flags and compiler, so a rerun builds nothing. The install step (`make install`) runs it. A missing C compiler or
 a failed build is one line on stderr and exit status 1."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from kernels import q8_matmul
+from kernels import decode_attention, q8_matmul
+
+SOURCES = (q8_matmul.SOURCE, decode_attention.SOURCE)
 
 
 def main(argv=None) -> int:
@@ -20,8 +22,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     folder = args.dir or q8_matmul.default_objects()
     try:
-        for isa in q8_matmul.ISA_FLAGS:
-            print(q8_matmul.build_object(isa, folder))
+        for source in SOURCES:
+            for isa in q8_matmul.ISA_FLAGS:
+                print(q8_matmul.build_object(isa, folder, source))
     except q8_matmul.KernelError as e:
         lines = str(e).splitlines()
         reason = next((line.strip() for line in lines[1:] if "error" in line), "")

@@ -117,16 +117,17 @@ def search_flags() -> list[str]:
 
 
 def build_object(isa: str, out_dir: str | os.PathLike, source: Path = SOURCE) -> Path:
-    """kernels/q8_matmul.c (or another version of it, `source`: a benchmark's baseline) compiled
-    for `isa` into `out_dir` (named by a hash of the source, flags and compiler, so a stale
-    object is never reused); written whole or not at all."""
+    """`source` (kernels/q8_matmul.c, another kernel's C file, or a benchmark's baseline version
+    of one) compiled for `isa` into `out_dir`, named by the source's stem and a hash of the
+    source, flags and compiler (so a stale object is never reused); written whole or not at all."""
+    source = Path(source)
     if isa not in ISA_FLAGS:
-        raise KernelError(f"q8_matmul: ISA {isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+        raise KernelError(f"{source.stem}: ISA {isa!r}: expected one of {', '.join(ISA_FLAGS)}")
     cc = compiler()
     flags = [*COMMON_FLAGS, *ISA_FLAGS[isa]]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([Path(source).read_text(), *flags, version]).encode()).hexdigest()[:16]
-    out = Path(out_dir) / f"q8_matmul-{isa}-{key}.o"
+    key = hashlib.sha256("\0".join([source.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    out = Path(out_dir) / f"{source.stem}-{isa}-{key}.o"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,9 +135,47 @@ def build_object(isa: str, out_dir: str | os.PathLike, source: Path = SOURCE) ->
         part = Path(tmp) / out.name
         done = subprocess.run([cc, *flags, "-c", str(source), "-o", str(part)], capture_output=True, text=True)
         if done.returncode:
-            raise KernelError(f"q8_matmul: {cc} failed for {isa}:\n{done.stderr.strip()}")
+            raise KernelError(f"{source.stem}: {cc} failed for {isa}:\n{done.stderr.strip()}")
         os.replace(part, out)
     return out
+
+
+def object_executable(obj: str | os.PathLike, export: str, entry: str, bindings: dict[str, str],
+                      sizes: dict[str, int], workgroups: str, dims: tuple[str, ...] = ()) -> str:
+    """A `stream.executable` @`export` linking `obj` (a path, or a file name `search_flags`
+    finds) whose function calls the C function `entry` once per workgroup with each binding
+    (name -> memref type; a run-time dim written after it, `memref<?xi32>{%span}`), then the
+    `sizes` (index constants) and the workgroup id. The last binding is the result; `dims`
+    are the dispatch's index operands (after the others, as `Builder.dispatch` passes them).
+    `workgroups`: the export's workgroup-count region over the workload `%n`, ending in
+    `stream.return`."""
+    path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
+    *operands, result = bindings
+    decl = ", ".join([*(m.split("{")[0] for m in bindings.values()), *["index"] * (len(sizes) + 1)])
+    args = ", ".join([*(f"%b{n}: !stream.binding" for n in operands), *(f"%{d}: index" for d in dims),
+                      f"%b{result}: !stream.binding"])
+    lines = [*(f"%{n} = arith.constant {v} : index" for n, v in sizes.items()),
+             "%wg = hal.interface.workgroup.id[0] : index",
+             *(f"%{n} = stream.binding.subspan %b{n}[%c0] : !stream.binding -> {m}" for n, m in bindings.items()),
+             f"func.call @{entry}({', '.join(f'%{n}' for n in [*bindings, *sizes, 'wg'])}) : ({decl}) -> ()"]
+    body = "\n          ".join(lines)
+    return f"""stream.executable private @{export} attributes {{
+    hal.executable.objects = #hal.executable.objects<{{
+      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{path}"}}>]
+    }}>
+  }} {{
+    stream.executable.export public @{export} workgroups(%n: index) -> (index, index, index) {{
+      {workgroups}
+    }}
+    builtin.module {{
+      func.func private @{entry}({decl}) attributes {{hal.import.static}}
+      func.func @{export}({args}) {{
+          %c0 = arith.constant 0 : index
+          {body}
+          return
+      }}
+    }}
+  }}"""
 
 
 # -- weights -----------------------------------------------------------------
@@ -218,39 +257,13 @@ def executable(obj: str | os.PathLike, m: int, n: int, k: int, bits: int = 8) ->
     function of the weights' `bits` (`ENTRIES`)."""
     check_shape(m, n, k)
     g, entry, export = k // BLOCK, ENTRIES[check_bits(bits)], executable_name(m, n, k, bits)
-    path = str(obj).replace("\\", "\\\\").replace('"', '\\"')
     shapes = {"x": (m * k, "i8"), "dx": (m * g, "f32"), "xs": (m * g, "i32"), "w": (n * k * bits // 8, "i8"),
               "dw": (n * g, "f16"), "y": (m * n, "f32")}
-    memrefs = [f"memref<{size}x{t}>" for size, t in shapes.values()]
-    decl = ", ".join(memrefs)
-    subspans = [f"%{name} = stream.binding.subspan %b{name}[%c0] : !stream.binding -> {memref}"
-                for name, memref in zip(shapes, memrefs)]
-    body = "\n          ".join(subspans)
-    return f"""stream.executable private @{export} attributes {{
-    hal.executable.objects = #hal.executable.objects<{{
-      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{path}"}}>]
-    }}>
-  }} {{
-    stream.executable.export public @{export} workgroups(%n: index) -> (index, index, index) {{
-      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
+    workgroups = f"""%x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
       %c1 = arith.constant 1 : index
-      stream.return %x, %c1, %c1 : index, index, index
-    }}
-    builtin.module {{
-      func.func private @{entry}({decl}, index, index, index, index, index) attributes {{hal.import.static}}
-      func.func @{export}({", ".join(f"%b{name}: !stream.binding" for name in shapes)}) {{
-          %c0 = arith.constant 0 : index
-          %m = arith.constant {m} : index
-          %n = arith.constant {n} : index
-          %k = arith.constant {k} : index
-          %tiles = arith.constant {OUTPUTS_PER_WORKGROUP // TILE} : index
-          %wg = hal.interface.workgroup.id[0] : index
-          {body}
-          func.call @{entry}({", ".join("%" + name for name in shapes)}, %m, %n, %k, %tiles, %wg) : ({decl}, index, index, index, index, index) -> ()
-          return
-      }}
-    }}
-  }}"""
+      stream.return %x, %c1, %c1 : index, index, index"""
+    return object_executable(obj, export, entry, {name: f"memref<{size}x{t}>" for name, (size, t) in shapes.items()},
+                             {"m": m, "n": n, "k": k, "tiles": OUTPUTS_PER_WORKGROUP // TILE}, workgroups)
 
 
 def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Value]:

@@ -1,21 +1,30 @@
 """Decode updates the KV cache in place: no step copies a whole cache (IREE did, two per
-layer, while the loaded cache was still to be read by the attention: docs/text.md)."""
+layer, while the loaded cache was still to be read by the attention: docs/text.md), in the
+graph's attention (f32) and through the decode-attention kernel (q8_0's graph), whose
+dispatch takes the pools as operands."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
+from emitter.quant import compile_flags
 from emitter.text_config import TEXT_PRESETS
 from runtime.bench import decode_profile as bench
 from runtime.artifact.compiler import compile_mlir
 
 
-def test_decode_step_copies_no_whole_cache(tmp_path):
+@pytest.mark.parametrize("precision", ["f32", "q8_0"])
+def test_decode_step_copies_no_whole_cache(tmp_path, precision):
     context = 512
-    cfg = replace(TEXT_PRESETS["tiny"], num_hidden_layers=2)
+    # widths the Q8_0 kernel's tiles divide
+    cfg = replace(TEXT_PRESETS["tiny"], num_hidden_layers=2, hidden_size=64, intermediate_size=128)
     vmfb, archive, profile = tmp_path / "decode.vmfb", tmp_path / "w.irpa", tmp_path / "decode.ireeprof"
-    vmfb.write_bytes(compile_mlir(bench.decode_module(cfg, context, "f32")))
-    bench.write_archive(cfg, "f32", archive)
+    module = bench.decode_module(cfg, context, precision)
+    assert ("decode_attention" in module) == (precision == "q8_0")
+    vmfb.write_bytes(compile_mlir(module, extra_flags=compile_flags(precision)))
+    bench.write_archive(cfg, precision, archive)
     bench.step_ms(vmfb, archive, context - 1, 2, 1, profile=profile)
     cache_bytes = cfg.num_key_value_heads * context * cfg.head_dim * 4
     copies = bench.copy_lengths(profile)

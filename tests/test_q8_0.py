@@ -5,8 +5,10 @@ lm_head (a tied one: the embedding table's tiles, whose rows the graph also gath
 the hand-written kernel linked into the module. The session's logits against transformers'
 text model whose projections and lm_head run numpy's `q8_matmul.reference` of the same
 integer math over the same weights, its embedding table the Q8_0 blocks dequantized; greedy
-tokens equal. The graph form names the kernel's ISA (the artifact identity, which does not
-depend on the kernel's folder); a width the kernel's tiles do not divide is one line."""
+tokens equal; decode's attention through the second kernel (kernels/decode_attention.py),
+lanes over a bf16 cache equal to each sequence alone. The graph form names the kernel's ISA
+(the artifact identity, which does not depend on the kernel's folder); a width the kernel's
+tiles do not divide is one line."""
 
 from __future__ import annotations
 
@@ -170,14 +172,17 @@ def test_the_kernels_isa_is_part_of_the_identity():
 
 def test_the_identity_does_not_depend_on_the_kernel_folder(tmp_path, monkeypatch):
     """Two `$QWEN3VL_KERNEL_DIR`s, one identity: the graph names the object by file name (a
-    hash of its source, flags and compiler), built into each folder."""
+    hash of its source, flags and compiler), built into each folder: the projections' and
+    the decode attention's."""
     from emitter.identity import text_artifact_fields
+    from kernels import decode_attention
     from emitter.text import TextShape
     fields = []
     for folder in ("one", "two"):
         monkeypatch.setenv(q8_matmul.OBJECTS_ENV, str(tmp_path / folder))
         fields.append(text_artifact_fields(CFG, TextShape((32,), 64), 0, "q8_0-avx2"))
-        assert [p.name for p in (tmp_path / folder).iterdir()] == [q8_matmul.build_object("avx2", tmp_path).name]
+        assert sorted(p.name for p in (tmp_path / folder).iterdir()) == sorted(
+            [q8_matmul.build_object("avx2", tmp_path).name, decode_attention.build_object_for("avx2", tmp_path).name])
     assert fields[0] == fields[1]
     assert str(tmp_path) not in json.dumps(fields[0])
 
@@ -192,3 +197,27 @@ def test_outputs_the_tiles_do_not_divide_are_one_line():
     with pytest.raises(ConfigError, match=r"k_proj.weight: shape \[16, 64\]: expected \[N, K\] with N a multiple of "
                                           r"32 \(the q8_0 kernel's tiles\)"):
         text_weights(cfg, "q8_0")
+
+
+def test_lanes_through_the_attention_kernel_equal_each_alone(folders):
+    """Decode attends through kernels/decode_attention.py in the q8_0 graph, here over a bf16
+    cache: sequences admitted between steps and decoded together (1, 2 and 4-lane steps, each
+    lane its own table) give, lane by lane, what each gives alone, bit for bit."""
+    from emitter.text import TextShape, attention_object
+    from runtime.inputs.chat import Prompt
+    from runtime.text import TextSession
+    from test_kv_pages import batched_runs, solo_runs
+
+    shape = dict(buckets=(16,), context=48, precision="q8_0", kv_cache_dtype="bf16")
+    assert attention_object(CFG, TextShape((16,), 48, kv_dtype="bf16"), graph_precision("q8_0"))
+    rng = np.random.default_rng(2)
+    prompts = [Prompt(ids, np.repeat(np.arange(ids.size)[None], 3, 0), 0)
+               for ids in (rng.integers(0, CFG.vocab_size, n) for n in (5, 11, 2))]
+    solo = solo_runs(folders / "tied", folders / "cache", prompts, shape)
+    session = TextSession(folders / "tied", cache_dir=folders / "cache", lanes=4, **shape)
+    session.pool.take(5)  # other blocks than the one-sequence session's
+    tokens, logits = batched_runs(session, prompts, starts=[0, 2, 5])
+    for i, run in enumerate(solo):
+        assert tokens[i] == [t for t, _ in run]
+        for ours, (_, theirs) in zip(logits[i], run):
+            assert np.array_equal(ours, theirs), i

@@ -3,9 +3,10 @@ executables by kernels/q8_matmul.py): compiled by the real iree-compile, run by 
 (python and iree-run-module), bit for bit against numpy's integer math of the same order
 (`q8_matmul.reference`), at 8 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
 for x86-64-v3 code (AVX2), at 1 to 11 rows; bad shapes and weights get a one-line error; a failed
-object build leaves nothing behind. The install step (`python -m kernels`) builds every ISA's
-object once, and a missing C compiler is one line; a graph naming the object by file name
-compiles from whatever folder `$QWEN3VL_KERNEL_DIR` names."""
+object build leaves nothing behind. The install step (`python -m kernels`) builds every
+kernel's object (this one's and kernels/decode_attention.c's) for every ISA once, and a
+missing C compiler is one line; a graph naming the object by file name compiles from
+whatever folder `$QWEN3VL_KERNEL_DIR` names."""
 
 from __future__ import annotations
 
@@ -117,8 +118,11 @@ def test_the_install_step_builds_every_isa_once(tmp_path):
     first = install_step(tmp_path)
     assert first.returncode == 0, first.stderr
     built = sorted(tmp_path.glob("*.o"))
-    assert [p.name.split("-")[1] for p in built] == sorted(q8.ISA_FLAGS)
-    assert first.stdout.split() == [str(q8.build_object(isa, tmp_path)) for isa in q8.ISA_FLAGS]
+    from kernels.__main__ import SOURCES
+    assert sorted((p.name.split("-")[0], p.name.split("-")[1]) for p in built) == sorted(
+        (source.stem, isa) for source in SOURCES for isa in q8.ISA_FLAGS)
+    assert first.stdout.split() == [str(q8.build_object(isa, tmp_path, source)) for source in SOURCES
+                                    for isa in q8.ISA_FLAGS]
     stamps = [p.stat().st_mtime_ns for p in built]
     again = install_step(tmp_path)
     assert again.returncode == 0 and [p.stat().st_mtime_ns for p in built] == stamps  # nothing rebuilt
