@@ -254,15 +254,13 @@ def kernel_isa(precision: str) -> str | None:
 
 
 def kernel_object(precision: str) -> str | None:
-    """The file name of the kernel object a graph form of q8_0 or q4_0 links (`kernel_isa`),
-    else None. Built into `default_objects()` if not there (by `make install`, else on first
-    use: kernels/q8_matmul.py `build_object`); the name alone, so that the graph does not
-    depend on the folder (iree-compile finds it: `search_flags`)."""
+    """The file name of the kernel object a graph form of q8_0 or q4_0 links (`kernel_isa`;
+    kernels/q8_matmul.py `object_name`), else None."""
     isa = kernel_isa(precision)
     if isa is None:
         return None
     from kernels import q8_matmul
-    return q8_matmul.build_object(isa, q8_matmul.default_objects()).name
+    return q8_matmul.object_name(isa)
 
 
 def attention_object(cfg: TextConfig, shape: "TextShape", precision: str) -> str | None:
@@ -274,7 +272,8 @@ def attention_object(cfg: TextConfig, shape: "TextShape", precision: str) -> str
     from kernels import decode_attention
     if isa is None or not decode_attention.fits(cfg.groups, cfg.head_dim, shape.kv_dtype):
         return None
-    return decode_attention.object_name(isa)
+    from kernels import q8_matmul
+    return q8_matmul.object_name(isa, decode_attention.SOURCE)
 
 
 class TextGraph:

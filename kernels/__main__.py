@@ -1,8 +1,8 @@
 """`python -m kernels [--dir DIR]`: build every hand-written kernel object (kernels/q8_matmul.c,
 kernels/decode_attention.c) for every ISA (kernels/q8_matmul.py `build_object`) into DIR,
 default `$QWEN3VL_KERNEL_DIR` or ~/.cache/qwen3vl-kernels; each object is named by a hash of
-its source, flags and compiler, so a rerun builds nothing. The install step (`make install`) runs it. A missing C compiler or
-a failed build is one line on stderr and exit status 1."""
+its source, flags and compiler, so a rerun builds nothing. The install step (`make install`)
+runs it. A missing C compiler or a failed build is one line on stderr and exit status 1."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ and keeps an online softmax (the math and its order: the C file's header; `refer
 the same in numpy, bit for bit). The table's length is a run-time value: the table is a
 `memref<?xi32>` binding whose size the C function reads.
 
-It links like kernels/q8_matmul.py's (`build_object`, `object_executable`, found through
-`search_flags`), so it is used where the graph links a kernel already: the q8_0 and q4_0
-graph forms (emitter/text.py), whose target is an x86-64 CPU of a known ISA.
+It links like kernels/q8_matmul.py's (`build_object`, `object_name`, `object_executable`,
+found through `search_flags`), so it is used where the graph links a kernel already: the q8_0
+and q4_0 graph forms (emitter/text.py), whose target is an x86-64 CPU of a known ISA.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from emitter.builder import Builder, TensorType, Value
 from emitter.kv_pages import BLOCK
-from kernels.q8_matmul import KernelError, build_object, default_objects, object_executable
+from kernels.q8_matmul import KernelError, object_executable
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 ENTRIES = {"f32": "decode_attention_f32", "bf16": "decode_attention_bf16"}  # the pools' dtype -> C function
@@ -36,16 +36,6 @@ MAX_GROUPS, MAX_HEAD_DIM = 8, 256  # the C file's bounds of its per-head state
 def fits(groups: int, head_dim: int, kv_dtype: str) -> bool:
     """Whether the kernel takes this attention (else the graph's `token_attention` does)."""
     return kv_dtype in ENTRIES and groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and head_dim % LANES == 0
-
-
-def build_object_for(isa: str, out_dir: str | os.PathLike) -> Path:
-    """kernels/decode_attention.c compiled for `isa` into `out_dir` (`build_object`)."""
-    return build_object(isa, out_dir, SOURCE)
-
-
-def object_name(isa: str) -> str:
-    """The file name of the kernel's object for `isa`, built into `default_objects()` if not there."""
-    return build_object_for(isa, default_objects()).name
 
 
 def executable_name(kv_heads: int, blocks: int, groups: int, head_dim: int, kv_dtype: str) -> str:

@@ -140,6 +140,13 @@ def build_object(isa: str, out_dir: str | os.PathLike, source: Path = SOURCE) ->
     return out
 
 
+def object_name(isa: str, source: Path = SOURCE) -> str:
+    """The file name of `source`'s object for `isa`, built into `default_objects()` if not
+    there (by `make install`, else on first use); the name alone, so that a graph naming it does
+    not depend on the folder (iree-compile finds it: `search_flags`)."""
+    return build_object(isa, default_objects(), source).name
+
+
 def object_executable(obj: str | os.PathLike, export: str, entry: str, bindings: dict[str, str],
                       sizes: dict[str, int], workgroups: str, dims: tuple[str, ...] = ()) -> str:
     """A `stream.executable` @`export` linking `obj` (a path, or a file name `search_flags`

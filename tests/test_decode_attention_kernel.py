@@ -47,7 +47,7 @@ def vmfb(target: str, objects, kv_dtype: str, graph: bool = False) -> bytes:
         cached = [f32(read_blocks(b, p, table)) for p in pools]
         out = token_attention(b, q, *cached, position_mask(b, slot, 1, SPAN, own=False), f32(own_k), f32(own_v))
     else:
-        obj = da.build_object_for(q8.target_isa(tuple(target_flags(target))), objects)
+        obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
         out = da.token_attention(b, obj, q, *pools, table, slot, own_k, own_v)
     return compile_mlir(render_module(b, [("out", out)], title="decode attention test"), target)
 

@@ -182,7 +182,7 @@ def test_the_identity_does_not_depend_on_the_kernel_folder(tmp_path, monkeypatch
         monkeypatch.setenv(q8_matmul.OBJECTS_ENV, str(tmp_path / folder))
         fields.append(text_artifact_fields(CFG, TextShape((32,), 64), 0, "q8_0-avx2"))
         assert sorted(p.name for p in (tmp_path / folder).iterdir()) == sorted(
-            [q8_matmul.build_object("avx2", tmp_path).name, decode_attention.build_object_for("avx2", tmp_path).name])
+            [q8_matmul.build_object("avx2", tmp_path).name, q8_matmul.build_object("avx2", tmp_path, decode_attention.SOURCE).name])
     assert fields[0] == fields[1]
     assert str(tmp_path) not in json.dumps(fields[0])
 
