@@ -310,40 +310,52 @@ class TextGraph:
         return self.inputs[name]
 
     def attend(self, n: int, q: Value, k: Value, v: Value, table: Value, start: Value, mask: Value) -> Value:
-        """Layer n's attention of a chunk's q over its sequence's cache, and its own K/V (at
-        slots start..) stored. The keys and values are the sequence's first L slots, the
-        blocks of `table` (L the mask's width). A chunk lays its own K/V over slots start.., one
-        array in slot order, so that a row's sums run over the same keys in the same order
-        however its prompt was chunked (a prefix-cache hit rounds as a miss). One token
-        (decode; its mask hides its own slot) attends over the cache where it lies and over
-        its own K/V beside it (`token_attention`; in the q8_0 and q4_0 graphs the kernel of
-        kernels/decode_attention.py, one dispatch for the same math). Attention reads the pools as loaded, and
-        the update is ordered after it (one barrier): reading the value just stored gave
-        wrong results on IREE 3.13, and with the loaded value still to be read IREE copied
-        each whole pool before updating it."""
+        """Layer n's attention of one chunk (or one lane's token): `attend_lanes` of one."""
+        return self.attend_lanes(n, [(q, k, v, table, start, mask)])[0]
+
+    def attend_lanes(self, n: int, lanes: list[tuple]) -> list[Value]:
+        """Layer n's attention of each lane's chunk, (q, k, v, table, start, mask), over its
+        sequence's cache, after every lane's own K/V (at slots start..) is written to the
+        pools. The keys and values are the sequence's first L slots, the blocks of `table`
+        (L the mask's width). A chunk lays its own K/V over slots start.., one array in slot
+        order, so that a row's sums run over the same keys in the same order however its
+        prompt was chunked (a prefix-cache hit rounds as a miss). One token (decode; its mask
+        hides its own slot) attends over the cache where it lies and over its own K/V beside
+        it (`token_attention`; in the q8_0 and q4_0 graphs the kernel of
+        kernels/decode_attention.py, one dispatch for the same math).
+
+        The writes come first and the attention reads the pools they give: the data orders
+        them, so IREE updates each pool in place and keeps the whole step in one queue
+        submission. (Reading the pools as loaded and writing after made IREE copy each
+        whole pool, unless a barrier ordered them; a barrier split the step into a
+        submission a layer, the host waiting on each.)"""
         b = self.b
-        loaded = [b.load_state(state) for state in self.pages[n]]
+        pools = [b.load_state(state) for state in self.pages[n]]
+        for _, k, v, table, start, _ in lanes:
+            write = write_token if k.shape[1] == 1 else write_chunk
+            pools = [write(b, pool, table, start, self.stored(x)) for pool, x in zip(pools, (k, v))]
+        for state, pool in zip(self.pages[n], pools):
+            b.store_state(pool, state)
+        return [self.attention(pools, *lane) for lane in lanes]
+
+    def attention(self, pools: list[Value], q: Value, k: Value, v: Value, table: Value, start: Value,
+                  mask: Value) -> Value:
+        """A chunk's attention over the K/V `pools` (its own K/V written there) and its own K/V."""
+        b = self.b
         own = self.attended(k, v)
         if q.shape[0] == 1 and self.attention_kernel:
             from kernels import decode_attention
-            context = decode_attention.token_attention(b, self.attention_kernel, q, *loaded, table, start,
-                                                       self.stored(k), self.stored(v))
-        elif q.shape[0] == 1:
-            cached = [self.read(read_blocks(b, pool, table)) for pool in loaded]
-            context = token_attention(b, q, *cached, mask, *own)
-        else:
-            keys, values = (b.dynamic_update_slice(self.read(read_span(b, pool, table)), x,
-                                                   [self.zero, start, self.zero], hint="own_kv")
-                            for pool, x in zip(loaded, own))
-            # No barrier over them (a barrier over a value of run-time shape fails IREE 3.13's
-            # shape cleanup); at static spans, fused into the data-tiling pack, a slice of the
-            # cache became one vector op too large for its CPU codegen, at a run-time one not.
-            context = grouped_attention(b, q, [keys], [values], mask)
-        *loaded, context = b.optimization_barriers([*loaded, context], hint="attended")
-        for state, pool, x in zip(self.pages[n], loaded, (k, v)):
-            write = write_token if x.shape[1] == 1 else write_chunk
-            b.store_state(write(b, pool, table, start, self.stored(x)), state)
-        return context
+            return decode_attention.token_attention(b, self.attention_kernel, q, *pools, table, start,
+                                                    self.stored(k), self.stored(v))
+        if q.shape[0] == 1:
+            cached = [self.read(read_blocks(b, pool, table)) for pool in pools]
+            return token_attention(b, q, *cached, mask, *own)
+        keys, values = (b.dynamic_update_slice(self.read(read_span(b, pool, table)), x,
+                                               [self.zero, start, self.zero], hint="own_kv")
+                        for pool, x in zip(pools, own))
+        # At static spans, fused into the data-tiling pack, a slice of the cache became one
+        # vector op too large for its CPU codegen, at a run-time one not.
+        return grouped_attention(b, q, [keys], [values], mask)
 
     def layer_weights(self, n: int) -> dict:
         prefix = f"{TEXT_PREFIX}layers.{n}."
@@ -500,8 +512,8 @@ def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, precision: st
         return b.slice(value, tuple(start), tuple(limit), hint="lane")
 
     def attend(n, q, k, v, masks):
-        contexts = [g.attend(n, lane(q, i, 0), lane(k, i, 1), lane(v, i, 1), tables[i], slots[i], masks[i])
-                    for i in range(lanes)]
+        contexts = g.attend_lanes(n, [(lane(q, i, 0), lane(k, i, 1), lane(v, i, 1), tables[i], slots[i], masks[i])
+                                      for i in range(lanes)])
         return contexts[0] if lanes == 1 else b.concatenate(contexts, 0, hint="context")
 
     masks = lambda: [position_mask(b, slot, 1, SPAN, own=False) for slot in slots]  # noqa: E731
