@@ -146,4 +146,22 @@ def profile_report(path: Path, steps: int, top: int = 8) -> list[str]:
     sizes = copy_lengths(path)
     big = [s for s in sizes if s >= 1 << 20]
     lines.append(f"    copies recorded: {len(sizes)}, of them >= 1 MiB: {len(big)} ({sum(big) / 2**20:.0f} MiB)")
-    return lines
+    return lines + queue_report(path, steps)
+
+
+def queue_report(path: Path, steps: int) -> list[str]:
+    """How the dispatches sat on the queue, from every dispatch's host start and end
+    (`--dispatch_events`): queue submissions a step, the queue's idle time between one
+    dispatch's end and the next one's start (a step's share, the gaps between steps
+    included), and the dispatches of 8 or more workgroups whose tiles all ran on one worker
+    (their tiles' summed time under 1.2x the dispatch's wall time)."""
+    out = subprocess.run([str(TOOLS / "iree-profile"), "dispatch", "--format=jsonl", "--dispatch_events", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    events = sorted((json.loads(line) for line in out.splitlines() if '"host_dispatch_event"' in line),
+                    key=lambda e: e["start_host_time_ns"])
+    idle = sum(max(0, b["start_host_time_ns"] - a["end_host_time_ns"]) for a, b in zip(events, events[1:]))
+    wide = [e for e in events if e["workgroup_count"][0] >= 8]
+    alone = [e for e in wide if e["tile_duration_sum_ns"] < 1.2 * e["duration_ns"]]
+    return [f"    queue: {len({e['submission_id'] for e in events}) / steps:.0f} submissions a step, "
+            f"{idle / steps / 1e6:.2f} ms/step idle between dispatches; {len(alone)} of {len(wide)} dispatches of "
+            f">= 8 workgroups on one worker ({sum(e['duration_ns'] for e in alone) / steps / 1e6:.2f} ms/step)"]
