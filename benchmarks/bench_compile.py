@@ -30,7 +30,8 @@ EMIT = """
 import json, sys
 from dataclasses import replace
 from pathlib import Path
-from emitter.text import TextShape, emit_text_module
+from emitter.text import emit_text_module
+from emitter.text_shape import TextShape
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_command
 out, layers, vocab, context, lanes = Path(sys.argv[1]), *map(int, sys.argv[2:6])

@@ -52,7 +52,8 @@ flags = compile_flags(precision)
 for lanes in map(int, sys.argv[7:]):  # a tree before the batched step knows one sequence only
     if kv != "f32":  # the KV cache's dtype: a tree with a paged cache of that dtype
         from emitter.module import render
-        from emitter.text import MODULE_NAME, decode_function
+        from emitter.text import decode_function
+        from emitter.text_shape import MODULE_NAME
         function, shared = decode_function(cfg, replace(bench.decode_shape(context, lanes), kv_dtype=kv), lanes, precision)
         module = render(MODULE_NAME, "", shared, [function])
     else:

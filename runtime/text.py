@@ -32,8 +32,9 @@ from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
 from emitter import quant
 from emitter.config import NATIVE_PRECISION, is_native
-from emitter.text import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_blocks, decode_name,
-                          emit_text_module, lane_counts, prefill_chunks, prefill_inputs, text_weights)
+from emitter.text import emit_text_module, prefill_inputs, text_weights
+from emitter.text_shape import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_blocks, decode_name, lane_counts,
+                                prefill_chunks)
 
 from runtime.artifact.archive import release_mapped_pages
 from runtime.artifact.build import compiled_module

@@ -18,7 +18,8 @@ import pytest
 from conftest import rel_l2
 from emitter.config import PRESETS, graph_weights
 from emitter.identity import bf16_form, graph_precision
-from emitter.text import TextShape, emit_text_module
+from emitter.text import emit_text_module
+from emitter.text_shape import TextShape
 from emitter.text_config import TEXT_PRESETS
 from emitter.vision import emit_vision_module, result_names
 from runtime.bench import bf16 as bf16_speed

@@ -10,7 +10,7 @@ import pytest
 
 from emitter.config import PRESETS
 from emitter.kv_pages import BLOCK
-from emitter.text import TextShape, TextShapeError, prefill_chunks
+from emitter.text_shape import TextShape, TextShapeError, prefill_chunks
 from emitter.text_config import TEXT_PRESETS
 from runtime.inputs.chat import Prompt
 from runtime.kv_cache import BlockPool, Blocks, block_keys

@@ -1,4 +1,4 @@
-"""Prompts longer than the largest prefill bucket: prefilled in chunks (emitter/text.py's
+"""Prompts longer than the largest prefill bucket: prefilled in chunks (emitter/text_shape.py's
 `prefill_chunks`), each attending over the cache the earlier chunks wrote, with image and
 video rows and their DeepStack features injected in whichever chunk holds them. Against
 transformers (f32, same checkpoint, same images and video file): a multi-turn chat of about
@@ -16,7 +16,7 @@ from conftest import rel_l2
 from helpers import gradient_frames, write_images, write_video
 from test_text_parity import SMALL_POLICY, TOL, reference_chat
 from emitter.config import PRESETS
-from emitter.text import prefill_chunks
+from emitter.text_shape import prefill_chunks
 from emitter.text_config import TEXT_PRESETS
 from runtime.inputs.chat import Media
 from runtime.sampling import Sampler, SamplingParams

@@ -109,7 +109,7 @@ def test_the_archive_is_in_its_bits(checkpoint):
 
 def test_mlx_precision_is_part_of_the_identity(checkpoint):
     from emitter.identity import text_artifact_fields
-    from emitter.text import TextShape
+    from emitter.text_shape import TextShape
     folder, cfg, _ = checkpoint
     shape = TextShape((32,), 64)
     stored = dataclasses.replace(cfg, native_weights=native_weights(folder, cfg))

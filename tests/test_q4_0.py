@@ -56,7 +56,7 @@ def test_q4_0_weights_are_q4_0_blocks_in_the_kernels_tiles():
 def test_the_kernels_isa_is_part_of_the_identity():
     """q4_0 builds a graph form named by the target's ISA; its archive differs from q8_0's."""
     from emitter.identity import text_artifact_fields
-    from emitter.text import TextShape
+    from emitter.text_shape import TextShape
     assert graph_precision("q4_0", "llvm-cpu-x86-64-v3") == "q4_0-avx2"
     assert graph_precision("q4_0", "llvm-cpu") in quant.KERNEL_ISA
     fields = {p: text_artifact_fields(CFG, TextShape((32,), 64), 0, p)

@@ -161,7 +161,7 @@ def test_the_kernels_isa_is_part_of_the_identity():
     """q8_0 builds a graph form named by the target's ISA: the host's (AVX-512 VNNI here, or
     AVX2) and x86-64-v3's AVX2 differ in precision and graph (the linked object)."""
     from emitter.identity import text_artifact_fields
-    from emitter.text import TextShape
+    from emitter.text_shape import TextShape
     assert graph_precision("q8_0", "llvm-cpu-x86-64-v3") == "q8_0-avx2"
     host = graph_precision("q8_0", "llvm-cpu")
     assert host in quant.KERNEL_ISA
@@ -176,7 +176,7 @@ def test_the_identity_does_not_depend_on_the_kernel_folder(tmp_path, monkeypatch
     the decode attention's."""
     from emitter.identity import text_artifact_fields
     from kernels import decode_attention
-    from emitter.text import TextShape
+    from emitter.text_shape import TextShape
     fields = []
     for folder in ("one", "two"):
         monkeypatch.setenv(q8_matmul.OBJECTS_ENV, str(tmp_path / folder))
@@ -203,7 +203,8 @@ def test_lanes_through_the_attention_kernel_equal_each_alone(folders):
     """Decode attends through kernels/decode_attention.py in the q8_0 graph, here over a bf16
     cache: sequences admitted between steps and decoded together (1, 2 and 4-lane steps, each
     lane its own table) give, lane by lane, what each gives alone, bit for bit."""
-    from emitter.text import TextShape, attention_object
+    from emitter.text import attention_object
+    from emitter.text_shape import TextShape
     from runtime.inputs.chat import Prompt
     from runtime.text import TextSession
     from test_kv_pages import batched_runs, solo_runs

@@ -117,7 +117,7 @@ def test_int4_keeps_the_table_lm_head_reads_in_int8(tied):
 
 def test_int8_is_part_of_the_identity():
     from emitter.identity import text_artifact_fields
-    from emitter.text import TextShape
+    from emitter.text_shape import TextShape
     shape = TextShape((32,), 64)
     fields = {p: text_artifact_fields(CFG, shape, 0, p) for p in ("f32", "int8")}
     assert fields["int8"]["precision"] == "int8"

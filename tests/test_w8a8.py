@@ -72,7 +72,7 @@ def test_w8a8_weights_take_a_scale_per_output_channel():
 
 def test_w8a8_is_part_of_the_identity():
     from emitter.identity import text_artifact_fields
-    from emitter.text import TextShape
+    from emitter.text_shape import TextShape
     fields = {p: text_artifact_fields(CFG, TextShape((32,), 64), 0, p) for p in ("int8", "w8a8")}
     assert fields["w8a8"]["precision"] == "w8a8"
     assert fields["w8a8"]["weight_schema"] != fields["int8"]["weight_schema"]

@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 from emitter.config import PRESETS, graph_weights
-from emitter.text import (MODULE_NAME as TEXT_MODULE, TextShape, decode_name, emit_text_module, prefill_name,
-                          text_weights)
+from emitter.text import emit_text_module, text_weights
+from emitter.text_shape import MODULE_NAME as TEXT_MODULE, TextShape, decode_name, prefill_name
 from emitter.text_config import TextConfig
 from emitter.vision import emit_vision_module, input_specs
 

@@ -19,8 +19,8 @@ import numpy as np
 from emitter import quant
 from emitter.module import render
 from emitter.kv_pages import BLOCK
-from emitter.text import (MATMUL_SUFFIXES, MODULE_NAME, TextShape, decode_function, decode_name, text_weights,
-                          weight_layouts, weight_shapes)
+from emitter.text import MATMUL_SUFFIXES, decode_function, text_weights, weight_layouts, weight_shapes
+from emitter.text_shape import MODULE_NAME, TextShape, decode_name
 
 TOOLS = Path(sys.executable).parent
 

@@ -11,7 +11,7 @@ import click
 from emitter.config import DEFAULT_PRECISION_HELP, PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
 from emitter.errors import command_errors
 
-from emitter.text import KV_CACHE_HELP, KV_DTYPES
+from emitter.text_shape import KV_CACHE_HELP, KV_DTYPES
 
 from runtime.commands.mmproj import mmproj_option, with_mmproj
 from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS

@@ -12,7 +12,7 @@ import click
 
 from emitter.config import DEFAULT_PRECISION_HELP, PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
 
-from emitter.text import KV_CACHE_HELP, KV_DTYPES
+from emitter.text_shape import KV_CACHE_HELP, KV_DTYPES
 
 from runtime.serve.assemble import ServeOptions
 from runtime.commands.mmproj import mmproj_option, with_mmproj
