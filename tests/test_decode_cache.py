@@ -1,7 +1,9 @@
 """Decode updates the KV cache in place: no step copies a whole cache (IREE did, two per
 layer, while the loaded cache was still to be read by the attention: docs/text.md), in the
 graph's attention (f32) and through the decode-attention kernel (q8_0's graph), whose
-dispatch takes the pools as operands."""
+dispatch takes the pools as operands. And a step is one queue submission of every layer's
+dispatches (beside one-dispatch readbacks of the slot's block): a barrier a layer made it
+one submission a layer, the host waiting on each."""
 
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ def test_decode_step_copies_no_whole_cache(tmp_path, precision):
     assert ("decode_attention" in module) == (precision == "q8_0")
     vmfb.write_bytes(compile_mlir(module, extra_flags=compile_flags(precision)))
     bench.write_archive(cfg, precision, archive)
-    bench.step_ms(vmfb, archive, context - 1, 2, 1, profile=profile)
+    steps = 2
+    bench.step_ms(vmfb, archive, context - 1, steps, 1, profile=profile)
     cache_bytes = cfg.num_key_value_heads * context * cfg.head_dim * 4
     copies = bench.copy_lengths(profile)
     assert copies, "the profile recorded no command-buffer copies at all (the check would see nothing)"
     assert max(copies) < cache_bytes, copies
+    multi = [n for n in bench.submission_sizes(profile) if n > 1]
+    assert len(multi) == steps, f"submissions of several dispatches in {steps} steps: {multi}"

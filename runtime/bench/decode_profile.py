@@ -149,16 +149,29 @@ def profile_report(path: Path, steps: int, top: int = 8) -> list[str]:
     return lines + queue_report(path, steps)
 
 
-def queue_report(path: Path, steps: int) -> list[str]:
-    """How the dispatches sat on the queue, from every dispatch's host start and end
-    (`--dispatch_events`): queue submissions a step, the queue's idle time between one
-    dispatch's end and the next one's start (a step's share, the gaps between steps
-    included), and the dispatches of 8 or more workgroups whose tiles all ran on one worker
-    (their tiles' summed time under 1.2x the dispatch's wall time)."""
+def dispatch_events(path: Path) -> list[dict]:
+    """Every dispatch of a profile with its host start and end, its queue submission and its
+    tiles' summed time (`iree-profile dispatch --dispatch_events`), in start order."""
     out = subprocess.run([str(TOOLS / "iree-profile"), "dispatch", "--format=jsonl", "--dispatch_events", str(path)],
                          capture_output=True, text=True, check=True).stdout
-    events = sorted((json.loads(line) for line in out.splitlines() if '"host_dispatch_event"' in line),
-                    key=lambda e: e["start_host_time_ns"])
+    return sorted((json.loads(line) for line in out.splitlines() if '"host_dispatch_event"' in line),
+                  key=lambda e: e["start_host_time_ns"])
+
+
+def submission_sizes(path: Path) -> list[int]:
+    """The dispatches in each queue submission of a profile, in order."""
+    sizes: dict[int, int] = {}
+    for e in dispatch_events(path):
+        sizes[e["submission_id"]] = sizes.get(e["submission_id"], 0) + 1
+    return list(sizes.values())
+
+
+def queue_report(path: Path, steps: int) -> list[str]:
+    """How the dispatches sat on the queue: queue submissions a step, the queue's idle time
+    between one dispatch's end and the next one's start (a step's share, the gaps between
+    steps included), and the dispatches of 8 or more workgroups whose tiles all ran on one
+    worker (their tiles' summed time under 1.2x the dispatch's wall time)."""
+    events = dispatch_events(path)
     idle = sum(max(0, b["start_host_time_ns"] - a["end_host_time_ns"]) for a, b in zip(events, events[1:]))
     wide = [e for e in events if e["workgroup_count"][0] >= 8]
     alone = [e for e in wide if e["tile_duration_sum_ns"] < 1.2 * e["duration_ns"]]
