@@ -56,17 +56,17 @@ static inline __attribute__((always_inline)) __m512i unsigned_step(const uint8_t
   return _mm512_and_si512(q < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
 }
 
-// Block b's i32 sums of tiles [p0, p1) x rows [0, MC) set to start: -OFFSET * xs, so that they end
+// Block b's i32 sums of tiles [0, P) x rows [0, MC) set to start: -OFFSET * xs, so that they end
 // exact (integer math: the same bits as subtracting after, one broadcast a row rather than a
 // subtraction a row and tile).
 static inline __attribute__((always_inline)) void start_sums(__m512i isum[][Q8_ROWS_MAX], const int32_t* restrict xs,
-                                                             size_t blocks, size_t b, int p0, int p1, const int MC,
+                                                             size_t blocks, size_t b, const int P, const int MC,
                                                              const int bits) {
   Q8_UNROLL
   for (int m = 0; m < MC; ++m) {
     const __m512i start = _mm512_set1_epi32(-OFFSET(bits) * xs[m * blocks + b]);
     Q8_UNROLL
-    for (int p = p0; p < p1; ++p) isum[p][m] = start;
+    for (int p = 0; p < P; ++p) isum[p][m] = start;
   }
 }
 
@@ -74,18 +74,18 @@ static inline __attribute__((always_inline)) void start_sums(__m512i isum[][Q8_R
 // 4 inputs, a vpdpbusd per tile and row.
 static inline __attribute__((always_inline)) void dot_step(__m512i isum[][Q8_ROWS_MAX], const int8_t* restrict x,
                                                            const uint8_t* restrict wt, size_t K, size_t b, int q,
-                                                           int p0, int p1, const int MC, const int bits) {
+                                                           const int P, const int MC, const int bits) {
   const size_t blocks = K / 32;
   __m512i wu[Q8_TILES_AT_ONCE];
   Q8_UNROLL
-  for (int p = p0; p < p1; ++p) wu[p] = unsigned_step(wt + (p * blocks + b) * BLOCK_BYTES(bits), q, bits);
+  for (int p = 0; p < P; ++p) wu[p] = unsigned_step(wt + (p * blocks + b) * BLOCK_BYTES(bits), q, bits);
   Q8_UNROLL
   for (int m = 0; m < MC; ++m) {
     int32_t quad;
     __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
     __m512i xb = _mm512_set1_epi32(quad);
     Q8_UNROLL
-    for (int p = p0; p < p1; ++p) isum[p][m] = _mm512_dpbusd_epi32(isum[p][m], wu[p], xb);
+    for (int p = 0; p < P; ++p) isum[p][m] = _mm512_dpbusd_epi32(isum[p][m], wu[p], xb);
   }
 }
 
@@ -106,28 +106,31 @@ static inline __attribute__((always_inline)) void tile_rows(
   const size_t blocks = K / 32;
   const int at_once = MC == 1 ? ONE_ROW_TILES(bits) : Q8_TILES_AT_ONCE;
   for (int p0 = 0; p0 < Q8_TILES_AT_ONCE; p0 += at_once) {
+    // This group's tiles indexed from 0, so that the arrays' indices stay constants (registers).
+    const uint8_t* wg = wt + p0 * blocks * BLOCK_BYTES(bits);
+    const uint16_t* dwg = dwt + p0 * 16 * blocks;
     __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
     Q8_UNROLL
-    for (int p = p0; p < p0 + at_once; ++p)
+    for (int p = 0; p < at_once; ++p)
       Q8_UNROLL
       for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
     for (size_t b = 0; b < blocks; ++b) {
       __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
-      start_sums(isum, xs, blocks, b, p0, p0 + at_once, MC, bits);
-      for (int q = 0; q < 8; ++q) dot_step(isum, x, wt, K, b, q, p0, p0 + at_once, MC, bits);
+      start_sums(isum, xs, blocks, b, at_once, MC, bits);
+      for (int q = 0; q < 8; ++q) dot_step(isum, x, wg, K, b, q, at_once, MC, bits);
       Q8_UNROLL
       for (int m = 0; m < MC; ++m) {
         Q8_UNROLL
-        for (int p = p0; p < p0 + at_once; ++p) {
-          __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwt + p * 16 * blocks + b * 16)));
+        for (int p = 0; p < at_once; ++p) {
+          __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwg + p * 16 * blocks + b * 16)));
           acc[p][m] = block_epilogue(acc[p][m], isum[p][m], dwv, dx[m * blocks + b]);
         }
       }
     }
     Q8_UNROLL
-    for (int p = p0; p < p0 + at_once; ++p)
+    for (int p = 0; p < at_once; ++p)
       Q8_UNROLL
-      for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0 + 16 * p, acc[p][m]);
+      for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0 + 16 * (p0 + p), acc[p][m]);
   }
 }
 
@@ -151,10 +154,10 @@ static inline __attribute__((always_inline)) void full_pass(
   __m512 dwv = _mm512_setzero_ps();
   for (size_t b = 0; b < blocks; ++b) {
     __m512i isum[P][Q8_ROWS_MAX];
-    start_sums(isum, xs, blocks, b, 0, P, MC, bits);
+    start_sums(isum, xs, blocks, b, P, MC, bits);
     Q8_UNROLL
     for (int q = 0; q < 8; ++q) {
-      dot_step(isum, x, wt, K, b, q, 0, P, MC, bits);
+      dot_step(isum, x, wt, K, b, q, P, MC, bits);
       if (b > 0) {  // pair (q / 4, q % 4) of block b - 1
         const int pp = q / MC, pm = q % MC;
         if (pm == 0) dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwt + pp * 16 * blocks + (b - 1) * 16)));
