@@ -43,7 +43,9 @@
 // stream of weights (benchmarks/bench_q8_loop.py: Q4_0 x0.70-0.79 the time of two at once, Q8_0
 // x1.09-1.15 with one).
 #define ONE_ROW_TILES(bits) ((bits) == 8 ? 2 : 1)
-#define ROWS(bits) 4        // rows of x per pass over the tiles (their sums and accumulators: 16 zmm)
+// Rows of x per pass over the tiles: full_pass holds their sums, the previous block's and the
+// accumulators, 24 zmm (6 or 8 rows a pass, unpipelined: x1.0 and x1.07 the time of 4 at 512 rows).
+#define ROWS(bits) 4
 #define Q8_ROWS_MAX 4
 
 // Step q (inputs 4q..4q+3 of the block) of one tile's block as unsigned bytes, 16 outputs x 4
@@ -97,8 +99,8 @@ static inline __attribute__((always_inline)) __m512 block_epilogue(__m512 acc, _
 }
 
 // Tiles [0, 2) (32 outputs; tile p's weights at wt + p * K/32 * BLOCK_BYTES, scales at dwt + 16 K/32 p)
-// against rows [0, MC) of x: vpdpbusd takes u8 x s8, so the weights go in unsigned and each
-// block's i32 sum starts at -OFFSET * xs.
+// against rows [0, MC) of x, MC < ROWS (one row: decode; the rows a full pass leaves): vpdpbusd
+// takes u8 x s8, so the weights go in unsigned and each block's i32 sum starts at -OFFSET * xs.
 static inline __attribute__((always_inline)) void tile_rows(
     const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
@@ -138,6 +140,9 @@ static inline __attribute__((always_inline)) void tile_rows(
 // block b's 8 dot-product steps each carry the epilogue of one (tile, row) pair of block b - 1
 // (8 pairs, 8 steps), so that its multiplies interleave with the dot products rather than follow
 // them in a burst. Each accumulator still takes its blocks in order: the same bits.
+// benchmarks/bench_q8_loop.py at 512 rows: x0.935-0.94 the time of the unpipelined loop for Q8_0, x0.95 for
+// Q4_0. What is left is mostly the multiplies: on Zen 5 vmulps shares vpdpbusd's two pipes (2 a
+// block, row and tile against 8 vpdpbusd); without them the loop takes x0.87-0.89.
 static inline __attribute__((always_inline)) void full_pass(
     const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
@@ -158,7 +163,7 @@ static inline __attribute__((always_inline)) void full_pass(
     Q8_UNROLL
     for (int q = 0; q < 8; ++q) {
       dot_step(isum, x, wt, K, b, q, P, MC, bits);
-      if (b > 0) {  // pair (q / 4, q % 4) of block b - 1
+      if (b > 0) {  // pair (q / MC, q % MC) of block b - 1
         const int pp = q / MC, pm = q % MC;
         if (pm == 0) dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dwt + pp * 16 * blocks + (b - 1) * 16)));
         acc[pp][pm] = block_epilogue(acc[pp][pm], prev[pp][pm], dwv, dx[pm * blocks + b - 1]);
