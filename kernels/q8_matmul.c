@@ -189,25 +189,39 @@ static inline __attribute__((always_inline)) void full_pass(
 
 // Two tiles a pass, in parts of 8 outputs (ymm lanes), PARTS(bits) of them sharing each
 // broadcast of x and ROWS(bits) rows each load of the weights, as many as the 16 ymm hold (the
-// rows' block sums, the parts' weights; 8 bits: w and |w|, two registers a part). The broadcasts
-// bound the loop, not the dot products: shared by 16 outputs rather than 8, the time at 512 rows
-// went x0.92 (8 bits) and x0.67 (4 bits); more rows a load without that, x1.0.
+// rows' block sums, the parts' weights, the broadcasts).
 #define Q8_TILES_AT_ONCE 2
-#define PARTS(bits) ((bits) == 8 ? 2 : 4)
-#define ROWS(bits) ((bits) == 8 ? 4 : 2)
+#define PARTS(bits) 2
+#define ROWS(bits) 4
 #define Q8_ROWS_MAX 4
 
 // The same with AVX2, per 8 outputs (part j: tile j / 2, its half j % 2) x 4 inputs a step:
-// 8 bits, vpmaddubsw of |w| (u8, shared by the rows) against x with w's sign (llama.cpp's sign
-// trick; |w| x |x| <= 127 x 127, no saturation), vpmaddwd with ones to i32 every step; 4 bits,
-// vpmaddubsw of the codes (u8, at most 15) against x, summed in i16 over the block's 8 steps (at
-// most 8 x 2 x 15 x 127 = 30480: exact) and widened by one vpmaddwd a block, OFFSET * xs taken
-// off after.
+// 8 bits, vpmaddubsw of |x| (u8, from a copy of the rows' block made once a block) against w
+// with x's sign (llama.cpp's sign trick, the other way round: |x| x |w| <= 128 x 127, no
+// saturation), vpmaddwd with ones to i32 every step; 4 bits, vpmaddubsw of the codes (u8, at most
+// 15) against x, summed in i16 over the block's 8 steps and widened by one vpmaddwd a block.
 static inline __attribute__((always_inline)) __m256i step_weights(const uint8_t* restrict block, int q,
                                                                   const int bits) {
   if (bits == 8) return _mm256_loadu_si256((const __m256i*)(block + q * 64));
   __m256i v = _mm256_loadu_si256((const __m256i*)(block + (q & 3) * 64));
   return _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
+
+// x's 4 bytes at `at`, in every i32 lane.
+static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* at) {
+  int32_t quad;
+  __builtin_memcpy(&quad, at, 4);
+  return _mm256_set1_epi32(quad);
+}
+
+// A block's i16 sums at 4 bits start at the codes' offset taken off: -OFFSET * xs in the low i16
+// of each i32 lane (the lane vpmaddwd adds to its neighbour), so that the widened sum is the
+// exact one with no subtraction after. The i16 adds wrap, and the final low lane (its 16 inputs'
+// w x, |w| <= 8, less 8 x the other 16 inputs' x) is at most 2 x 16 x 8 x 127 = 32512 in size,
+// the high lane (its 16 inputs' codes x x) at most 16 x 15 x 127 = 30480: both exact in i16.
+static inline __attribute__((always_inline)) __m256i block_start(const int32_t* restrict xs, const int bits) {
+  if (bits == 8) return _mm256_setzero_si256();
+  return _mm256_set1_epi32((int32_t)(uint16_t)(-OFFSET(bits) * *xs));
 }
 
 // Rows [0, MC) of x against the two tiles' 4 parts, PARTS(bits) at a time; the f32 accumulators
@@ -227,30 +241,35 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int j = 0; j < 2 * Q8_TILES_AT_ONCE; ++j) _mm256_storeu_ps(y + m * N + n0 + 8 * j, _mm256_setzero_ps());
   for (int j0 = 0; j0 < 2 * Q8_TILES_AT_ONCE; j0 += parts) {
     for (size_t b = 0; b < blocks; ++b) {
+      // 8 bits: |x| of the rows' block, once for all the parts' steps (one abs a row and block
+      // rather than one a part and step: the weights' |w| took 1 in 17 of the loop's vector ops)
+      uint8_t ax[Q8_ROWS_MAX][32] __attribute__((aligned(32)));
+      if (bits == 8)
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m)
+          _mm256_store_si256((__m256i*)ax[m], _mm256_abs_epi8(_mm256_loadu_si256((const __m256i*)(x + m * K + b * 32))));
       __m256i s[PARTS_MAX][Q8_ROWS_MAX];
       Q8_UNROLL
       for (int j = 0; j < parts; ++j)
         Q8_UNROLL
-        for (int m = 0; m < MC; ++m) s[j][m] = _mm256_setzero_si256();
+        for (int m = 0; m < MC; ++m) s[j][m] = block_start(xs + m * blocks + b, bits);
       Q8_UNROLL
       for (int q = 0; q < 8; ++q) {
-        __m256i w[PARTS_MAX], aw[PARTS_MAX];
+        __m256i w[PARTS_MAX];
         Q8_UNROLL
         for (int j = 0; j < parts; ++j) {
           const int part = j0 + j;
           w[j] = step_weights(wt + ((part / 2) * blocks + b) * BLOCK_BYTES(bits) + (part % 2) * 32, q, bits);
-          aw[j] = bits == 8 ? _mm256_abs_epi8(w[j]) : w[j];
         }
         Q8_UNROLL
         for (int m = 0; m < MC; ++m) {
-          int32_t quad;
-          __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
-          __m256i xb = _mm256_set1_epi32(quad);
+          __m256i xb = broadcast_quad(x + m * K + b * 32 + q * 4);
+          __m256i xa = bits == 8 ? broadcast_quad(ax[m] + q * 4) : xb;
           Q8_UNROLL
           for (int j = 0; j < parts; ++j) {
             if (bits == 8)
               s[j][m] = _mm256_add_epi32(
-                  s[j][m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, w[j])), ones));
+                  s[j][m], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w[j], xb)), ones));
             else
               s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], xb));
             __asm__("" : "+x"(s[j][m]));  // one running sum a register (else gcc keeps every step's product)
@@ -263,10 +282,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         __m256 dwv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + (part / 2) * 16 * blocks + b * 16 + (part % 2) * 8)));
         Q8_UNROLL
         for (int m = 0; m < MC; ++m) {
-          __m256i exact = s[j][m];
-          if (bits != 8)  // the block's i16 sums widened, the codes' offset taken off
-            exact = _mm256_sub_epi32(_mm256_madd_epi16(exact, ones),
-                                     _mm256_set1_epi32(OFFSET(bits) * xs[m * blocks + b]));
+          __m256i exact = bits == 8 ? s[j][m] : _mm256_madd_epi16(s[j][m], ones);  // 4 bits: widened
           float* acc = y + m * N + n0 + 8 * part;
           __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(dx[m * blocks + b]));
           _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_mul_ps(scale, _mm256_cvtepi32_ps(exact))));
