@@ -264,7 +264,9 @@ static inline __attribute__((always_inline)) void tile_rows(
         Q8_UNROLL
         for (int m = 0; m < MC; ++m) {
           __m256i xb = broadcast_quad(x + m * K + b * 32 + q * 4);
-          __m256i xa = bits == 8 ? broadcast_quad(ax[m] + q * 4) : xb;
+          __m256i xa = xb;
+          if (bits == 8)  // from memory: gcc otherwise takes it out of the abs's register with shuffles
+            __asm__("vpbroadcastd %1, %0" : "=x"(xa) : "m"(*(const int32_t(*))(ax[m] + q * 4)));
           Q8_UNROLL
           for (int j = 0; j < parts; ++j) {
             if (bits == 8)
