@@ -210,6 +210,8 @@ static inline __attribute__((always_inline)) __m256i step_weights(const uint8_t*
   return _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
 }
 
+typedef int32_t q8_quad __attribute__((may_alias));  // 4 bytes of x (or |x|) read as one
+
 // x's 4 bytes at `at`, in every i32 lane.
 static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* at) {
   int32_t quad;
@@ -269,7 +271,7 @@ static inline __attribute__((always_inline)) void tile_rows(
           __m256i xb = broadcast_quad(x + m * K + b * 32 + q * 4);
           __m256i xa = xb;
           if (bits == 8)  // from memory: gcc otherwise takes it out of the abs's register with shuffles
-            __asm__("vpbroadcastd %1, %0" : "=x"(xa) : "m"(*(const int32_t(*))(ax[m] + q * 4)));
+            __asm__("vpbroadcastd %1, %0" : "=x"(xa) : "m"(*(const q8_quad*)(ax[m] + q * 4)));
           Q8_UNROLL
           for (int j = 0; j < parts; ++j) {
             if (bits == 8)
