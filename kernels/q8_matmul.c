@@ -203,7 +203,8 @@ static inline __attribute__((always_inline)) void full_pass(
 // with x's sign (llama.cpp's sign trick, the other way round: |x| x |w| <= 128 x 127, no
 // saturation; at one row, |w| against x with w's sign, llama.cpp's way, x1.00-1.02 the time),
 // vpmaddwd with ones to i32 every step; 4 bits, vpmaddubsw of the codes (u8, at most
-// 15) against x, summed in i16 over the block's 8 steps and widened by one vpmaddwd a block.
+// 15) against x, summed in i16 over the block's 8 steps (at most 8 x 2 x 15 x 127 = 30480: exact)
+// and widened by one vpmaddwd a block, OFFSET * xs taken off after.
 static inline __attribute__((always_inline)) __m256i step_weights(const uint8_t* restrict block, int q,
                                                                   const int bits) {
   if (bits == 8) return _mm256_loadu_si256((const __m256i*)(block + q * 64));
@@ -218,16 +219,6 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
   int32_t quad;
   __builtin_memcpy(&quad, at, 4);
   return _mm256_set1_epi32(quad);
-}
-
-// A block's i16 sums at 4 bits start at the codes' offset taken off: -OFFSET * xs in the low i16
-// of each i32 lane (the lane vpmaddwd adds to its neighbour), so that the widened sum is the
-// exact one with no subtraction after. The i16 adds wrap, and the final low lane (its 16 inputs'
-// w x, |w| <= 8, less 8 x the other 16 inputs' x) is at most 2 x 16 x 8 x 127 = 32512 in size,
-// the high lane (its 16 inputs' codes x x) at most 16 x 15 x 127 = 30480: both exact in i16.
-static inline __attribute__((always_inline)) __m256i block_start(const int32_t* restrict xs, const int bits) {
-  if (bits == 8) return _mm256_setzero_si256();
-  return _mm256_set1_epi32((int32_t)(uint16_t)(-OFFSET(bits) * *xs));
 }
 
 // Rows [0, MC) of x against the two tiles' 4 parts, PARTS(bits) at a time; the f32 accumulators
@@ -259,7 +250,7 @@ static inline __attribute__((always_inline)) void tile_rows(
       Q8_UNROLL
       for (int j = 0; j < parts; ++j)
         Q8_UNROLL
-        for (int m = 0; m < MC; ++m) s[j][m] = block_start(xs + m * blocks + b, bits);
+        for (int m = 0; m < MC; ++m) s[j][m] = _mm256_setzero_si256();
       Q8_UNROLL
       for (int q = 0; q < 8; ++q) {
         __m256i w[PARTS_MAX], aw[PARTS_MAX];
@@ -295,7 +286,10 @@ static inline __attribute__((always_inline)) void tile_rows(
         __m256 dwv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dwt + (part / 2) * 16 * blocks + b * 16 + (part % 2) * 8)));
         Q8_UNROLL
         for (int m = 0; m < MC; ++m) {
-          __m256i exact = bits == 8 ? s[j][m] : _mm256_madd_epi16(s[j][m], ones);  // 4 bits: widened
+          __m256i exact = s[j][m];
+          if (bits != 8)  // the block's i16 sums widened, the codes' offset taken off
+            exact = _mm256_sub_epi32(_mm256_madd_epi16(exact, ones),
+                                     _mm256_set1_epi32(OFFSET(bits) * xs[m * blocks + b]));
           float* acc = y + m * N + n0 + 8 * part;
           __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(dx[m * blocks + b]));
           _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_mul_ps(scale, _mm256_cvtepi32_ps(exact))));
