@@ -184,11 +184,6 @@ class TextGraph:
         """A cache read (or a K/V `stored` gives) as the attention takes it, f32."""
         return x if x.dtype == "f32" else self.b.convert(x, "f32", hint="kv_read")
 
-    def attended(self, k: Value, v: Value) -> tuple[Value, Value]:
-        """A chunk's own K/V as every later reader of the cache sees them: rounded to
-        `kv_dtype` (a no-op in f32), so that a token's keys are the same whichever call reads them."""
-        return self.read(self.stored(k)), self.read(self.stored(v))
-
     def argument(self, name, shape, dtype) -> Value:
         self.inputs[name] = self.b.argument(name, shape, dtype)
         return self.inputs[name]
@@ -215,22 +210,25 @@ class TextGraph:
         submission a layer, the host waiting on each.)"""
         b = self.b
         pools = [b.load_state(state) for state in self.pages[n]]
-        for _, k, v, table, start, _ in lanes:
-            write = write_token if k.shape[1] == 1 else write_chunk
-            pools = [write(b, pool, table, start, self.stored(x)) for pool, x in zip(pools, (k, v))]
+        stored = [(self.stored(k), self.stored(v)) for _, k, v, *_ in lanes]
+        for (_, _, _, table, start, _), kv in zip(lanes, stored):
+            write = write_token if kv[0].shape[1] == 1 else write_chunk
+            pools = [write(b, pool, table, start, x) for pool, x in zip(pools, kv)]
         for state, pool in zip(self.pages[n], pools):
             b.store_state(pool, state)
-        return [self.attention(pools, *lane) for lane in lanes]
+        return [self.attention(pools, q, *kv, table, start, mask)
+                for (q, _, _, table, start, mask), kv in zip(lanes, stored)]
 
     def attention(self, pools: list[Value], q: Value, k: Value, v: Value, table: Value, start: Value,
                   mask: Value) -> Value:
-        """A chunk's attention over the K/V `pools` (its own K/V written there) and its own K/V."""
+        """A chunk's attention over the K/V `pools` (its own K/V written there) and its own
+        K/V `k`, `v` as the pools store them (`stored`: rounded to `kv_dtype`, so that a
+        token's keys are the same whichever call reads them)."""
         b = self.b
-        own = self.attended(k, v)
         if q.shape[0] == 1 and self.attention_kernel:
             from kernels import decode_attention
-            return decode_attention.token_attention(b, self.attention_kernel, q, *pools, table, start,
-                                                    self.stored(k), self.stored(v))
+            return decode_attention.token_attention(b, self.attention_kernel, q, *pools, table, start, k, v)
+        own = self.read(k), self.read(v)
         if q.shape[0] == 1:
             cached = [self.read(read_blocks(b, pool, table)) for pool in pools]
             return token_attention(b, q, *cached, mask, *own)
