@@ -225,9 +225,12 @@ class TextGraph:
         K/V `k`, `v` as the pools store them (`stored`: rounded to `kv_dtype`, so that a
         token's keys are the same whichever call reads them)."""
         b = self.b
-        if q.shape[0] == 1 and self.attention_kernel:
+        if self.attention_kernel:
             from kernels import decode_attention
-            return decode_attention.token_attention(b, self.attention_kernel, q, *pools, table, start, k, v)
+            if q.shape[0] == 1:
+                return decode_attention.token_attention(b, self.attention_kernel, q, *pools, table, start, k, v)
+            if decode_attention.chunk_fits(self.cfg.groups, self.cfg.head_dim, self.kv_dtype):
+                return decode_attention.chunk_attention(b, self.attention_kernel, q, *pools, table, start)
         own = self.read(k), self.read(v)
         if q.shape[0] == 1:
             cached = [self.read(read_blocks(b, pool, table)) for pool in pools]

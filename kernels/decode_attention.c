@@ -1,6 +1,8 @@
 // One new token's attention over a paged KV cache, for one layer and one KV head per workgroup
 // (kernels/decode_attention.py): scores, softmax and the weighted sum of V in one pass over the
-// blocks the sequence's block table names, read where they lie in the page pool.
+// blocks the sequence's block table names, read where they lie in the page pool. And a chunk's
+// (prefill): each of its rows the same math as that token's alone, in the same order, so that
+// a prompt's rows equal what decoding its tokens one at a time would give (`chunk_attention`).
 //
 // Pools [kv_heads, blocks, 16, head_dim] (f32 or bf16), q [kv_heads, groups, head_dim] f32,
 // the token's own k and v [kv_heads, head_dim] as the cache stores them (it is not in it yet), the table
@@ -20,6 +22,7 @@
 #define LANES 16  // partial sums of a dot product
 #define MAX_GROUPS 8
 #define MAX_HEAD_DIM 256
+#define MAX_CHUNK_HEAD_DIM 128  // a chunk's tile keeps 4 [ROWS][head_dim] f32 arrays on the stack
 
 static inline __attribute__((always_inline)) float bits_f32(uint32_t u) {
   union { uint32_t u; float f; } v = {u};
@@ -119,3 +122,180 @@ static inline __attribute__((always_inline)) void head(
   }
 ATTENTION_ENTRY(decode_attention_f32, float, 0)
 ATTENTION_ENTRY(decode_attention_bf16, uint16_t, 1)
+
+
+// -- a chunk's attention ------------------------------------------------------------------------
+// A chunk of `rows` tokens at slots start.. (start a multiple of ROWS), whose own K/V the pools
+// already hold: row i (slot p = start + i) attends to slots 0..p exactly as `head` does for a
+// token at slot p whose own k, v are the pools' row p: the own key first, then blocks 0.. in
+// order, the last one holding only the slots before p. A workgroup is one KV head and one tile
+// of ROWS rows (one block of slots), and keeps its rows in vector lanes: the scores of a key are
+// one vector over the rows, the sums and the accumulator ([head_dim] vectors) likewise, so every
+// lane does `head`'s operations in `head`'s order. The tile's own block ends the walk: there
+// key r is one of row i's keys for i > r only, and the other lanes keep their values (selects).
+#if defined(__AVX512F__)
+#define VL 16  // rows a vector holds
+#else
+#define VL 8
+#endif
+#define NV (ROWS / VL)  // vectors of a tile's rows
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+
+static inline __attribute__((always_inline)) vf splat(float x) { return (vf){0} + x; }
+static inline __attribute__((always_inline)) vf pick(vi mask, vf yes, vf no) {
+  return (vf)(((vi)yes & mask) | ((vi)no & ~mask));
+}
+
+// exp_f32, lane by lane, the same operations.
+static inline __attribute__((always_inline)) vf exp_v(vf x) {
+  const vf half = pick(x < splat(0.0f), splat(-0.5f), splat(0.5f));
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * splat(1.44269504088896341f) + half, vi), vf);
+  vf r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
+  const vf y = p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+  return pick(x < splat(-87.33654f), splat(0.0f), y);
+}
+
+// `dot` of each lane's query (qt: [d][NV], lane = row) with key row k [d] f32, times scale.
+static inline __attribute__((always_inline)) void key_scores(const vf* restrict qt, const float* restrict k,
+                                                             size_t d, float scale, vf* restrict out) {
+  for (int v = 0; v < NV; ++v) {
+    vf part[LANES];
+    for (int l = 0; l < LANES; ++l) part[l] = splat(0.0f);
+    for (size_t i = 0; i < d; i += LANES)
+      for (int l = 0; l < LANES; ++l) part[l] += qt[(i + l) * NV + v] * k[i + l];
+    for (int w = LANES / 2; w > 0; w /= 2)
+      for (int l = 0; l < w; ++l) part[l] = part[l] + part[l + w];
+    out[v] = part[0] * scale;
+  }
+}
+
+// One block's `rows` keys and values (f32 [ROWS][d]) into the lanes' online softmax. `diagonal`:
+// the tile's own block, key r a key of the lanes i > r only.
+static inline __attribute__((always_inline)) void block_step(
+    const vf* restrict qt, const float* restrict k, const float* restrict v, size_t d, float scale,
+    vf* restrict peak, vf* restrict sum, vf* restrict at, int diagonal) {
+  vf s[ROWS][NV];
+  vi seen[ROWS][NV];
+  const size_t rows = diagonal ? ROWS - 1 : ROWS;  // a tile's last row sees its block's first 15
+  for (size_t r = 0; r < rows; ++r) {
+    key_scores(qt, k + r * d, d, scale, s[r]);
+    for (int w = 0; w < NV; ++w) {
+      vi lane;
+      for (int l = 0; l < VL; ++l) lane[l] = w * VL + l;
+      seen[r][w] = diagonal ? lane > (vi){0} + (int32_t)r : (vi){0} - 1;
+    }
+  }
+  for (int w = 0; w < NV; ++w) {
+    vf top = peak[w];
+    for (size_t r = 0; r < rows; ++r) top = pick(seen[r][w] & (s[r][w] > top), s[r][w], top);
+    const vi grew = top > peak[w];
+    int any = 0;
+    for (int l = 0; l < VL; ++l) any |= grew[l];
+    if (any) {  // where a lane's max grew: its sum and accumulator times exp(m - m'); else times 1
+      const vf c = pick(grew, exp_v(peak[w] - top), splat(1.0f));
+      sum[w] *= c;
+      for (size_t i = 0; i < d; ++i) at[i * NV + w] *= c;
+      peak[w] = top;
+    }
+    for (size_t r = 0; r < rows; ++r) {
+      s[r][w] = exp_v(s[r][w] - top);
+      sum[w] = pick(seen[r][w], sum[w] + s[r][w], sum[w]);
+    }
+  }
+  for (size_t i = 0; i < d; ++i)
+    for (int w = 0; w < NV; ++w) {
+      vf a = at[i * NV + w];
+      if (diagonal)
+        for (size_t r = 0; r < rows; ++r) a = pick(seen[r][w], a + s[r][w] * v[r * d + i], a);
+      else
+        for (size_t r = 0; r < rows; ++r) a = a + s[r][w] * v[r * d + i];
+      at[i * NV + w] = a;
+    }
+}
+
+// Block `block`'s K or V rows of KV head h as f32 [ROWS][d].
+static inline __attribute__((always_inline)) void widen_block(const void* restrict pool, size_t first, size_t d,
+                                                              float* restrict out, int bf16) {
+  for (size_t i = 0; i < ROWS * d; ++i) out[i] = load(pool, first + i, bf16);
+}
+
+static inline __attribute__((always_inline)) void chunk_tile(
+    const float* restrict q, const void* restrict k_pool, const void* restrict v_pool,
+    const int32_t* restrict table, int32_t start, float* restrict out, size_t blocks, size_t groups, size_t d,
+    size_t kv_heads, size_t span_blocks, float scale, size_t h, size_t tile, int bf16) {
+  vf qt[MAX_CHUNK_HEAD_DIM * NV], at[MAX_CHUNK_HEAD_DIM * NV], peak[NV], sum[NV];
+  float k[ROWS * MAX_CHUNK_HEAD_DIM], v[ROWS * MAX_CHUNK_HEAD_DIM];
+  const size_t heads = kv_heads * groups;
+  const size_t own = (size_t)(start < 0 ? 0 : start) / ROWS + tile;  // the tile's block of slots
+  const size_t last = own < span_blocks ? own : span_blocks - 1;
+  for (size_t g = 0; g < groups; ++g) {
+    const size_t head_q = h * groups + g;
+    for (size_t i = 0; i < d; ++i)
+      for (size_t r = 0; r < ROWS; ++r) qt[i * NV + r / VL][r % VL] = q[((tile * ROWS + r) * heads + head_q) * d + i];
+    // The own key and value: the tile's block, row r in lane r.
+    const size_t diag = (size_t)(uint32_t)table[last] < blocks ? (size_t)(uint32_t)table[last] : blocks - 1;
+    widen_block(k_pool, (h * blocks + diag) * ROWS * d, d, k, bf16);
+    widen_block(v_pool, (h * blocks + diag) * ROWS * d, d, v, bf16);
+    for (int w = 0; w < NV; ++w) {
+      vf part[LANES];
+      for (int l = 0; l < LANES; ++l) part[l] = splat(0.0f);
+      for (size_t i = 0; i < d; i += LANES)
+        for (int l = 0; l < LANES; ++l) {
+          vf kt;
+          for (int x = 0; x < VL; ++x) kt[x] = k[(w * VL + x) * d + i + l];
+          part[l] += qt[(i + l) * NV + w] * kt;
+        }
+      for (int x = LANES / 2; x > 0; x /= 2)
+        for (int l = 0; l < x; ++l) part[l] = part[l] + part[l + x];
+      peak[w] = part[0] * scale;
+      sum[w] = splat(1.0f);
+      for (size_t i = 0; i < d; ++i)
+        for (int x = 0; x < VL; ++x) at[i * NV + w][x] = v[(w * VL + x) * d + i];
+    }
+    for (size_t j = 0; j < last; ++j) {  // the blocks before the tile's: every row sees them whole
+      const size_t block = (size_t)(uint32_t)table[j] < blocks ? (size_t)(uint32_t)table[j] : blocks - 1;
+      const size_t first = (h * blocks + block) * ROWS * d;
+      if (bf16) {
+        widen_block(k_pool, first, d, k, 1);
+        widen_block(v_pool, first, d, v, 1);
+        block_step(qt, k, v, d, scale, peak, sum, at, 0);
+      } else {
+        block_step(qt, (const float*)k_pool + first, (const float*)v_pool + first, d, scale, peak, sum, at, 0);
+      }
+    }
+    if (last == own) {  // the tile's own block: row r sees its rows 0..r-1
+      widen_block(k_pool, (h * blocks + diag) * ROWS * d, d, k, bf16);
+      widen_block(v_pool, (h * blocks + diag) * ROWS * d, d, v, bf16);
+      block_step(qt, k, v, d, scale, peak, sum, at, 1);
+    }
+    for (size_t i = 0; i < d; ++i)
+      for (size_t r = 0; r < ROWS; ++r)
+        out[((tile * ROWS + r) * heads + head_q) * d + i] = at[i * NV + r / VL][r % VL] / sum[r / VL][r % VL];
+  }
+}
+
+#define CHUNK_ENTRY(name, pool_type, bf16)                                                                     \
+  void name(MEMREF(const float, q), MEMREF(const pool_type, k_pool), MEMREF(const pool_type, v_pool),          \
+            MEMREF(const int32_t, table), MEMREF(const int32_t, start), MEMREF(float, out), size_t blocks,      \
+            size_t groups, size_t d, size_t kv_heads, size_t tiles, size_t scale_bits, size_t wg) {            \
+    const size_t h = wg % kv_heads, tile = tiles - 1 - wg / kv_heads; /* the longest rows first */             \
+    if (d == 128)                                                                                               \
+      chunk_tile(q + q_off, k_pool + k_pool_off, v_pool + v_pool_off, table + table_off, start[start_off],     \
+                 out + out_off, blocks, groups, 128, kv_heads, table_size, bits_f32((uint32_t)scale_bits), h,  \
+                 tile, bf16);                                                                                   \
+    else                                                                                                        \
+      chunk_tile(q + q_off, k_pool + k_pool_off, v_pool + v_pool_off, table + table_off, start[start_off],     \
+                 out + out_off, blocks, groups, d, kv_heads, table_size, bits_f32((uint32_t)scale_bits), h,    \
+                 tile, bf16);                                                                                   \
+  }
+CHUNK_ENTRY(chunk_attention_f32, float, 0)
+CHUNK_ENTRY(chunk_attention_bf16, uint16_t, 1)

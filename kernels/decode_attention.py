@@ -1,4 +1,5 @@
-"""One new token's attention over the paged KV cache in one hand-written dispatch (kernels/decode_attention.c).
+"""One new token's attention over the paged KV cache in one hand-written dispatch (kernels/decode_attention.c),
+and a chunk's (prefill) in another, each row the same math as its token's alone.
 
 A decode step's attention in StableHLO is about seven dispatches a layer (the block-table
 rows, the scores with the K read fused in, the running max, the own key's score, the
@@ -10,7 +11,15 @@ and keeps an online softmax (the math and its order: the C file's header; `refer
 the same in numpy, bit for bit). The table's length is a run-time value: the table is a
 `memref<?xi32>` binding whose size the C function reads.
 
-It links like kernels/q8_matmul.py's (`build_object`, `object_name`, `object_executable`,
+A chunk's attention (`chunk_attention`) is the same math for each of its rows, over the
+pools that already hold the chunk's own K/V: row i at slot p attends as a token at slot p
+whose own k and v are the pools' row p (`chunk_reference`: `reference` row by row, bit for
+bit). A workgroup takes one KV head and one block's worth of rows, in vector lanes, and
+walks only the blocks its rows see: the causal half of the scores is never computed, nor
+any [heads, S, L] score tensor written (IREE's graph form wrote and re-read them in five
+dispatches a layer, about a quarter of a 512-token prefill of the 2B).
+
+They link like kernels/q8_matmul.py's (`build_object`, `object_name`, `object_executable`,
 found through `search_flags`), so it is used where the graph links a kernel already: the q8_0
 and q4_0 graph forms (emitter/text.py), whose target is an x86-64 CPU of a known ISA.
 """
@@ -31,11 +40,18 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 ENTRIES = {"f32": "decode_attention_f32", "bf16": "decode_attention_bf16"}  # the pools' dtype -> C function
 LANES = 16  # partial sums of a dot product (the C file's LANES): head_dim a multiple of it
 MAX_GROUPS, MAX_HEAD_DIM = 8, 256  # the C file's bounds of its per-head state
+CHUNK_ENTRIES = {"f32": "chunk_attention_f32", "bf16": "chunk_attention_bf16"}
+MAX_CHUNK_HEAD_DIM = 128  # the C file's bound of a chunk tile's head_dim (its stack arrays)
 
 
 def fits(groups: int, head_dim: int, kv_dtype: str) -> bool:
     """Whether the kernel takes this attention (else the graph's `token_attention` does)."""
     return kv_dtype in ENTRIES and groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and head_dim % LANES == 0
+
+
+def chunk_fits(groups: int, head_dim: int, kv_dtype: str) -> bool:
+    """Whether the chunk kernel takes this attention (else the graph's `grouped_attention` does)."""
+    return fits(groups, head_dim, kv_dtype) and head_dim <= MAX_CHUNK_HEAD_DIM
 
 
 def executable_name(kv_heads: int, blocks: int, groups: int, head_dim: int, kv_dtype: str) -> str:
@@ -79,6 +95,47 @@ def token_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value
     out = b.dispatch(name, executable(obj, kv_heads, blocks, groups, d, k_pool.dtype), name, operands,
                      TensorType((heads * d,), "f32"), workload=kv_heads, hint="decode_attention")
     return b.reshape(out, (1, heads * d), hint="context")
+
+
+def chunk_executable(obj: str | os.PathLike, kv_heads: int, blocks: int, groups: int, head_dim: int, rows: int,
+                     kv_dtype: str) -> str:
+    """A `stream.executable` whose export computes a chunk's attention output [rows x kv_heads x
+    groups x head_dim] f32 from (q [the same] f32, the K and V pools [kv_heads x blocks x 16 x
+    head_dim] of `kv_dtype` holding the chunk's own K/V, the table [?] i32 and the chunk's
+    start [1] i32), then the table's length (an index): a workgroup per KV head and 16 rows."""
+    if not chunk_fits(groups, head_dim, kv_dtype) or rows % BLOCK:
+        raise KernelError(f"chunk_attention: {groups} query heads a KV head, head_dim {head_dim}, KV {kv_dtype}, "
+                          f"{rows} rows: expected at most {MAX_GROUPS}, a multiple of {LANES} up to "
+                          f"{MAX_CHUNK_HEAD_DIM}, f32 or bf16, a multiple of {BLOCK}")
+    export = f"chunk_attention_{rows}x{kv_heads}x{blocks}x{groups}x{head_dim}_{kv_dtype}"
+    pool = f"memref<{kv_heads * blocks * BLOCK * head_dim}x{kv_dtype}>"
+    heads = f"memref<{rows * kv_heads * groups * head_dim}xf32>"
+    bindings = {"q": heads, "kp": pool, "vp": pool, "table": "memref<?xi32>{%span}", "start": "memref<1xi32>",
+                "out": heads}
+    scale = struct.unpack("<I", struct.pack("<f", head_dim ** -0.5))[0]
+    workgroups = """%c1 = arith.constant 1 : index
+      stream.return %n, %c1, %c1 : index, index, index"""
+    sizes = {"blocks": blocks, "groups": groups, "d": head_dim, "kv_heads": kv_heads, "tiles": rows // BLOCK,
+             "scale": scale}
+    return object_executable(obj, export, CHUNK_ENTRIES[kv_dtype], bindings, sizes, workgroups, ("span",))
+
+
+def chunk_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value, table: Value,
+                    start: Value) -> Value:
+    """The attention [S, H*D] of a chunk's queries q [S, H, D] at slots start.. over the
+    sequence's slots up to each row's own, the blocks `table` [N] names in the pools [KVH,
+    blocks, 16, D] (which hold the chunk's own K/V already), through the kernel object `obj`."""
+    rows, heads, d = q.shape
+    kv_heads, blocks, _, _ = k_pool.shape
+    groups = heads // kv_heads
+    text = chunk_executable(obj, kv_heads, blocks, groups, d, rows, k_pool.dtype)
+    name = text.split("@", 1)[1].split(" ", 1)[0]
+    flat = lambda x, hint: b.reshape(x, (int(np.prod(x.shape)),), hint=hint)  # noqa: E731
+    operands = [flat(q, "attn_q"), flat(k_pool, "attn_k_pool"), flat(v_pool, "attn_v_pool"), table,
+                b.reshape(start, (1,), hint="attn_start")]
+    out = b.dispatch(name, text, name, operands, TensorType((rows * heads * d,), "f32"),
+                     workload=kv_heads * rows // BLOCK, hint="chunk_attention")
+    return b.reshape(out, (rows, heads * d), hint="context")
 
 
 # -- the math, in numpy ------------------------------------------------------
@@ -138,4 +195,19 @@ def reference(q: np.ndarray, own_k: np.ndarray, own_v: np.ndarray, k_pool: np.nd
                     total = total + p
                     acc = acc + p * v_pool[h, block, r]
             out[h * groups + g] = acc / total
+    return out
+
+
+def chunk_reference(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, table: np.ndarray,
+                    start: int) -> np.ndarray:
+    """The chunk kernel's output [S, H, D] f32, bit for bit: q [S, H, D] at slots start..,
+    the pools [KVH, blocks, 16, D] (f32, or bf16 as uint16) holding its own K/V: row i is
+    `reference` of the token at slot start + i whose own k and v are the pools' row there."""
+    blocks = k_pool.shape[1]
+    out = np.zeros(q.shape, np.float32)
+    for i in range(q.shape[0]):
+        slot = start + i
+        block = min(int(np.uint32(table[slot // BLOCK])), blocks - 1)
+        own_k, own_v = k_pool[:, block, slot % BLOCK], v_pool[:, block, slot % BLOCK]
+        out[i] = reference(q[i], own_k, own_v, k_pool, v_pool, table, slot)
     return out

@@ -4,7 +4,9 @@ for bit against numpy's f32 math of the same order (`decode_attention.reference`
 bf16 pools, for the host's best ISA (AVX-512) and for x86-64-v3 code (AVX2); the table's length
 a run-time dim (one module, tables of several lengths); a shuffled table, padded entries past
 the slot, and a slot inside a block; and the same attention as the graph's `token_attention`
-(emitter/attention.py) within f32 rounding."""
+(emitter/attention.py) within f32 rounding. The chunk (prefill) kernel likewise: bit for bit
+against `chunk_reference` (each row the one-token math of its slot), chunks at a table's start
+and past a cached prefix, and within f32 rounding of the graph's `grouped_attention`."""
 
 from __future__ import annotations
 
@@ -98,3 +100,70 @@ def test_bounds_are_one_line():
     assert not da.fits(GROUPS, 100, "f32") and not da.fits(16, D, "f32") and da.fits(4, D, "bf16")
     with pytest.raises(q8.KernelError, match="head_dim 100"):
         da.executable("x.o", KV_HEADS, BLOCKS, GROUPS, 100, "f32")
+
+
+# -- a chunk's attention (prefill) -------------------------------------------
+ROWS = 32  # the chunk: two tiles of 16 rows
+
+
+def chunk_vmfb(target: str, objects, kv_dtype: str, graph: bool = False) -> bytes:
+    """The chunk kernel (or, `graph`, the graph's `grouped_attention` over the same reads, as
+    emitter/text.py builds it) on q [ROWS, H, D], the pools holding the chunk's K/V, a table of
+    run-time length and the chunk's start."""
+    b = Builder()
+    q = b.argument("q", (ROWS, KV_HEADS * GROUPS, D))
+    pools = [b.argument(n, (KV_HEADS, BLOCKS, BLOCK, D), kv_dtype) for n in ("k_pool", "v_pool")]
+    table, start = b.argument("table", (SPAN_BLOCKS,), "i32"), b.argument("start", (), "i32")
+    b.bind(SPAN_BLOCKS.base, b.dimension_size(table, 0))
+    if graph:
+        from emitter.attention import grouped_attention
+        from emitter.kv_pages import SPAN, read_span
+        from emitter.text import position_mask
+        f32 = lambda x: b.convert(x, "f32") if kv_dtype != "f32" else x  # noqa: E731
+        keys, values = (f32(read_span(b, p, table)) for p in pools)
+        out = grouped_attention(b, q, [keys], [values], position_mask(b, start, ROWS, SPAN))
+    else:
+        obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
+        out = da.chunk_attention(b, obj, q, *pools, table, start)
+    return compile_mlir(render_module(b, [("out", out)], title="chunk attention test"), target)
+
+
+def chunk_inputs(seed: int, kv_dtype: str, span_blocks: int, start: int):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((ROWS, KV_HEADS * GROUPS, D), dtype=np.float32)
+    pools = [rng.standard_normal((KV_HEADS, BLOCKS, BLOCK, D), dtype=np.float32) * 2 for _ in range(2)]
+    if kv_dtype == "bf16":
+        pools = [bf16(p) for p in pools]
+    table = rng.permutation(np.arange(1, BLOCKS))[:span_blocks].astype(np.int32)
+    return q, *pools, table, np.int32(start)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
+def test_chunk_kernel_is_each_rows_token_math_bit_for_bit(tmp_path, target, kv_dtype):
+    """One module: a chunk at the table's start, and chunks after 3 and 6 cached blocks (a
+    shuffled table, longer than the chunk's end in the last)."""
+    module = LoadedModule(chunk_vmfb(target, tmp_path, kv_dtype))
+    for seed, (span, start) in enumerate([(2, 0), (5, 48), (10, 96)]):
+        q, kp, vp, table, s = chunk_inputs(seed, kv_dtype, span, start)
+        out = np.asarray(module(q, *device_pools(kp, vp), table, s)).reshape(q.shape)
+        ref = da.chunk_reference(q, kp, vp, table, int(s))
+        assert np.array_equal(out, ref), (span, start, np.abs(out - ref).max())
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
+def test_chunk_kernel_is_the_graphs_attention(tmp_path, kv_dtype):
+    """The same attention as the graph form it replaces (emitter/text.py's prefill), to f32 rounding."""
+    kernel = LoadedModule(chunk_vmfb("llvm-cpu", tmp_path, kv_dtype))
+    graph = LoadedModule(chunk_vmfb("llvm-cpu", tmp_path, kv_dtype, graph=True))
+    for seed, (span, start) in enumerate([(2, 0), (7, 64)]):
+        args = chunk_inputs(20 + seed, kv_dtype, span, start)
+        a, b = np.asarray(kernel(*device_pools(*args[:3]), *args[3:])).reshape(ROWS, -1), np.asarray(
+            graph(*device_pools(*args[:3]), *args[3:]))
+        assert np.abs(a - b).max() <= 2e-6 * np.abs(b).max(), np.abs(a - b).max()
+
+
+def test_chunk_bounds_are_one_line():
+    assert da.chunk_fits(GROUPS, D, "bf16") and not da.chunk_fits(GROUPS, 256, "f32")
+    with pytest.raises(q8.KernelError, match="30 rows"):
+        da.chunk_executable("x.o", KV_HEADS, BLOCKS, GROUPS, D, 30, "f32")

@@ -200,10 +200,10 @@ def test_outputs_the_tiles_do_not_divide_are_one_line():
 
 
 def test_lanes_through_the_attention_kernel_equal_each_alone(folders):
-    """Decode attends through kernels/decode_attention.py in the q8_0 graph, here over a bf16
-    cache: sequences admitted between steps and decoded together (1, 2 and 4-lane steps, each
+    """Decode and prefill attend through kernels/decode_attention.py in the q8_0 graph, here
+    over a bf16 cache: sequences admitted between steps and decoded together (1, 2 and 4-lane steps, each
     lane its own table) give, lane by lane, what each gives alone, bit for bit."""
-    from emitter.text import attention_object
+    from emitter.text import attention_object, emit_text_module
     from emitter.text_shape import TextShape
     from runtime.inputs.chat import Prompt
     from runtime.text import TextSession
@@ -211,6 +211,8 @@ def test_lanes_through_the_attention_kernel_equal_each_alone(folders):
 
     shape = dict(buckets=(16,), context=48, precision="q8_0", kv_cache_dtype="bf16")
     assert attention_object(CFG, TextShape((16,), 48, kv_dtype="bf16"), graph_precision("q8_0"))
+    module = emit_text_module(CFG, TextShape((16,), 48, kv_dtype="bf16"), 0, graph_precision("q8_0"))
+    assert "@decode_attention_" in module and "@chunk_attention_16x" in module  # prefill's too
     rng = np.random.default_rng(2)
     prompts = [Prompt(ids, np.repeat(np.arange(ids.size)[None], 3, 0), 0)
                for ids in (rng.integers(0, CFG.vocab_size, n) for n in (5, 11, 2))]
