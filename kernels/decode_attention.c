@@ -133,18 +133,30 @@ ATTENTION_ENTRY(decode_attention_bf16, uint16_t, 1)
 // one vector over the rows, the sums and the accumulator ([head_dim] vectors) likewise, so every
 // lane does `head`'s operations in `head`'s order. The tile's own block ends the walk: there
 // key r is one of row i's keys for i > r only, and the other lanes keep their values (selects).
-#if defined(__AVX512F__)
+// Query heads go GROUPS_AT_ONCE at a time, each block's K and V read (and widened) once for them.
+#if defined(__AVX512F__)  // 32 vector registers
 #define VL 16  // rows a vector holds
-#else
+#define KEYS_AT_ONCE 8  // keys a pass of the scores takes
+#define PV_STEP 8  // head_dim elements a pass of the weighted V sum takes
+#else  // 16
 #define VL 8
+#define KEYS_AT_ONCE 4
+#define PV_STEP 4
 #endif
 #define NV (ROWS / VL)  // vectors of a tile's rows
+#define GROUPS_AT_ONCE 2
 typedef float vf __attribute__((vector_size(4 * VL)));
 typedef int32_t vi __attribute__((vector_size(4 * VL)));
 
 static inline __attribute__((always_inline)) vf splat(float x) { return (vf){0} + x; }
 static inline __attribute__((always_inline)) vf pick(vi mask, vf yes, vf no) {
   return (vf)(((vi)yes & mask) | ((vi)no & ~mask));
+}
+static inline __attribute__((always_inline)) int any(vi mask) {
+  union { vi v; uint64_t u[VL / 2]; } m = {mask};
+  uint64_t bits = 0;
+  for (int i = 0; i < VL / 2; ++i) bits |= m.u[i];
+  return bits != 0;
 }
 
 // exp_f32, lane by lane, the same operations.
@@ -164,43 +176,51 @@ static inline __attribute__((always_inline)) vf exp_v(vf x) {
   return pick(x < splat(-87.33654f), splat(0.0f), y);
 }
 
-// `dot` of each lane's query (qt: [d][NV], lane = row) with key row k [d] f32, times scale.
-static inline __attribute__((always_inline)) void key_scores(const vf* restrict qt, const float* restrict k,
-                                                             size_t d, float scale, vf* restrict out) {
-  for (int v = 0; v < NV; ++v) {
-    vf part[LANES];
-    for (int l = 0; l < LANES; ++l) part[l] = splat(0.0f);
-    for (size_t i = 0; i < d; i += LANES)
-      for (int l = 0; l < LANES; ++l) part[l] += qt[(i + l) * NV + v] * k[i + l];
-    for (int w = LANES / 2; w > 0; w /= 2)
-      for (int l = 0; l < w; ++l) part[l] = part[l] + part[l + w];
-    out[v] = part[0] * scale;
+// `dot` of each lane's query (qt: [d][NV], lane = row) with key rows k [ROWS][d] f32, times
+// scale: s[r][w]. Partial sum l of every key first (elements l, l + 16, ... of the lanes'
+// queries held in registers across the keys), then each key's partials as `dot`'s tree.
+static inline __attribute__((always_inline)) void block_scores(const vf* restrict qt, const float* restrict k,
+                                                               size_t d, float scale, vf s[ROWS][NV]) {
+  for (int w = 0; w < NV; ++w) {
+    vf part[LANES][ROWS];
+    for (int l = 0; l < LANES; ++l) {
+      vf qv[MAX_CHUNK_HEAD_DIM / LANES];
+      for (size_t i = 0; i < d / LANES; ++i) qv[i] = qt[(i * LANES + l) * NV + w];
+      for (size_t r = 0; r < ROWS; r += KEYS_AT_ONCE) {  // as many independent chains of adds
+        vf a[KEYS_AT_ONCE];
+        for (int x = 0; x < KEYS_AT_ONCE; ++x) a[x] = splat(0.0f);
+        for (size_t i = 0; i < d / LANES; ++i)
+          for (int x = 0; x < KEYS_AT_ONCE; ++x) a[x] += qv[i] * k[(r + x) * d + i * LANES + l];
+        for (int x = 0; x < KEYS_AT_ONCE; ++x) part[l][r + x] = a[x];
+      }
+    }
+    for (int x = LANES / 2; x > 0; x /= 2)
+      for (int l = 0; l < x; ++l)
+        for (size_t r = 0; r < ROWS; ++r) part[l][r] = part[l][r] + part[l + x][r];
+    for (size_t r = 0; r < ROWS; ++r) s[r][w] = part[0][r] * scale;
   }
 }
 
-// One block's `rows` keys and values (f32 [ROWS][d]) into the lanes' online softmax. `diagonal`:
-// the tile's own block, key r a key of the lanes i > r only.
+// One block's keys and values (f32 [ROWS][d]) into the lanes' online softmax of one query head
+// (qt, peak, sum, at). `diagonal`: the tile's own block, key r a key of the lanes i > r only.
 static inline __attribute__((always_inline)) void block_step(
     const vf* restrict qt, const float* restrict k, const float* restrict v, size_t d, float scale,
     vf* restrict peak, vf* restrict sum, vf* restrict at, int diagonal) {
   vf s[ROWS][NV];
   vi seen[ROWS][NV];
   const size_t rows = diagonal ? ROWS - 1 : ROWS;  // a tile's last row sees its block's first 15
-  for (size_t r = 0; r < rows; ++r) {
-    key_scores(qt, k + r * d, d, scale, s[r]);
+  block_scores(qt, k, d, scale, s);  // the diagonal's 16th key too: no lane sees it
+  for (size_t r = 0; r < rows; ++r)
     for (int w = 0; w < NV; ++w) {
       vi lane;
       for (int l = 0; l < VL; ++l) lane[l] = w * VL + l;
       seen[r][w] = diagonal ? lane > (vi){0} + (int32_t)r : (vi){0} - 1;
     }
-  }
   for (int w = 0; w < NV; ++w) {
     vf top = peak[w];
     for (size_t r = 0; r < rows; ++r) top = pick(seen[r][w] & (s[r][w] > top), s[r][w], top);
     const vi grew = top > peak[w];
-    int any = 0;
-    for (int l = 0; l < VL; ++l) any |= grew[l];
-    if (any) {  // where a lane's max grew: its sum and accumulator times exp(m - m'); else times 1
+    if (any(grew)) {  // where a lane's max grew: its sum and accumulator times exp(m - m'); else times 1
       const vf c = pick(grew, exp_v(peak[w] - top), splat(1.0f));
       sum[w] *= c;
       for (size_t i = 0; i < d; ++i) at[i * NV + w] *= c;
@@ -211,75 +231,88 @@ static inline __attribute__((always_inline)) void block_step(
       sum[w] = pick(seen[r][w], sum[w] + s[r][w], sum[w]);
     }
   }
-  for (size_t i = 0; i < d; ++i)
+  for (size_t i = 0; i < d; i += PV_STEP)  // PV_STEP elements' sums at once: as many chains of adds
     for (int w = 0; w < NV; ++w) {
-      vf a = at[i * NV + w];
-      if (diagonal)
-        for (size_t r = 0; r < rows; ++r) a = pick(seen[r][w], a + s[r][w] * v[r * d + i], a);
-      else
-        for (size_t r = 0; r < rows; ++r) a = a + s[r][w] * v[r * d + i];
-      at[i * NV + w] = a;
+      vf a[PV_STEP];
+      for (int e = 0; e < PV_STEP; ++e) a[e] = at[(i + e) * NV + w];
+      for (size_t r = 0; r < rows; ++r)
+        for (int e = 0; e < PV_STEP; ++e)
+          a[e] = diagonal ? pick(seen[r][w], a[e] + s[r][w] * v[r * d + i + e], a[e]) : a[e] + s[r][w] * v[r * d + i + e];
+      for (int e = 0; e < PV_STEP; ++e) at[(i + e) * NV + w] = a[e];
     }
 }
 
-// Block `block`'s K or V rows of KV head h as f32 [ROWS][d].
+// Block `block`'s K or V rows of a KV head, from element `first` of the pool, as f32 [ROWS][d].
 static inline __attribute__((always_inline)) void widen_block(const void* restrict pool, size_t first, size_t d,
                                                               float* restrict out, int bf16) {
   for (size_t i = 0; i < ROWS * d; ++i) out[i] = load(pool, first + i, bf16);
+}
+
+// x [ROWS][d] (row r at x + r * stride) into lanes: out [d][NV] vectors, row r in lane r.
+static inline __attribute__((always_inline)) void to_lanes(const float* restrict x, size_t stride, size_t d,
+                                                           vf* restrict out) {
+  float* restrict o = (float*)out;
+  for (size_t r = 0; r < ROWS; ++r)
+    for (size_t i = 0; i < d; ++i) o[(i * NV + r / VL) * VL + r % VL] = x[r * stride + i];
 }
 
 static inline __attribute__((always_inline)) void chunk_tile(
     const float* restrict q, const void* restrict k_pool, const void* restrict v_pool,
     const int32_t* restrict table, int32_t start, float* restrict out, size_t blocks, size_t groups, size_t d,
     size_t kv_heads, size_t span_blocks, float scale, size_t h, size_t tile, int bf16) {
-  vf qt[MAX_CHUNK_HEAD_DIM * NV], at[MAX_CHUNK_HEAD_DIM * NV], peak[NV], sum[NV];
+  vf qt[GROUPS_AT_ONCE][MAX_CHUNK_HEAD_DIM * NV], at[GROUPS_AT_ONCE][MAX_CHUNK_HEAD_DIM * NV];
+  vf peak[GROUPS_AT_ONCE][NV], sum[GROUPS_AT_ONCE][NV];
   float k[ROWS * MAX_CHUNK_HEAD_DIM], v[ROWS * MAX_CHUNK_HEAD_DIM];
-  const size_t heads = kv_heads * groups;
+  const size_t heads = kv_heads * groups, stride = heads * d;  // q's and out's rows
   const size_t own = (size_t)(start < 0 ? 0 : start) / ROWS + tile;  // the tile's block of slots
   const size_t last = own < span_blocks ? own : span_blocks - 1;
-  for (size_t g = 0; g < groups; ++g) {
-    const size_t head_q = h * groups + g;
-    for (size_t i = 0; i < d; ++i)
-      for (size_t r = 0; r < ROWS; ++r) qt[i * NV + r / VL][r % VL] = q[((tile * ROWS + r) * heads + head_q) * d + i];
-    // The own key and value: the tile's block, row r in lane r.
-    const size_t diag = (size_t)(uint32_t)table[last] < blocks ? (size_t)(uint32_t)table[last] : blocks - 1;
-    widen_block(k_pool, (h * blocks + diag) * ROWS * d, d, k, bf16);
-    widen_block(v_pool, (h * blocks + diag) * ROWS * d, d, v, bf16);
-    for (int w = 0; w < NV; ++w) {
-      vf part[LANES];
-      for (int l = 0; l < LANES; ++l) part[l] = splat(0.0f);
-      for (size_t i = 0; i < d; i += LANES)
-        for (int l = 0; l < LANES; ++l) {
-          vf kt;
-          for (int x = 0; x < VL; ++x) kt[x] = k[(w * VL + x) * d + i + l];
-          part[l] += qt[(i + l) * NV + w] * kt;
-        }
-      for (int x = LANES / 2; x > 0; x /= 2)
-        for (int l = 0; l < x; ++l) part[l] = part[l] + part[l + x];
-      peak[w] = part[0] * scale;
-      sum[w] = splat(1.0f);
-      for (size_t i = 0; i < d; ++i)
-        for (int x = 0; x < VL; ++x) at[i * NV + w][x] = v[(w * VL + x) * d + i];
+  const size_t diag = (size_t)(uint32_t)table[last] < blocks ? (size_t)(uint32_t)table[last] : blocks - 1;
+  const size_t diag_first = (h * blocks + diag) * ROWS * d;
+  for (size_t g0 = 0; g0 < groups; g0 += GROUPS_AT_ONCE) {
+    const size_t gn = groups - g0 < GROUPS_AT_ONCE ? groups - g0 : GROUPS_AT_ONCE;
+    // The own keys and values: the tile's block, row r in lane r.
+    widen_block(k_pool, diag_first, d, k, bf16);
+    widen_block(v_pool, diag_first, d, v, bf16);
+    for (size_t g = 0; g < gn; ++g) {
+      const float* rows_q = q + (tile * ROWS * heads + h * groups + g0 + g) * d;
+      to_lanes(rows_q, stride, d, qt[g]);
+      to_lanes(k, d, d, at[g]);  // the own keys, for their scores
+      for (int w = 0; w < NV; ++w) {
+        vf part[LANES];
+        for (int l = 0; l < LANES; ++l) part[l] = splat(0.0f);
+        for (size_t i = 0; i < d; i += LANES)
+          for (int l = 0; l < LANES; ++l) part[l] += qt[g][(i + l) * NV + w] * at[g][(i + l) * NV + w];
+        for (int x = LANES / 2; x > 0; x /= 2)
+          for (int l = 0; l < x; ++l) part[l] = part[l] + part[l + x];
+        peak[g][w] = part[0] * scale;
+        sum[g][w] = splat(1.0f);
+      }
+      to_lanes(v, d, d, at[g]);  // the own values: the accumulator's start
     }
     for (size_t j = 0; j < last; ++j) {  // the blocks before the tile's: every row sees them whole
       const size_t block = (size_t)(uint32_t)table[j] < blocks ? (size_t)(uint32_t)table[j] : blocks - 1;
       const size_t first = (h * blocks + block) * ROWS * d;
+      const float *kb = (const float*)k_pool + first, *vb = (const float*)v_pool + first;
       if (bf16) {
         widen_block(k_pool, first, d, k, 1);
         widen_block(v_pool, first, d, v, 1);
-        block_step(qt, k, v, d, scale, peak, sum, at, 0);
-      } else {
-        block_step(qt, (const float*)k_pool + first, (const float*)v_pool + first, d, scale, peak, sum, at, 0);
+        kb = k, vb = v;
       }
+      for (size_t g = 0; g < gn; ++g) block_step(qt[g], kb, vb, d, scale, peak[g], sum[g], at[g], 0);
     }
     if (last == own) {  // the tile's own block: row r sees its rows 0..r-1
-      widen_block(k_pool, (h * blocks + diag) * ROWS * d, d, k, bf16);
-      widen_block(v_pool, (h * blocks + diag) * ROWS * d, d, v, bf16);
-      block_step(qt, k, v, d, scale, peak, sum, at, 1);
+      widen_block(k_pool, diag_first, d, k, bf16);
+      widen_block(v_pool, diag_first, d, v, bf16);
+      for (size_t g = 0; g < gn; ++g) block_step(qt[g], k, v, d, scale, peak[g], sum[g], at[g], 1);
     }
-    for (size_t i = 0; i < d; ++i)
-      for (size_t r = 0; r < ROWS; ++r)
-        out[((tile * ROWS + r) * heads + head_q) * d + i] = at[i * NV + r / VL][r % VL] / sum[r / VL][r % VL];
+    for (size_t g = 0; g < gn; ++g) {
+      float* rows_out = out + (tile * ROWS * heads + h * groups + g0 + g) * d;
+      for (size_t i = 0; i < d; ++i)
+        for (int w = 0; w < NV; ++w) {
+          const vf o = at[g][i * NV + w] / sum[g][w];
+          for (int l = 0; l < VL; ++l) rows_out[(w * VL + l) * stride + i] = o[l];
+        }
+    }
   }
 }
 
