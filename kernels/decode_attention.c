@@ -248,6 +248,13 @@ static inline __attribute__((always_inline)) void widen_block(const void* restri
   for (size_t i = 0; i < ROWS * d; ++i) out[i] = load(pool, first + i, bf16);
 }
 
+// A hint to fetch block rows from element `first` of a pool: the table's blocks lie anywhere,
+// 4-8 KB each, too short for the hardware's prefetcher to learn before the block is read.
+static inline __attribute__((always_inline)) void prefetch_block(const void* pool, size_t first, size_t d, int bf16) {
+  const char* bytes = (const char*)pool + first * (bf16 ? 2 : 4);
+  for (size_t b = 0; b < ROWS * d * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(bytes + b);
+}
+
 // x [ROWS][d] (row r at x + r * stride) into lanes: out [d][NV] vectors, row r in lane r.
 static inline __attribute__((always_inline)) void to_lanes(const float* restrict x, size_t stride, size_t d,
                                                            vf* restrict out) {
@@ -292,6 +299,11 @@ static inline __attribute__((always_inline)) void chunk_tile(
     for (size_t j = 0; j < last; ++j) {  // the blocks before the tile's: every row sees them whole
       const size_t block = (size_t)(uint32_t)table[j] < blocks ? (size_t)(uint32_t)table[j] : blocks - 1;
       const size_t first = (h * blocks + block) * ROWS * d;
+      if (j + 1 <= last) {  // the next block's K and V into the cache while this one is summed
+        const size_t next = (size_t)(uint32_t)table[j + 1] < blocks ? (size_t)(uint32_t)table[j + 1] : blocks - 1;
+        prefetch_block(k_pool, (h * blocks + next) * ROWS * d, d, bf16);
+        prefetch_block(v_pool, (h * blocks + next) * ROWS * d, d, bf16);
+      }
       const float *kb = (const float*)k_pool + first, *vb = (const float*)v_pool + first;
       if (bf16) {
         widen_block(k_pool, first, d, k, 1);
