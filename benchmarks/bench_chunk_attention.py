@@ -26,12 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from emitter.attention import grouped_attention  # noqa: E402
-from emitter.builder import Builder  # noqa: E402
-from emitter.kv_pages import BLOCK, SPAN, SPAN_BLOCKS, read_span  # noqa: E402
+from emitter.kv_pages import BLOCK  # noqa: E402
 from emitter.targets import target_flags  # noqa: E402
-from emitter.text import position_mask  # noqa: E402
-from emitter.vision import render_module  # noqa: E402
 from kernels import decode_attention as da  # noqa: E402
 from kernels import q8_matmul as q8  # noqa: E402
 from runtime.artifact.compiler import compile_mlir  # noqa: E402
@@ -41,19 +37,8 @@ from runtime.vision import set_thread_count  # noqa: E402
 
 def module(form: str, rows: int, kv_heads: int, groups: int, d: int, blocks: int, kv_dtype: str, target: str,
            objects: Path) -> LoadedModule:
-    b = Builder()
-    q = b.argument("q", (rows, kv_heads * groups, d))
-    pools = [b.argument(n, (kv_heads, blocks, BLOCK, d), kv_dtype) for n in ("k_pool", "v_pool")]
-    table, start = b.argument("table", (SPAN_BLOCKS,), "i32"), b.argument("start", (), "i32")
-    b.bind(SPAN_BLOCKS.base, b.dimension_size(table, 0))
-    if form == "graph":
-        f32 = lambda x: b.convert(x, "f32") if kv_dtype != "f32" else x  # noqa: E731
-        keys, values = (f32(read_span(b, p, table)) for p in pools)
-        out = grouped_attention(b, q, [keys], [values], position_mask(b, start, rows, SPAN))
-    else:
-        obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
-        out = da.chunk_attention(b, obj, q, *pools, table, start)
-    return LoadedModule(compile_mlir(render_module(b, [("out", out)], title=f"chunk attention, {form}"), target))
+    obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE) if form == "kernel" else None
+    return LoadedModule(compile_mlir(da.chunk_module(obj, rows, kv_heads, groups, d, blocks, kv_dtype), target))
 
 
 def main() -> None:

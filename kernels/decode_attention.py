@@ -138,6 +138,32 @@ def chunk_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value
     return b.reshape(out, (rows, heads * d), hint="context")
 
 
+def chunk_module(obj: str | None, rows: int, kv_heads: int, groups: int, head_dim: int, blocks: int,
+                 kv_dtype: str) -> str:
+    """A chunk's attention alone as a module's MLIR (`main`: q [rows, H, D], the K and V pools,
+    the table of run-time length and the start -> the context): through the kernel object
+    `obj`, or with `obj` None the graph form it replaces in the q8_0 and q4_0 graphs
+    (`grouped_attention` over the slots the table names, masked past each row's own), for the
+    tests and benchmarks that hold one against the other."""
+    from emitter.attention import grouped_attention
+    from emitter.kv_pages import SPAN, SPAN_BLOCKS, read_span
+    from emitter.text import position_mask
+    from emitter.vision import render_module
+
+    b = Builder()
+    q = b.argument("q", (rows, kv_heads * groups, head_dim))
+    pools = [b.argument(n, (kv_heads, blocks, BLOCK, head_dim), kv_dtype) for n in ("k_pool", "v_pool")]
+    table, start = b.argument("table", (SPAN_BLOCKS,), "i32"), b.argument("start", (), "i32")
+    b.bind(SPAN_BLOCKS.base, b.dimension_size(table, 0))
+    if obj is None:
+        f32 = lambda x: b.convert(x, "f32") if kv_dtype != "f32" else x  # noqa: E731
+        keys, values = (f32(read_span(b, p, table)) for p in pools)
+        out = grouped_attention(b, q, [keys], [values], position_mask(b, start, rows, SPAN))
+    else:
+        out = chunk_attention(b, obj, q, *pools, table, start)
+    return render_module(b, [("out", out)], title="chunk attention, " + ("kernel" if obj else "graph form"))
+
+
 # -- the math, in numpy ------------------------------------------------------
 def _exp(x: np.ndarray) -> np.ndarray:
     """The C file's exp_f32, elementwise in f32, the same operations in the same order."""

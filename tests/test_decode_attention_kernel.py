@@ -110,22 +110,8 @@ def chunk_vmfb(target: str, objects, kv_dtype: str, graph: bool = False) -> byte
     """The chunk kernel (or, `graph`, the graph's `grouped_attention` over the same reads, as
     emitter/text.py builds it) on q [ROWS, H, D], the pools holding the chunk's K/V, a table of
     run-time length and the chunk's start."""
-    b = Builder()
-    q = b.argument("q", (ROWS, KV_HEADS * GROUPS, D))
-    pools = [b.argument(n, (KV_HEADS, BLOCKS, BLOCK, D), kv_dtype) for n in ("k_pool", "v_pool")]
-    table, start = b.argument("table", (SPAN_BLOCKS,), "i32"), b.argument("start", (), "i32")
-    b.bind(SPAN_BLOCKS.base, b.dimension_size(table, 0))
-    if graph:
-        from emitter.attention import grouped_attention
-        from emitter.kv_pages import SPAN, read_span
-        from emitter.text import position_mask
-        f32 = lambda x: b.convert(x, "f32") if kv_dtype != "f32" else x  # noqa: E731
-        keys, values = (f32(read_span(b, p, table)) for p in pools)
-        out = grouped_attention(b, q, [keys], [values], position_mask(b, start, ROWS, SPAN))
-    else:
-        obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
-        out = da.chunk_attention(b, obj, q, *pools, table, start)
-    return compile_mlir(render_module(b, [("out", out)], title="chunk attention test"), target)
+    obj = None if graph else q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
+    return compile_mlir(da.chunk_module(obj, ROWS, KV_HEADS, GROUPS, D, BLOCKS, kv_dtype), target)
 
 
 def chunk_inputs(seed: int, kv_dtype: str, span_blocks: int, start: int):
