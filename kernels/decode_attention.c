@@ -258,9 +258,12 @@ static inline __attribute__((always_inline)) void prefetch_block(const void* poo
 // x [ROWS][d] (row r at x + r * stride) into lanes: out [d][NV] vectors, row r in lane r.
 static inline __attribute__((always_inline)) void to_lanes(const float* restrict x, size_t stride, size_t d,
                                                            vf* restrict out) {
-  float* restrict o = (float*)out;
-  for (size_t r = 0; r < ROWS; ++r)
-    for (size_t i = 0; i < d; ++i) o[(i * NV + r / VL) * VL + r % VL] = x[r * stride + i];
+  for (size_t i = 0; i < d; ++i)
+    for (int w = 0; w < NV; ++w) {
+      float lanes[VL];
+      for (int l = 0; l < VL; ++l) lanes[l] = x[(w * VL + l) * stride + i];
+      __builtin_memcpy(&out[i * NV + w], lanes, sizeof(vf));
+    }
 }
 
 static inline __attribute__((always_inline)) void chunk_tile(
