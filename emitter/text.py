@@ -148,10 +148,10 @@ def kernel_object(precision: str) -> str | None:
 
 
 def attention_object(cfg: TextConfig, shape: "TextShape", precision: str) -> str | None:
-    """The file name of the decode-attention kernel's object (kernels/decode_attention.py) a
-    graph form of q8_0 or q4_0 links for its one-token attention (`kernel_isa`'s); None for
-    other precisions (their graphs are the same for every target), or a shape the kernel does
-    not take."""
+    """The file name of the attention kernels' object (kernels/decode_attention.py) a graph
+    form of q8_0 or q4_0 links for its one-token attention, and for a chunk's where
+    `chunk_fits` (`kernel_isa`'s); None for other precisions (their graphs are the same for
+    every target), or a shape the kernel does not take."""
     isa = kernel_isa(precision)
     from kernels import decode_attention
     if isa is None or not decode_attention.fits(cfg.groups, cfg.head_dim, shape.kv_dtype):

@@ -1,4 +1,4 @@
-"""The hand-written decode attention (kernels/decode_attention.c, linked into IREE's executables
+"""The hand-written attention kernels (kernels/decode_attention.c, linked into IREE's executables
 by kernels/decode_attention.py): compiled by the real iree-compile, run by the IREE runtime, bit
 for bit against numpy's f32 math of the same order (`decode_attention.reference`), with f32 and
 bf16 pools, for the host's best ISA (AVX-512) and for x86-64-v3 code (AVX2); the table's length

@@ -117,7 +117,7 @@ def dispatch_kind(key: str) -> str:
         return "matmuls, IREE's (projections of other precisions, rope tables)"
     if "xi8" in key or "i8xi32" in key:
         return "activation quantization"
-    if "gather" in key or "softmax" in key or key.startswith("decode_attention"):
+    if "gather" in key or "softmax" in key or key.startswith(("decode_attention", "chunk_attention")):
         return "attention (KV block reads, scores; the decode-attention kernel)"
     if "memcpy" in key or "copy" in key:
         return "copies"
