@@ -221,6 +221,54 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
   return _mm256_set1_epi32(quad);
 }
 
+// One row (decode) at 4 bits: tiles [t0, t1) in order, a tile's two parts a pass (a single stream
+// of weights, as tile_rows at one row), the f32 accumulators in registers. Weights and scales are
+// prefetched Q4_ONE_ROW_AHEAD blocks (8 KB of weights) ahead, past the range's end too (into the
+// next workgroup's: stopping at the end took x1.02-1.04 the time). benchmarks/bench_q8_loop.py
+// (Zen 5, 2 threads): x0.83-0.95 the time without the prefetches, the plain read at 35-46 GB/s;
+// 4 blocks ahead x1.13, 8 about x1.0, 16-128 x0.82-0.98 (deeper better the slower the read); a
+// prefetch a 128 bytes rather than a line x1.14; T1 or NTA hints the same as T0.
+#define Q4_ONE_ROW_AHEAD 32
+#define Q8_ONE_ROW4 1
+static inline __attribute__((always_inline)) void one_row4(
+    const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xs,
+    const uint8_t* restrict w, const uint16_t* restrict dw, float* restrict y, size_t K, size_t t0, size_t t1) {
+  const size_t blocks = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  for (size_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * blocks * BLOCK_BYTES(4);
+    const uint16_t* d = dw + t * 16 * blocks;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (size_t b = 0; b < blocks; ++b) {
+      const uint8_t* wb = wt + b * BLOCK_BYTES(4);
+      Q8_UNROLL
+      for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(wb + Q4_ONE_ROW_AHEAD * BLOCK_BYTES(4) + 64 * l), _MM_HINT_T0);
+      _mm_prefetch((const char*)(d + (b + Q4_ONE_ROW_AHEAD) * 16), _MM_HINT_T0);
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      Q8_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + q * 64));
+        __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + q * 64 + 32));
+        __m256i xl = broadcast_quad(x + b * 32 + q * 4), xh = broadcast_quad(x + b * 32 + 16 + q * 4);
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v0, low), xl));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(v1, low), xl));
+        __asm__("" : "+x"(s0), "+x"(s1));  // one running sum a register (else gcc spills a tree of products)
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), xh));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), xh));
+        __asm__("" : "+x"(s0), "+x"(s1));
+      }
+      const __m256i off = _mm256_set1_epi32(OFFSET(4) * xs[b]);
+      const __m256 dxv = _mm256_set1_ps(dx[b]);
+      __m256 sc0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16))), dxv);
+      __m256 sc1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16 + 8))), dxv);
+      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(sc0, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s0, ones), off))));
+      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(sc1, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s1, ones), off))));
+    }
+    _mm256_storeu_ps(y + 16 * t, acc0);
+    _mm256_storeu_ps(y + 16 * t + 8, acc1);
+  }
+}
+
 // Rows [0, MC) of x against the two tiles' 4 parts, PARTS(bits) at a time; the f32 accumulators
 // live in y (a load and a store a block, row and part: the registers go to the sums), the float
 // math the documented order.
@@ -324,6 +372,12 @@ static inline __attribute__((always_inline)) void workgroup(
     const int bits) {
   const size_t blocks = K / 32;
   const size_t end = (wg + 1) * tiles < N / 16 ? (wg + 1) * tiles : N / 16;
+#ifdef Q8_ONE_ROW4
+  if (M == 1 && bits == 4) {
+    if (wg * tiles < end) one_row4(xq, dx, xs, w, dw, y, K, wg * tiles, end);
+    return;
+  }
+#endif
   for (size_t t = wg * tiles; t < end; t += Q8_TILES_AT_ONCE) {
     const uint8_t* wt = w + t * blocks * BLOCK_BYTES(bits);
     const uint16_t* dwt = dw + t * blocks * 16;
