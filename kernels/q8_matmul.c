@@ -225,17 +225,18 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
 // of weights, as tile_rows at one row), the f32 accumulators in registers. Weights and scales are
 // prefetched Q4_ONE_ROW_AHEAD blocks (8 KB of weights) ahead, past the range's end too (into the
 // next workgroup's: stopping at the end took x1.02-1.04 the time). benchmarks/bench_q8_loop.py
-// (Zen 5, 2 threads): x0.83-0.95 the time without the prefetches, the plain read at 35-46 GB/s;
-// 4 blocks ahead x1.13, 8 about x1.0, 16-128 x0.82-0.98 (deeper better the slower the read); a
-// prefetch a 128 bytes rather than a line x1.14; T1 or NTA hints the same as T0.
+// (Zen 5, 2 threads, against tile_rows' one-row loop, whose work is the same unprefetched: x1.00
+// with the weights in L3): x0.82-0.95 the time, the plain read at 35-46 GB/s; 4 blocks ahead
+// x1.13, 8 about x1.0, 16-128 x0.82-0.98 (deeper better the slower the read); 16, 24 and 48 x1.00-1.14
+// the time of 32; a prefetch a 128 bytes rather than a line x1.14; T1 or NTA hints as T0.
 #define Q4_ONE_ROW_AHEAD 32
 // Q8_0 at one row (tile_rows) the same, 12 blocks (6 KB) ahead: x0.85-0.88 the time without,
 // 4 blocks ahead x0.91-0.94, 8 x1.01-1.03 the time of 12, 16 and 24 x1.09-1.12.
 #define Q8_ONE_ROW_AHEAD 12
 #define Q8_ONE_ROW4 1
-// x's block b split by input mod 4 as vpmaddubsw pairs them (inputs 4j, 4j+1 into an i16 lane's
-// even half, 4j+2, 4j+3 into its odd one): -OFFSET(4) times each half's sum of x, two i16 in one
-// i32 (at most 8 x 16 x 127 = 16256 each), the start of every output's two i16 sums of the block.
+// x's block at xb split as vpmaddubsw pairs its inputs (4j, 4j+1 into the low i16 of each output's
+// i32, 4j+2, 4j+3 into the high one): -OFFSET(4) times each half's sum of x, two i16 in one i32
+// (at most 8 x 16 x 127 = 16256 each), the start of every output's two i16 sums of the block.
 static inline __attribute__((always_inline)) int32_t start_pair(const int8_t* restrict xb) {
   __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi8(OFFSET(4)), _mm256_loadu_si256((const __m256i*)xb));
   __m128i h = _mm_add_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
