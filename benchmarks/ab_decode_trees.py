@@ -16,6 +16,7 @@ A benchmark, not a test; nothing imports it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def main() -> int:
     for i, tree in enumerate(args.trees):
         code = EMIT.format(preset=args.preset, layers=args.layers, vocab=args.vocab, context=args.context,
                            precision=args.precision, lanes=args.lanes)
-        text = subprocess.run([sys.executable, "-c", code], cwd=tree, env={"PYTHONPATH": str(tree.resolve())},
+        text = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree.resolve())},
                               capture_output=True, text=True, check=True).stdout
         vmfbs.append(tmp / f"decode_{i}.vmfb")
         vmfbs[-1].write_bytes(compile_mlir(text, extra_flags=compile_flags(args.precision, False)))

@@ -221,6 +221,81 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
   return _mm256_set1_epi32(quad);
 }
 
+// One row (decode) at 4 bits: tiles [t0, t1) in order, a tile's two parts a pass (a single stream
+// of weights, as tile_rows at one row), the f32 accumulators in registers. Weights and scales are
+// prefetched Q4_ONE_ROW_AHEAD blocks (8 KB of weights) ahead, past the range's end too (into the
+// next workgroup's: stopping at the end took x1.02-1.04 the time). benchmarks/bench_q8_loop.py
+// (Zen 5, 2 threads, against tile_rows' one-row loop, whose work is the same unprefetched: x1.00
+// with the weights in L3): x0.82-0.95 the time, the plain read at 35-46 GB/s; 4 blocks ahead
+// x1.13, 8 about x1.0, 16-128 x0.82-0.98 (deeper better the slower the read); 16, 24 and 48 x1.00-1.14
+// the time of 32; a prefetch a 128 bytes rather than a line x1.14; T1 or NTA hints as T0.
+#define Q4_ONE_ROW_AHEAD 32
+// Q8_0 at one row (tile_rows) the same, 12 blocks (6 KB) ahead: x0.85-0.88 the time without,
+// 4 blocks ahead x0.91-0.94, 8 x1.01-1.03 the time of 12, 16 and 24 x1.09-1.12.
+#define Q8_ONE_ROW_AHEAD 12
+#define Q8_ONE_ROW4 1
+// x's block at xb split as vpmaddubsw pairs its inputs (4j, 4j+1 into the low i16 of each output's
+// i32, 4j+2, 4j+3 into the high one): -OFFSET(4) times each half's sum of x, two i16 in one i32
+// (at most 8 x 16 x 127 = 16256 each), the start of every output's two i16 sums of the block.
+static inline __attribute__((always_inline)) int32_t start_pair(const int8_t* restrict xb) {
+  __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi8(OFFSET(4)), _mm256_loadu_si256((const __m256i*)xb));
+  __m128i h = _mm_add_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  h = _mm_add_epi16(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi16(h, _mm_shuffle_epi32(h, 0xB1));
+  return _mm_cvtsi128_si32(_mm_sub_epi16(_mm_setzero_si128(), h));
+}
+
+// one_row4's i16 sums start at start_pair rather than 0, so that no OFFSET * xs comes off after
+// (a broadcast and a vpsubd a part a block): each i16 half then ends at the exact sum of w x over
+// its 16 inputs, |.| <= 16 x 8 x 127 = 16256, so the wrapping vpaddw (products at most 2 x 15 x
+// 127, no vpmaddubsw saturation) lands on it exactly and vpmaddwd adds the halves into the exact
+// isum: the same bits. x0.975-1.017 (median of 7 runs 0.978) the time with the weights in L3 (1
+// thread), the same from DRAM (x0.99-1.00).
+#define Q4_CHUNK 256  // blocks of x whose starts one_row4 keeps at once (1 KB of stack)
+static inline __attribute__((always_inline)) void one_row4(
+    const int8_t* restrict x, const float* restrict dx, const uint8_t* restrict w, const uint16_t* restrict dw,
+    float* restrict y, size_t K, size_t t0, size_t t1) {
+  const size_t blocks = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  int32_t start[Q4_CHUNK];
+  for (size_t c0 = 0; c0 < blocks; c0 += Q4_CHUNK) {
+    const size_t c1 = c0 + Q4_CHUNK < blocks ? c0 + Q4_CHUNK : blocks;
+    for (size_t b = c0; b < c1; ++b) start[b - c0] = start_pair(x + b * 32);
+    for (size_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = w + t * blocks * BLOCK_BYTES(4);
+      const uint16_t* d = dw + t * 16 * blocks;
+      __m256 acc0 = c0 ? _mm256_loadu_ps(y + 16 * t) : _mm256_setzero_ps();
+      __m256 acc1 = c0 ? _mm256_loadu_ps(y + 16 * t + 8) : _mm256_setzero_ps();
+      for (size_t b = c0; b < c1; ++b) {
+        const uint8_t* wb = wt + b * BLOCK_BYTES(4);
+        Q8_UNROLL
+        for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(wb + Q4_ONE_ROW_AHEAD * BLOCK_BYTES(4) + 64 * l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(d + (b + Q4_ONE_ROW_AHEAD) * 16), _MM_HINT_T0);
+        __m256i s0 = _mm256_set1_epi32(start[b - c0]), s1 = s0;
+        Q8_UNROLL
+        for (int q = 0; q < 4; ++q) {
+          __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + q * 64));
+          __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + q * 64 + 32));
+          __m256i xl = broadcast_quad(x + b * 32 + q * 4), xh = broadcast_quad(x + b * 32 + 16 + q * 4);
+          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v0, low), xl));
+          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(v1, low), xl));
+          __asm__("" : "+x"(s0), "+x"(s1));  // one running sum a register (else gcc spills a tree of products)
+          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), xh));
+          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), xh));
+          __asm__("" : "+x"(s0), "+x"(s1));
+        }
+        const __m256 dxv = _mm256_set1_ps(dx[b]);
+        __m256 sc0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16))), dxv);
+        __m256 sc1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16 + 8))), dxv);
+        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(sc0, _mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones))));
+        acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(sc1, _mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones))));
+      }
+      _mm256_storeu_ps(y + 16 * t, acc0);
+      _mm256_storeu_ps(y + 16 * t + 8, acc1);
+    }
+  }
+}
+
 // Rows [0, MC) of x against the two tiles' 4 parts, PARTS(bits) at a time; the f32 accumulators
 // live in y (a load and a store a block, row and part: the registers go to the sums), the float
 // math the documented order.
@@ -239,6 +314,12 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int j = 0; j < 2 * Q8_TILES_AT_ONCE; ++j) _mm256_storeu_ps(y + m * N + n0 + 8 * j, _mm256_setzero_ps());
   for (int j0 = 0; j0 < 2 * Q8_TILES_AT_ONCE; j0 += parts) {
     for (size_t b = 0; b < blocks; ++b) {
+      if (MC == 1 && bits == 8) {  // one row (decode): the tile's weights and scales prefetched as one_row4's
+        const uint8_t* ahead = wt + ((j0 / 2) * blocks + b + Q8_ONE_ROW_AHEAD) * BLOCK_BYTES(8);
+        Q8_UNROLL
+        for (int l = 0; l < BLOCK_BYTES(8) / 64; ++l) _mm_prefetch((const char*)(ahead + 64 * l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(dwt + (j0 / 2) * 16 * blocks + (b + Q8_ONE_ROW_AHEAD) * 16), _MM_HINT_T0);
+      }
       // 8 bits: |x| of the rows' block, once for all the parts' steps (one abs a row and block
       // rather than one a part and step: the weights' |w| took 1 in 17 of the loop's vector ops)
       uint8_t ax[Q8_ROWS_MAX][32] __attribute__((aligned(32)));
@@ -324,6 +405,12 @@ static inline __attribute__((always_inline)) void workgroup(
     const int bits) {
   const size_t blocks = K / 32;
   const size_t end = (wg + 1) * tiles < N / 16 ? (wg + 1) * tiles : N / 16;
+#ifdef Q8_ONE_ROW4
+  if (M == 1 && bits == 4) {
+    if (wg * tiles < end) one_row4(xq, dx, w, dw, y, K, wg * tiles, end);
+    return;
+  }
+#endif
   for (size_t t = wg * tiles; t < end; t += Q8_TILES_AT_ONCE) {
     const uint8_t* wt = w + t * blocks * BLOCK_BYTES(bits);
     const uint16_t* dwt = dw + t * blocks * 16;
