@@ -302,11 +302,10 @@ static inline __attribute__((always_inline)) void chunk_tile(
     for (size_t j = 0; j < last; ++j) {  // the blocks before the tile's: every row sees them whole
       const size_t block = (size_t)(uint32_t)table[j] < blocks ? (size_t)(uint32_t)table[j] : blocks - 1;
       const size_t first = (h * blocks + block) * ROWS * d;
-      if (j + 1 <= last) {  // the next block's K and V into the cache while this one is summed
-        const size_t next = (size_t)(uint32_t)table[j + 1] < blocks ? (size_t)(uint32_t)table[j + 1] : blocks - 1;
-        prefetch_block(k_pool, (h * blocks + next) * ROWS * d, d, bf16);
-        prefetch_block(v_pool, (h * blocks + next) * ROWS * d, d, bf16);
-      }
+      // the next block's K and V (j + 1 <= last: the tile's own at the end) into the cache while this one is summed
+      const size_t next = (size_t)(uint32_t)table[j + 1] < blocks ? (size_t)(uint32_t)table[j + 1] : blocks - 1;
+      prefetch_block(k_pool, (h * blocks + next) * ROWS * d, d, bf16);
+      prefetch_block(v_pool, (h * blocks + next) * ROWS * d, d, bf16);
       const float *kb = (const float*)k_pool + first, *vb = (const float*)v_pool + first;
       if (bf16) {
         widen_block(k_pool, first, d, k, 1);

@@ -42,6 +42,14 @@ LANES = 16  # partial sums of a dot product (the C file's LANES): head_dim a mul
 MAX_GROUPS, MAX_HEAD_DIM = 8, 256  # the C file's bounds of its per-head state
 CHUNK_ENTRIES = {"f32": "chunk_attention_f32", "bf16": "chunk_attention_bf16"}
 MAX_CHUNK_HEAD_DIM = 128  # the C file's bound of a chunk tile's head_dim (its stack arrays)
+# The exports' workgroup-count region: the workload `%n` workgroups along x.
+WORKGROUPS = """%c1 = arith.constant 1 : index
+      stream.return %n, %c1, %c1 : index, index, index"""
+
+
+def scale_bits(head_dim: int) -> int:
+    """f32(head_dim^-0.5)'s bits, the index constant the C functions take as their scale."""
+    return struct.unpack("<I", struct.pack("<f", head_dim ** -0.5))[0]
 
 
 def fits(groups: int, head_dim: int, kv_dtype: str) -> bool:
@@ -71,11 +79,9 @@ def executable(obj: str | os.PathLike, kv_heads: int, blocks: int, groups: int, 
     heads, own = f"memref<{kv_heads * groups * head_dim}xf32>", f"memref<{kv_heads * head_dim}x{kv_dtype}>"
     bindings = {"q": heads, "k": own, "v": own, "kp": pool, "vp": pool, "table": "memref<?xi32>{%span}",
                 "slot": "memref<1xi32>", "out": heads}
-    scale = struct.unpack("<I", struct.pack("<f", head_dim ** -0.5))[0]  # f32(head_dim^-0.5)'s bits
-    workgroups = """%c1 = arith.constant 1 : index
-      stream.return %n, %c1, %c1 : index, index, index"""
     return object_executable(obj, export, entry, bindings,
-                             {"blocks": blocks, "groups": groups, "d": head_dim, "scale": scale}, workgroups, ("span",))
+                             {"blocks": blocks, "groups": groups, "d": head_dim, "scale": scale_bits(head_dim)},
+                             WORKGROUPS, ("span",))
 
 
 def token_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value, table: Value, slot: Value,
@@ -97,6 +103,10 @@ def token_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value
     return b.reshape(out, (1, heads * d), hint="context")
 
 
+def chunk_executable_name(kv_heads: int, blocks: int, groups: int, head_dim: int, rows: int, kv_dtype: str) -> str:
+    return f"chunk_attention_{rows}x{kv_heads}x{blocks}x{groups}x{head_dim}_{kv_dtype}"
+
+
 def chunk_executable(obj: str | os.PathLike, kv_heads: int, blocks: int, groups: int, head_dim: int, rows: int,
                      kv_dtype: str) -> str:
     """A `stream.executable` whose export computes a chunk's attention output [rows x kv_heads x
@@ -107,17 +117,14 @@ def chunk_executable(obj: str | os.PathLike, kv_heads: int, blocks: int, groups:
         raise KernelError(f"chunk_attention: {groups} query heads a KV head, head_dim {head_dim}, KV {kv_dtype}, "
                           f"{rows} rows: expected at most {MAX_GROUPS}, a multiple of {LANES} up to "
                           f"{MAX_CHUNK_HEAD_DIM}, f32 or bf16, a multiple of {BLOCK}")
-    export = f"chunk_attention_{rows}x{kv_heads}x{blocks}x{groups}x{head_dim}_{kv_dtype}"
+    export = chunk_executable_name(kv_heads, blocks, groups, head_dim, rows, kv_dtype)
     pool = f"memref<{kv_heads * blocks * BLOCK * head_dim}x{kv_dtype}>"
     heads = f"memref<{rows * kv_heads * groups * head_dim}xf32>"
     bindings = {"q": heads, "kp": pool, "vp": pool, "table": "memref<?xi32>{%span}", "start": "memref<1xi32>",
                 "out": heads}
-    scale = struct.unpack("<I", struct.pack("<f", head_dim ** -0.5))[0]
-    workgroups = """%c1 = arith.constant 1 : index
-      stream.return %n, %c1, %c1 : index, index, index"""
     sizes = {"blocks": blocks, "groups": groups, "d": head_dim, "kv_heads": kv_heads, "tiles": rows // BLOCK,
-             "scale": scale}
-    return object_executable(obj, export, CHUNK_ENTRIES[kv_dtype], bindings, sizes, workgroups, ("span",))
+             "scale": scale_bits(head_dim)}
+    return object_executable(obj, export, CHUNK_ENTRIES[kv_dtype], bindings, sizes, WORKGROUPS, ("span",))
 
 
 def chunk_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value, table: Value,
@@ -128,12 +135,11 @@ def chunk_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value
     rows, heads, d = q.shape
     kv_heads, blocks, _, _ = k_pool.shape
     groups = heads // kv_heads
-    text = chunk_executable(obj, kv_heads, blocks, groups, d, rows, k_pool.dtype)
-    name = text.split("@", 1)[1].split(" ", 1)[0]
+    name = chunk_executable_name(kv_heads, blocks, groups, d, rows, k_pool.dtype)
     flat = lambda x, hint: b.reshape(x, (int(np.prod(x.shape)),), hint=hint)  # noqa: E731
     operands = [flat(q, "attn_q"), flat(k_pool, "attn_k_pool"), flat(v_pool, "attn_v_pool"), table,
                 b.reshape(start, (1,), hint="attn_start")]
-    out = b.dispatch(name, text, name, operands, TensorType((rows * heads * d,), "f32"),
+    out = b.dispatch(name, chunk_executable(obj, kv_heads, blocks, groups, d, rows, k_pool.dtype), name, operands, TensorType((rows * heads * d,), "f32"),
                      workload=kv_heads * rows // BLOCK, hint="chunk_attention")
     return b.reshape(out, (rows, heads * d), hint="context")
 

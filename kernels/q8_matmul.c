@@ -233,7 +233,7 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
 // Q8_0 at one row (tile_rows) the same, 12 blocks (6 KB) ahead: x0.85-0.88 the time without,
 // 4 blocks ahead x0.91-0.94, 8 x1.01-1.03 the time of 12, 16 and 24 x1.09-1.12.
 #define Q8_ONE_ROW_AHEAD 12
-#define Q8_ONE_ROW4 1
+#define Q8_ONE_ROW4 1  // this ISA's section has one_row4 (`workgroup`, shared by both, calls it at M = 1, 4 bits)
 // x's block at xb split as vpmaddubsw pairs its inputs (4j, 4j+1 into the low i16 of each output's
 // i32, 4j+2, 4j+3 into the high one): -OFFSET(4) times each half's sum of x, two i16 in one i32
 // (at most 8 x 16 x 127 = 16256 each), the start of every output's two i16 sums of the block.
@@ -304,7 +304,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t* restrict wt, const uint16_t* restrict dwt, float* restrict y, size_t N, size_t K,
     size_t n0, const int MC, const int bits) {
   enum { PARTS_MAX = 4 };
-  const int parts = MC == 1 ? 2 : PARTS(bits);  // one row: a tile at a time (Q4_0 x0.60 the time of two)
+  const int parts = PARTS(bits);
   const int abs_x = bits == 8 && MC > 1;  // one row: |w| a part and step, as many abs as |x| takes
   const size_t blocks = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
