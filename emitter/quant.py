@@ -73,6 +73,7 @@ from .config import KERNEL_FORMS, KERNEL_ISA_NAMES, ConfigError, WeightSpec
 GROUP = 64  # inputs per scale of `--precision int8` (and the default of a `Layout`)
 Q8_0, Q4_0 = "q8_0", "q4_0"  # the user's names of the kernel precisions
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
+PACKED_ONLY_BITS = 6  # a width held only in the kernel's packed tiles (q4_0's lm_head table)
 KERNEL_BITS = {p: {v: k for k, v in STORAGE_DTYPE.items()}[dtype] for p, dtype in KERNEL_FORMS.items()}  # -> bits
 # the kernel precisions' graph forms ("q8_0-avx512vnni", ...) -> the kernel object's ISA
 KERNEL_ISA = {f"{p}-{isa}": isa for p in KERNEL_BITS for isa in KERNEL_ISA_NAMES}
@@ -139,7 +140,7 @@ class Layout:
     packed: bool = False
 
     def __post_init__(self):
-        if self.bits not in STORAGE_DTYPE:
+        if self.bits not in STORAGE_DTYPE and not (self.packed and self.bits == PACKED_ONLY_BITS):
             raise ConfigError(f"quantization bits {self.bits}: expected one of {', '.join(map(str, STORAGE_DTYPE))}")
         if self.scales not in SCALE_DTYPES:
             raise ConfigError(f"quantization scales {self.scales}: expected one of {', '.join(SCALE_DTYPES)}")

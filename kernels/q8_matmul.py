@@ -49,7 +49,8 @@ BLOCK = quant.BLOCK  # inputs per scale, both sides (Q8_0)
 TILE = quant.TILE  # outputs per packed weight tile
 OBJECTS_ENV = "QWEN3VL_KERNEL_DIR"  # where `default_objects` keeps the built objects
 OUTPUTS_PER_WORKGROUP = 128  # a multiple of 2 * TILE (the AVX-512 loop takes two tiles at once)
-ENTRIES = {8: "q8_matmul_workgroup", 4: "q4_matmul_workgroup"}  # weight bits -> the C function
+# weight bits -> the C function: Q8_0, Q4_0, and the 6-bit table of q4_0's lm_head (`pack_weight`)
+ENTRIES = {8: "q8_matmul_workgroup", 6: "q6_matmul_workgroup", 4: "q4_matmul_workgroup"}
 # Bare-metal object flags (IREE's embedded ELF: no libc, no TLS, position independent); no FMA
 # contraction, so that the float math is the documented order (`reference`, bit for bit).
 COMMON_FLAGS = ("-std=c17", "-O3", "-ffreestanding", "-fPIC", "-fvisibility=hidden", "-fno-plt",
@@ -190,9 +191,10 @@ def quantize_weight(w: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarra
     """(q [N, K] int8, scales [N, K / 32] f16) of an f32 weight [N, K]. 8 bits: q in
     [-127, 127], `quant.quantize` in blocks of 32, the scales then rounded to f16 (llama.cpp's
     Q8_0: 8.5 bits a weight). 4 bits: q in [-8, 7], each block's f16 scale searched for the
-    least squared error (`quant.searched`, as int4's; Q4_0's bytes: 4.5 bits a weight)."""
-    if bits == 4:
-        return quant.quantize(w, quant.Layout(4, BLOCK, scales="f16", searched=True))
+    least squared error (`quant.searched`, as int4's; Q4_0's bytes: 4.5 bits a weight); 6 bits
+    the same in [-32, 31] (6.5 bits a weight, as llama.cpp's Q6_K's 6.56)."""
+    if bits in (4, 6):
+        return quant.quantize(w, quant.Layout(bits, BLOCK, scales="f16", searched=True, packed=True))
     q, scales = quant.quantize(w, quant.Layout(8, BLOCK))
     return q, scales.astype(np.float16)
 
@@ -206,7 +208,9 @@ def check_bits(bits: int) -> int:
 def pack_weight(q: np.ndarray, bits: int = 8) -> np.ndarray:
     """q [N, K] int8 as the kernel reads it, flat: 8 bits [N/16, K/4, 16, 4]; 4 bits the codes
     q + 8 in bytes [N/16, K/32, 4, 16, 4], inputs 4s..4s+3 of a block in the low nibbles and
-    16+4s..16+4s+3 in the high ones (kernels/q8_matmul.c)."""
+    16+4s..16+4s+3 in the high ones; 6 bits the codes q + 32, each tile's block 384 bytes: their
+    low 4 bits as the 4-bit layout's 256, then their top 2 bits in [2, 16, 4] bytes, step s's
+    (inputs 4s..4s+3) in byte row s % 2 at bits 2 (s // 2) (kernels/q8_matmul.c)."""
     n, k = q.shape
     check_shape(1, n, k)
     low = -(1 << (check_bits(bits) - 1)) + (bits == 8)  # -127 at 8 bits (the AVX2 sign trick), -8 at 4
@@ -214,9 +218,14 @@ def pack_weight(q: np.ndarray, bits: int = 8) -> np.ndarray:
         raise KernelError(f"q8_matmul: weight: expected int8 values in [{low}, {(1 << (bits - 1)) - 1}]")
     if bits == 8:
         return np.ascontiguousarray(q.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3)).reshape(-1)
-    codes = (q + np.int8(8)).view(np.uint8).reshape(n // TILE, TILE, k // BLOCK, 2, 4, 4)
-    steps = codes.transpose(0, 2, 3, 4, 1, 5)  # tile, block, half, step, output, input
-    return (steps[:, :, 0] | (steps[:, :, 1] << np.uint8(4))).reshape(-1).view(np.int8)
+    codes = (q + np.int8(1 << (bits - 1))).view(np.uint8).reshape(n // TILE, TILE, k // BLOCK, 8, 4)
+    steps = codes.transpose(0, 2, 3, 1, 4)  # tile, block, step, output, input
+    nibbles = steps & np.uint8(0xF)
+    parts = [nibbles[:, :, :4] | (nibbles[:, :, 4:] << np.uint8(4))]  # [tiles, blocks, 4, 16, 4]
+    if bits == 6:
+        top = (steps >> np.uint8(4)).reshape(n // TILE, k // BLOCK, 4, 2, TILE, 4)  # step 2r + h at [r, h]
+        parts.append(np.bitwise_or.reduce([top[:, :, r] << np.uint8(2 * r) for r in range(4)]))
+    return np.concatenate(parts, axis=2).reshape(-1).view(np.int8)
 
 
 def pack_scales(scales: np.ndarray) -> np.ndarray:
