@@ -1,6 +1,6 @@
 // q8_matmul: y[M, N] = x[M, K] @ w[N, K]^T against activations quantized per row and block of
-// 32 (llama.cpp's Q8_0), with weights in Q8_0 (int8) or Q4_0 (4-bit codes) blocks of 32: llama.cpp's
-// Q8_0 x Q8_0 and Q4_0 x Q8_0 math, one IREE workgroup's share, linked into IREE's embedded ELF
+// 32 (llama.cpp's Q8_0), with weights in Q8_0 (int8), 6-bit or Q4_0 (4-bit codes) blocks of 32: llama.cpp's
+// Q8_0 x Q8_0 and Q4_0 x Q8_0 math (and the same with 6-bit weights), one IREE workgroup's share, linked into IREE's embedded ELF
 // executables through `hal.executable.objects` (kernels/q8_matmul.py writes the dispatch that calls it).
 //
 //   y[m, n] = sum over blocks b, in order, of ((float)dw[n, b] * dx[m, b]) * (float)isum(m, n, b)
@@ -19,7 +19,11 @@
 //             byte at (((t * K/32 + b) * 4 + q) * 16 + i) * 4 + j holds u[16t + i, 32b + 4q + j] in its
 //             low nibble and u[16t + i, 32b + 16 + 4q + j] in its high one (one 64-byte load, an and
 //             and a shift give two steps of the 8-bit layout; 18 bytes a block with its scale, Q4_0's)
-//   dw  f16   [N/16, K/32, 16]: dw[16t + i, b] at (t * K/32 + b) * 16 + i (Q8_0's and Q4_0's f16 scales)
+//   w, 6 bits: uint8, each tile's block 384 bytes, of codes u = w + 32 (w in [-32, 31]): first their low
+//             4 bits as the 4-bit layout's 256 bytes, then their top 2 bits in [2, 16, 4] bytes: byte
+//             row h (the block's 64-byte load 4 + h) holds step s = h + 2r's (inputs 4s..4s+3) at bits
+//             2r..2r+1, r = 0..3 (26 bytes a block with its scale: 6.5 bits a weight)
+//   dw  f16   [N/16, K/32, 16]: dw[16t + i, b] at (t * K/32 + b) * 16 + i (the blocks' f16 scales)
 //   y   f32   [M, N]
 // N a multiple of 32, K a multiple of 32.
 //
@@ -29,7 +33,7 @@
 #include <stdint.h>
 
 // Bytes of one tile's block of 32 inputs at `bits` a weight, and the offset the unsigned
-// weights' sums carry (u = w + OFFSET: 128 for the 8-bit xor, 8 for Q4_0's codes).
+// weights' sums carry (u = w + OFFSET: 128 for the 8-bit xor, 32 and 8 for the 6- and 4-bit codes).
 // Loops over registers unrolled whole, so that their arrays stay in registers.
 #define Q8_UNROLL _Pragma("GCC unroll 16")
 
@@ -41,21 +45,34 @@
 #define Q8_TILES_AT_ONCE 2  // two tiles share each broadcast of x: half the broadcasts a dot product
 // Tiles at once at one row (decode, reading weights from DRAM): Q8_0 two, Q4_0 one, a single
 // stream of weights (benchmarks/bench_q8_loop.py: Q4_0 x0.70-0.79 the time of two at once, Q8_0
-// x1.09-1.15 with one).
+// x1.09-1.15 with one); 6 bits one, as Q4_0.
 #define ONE_ROW_TILES(bits) ((bits) == 8 ? 2 : 1)
 // Rows of x per pass over the tiles: full_pass holds their sums, the previous block's and the
 // accumulators, 24 zmm (6 or 8 rows a pass, unpipelined: x1.0 and x1.07 the time of 4 at 512 rows).
 #define ROWS(bits) 4
 #define Q8_ROWS_MAX 4
 
+// The 6-bit codes' top 2 bits of step q in bits 4-5 of each byte (the rest cleared), out of its
+// byte row `top` (bits 2 (q >> 1)): a 16-bit shift moves each byte's pair within its own byte's
+// bits 4-5 (what crosses from the neighbour lands outside them, and the and clears it).
+static inline __attribute__((always_inline)) __m512i top_bits(__m512i top, int q) {
+  const int r = q >> 1;
+  top = r == 0 ? _mm512_slli_epi16(top, 4) : r == 1 ? _mm512_slli_epi16(top, 2) : r == 3 ? _mm512_srli_epi16(top, 2) : top;
+  return _mm512_and_si512(top, _mm512_set1_epi8(0x30));
+}
+
 // Step q (inputs 4q..4q+3 of the block) of one tile's block as unsigned bytes, 16 outputs x 4
-// inputs: 8 bits, w + 128 (one xor); 4 bits, the codes' low nibbles (q < 4) or high ones.
+// inputs: 8 bits, w + 128 (one xor); 4 bits, the codes' low nibbles (q < 4) or high ones; 6 bits,
+// those 4 bits or'ed with the top 2 (`top_bits`) by one vpternlogd.
 static inline __attribute__((always_inline)) __m512i unsigned_step(const uint8_t* restrict block, int q,
                                                                    const int bits) {
   if (bits == 8)
     return _mm512_xor_si512(_mm512_loadu_si512((const void*)(block + q * 64)), _mm512_set1_epi8((char)0x80));
   __m512i v = _mm512_loadu_si512((const void*)(block + (q & 3) * 64));
-  return _mm512_and_si512(q < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+  v = q < 4 ? v : _mm512_srli_epi16(v, 4);
+  if (bits == 4) return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+  __m512i top = top_bits(_mm512_loadu_si512((const void*)(block + 256 + (q & 1) * 64)), q);
+  return _mm512_ternarylogic_epi32(v, top, _mm512_set1_epi8(0x0F), 0xEC);  // (v & 0x0F) | top
 }
 
 // Block b's i32 sums of tiles [0, P) x rows [0, MC) set to start: -OFFSET * xs, so that they end
@@ -204,12 +221,24 @@ static inline __attribute__((always_inline)) void full_pass(
 // saturation; at one row, |w| against x with w's sign, llama.cpp's way, x1.00-1.02 the time),
 // vpmaddwd with ones to i32 every step; 4 bits, vpmaddubsw of the codes (u8, at most
 // 15) against x, summed in i16 over the block's 8 steps (at most 8 x 2 x 15 x 127 = 30480: exact)
-// and widened by one vpmaddwd a block, OFFSET * xs taken off after.
+// and widened by one vpmaddwd a block, OFFSET * xs taken off after; 6 bits, vpmaddubsw of the
+// codes (at most 63: 2 x 63 x 127 = 16002 a step, no saturation) widened by a vpmaddwd every
+// step (8 steps' i16 sum would overflow), OFFSET * xs taken off after (one row: one_row6).
+// The 6-bit codes' top 2 bits of step q in bits 4-5 of each byte (the rest cleared), as the
+// AVX-512 section's top_bits.
+static inline __attribute__((always_inline)) __m256i top_bits(__m256i top, int q) {
+  const int r = q >> 1;
+  top = r == 0 ? _mm256_slli_epi16(top, 4) : r == 1 ? _mm256_slli_epi16(top, 2) : r == 3 ? _mm256_srli_epi16(top, 2) : top;
+  return _mm256_and_si256(top, _mm256_set1_epi8(0x30));
+}
+
 static inline __attribute__((always_inline)) __m256i step_weights(const uint8_t* restrict block, int q,
                                                                   const int bits) {
   if (bits == 8) return _mm256_loadu_si256((const __m256i*)(block + q * 64));
   __m256i v = _mm256_loadu_si256((const __m256i*)(block + (q & 3) * 64));
-  return _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+  v = _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+  if (bits == 4) return v;
+  return _mm256_or_si256(v, top_bits(_mm256_loadu_si256((const __m256i*)(block + 256 + (q & 1) * 64)), q));
 }
 
 typedef int32_t q8_quad __attribute__((may_alias));  // 4 bytes of x (or |x|) read as one
@@ -233,7 +262,7 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
 // Q8_0 at one row (tile_rows) the same, 12 blocks (6 KB) ahead: x0.85-0.88 the time without,
 // 4 blocks ahead x0.91-0.94, 8 x1.01-1.03 the time of 12, 16 and 24 x1.09-1.12.
 #define Q8_ONE_ROW_AHEAD 12
-#define Q8_ONE_ROW4 1  // this ISA's section has one_row4 (`workgroup`, shared by both, calls it at M = 1, 4 bits)
+#define Q8_ONE_ROW4 1  // this ISA's section has one_row4 and one_row6 (`workgroup`, shared by both, calls them at M = 1)
 // x's block at xb split as vpmaddubsw pairs its inputs (4j, 4j+1 into the low i16 of each output's
 // i32, 4j+2, 4j+3 into the high one): -OFFSET(4) times each half's sum of x, two i16 in one i32
 // (at most 8 x 16 x 127 = 16256 each), the start of every output's two i16 sums of the block.
@@ -251,7 +280,7 @@ static inline __attribute__((always_inline)) int32_t start_pair(const int8_t* re
 // 127, no vpmaddubsw saturation) lands on it exactly and vpmaddwd adds the halves into the exact
 // isum: the same bits. x0.975-1.017 (median of 7 runs 0.978) the time with the weights in L3 (1
 // thread), the same from DRAM (x0.99-1.00).
-#define Q4_CHUNK 256  // blocks of x whose starts one_row4 keeps at once (1 KB of stack)
+#define Q4_CHUNK 256  // blocks of x whose starts one_row4 (one_row6) keeps at once (1 KB (2 KB) of stack)
 static inline __attribute__((always_inline)) void one_row4(
     const int8_t* restrict x, const float* restrict dx, const uint8_t* restrict w, const uint16_t* restrict dw,
     float* restrict y, size_t K, size_t t0, size_t t1) {
@@ -289,6 +318,71 @@ static inline __attribute__((always_inline)) void one_row4(
         __m256 sc1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16 + 8))), dxv);
         acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(sc0, _mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones))));
         acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(sc1, _mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones))));
+      }
+      _mm256_storeu_ps(y + 16 * t, acc0);
+      _mm256_storeu_ps(y + 16 * t + 8, acc1);
+    }
+  }
+}
+
+// x's block at xb split as one_row6's i16 sums pair its inputs: for steps 0-3 (inputs 0-15) and
+// 4-7 (16-31), -OFFSET(6) times the sum of the 8 inputs each i16 half of an output's i32 takes
+// (4j, 4j+1 low, 4j+2, 4j+3 high; at most 32 x 8 x 127 = 32512), two i16 in one i32 each: the
+// starts of every output's i16 sums of the two halves of the block, at the low and high 32 bits.
+static inline __attribute__((always_inline)) int64_t start_halves(const int8_t* restrict xb) {
+  __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi8(OFFSET(6)), _mm256_loadu_si256((const __m256i*)xb));
+  p = _mm256_add_epi16(p, _mm256_shuffle_epi32(p, 0x4E));  // each 128-bit half's 4 i32 summed
+  p = _mm256_add_epi16(p, _mm256_shuffle_epi32(p, 0xB1));
+  p = _mm256_sub_epi16(_mm256_setzero_si256(), p);
+  return (int64_t)(uint32_t)_mm256_cvtsi256_si32(p) | (int64_t)_mm256_extract_epi32(p, 4) << 32;
+}
+
+// One row (decode) at 6 bits: one_row4's loop (tiles in order, a tile's two parts a pass, weights
+// and scales prefetched Q6_ONE_ROW_AHEAD blocks ahead) over step_weights' 6-bit codes. The i16
+// sums of each half of the block (4 steps) start at start_halves, so that each ends at the exact
+// sum of w x over its 8 inputs, |.| <= 8 x 32 x 127 = 32512 (the wrapping vpaddw of products of
+// at most 2 x 63 x 127, unsaturated, lands on it), widened by one vpmaddwd a half: the exact isum
+// with no OFFSET * xs to take off.
+#define Q6_ONE_ROW_AHEAD 24
+static inline __attribute__((always_inline)) void one_row6(
+    const int8_t* restrict x, const float* restrict dx, const uint8_t* restrict w, const uint16_t* restrict dw,
+    float* restrict y, size_t K, size_t t0, size_t t1) {
+  const size_t blocks = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  int64_t start[Q4_CHUNK];
+  for (size_t c0 = 0; c0 < blocks; c0 += Q4_CHUNK) {
+    const size_t c1 = c0 + Q4_CHUNK < blocks ? c0 + Q4_CHUNK : blocks;
+    for (size_t b = c0; b < c1; ++b) start[b - c0] = start_halves(x + b * 32);
+    for (size_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = w + t * blocks * BLOCK_BYTES(6);
+      const uint16_t* d = dw + t * 16 * blocks;
+      __m256 acc0 = c0 ? _mm256_loadu_ps(y + 16 * t) : _mm256_setzero_ps();
+      __m256 acc1 = c0 ? _mm256_loadu_ps(y + 16 * t + 8) : _mm256_setzero_ps();
+      for (size_t b = c0; b < c1; ++b) {
+        const uint8_t* wb = wt + b * BLOCK_BYTES(6);
+        Q8_UNROLL
+        for (int l = 0; l < BLOCK_BYTES(6) / 64; ++l)
+          _mm_prefetch((const char*)(wb + Q6_ONE_ROW_AHEAD * BLOCK_BYTES(6) + 64 * l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(d + (b + Q6_ONE_ROW_AHEAD) * 16), _MM_HINT_T0);
+        __m256i i0 = _mm256_setzero_si256(), i1 = i0;
+        Q8_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          __m256i s0 = _mm256_set1_epi32((int32_t)(start[b - c0] >> (32 * h))), s1 = s0;
+          Q8_UNROLL
+          for (int q = 4 * h; q < 4 * h + 4; ++q) {
+            __m256i xq = broadcast_quad(x + b * 32 + q * 4);
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(step_weights(wb, q, 6), xq));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(step_weights(wb + 32, q, 6), xq));
+            __asm__("" : "+x"(s0), "+x"(s1));  // one running sum a register
+          }
+          i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(s0, ones));
+          i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));
+        }
+        const __m256 dxv = _mm256_set1_ps(dx[b]);
+        __m256 sc0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16))), dxv);
+        __m256 sc1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16 + 8))), dxv);
+        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(sc0, _mm256_cvtepi32_ps(i0)));
+        acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(sc1, _mm256_cvtepi32_ps(i1)));
       }
       _mm256_storeu_ps(y + 16 * t, acc0);
       _mm256_storeu_ps(y + 16 * t + 8, acc1);
@@ -355,6 +449,8 @@ static inline __attribute__((always_inline)) void tile_rows(
             else if (bits == 8)
               s[j][m] = _mm256_add_epi32(
                   s[j][m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, w[j])), ones));
+            else if (bits == 6)
+              s[j][m] = _mm256_add_epi32(s[j][m], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xb), ones));
             else
               s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], xb));
             __asm__("" : "+x"(s[j][m]));  // one running sum a register (else gcc keeps every step's product)
@@ -368,9 +464,9 @@ static inline __attribute__((always_inline)) void tile_rows(
         Q8_UNROLL
         for (int m = 0; m < MC; ++m) {
           __m256i exact = s[j][m];
-          if (bits != 8)  // the block's i16 sums widened, the codes' offset taken off
-            exact = _mm256_sub_epi32(_mm256_madd_epi16(exact, ones),
-                                     _mm256_set1_epi32(OFFSET(bits) * xs[m * blocks + b]));
+          if (bits == 4) exact = _mm256_madd_epi16(exact, ones);  // the block's i16 sums widened
+          if (bits != 8)  // the codes' offset taken off
+            exact = _mm256_sub_epi32(exact, _mm256_set1_epi32(OFFSET(bits) * xs[m * blocks + b]));
           float* acc = y + m * N + n0 + 8 * part;
           __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(dx[m * blocks + b]));
           _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_mul_ps(scale, _mm256_cvtepi32_ps(exact))));
@@ -410,6 +506,10 @@ static inline __attribute__((always_inline)) void workgroup(
     if (wg * tiles < end) one_row4(xq, dx, w, dw, y, K, wg * tiles, end);
     return;
   }
+  if (M == 1 && bits == 6) {
+    if (wg * tiles < end) one_row6(xq, dx, w, dw, y, K, wg * tiles, end);
+    return;
+  }
 #endif
   for (size_t t = wg * tiles; t < end; t += Q8_TILES_AT_ONCE) {
     const uint8_t* wt = w + t * blocks * BLOCK_BYTES(bits);
@@ -427,7 +527,7 @@ static inline __attribute__((always_inline)) void workgroup(
   }
 }
 
-// The entries (kernels/q8_matmul.py `ENTRIES`): Q8_0 weights, and Q4_0 weights, against Q8_0 x.
+// The entries (kernels/q8_matmul.py `ENTRIES`): Q8_0, 6-bit and Q4_0 weights, against Q8_0 x.
 #define Q8_ENTRY(name, bits)                                                                                  \
   void name(Q8_MEMREF(const int8_t, xq), Q8_MEMREF(const float, dx), Q8_MEMREF(const int32_t, xs),             \
             Q8_MEMREF(const uint8_t, w), Q8_MEMREF(const uint16_t, dw), Q8_MEMREF(float, y), size_t M, size_t N, \
@@ -436,4 +536,5 @@ static inline __attribute__((always_inline)) void workgroup(
               bits);                                                                                          \
   }
 Q8_ENTRY(q8_matmul_workgroup, 8)
+Q8_ENTRY(q6_matmul_workgroup, 6)
 Q8_ENTRY(q4_matmul_workgroup, 4)

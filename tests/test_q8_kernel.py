@@ -1,7 +1,7 @@
 """The hand-written Q8_0 x Q8_0 and Q4_0 x Q8_0 kernels (kernels/q8_matmul.c, linked into IREE's
 executables by kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime
 (python and iree-run-module), bit for bit against numpy's integer math of the same order
-(`q8_matmul.reference`), at 8 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
+(`q8_matmul.reference`), at 8, 6 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
 for x86-64-v3 code (AVX2), at 1 to 11 rows; bad shapes and weights get a one-line error; a failed
 object build leaves nothing behind. The install step (`python -m kernels`) builds every
 kernel's object (this one's and kernels/decode_attention.c's) for every ISA once, and a
@@ -48,25 +48,26 @@ def graph_vmfb(m: int, target: str, objects, bits: int = 8, by_name: bool = Fals
 
 
 def weights(seed: int, bits: int = 8):
-    """(q, scales) of a random [N, K] weight, Q8_0's grid (8 bits) or Q4_0's (4)."""
+    """(q, scales) of a random [N, K] weight, Q8_0's grid (8 bits), the 6-bit one or Q4_0's (4)."""
     return q8.quantize_weight(np.random.default_rng(seed).standard_normal((N, K), dtype=np.float32), bits)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
 @pytest.mark.parametrize("m", [1, 4, 6, 11])
 def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m, bits):
     """Rows of 1, 4 (one pass of the 4-row loop: AVX-512, and AVX2 at 8 bits; AVX2's Q4_0 loop
     takes 2 rows a pass), 6 (a pass and a remainder of 2) and 11 (passes and a remainder of 3,
     or of 1);
-    a row of zeros and a row with one large value among them; at 4 bits every code, -8..7, occurs."""
+    a row of zeros and a row with one large value among them; at 4 bits every code, -8..7, occurs (at
+    6 bits every one of -32..31: AVX2's one-row loop sums a half block's products in i16)."""
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, K), dtype=np.float32)
     x[-1, 7] = 40.0
     if m > 1:
         x[0] = 0
     q, scales = weights(m, bits)
-    assert bits == 8 or set(np.unique(q)) == set(range(-8, 8))
+    assert bits == 8 or set(np.unique(q)) == set(range(-(1 << bits - 1), 1 << bits - 1))
     module = LoadedModule(graph_vmfb(m, target, tmp_path, bits))
     y, xq, dx, xs = module(x, q8.pack_weight(q, bits), q8.pack_scales(scales))
     ref_xq, ref_dx, ref_xs = q8.quantize_x(x)
@@ -76,7 +77,25 @@ def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m, bits
         assert not y[0].any()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_6_bit_sums_at_their_extremes_are_exact(tmp_path, target, m):
+    """Every block's x at +-127 against weights all 31, all -32 or alternating: the sums' largest
+    magnitudes (8 x 32 x 127 an i16 half of AVX2's one-row loop, products of 2 x 63 x 127 wrapping
+    on their way there), bit for bit."""
+    signs = np.array([1, -1, 1, 1, -1, -1, 1, -1] * (K // 8), np.float32)
+    signs[32:64] = 1  # a whole block of one sign
+    x = np.stack([signs * (-1) ** r for r in range(m)])  # row 1 the negation of row 0
+    matched = np.where(signs > 0, np.int8(31), np.int8(-32))  # w x at its largest with row 0, least with row 1
+    q = np.stack([np.full(K, 31, np.int8), np.full(K, -32, np.int8), matched, -1 - matched] * (N // 4))
+    scales = np.full((N, K // q8.BLOCK), 0.5, np.float16)
+    y = LoadedModule(graph_vmfb(m, target, tmp_path, 6))(x, q8.pack_weight(q, 6), q8.pack_scales(scales))[0]
+    xq, dx, _ = q8.quantize_x(x)
+    assert np.abs(xq).min() == 127
+    assert np.array_equal(y, q8.reference(xq, dx, q, scales))
+
+
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_iree_run_module_runs_the_linked_kernel(tmp_path, bits):
     """The vmfb carries the kernel: IREE's own iree-run-module runs it, no plugin or flag."""
     m = 2
@@ -182,8 +201,30 @@ def test_q4_weight_bytes_are_q4_0s_size_and_unpack_to_the_codes():
     assert np.array_equal(halves.transpose(0, 4, 1, 2, 3, 5).reshape(N, K), q)
 
 
+def test_q6_weight_bytes_are_6_5_bits_and_unpack_to_the_codes():
+    """26 bytes a block of 32 with its f16 scale; each tile's block the codes q + 32 as 256 bytes of
+    their low 4 bits (the 4-bit layout) and 128 of their top 2: step s's at byte row s % 2, bits
+    2 (s // 2) (kernels/q8_matmul.c's layout)."""
+    q, scales = weights(3, 6)
+    packed = q8.pack_weight(q, 6).view(np.uint8)
+    assert (packed.nbytes + q8.pack_scales(scales).nbytes) * 32 == 26 * q.size
+    blocks = packed.reshape(N // q8.TILE, K // q8.BLOCK, 6, q8.TILE, 4)  # tile, block, load, output, input
+    low = np.concatenate([blocks[:, :, :4] & 15, blocks[:, :, :4] >> 4], axis=2)  # step s at [s]
+    top = np.stack([(blocks[:, :, 4 + s % 2] >> 2 * (s // 2)) & 3 for s in range(8)], axis=2)
+    codes = (low | top << 4).astype(np.int8) - 32  # tile, block, step, output, input
+    assert np.array_equal(codes.transpose(0, 3, 1, 2, 4).reshape(N, K), q)
+
+
+@pytest.mark.parametrize("value", [32, -33])
+def test_a_6_bit_weight_outside_its_codes_is_refused(value):
+    q = np.zeros((64, 32), np.int8)
+    q[3, 5] = value
+    with pytest.raises(q8.KernelError, match=r"weight: expected int8 values in \[-32, 31\]$"):
+        q8.pack_weight(q, 6)
+
+
 def test_bad_bits_are_one_line():
-    with pytest.raises(q8.KernelError, match=r"^q8_matmul: weight bits 2: expected one of 8, 4$"):
+    with pytest.raises(q8.KernelError, match=r"^q8_matmul: weight bits 2: expected one of 8, 6, 4$"):
         q8.executable("unused.o", 1, 64, 64, bits=2)
 
 
