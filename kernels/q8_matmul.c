@@ -45,8 +45,12 @@
 #define Q8_TILES_AT_ONCE 2  // two tiles share each broadcast of x: half the broadcasts a dot product
 // Tiles at once at one row (decode, reading weights from DRAM): Q8_0 two, Q4_0 one, a single
 // stream of weights (benchmarks/bench_q8_loop.py: Q4_0 x0.70-0.79 the time of two at once, Q8_0
-// x1.09-1.15 with one); 6 bits one, as Q4_0.
+// x1.09-1.15 with one); 6 bits one, as Q4_0 (x0.82-0.85 the time of two, both prefetched).
 #define ONE_ROW_TILES(bits) ((bits) == 8 ? 2 : 1)
+// Blocks (9 KB) of weights and scales tile_rows prefetches ahead at one row and 6 bits, past the
+// range's end too: x0.77-1.01 (median of 7 runs x0.91) the time without (2 threads, from DRAM);
+// 12 and 48 blocks the same as 24 (x1.00, x1.02).
+#define Q6_ONE_ROW_AHEAD 24
 // Rows of x per pass over the tiles: full_pass holds their sums, the previous block's and the
 // accumulators, 24 zmm (6 or 8 rows a pass, unpipelined: x1.0 and x1.07 the time of 4 at 512 rows).
 #define ROWS(bits) 4
@@ -134,6 +138,12 @@ static inline __attribute__((always_inline)) void tile_rows(
       Q8_UNROLL
       for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
     for (size_t b = 0; b < blocks; ++b) {
+      if (MC == 1 && bits == 6) {  // one row (decode): the tile's weights and scales prefetched ahead
+        const uint8_t* ahead = wg + (b + Q6_ONE_ROW_AHEAD) * BLOCK_BYTES(6);
+        Q8_UNROLL
+        for (int l = 0; l < BLOCK_BYTES(6) / 64; ++l) _mm_prefetch((const char*)(ahead + 64 * l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(dwg + (b + Q6_ONE_ROW_AHEAD) * 16), _MM_HINT_T0);
+      }
       __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
       start_sums(isum, xs, blocks, b, at_once, MC, bits);
       for (int q = 0; q < 8; ++q) dot_step(isum, x, wg, K, b, q, at_once, MC, bits);
@@ -342,7 +352,10 @@ static inline __attribute__((always_inline)) int64_t start_halves(const int8_t* 
 // sums of each half of the block (4 steps) start at start_halves, so that each ends at the exact
 // sum of w x over its 8 inputs, |.| <= 8 x 32 x 127 = 32512 (the wrapping vpaddw of products of
 // at most 2 x 63 x 127, unsaturated, lands on it), widened by one vpmaddwd a half: the exact isum
-// with no OFFSET * xs to take off.
+// with no OFFSET * xs to take off. benchmarks/bench_q8_loop.py (2 threads, from DRAM): without the
+// prefetches x1.11-1.21 the time; 8, 16, 32, 48, 64 and 96 blocks ahead and T1 hints within
+// x0.96-1.03 of 24. Cheaper unpacking would not help there: dropping the top bits' shift and and
+// (wrong codes, the same bytes) took x0.99-1.02 the time from DRAM (x0.83 with the weights in L3).
 #define Q6_ONE_ROW_AHEAD 24
 static inline __attribute__((always_inline)) void one_row6(
     const int8_t* restrict x, const float* restrict dx, const uint8_t* restrict w, const uint16_t* restrict dw,
