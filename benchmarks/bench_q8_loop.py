@@ -1,10 +1,11 @@
-"""The Q8_0 / Q4_0 kernel's loop alone, outside IREE: two versions of kernels/q8_matmul.c
+"""The Q8_0 / 6-bit / Q4_0 kernel's loop alone, outside IREE: two versions of kernels/q8_matmul.c
 (this one, B, and `--baseline`, A) on the same [6144, 2048] weights, against a plain read of
 the same bytes, alternating round by round in one process (benchmarks/q8_loop.c: `--threads`
 workers pulling 128-output workgroups off one counter, as IREE's workers do; at least
 `--megabytes` of distinct weights, so that one row reads them from DRAM). Prints ms per
 projection, the GB/s of weight and scale bytes, and that rate over the read's (the roof) for
-each ISA, row count and weight width. Both builds use the kernel's own flags
+each ISA, row count and weight width (8, 6 or 4 bits; a baseline older than the 6-bit entry runs
+this one's in its place at 6 bits: "base missing"). Both builds use the kernel's own flags
 (`q8_matmul.COMMON_FLAGS`, `ISA_FLAGS`); A's and B's results are compared bit for bit.
 
     git show main:kernels/q8_matmul.c > /tmp/q8_main.c
@@ -71,7 +72,8 @@ def main(argv=None) -> list:
                     for side in "ab":
                         r[f"{side}_gbs"] = r["weight_bytes"] / r[f"{side}_ms"] / 1e6
                     out.append(r)
-                    print(f"{isa:<10} M={m:<4} {bits} bits: base {r['a_ms']:.3f} ms ({r['a_gbs']:.1f} GB/s, "
+                    base = " (base missing: this one)" if r["base_missing"] else ""
+                    print(f"{isa:<10} M={m:<4} {bits} bits{base}: base {r['a_ms']:.3f} ms ({r['a_gbs']:.1f} GB/s, "
                           f"{100 * r['a_gbs'] / roof:.0f}% of read), this {r['b_ms']:.3f} ms ({r['b_gbs']:.1f} GB/s, "
                           f"{100 * r['b_gbs'] / roof:.0f}%), this/base {r['b_ms'] / r['a_ms']:.3f}, read "
                           f"{roof:.1f} GB/s, same bits {r['same']}, load {r['loadavg']:.1f}", flush=True)

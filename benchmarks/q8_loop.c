@@ -1,4 +1,4 @@
-// The Q8_0 / Q4_0 kernel's loop alone, outside IREE (benchmarks/bench_q8_loop.py builds and runs
+// The Q8_0 / 6-bit / Q4_0 kernel's loop alone, outside IREE (benchmarks/bench_q8_loop.py builds and runs
 // it): two builds of kernels/q8_matmul.c (A, B: entries renamed by -D) on the same weights, `threads`
 // workers pulling 128-output workgroups off one counter as IREE's do, against a plain read of the
 // same bytes (256-bit loads: the read roof), the three alternating round by round.
@@ -6,7 +6,8 @@
 //   q8_loop M BITS THREADS MEGABYTES ROUNDS
 //
 // prints one line of JSON: ms per [6144, 2048] projection (median of the rounds) of A, B and the
-// read, and whether A and B gave the same bits.
+// read, and whether A and B gave the same bits. A baseline without the 6-bit entry (older
+// kernels/q8_matmul.c) runs B in its place at 6 bits ("base_missing": true).
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -22,7 +23,8 @@
       size_t, const uint16_t*, const uint16_t*, size_t, size_t, size_t, float*, float*, size_t, size_t, size_t, \
       size_t, size_t, size_t, size_t, size_t
 typedef void entry_t(ENTRY_ARGS);
-entry_t q8_A, q4_A, q8_B, q4_B;
+entry_t q8_A, q4_A, q8_B, q6_B, q4_B;
+entry_t q6_A __attribute__((weak));  // absent from a baseline older than the 6-bit entry
 #define MEMREF(p) p, p, 0, 0, 0
 
 enum { N = 6144, K = 2048, TILES = 8, GROUPS = N / 16 / TILES };
@@ -92,8 +94,8 @@ int main(int argc, char** argv) {
   threads = strtoul(argv[3], 0, 10);
   const double megabytes = atof(argv[4]);
   const int rounds = atoi(argv[5]);
-  if (!M || (bits != 8 && bits != 4) || !threads || threads > 64 || rounds < 1 || rounds > 999) {
-    fprintf(stderr, "q8_loop: expected M >= 1, BITS 8 or 4, THREADS 1-64, ROUNDS 1-999\n");
+  if (!M || (bits != 8 && bits != 6 && bits != 4) || !threads || threads > 64 || rounds < 1 || rounds > 999) {
+    fprintf(stderr, "q8_loop: expected M >= 1, BITS 8, 6 or 4, THREADS 1-64, ROUNDS 1-999\n");
     return 2;
   }
   wbytes = (size_t)N * K * bits / 8;
@@ -109,7 +111,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "q8_loop: out of memory for %zu weights\n", W);
     return 1;
   }
-  for (size_t i = 0; i < W * wbytes; ++i)  // 8 bits: -127..127 (the layout's range); 4 bits: any codes
+  for (size_t i = 0; i < W * wbytes; ++i)  // 8 bits: -127..127 (the layout's range); 6 and 4 bits: any codes
     w[i] = bits == 8 ? (uint8_t)(int8_t)((int)((i * 2654435761u >> 13) % 255) - 127) : (uint8_t)(i * 2654435761u >> 11);
   for (size_t i = 0; i < W * N * K / 32; ++i) dw[i] = (uint16_t)(0x2000 + i % 1024);
   for (size_t i = 0; i < M * K; ++i) x[i] = (int8_t)((int)((i * 40503u >> 7) % 255) - 127);  // -127..127, as Q8_0's
@@ -119,8 +121,8 @@ int main(int argc, char** argv) {
     for (int j = 0; j < 32; ++j) s += x[i * 32 + j];
     xs[i] = s;
   }
-  entry_t* a = bits == 8 ? q8_A : q4_A;
-  entry_t* b = bits == 8 ? q8_B : q4_B;
+  entry_t* b = bits == 8 ? q8_B : bits == 6 ? q6_B : q4_B;
+  entry_t* a = bits == 8 ? q8_A : bits == 6 ? (q6_A ? q6_A : b) : q4_A;
   for (size_t g = 0; g < GROUPS; ++g) a(MEMREF(x), MEMREF(dx), MEMREF(xs), MEMREF(w), MEMREF(dw), MEMREF(y0), M, N, K, TILES, g);
   for (size_t g = 0; g < GROUPS; ++g) b(MEMREF(x), MEMREF(dx), MEMREF(xs), MEMREF(w), MEMREF(dw), MEMREF(y), M, N, K, TILES, g);
   const int same = !memcmp(y0, y, M * N * 4);
@@ -133,8 +135,9 @@ int main(int argc, char** argv) {
   timed(a), timed(b), timed(0);  // warm-up
   for (int r = 0; r < rounds; ++r) ta[r] = timed(a), tb[r] = timed(b), tr[r] = timed(0);
   qsort(ta, rounds, 8, by_value), qsort(tb, rounds, 8, by_value), qsort(tr, rounds, 8, by_value);
-  printf("{\"weights\": %zu, \"weight_bytes\": %zu, \"a_ms\": %.4f, \"b_ms\": %.4f, \"read_ms\": %.4f, \"same\": %s}\n",
+  printf("{\"weights\": %zu, \"weight_bytes\": %zu, \"a_ms\": %.4f, \"b_ms\": %.4f, \"read_ms\": %.4f, \"same\": %s, "
+         "\"base_missing\": %s}\n",
          W, wbytes + N * K / 16, ta[rounds / 2] * 1e3, tb[rounds / 2] * 1e3, tr[rounds / 2] * 1e3,
-         same ? "true" : "false");
+         same ? "true" : "false", a == b ? "true" : "false");
   exit(0);  // the workers wait on the barrier for ever
 }
