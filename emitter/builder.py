@@ -275,6 +275,11 @@ class Builder:
     def divide(self, a, b, hint=None): return self._binary("divide", a, b, hint)
     def remainder(self, a, b, hint=None): return self._binary("remainder", a, b, hint)
     def maximum(self, a, b, hint=None): return self._binary("maximum", a, b, hint)
+    # integers' bits (packed codes): and, or, shifts by a tensor of counts
+    def bit_and(self, a, b, hint=None): return self._binary("and", a, b, hint)
+    def bit_or(self, a, b, hint=None): return self._binary("or", a, b, hint)
+    def shift_left(self, a, b, hint=None): return self._binary("shift_left", a, b, hint)
+    def shift_right_logical(self, a, b, hint=None): return self._binary("shift_right_logical", a, b, hint)
 
     def _unary(self, op: str, x: Value, hint: str | None) -> Value:
         return self._op(hint or op.split(".")[-1], f"{op} {x} : {x.type}", x.type)

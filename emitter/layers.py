@@ -229,8 +229,8 @@ def project(b: Builder, x: Value, weight: Value | QuantizedWeight, hint: str = "
 
 
 def block_project(b: Builder, x: Value, weight: BlockWeight, hint: str) -> Value:
-    """x @ weight.T, f32 [..., N], through the block kernel of its bits (Q8_0 or Q4_0 weights:
-    kernels/q8_matmul.py), every row count (decode's lanes and prefill's chunks alike)."""
+    """x @ weight.T, f32 [..., N], through the block kernel of its bits (Q8_0, Q4_0, or q4_0's
+    6-bit lm_head: kernels/q8_matmul.py), every row count (decode's lanes and prefill's chunks alike)."""
     from kernels import q8_matmul
     rows = x.shape[:-1]
     flat = b.reshape(cast(b, x, "f32", hint + "_f32"), (int(np.prod(rows)), x.shape[-1]), hint=hint + "_rows")

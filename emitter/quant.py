@@ -46,11 +46,13 @@ signed q in i8 (-128..127) or i4 (-8..7).
   32 with an f16 scale each, the scale searched as int4's (`searched`, rounded to f16), stored
   two codes to a byte in the kernel's tiles (Q4_0's 18 bytes a block, 4.5 bits a weight), against
   the same Q8_0 activations (llama.cpp's Q4_0 x Q8_0 dot product); graph forms "q4_0-avx512vnni",
-  "q4_0-avx2". The table lm_head reads stays 8-bit (`HEAD_LAYOUTS`, as int4's and as llama.cpp's
-  Q4_0 files keep `output` in Q6_K), and so does the embedding table (rows are gathered out of
-  8-bit tiles only): both Q8_0, packed, through the same kernel. (With lm_head in Q4_0 too, the
-  logits on tests/test_gguf.py's checkpoint were 0.110 from f32, against 0.074 for llama.cpp's
-  Q4_0 x Q8_0 math with its wider head.)
+  "q4_0-avx2". The table lm_head reads is 6-bit (`Q6_HEAD`: -32..31, searched f16 scales per 32,
+  6.5 bits a weight, as llama.cpp's Q4_0 files keep `output` in Q6_K's 6.56) through the kernel's
+  6-bit entry, and a tied embedding table with it (its rows gathered out of the 6-bit tiles); an
+  untied model's embedding table is Q8_0's. At widths that 256 does not divide the head is Q8_0,
+  as llama-quantize falls back from Q6_K to Q8_0 there (`Q6_K_ROW`). (With lm_head in Q4_0 too, the logits on
+  tests/test_gguf.py's checkpoint were 0.110 from f32, against 0.074 for llama.cpp's Q4_0 x Q8_0
+  math with its wider head.)
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
@@ -194,16 +196,22 @@ class Layout:
                 q8_matmul.pack_scales(scales).reshape(scales.shape))
 
 
-# the kernel precisions' layouts: Q8_0's also holds q4_0's lm_head table and both's embedding table
+# the kernel precisions' layouts: Q8_0's also holds the embedding table of an untied q4_0
 KERNEL_LAYOUTS = {Q8_0: Layout(8, BLOCK, packed=True), Q4_0: Layout(4, BLOCK, scales="f16", searched=True, packed=True)}
+# q4_0's lm_head table (the embedding table when tied): 6 bits, searched f16 scales per 32 (6.5
+# bits a weight: llama.cpp's Q4_0 files keep it in Q6_K, 6.56), through the kernel's 6-bit entry;
+# in Q8_0 where its rows are not a multiple of Q6_K_ROW inputs, as llama-quantize falls back
+# from Q6_K (a super-block of 256) to Q8_0 there: the same bits as llama.cpp's file either way
+Q6_HEAD = Layout(PACKED_ONLY_BITS, BLOCK, scales="f16", searched=True, packed=True)
+Q6_K_ROW = 256
 # precision -> the layout of its weights (w8a8's group: each weight's K; `layout_of`)
 PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8": Layout(8),
                      **{p: KERNEL_LAYOUTS[k] for k in KERNEL_BITS
                         for p in (k, *(f"{k}-{isa}" for isa in KERNEL_ISA_NAMES))}}
 # precision -> the layout of the table lm_head reads (the embedding table when tied), where it
-# differs: int4's in int8 and q4_0's in Q8_0 (its kernel's 8-bit entry), as llama.cpp's Q4_0
-# keeps it in Q6_K (module docstring)
-HEAD_LAYOUTS = {"int4": Layout(8), **{p: KERNEL_LAYOUTS[Q8_0] for p in PRECISION_LAYOUTS
+# differs: int4's in int8 and q4_0's in 6 bits (`Q6_HEAD`), as llama.cpp's Q4_0 keeps it in Q6_K
+# (module docstring)
+HEAD_LAYOUTS = {"int4": Layout(8), **{p: Q6_HEAD for p in PRECISION_LAYOUTS
                                       if is_block_kernel(p) and kernel_precision(p) == Q4_0}}
 
 
@@ -235,10 +243,12 @@ def bits_of(precision: str) -> int | None:
 def layout_of(precision: str, shape: tuple[int, ...], head: bool = False, gathered: bool = False) -> Layout:
     """The layout of a [N, K] weight quantized under `precision`: PRECISION_LAYOUTS' (the
     `head` table, lm_head's: HEAD_LAYOUTS' where it has one), with one group of all K inputs
-    (a scale per output channel) under PER_CHANNEL; a `gathered` one (the embedding table, read
-    by rows) of a kernel precision in Q8_0's packed layout, whose 8-bit tiles rows are gathered from."""
+    (a scale per output channel) under PER_CHANNEL. A `gathered` one (the embedding table, read
+    by rows out of the kernel's tiles) of a kernel precision is the head's when it is the head
+    (tied), else Q8_0's (an untied q4_0's table stays 8-bit: read a row a token, its bytes are
+    not the decode's). q4_0's 6-bit head is Q8_0 at rows not a multiple of Q6_K_ROW inputs."""
     layout = HEAD_LAYOUTS.get(precision, PRECISION_LAYOUTS[precision]) if head else PRECISION_LAYOUTS[precision]
-    if gathered and layout.packed:
+    if (gathered and layout.packed and not head) or (layout == Q6_HEAD and shape[-1] % Q6_K_ROW):
         return KERNEL_LAYOUTS[Q8_0]
     return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
 

@@ -106,8 +106,8 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
     """{name: quant.Layout} of the weights the graph takes quantized: under int8, int4, w8a8,
     q8_0 and q4_0 every matmul weight, in the precision's layout (`quant.layout_of`: symmetric; w8a8
     in int8 with a scale per output channel; the table lm_head reads, int4's in int8; q8_0's and
-    q4_0's packed for their kernel in blocks of 32, the embedding table in Q8_0's 8-bit tiles under
-    both); a checkpoint run in its own bits
+    q4_0's packed for their kernel in blocks of 32, q4_0's lm_head table in 6 bits, an embedding
+    table not read by lm_head in Q8_0's 8-bit tiles); a checkpoint run in its own bits
     (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
     group and form (`quant.native_layouts`).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""

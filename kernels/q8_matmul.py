@@ -3,7 +3,8 @@
 llama.cpp's Q8_0 math: weights and activations in blocks of 32 inputs, a scale per block
 on both sides (the weights' f16), each block's int8 x int8 dot product summed exactly in int32
 and scaled into an f32 accumulator (`reference`); Q4_0 x Q8_0 the same with the weights in
-4 bits (-8..7, Q4_0's 18 bytes a block of 32 with its f16 scale), one kernel per weight width
+4 bits (-8..7, Q4_0's 18 bytes a block of 32 with its f16 scale), and 6 bits (-32..31, 26 bytes
+a block: q4_0's lm_head table, where llama.cpp keeps Q6_K), one kernel per weight width
 (`ENTRIES`) over the same loops and activations. IREE 3.13's own code for the grouped integer forms runs 3-10x
 slower than one group (docs/performance.md, "Integer activations: w8a8"), so this module links
 a C kernel into IREE's executables instead, through the embedded-ELF object mechanism:
@@ -293,15 +294,15 @@ def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Val
 
 def block_project(b: Builder, x: Value, w: Value, scales: Value, obj: str | os.PathLike, hint: str = "q8") -> Value:
     """x [M, K] f32 @ W.T -> [M, N] f32 through the kernel; `w` the packed weight [N*K*bits/8] i8
-    (`pack_weight`: 8 or 4 bits, told by its size), `scales` its packed scales [N*K/32] f16
+    (`pack_weight`: 8, 6 or 4 bits, told by its size), `scales` its packed scales [N*K/32] f16
     (`pack_scales`), `obj` the object `build_object` made for the graph's target."""
     m, k = x.shape
     n = scales.shape[0] * BLOCK // k
     bits = 8 * w.shape[0] // max(n * k, 1)
     if (bits not in ENTRIES or w.type != TensorType((n * k * bits // 8,), "i8")
             or scales.type != TensorType((n * k // BLOCK,), "f16")):
-        raise KernelError(f"q8_matmul {hint}: weight {w.type} and scales {scales.type}: expected "
-                          f"{TensorType((n * k,), 'i8')} or {TensorType((n * k // 2,), 'i8')} and "
+        sizes = " or ".join(str(TensorType((n * k * width // 8,), "i8")) for width in ENTRIES)
+        raise KernelError(f"q8_matmul {hint}: weight {w.type} and scales {scales.type}: expected {sizes} and "
                           f"{TensorType((n * k // BLOCK,), 'f16')} for {k} inputs")
     xq, dx, xs = quantized_blocks(b, x, hint + "_x")
     name = executable_name(m, n, k, bits)
@@ -310,21 +311,47 @@ def block_project(b: Builder, x: Value, w: Value, scales: Value, obj: str | os.P
 
 
 def block_rows(b: Builder, w: Value, scales: Value, rows: Value, hint: str = "q8_rows") -> Value:
-    """Rows `rows` [T] i32 of a packed weight (w [N, K] i8 and scales [N, K/32] f16 in the
-    tile order of `pack_weight`, `pack_scales`) as f32 [T, K]: each block of 32 times its
-    scale (llama.cpp's `dequantize_row_q8_0`), gathered straight out of the tiles."""
-    n, k = w.shape
+    """Rows `rows` [T] i32 of a packed weight (w [N, K * bits / 8] i8 and scales [N, K/32] f16 in
+    the tile order of `pack_weight`, `pack_scales`; 8, 6 or 4 bits) as f32 [T, K]: each block of
+    32 times its scale (llama.cpp's `dequantize_row_q8_0`), gathered straight out of the tiles.
+    A tile's block is `bits` loads of 64 bytes (16 outputs x 4 bytes), so one gather of (tile,
+    output) points takes each row's [K/32, bits, 4] bytes; the codes are unpacked from them."""
+    n, k = scales.shape[0], scales.shape[1] * BLOCK
+    bits = check_bits(8 * w.shape[1] // k)
     tile = b.constant(TILE, rows.shape, "i32", hint=hint + "_tile")
     at = [b.reshape(op(rows, tile, hint=hint + "_at"), (rows.shape[0], 1), hint=hint + "_at")
           for op in (b.divide, b.remainder)]
     points = b.concatenate(at, 1, hint=hint + "_points")  # (tile, output within it) of each row
-    q = b.gather_points(b.reshape(w, (n // TILE, k // 4, TILE, 4), hint=hint + "_tiles"), [0, 2], points,
-                        hint=hint + "_q")  # [T, K/4, 4]
-    d = b.gather_points(b.reshape(scales, (n // TILE, k // BLOCK, TILE), hint=hint + "_tile_scales"), [0, 2],
+    t, blocks = rows.shape[0], k // BLOCK
+    loads = b.gather_points(b.reshape(w, (n // TILE, blocks, bits, TILE, 4), hint=hint + "_tiles"), [0, 3], points,
+                            hint=hint + "_q")  # [T, K/32, bits, 4]
+    q = loads if bits == 8 else unpacked_codes(b, loads, bits, hint)  # [T, K/32, 8 steps, 4] i8
+    d = b.gather_points(b.reshape(scales, (n // TILE, blocks, TILE), hint=hint + "_tile_scales"), [0, 2],
                         points, hint=hint + "_scales")  # [T, K/32]
-    t = rows.shape[0]
-    blocks = b.convert(b.reshape(q, (t, k // BLOCK, BLOCK), hint=hint + "_blocks"), "f32", hint=hint + "_wide")
-    scaled = b.multiply(blocks, b.broadcast_in_dim(b.convert(d, "f32", hint=hint + "_scales_f32"), blocks.shape,
+    values = b.convert(b.reshape(q, (t, blocks, BLOCK), hint=hint + "_blocks"), "f32", hint=hint + "_wide")
+    scaled = b.multiply(values, b.broadcast_in_dim(b.convert(d, "f32", hint=hint + "_scales_f32"), values.shape,
                                                    [0, 1], hint=hint + "_scales"), hint=hint)
     return b.reshape(scaled, (t, k), hint=hint)
 
+
+def unpacked_codes(b: Builder, loads: Value, bits: int, hint: str) -> Value:
+    """The signed values [T, B, 8 steps, 4] i8 of 4- or 6-bit rows' bytes [T, B, bits, 4] as
+    `pack_weight` lays them out: loads 0-3 the codes' low nibbles (step l low, step l + 4 high),
+    at 6 bits loads 4-5 their top 2 bits (step 2r + h in load 4 + h at bits 2r); minus the offset."""
+    t, blocks = loads.shape[:2]
+
+    def part(x, shift, mask, name):  # (x >> shift) & mask, bytewise (logical: codes are unsigned)
+        at = b.shift_right_logical(x, b.constant(shift, x.shape, "i8", hint=hint + "_shift"), hint=hint + name)
+        return b.bit_and(at, b.constant(mask, x.shape, "i8", hint=hint + "_mask"), hint=hint + name)
+
+    low = b.slice(loads, (0, 0, 0, 0), (t, blocks, 4, 4), hint=hint + "_low_loads")
+    codes = b.concatenate([part(low, 0, 0xF, "_low"), part(low, 4, 0xF, "_high")], 2, hint=hint + "_nibbles")
+    if bits == 6:
+        top = b.slice(loads, (0, 0, 4, 0), (t, blocks, 6, 4), hint=hint + "_top_loads")  # [T, B, 2, 4]
+        pairs = [b.reshape(part(top, 2 * r, 3, "_top"), (t, blocks, 1, 2, 4), hint=hint + "_top")
+                 for r in range(4)]
+        top = b.reshape(b.concatenate(pairs, 2, hint=hint + "_tops"), (t, blocks, 8, 4), hint=hint + "_tops")
+        codes = b.bit_or(codes, b.shift_left(top, b.constant(4, top.shape, "i8", hint=hint + "_shift"),
+                                             hint=hint + "_top"), hint=hint + "_codes")
+    offset = b.constant(1 << (bits - 1), codes.shape, "i8", hint=hint + "_offset")
+    return b.subtract(codes, offset, hint=hint + "_values")

@@ -67,18 +67,19 @@ def q8_linear(weight, activations=ours, blocks=q8_matmul.quantize_weight):
     return Q8()
 
 
-def table_numbers(w: np.ndarray) -> np.ndarray:
+def table_numbers(w: np.ndarray, blocks=q8_matmul.quantize_weight) -> np.ndarray:
     """The embedding table's numbers, ours and in llama.cpp's Q8_0 file alike: its Q8_0
-    blocks (f16 scales), dequantized."""
-    q, scales = q8_matmul.quantize_weight(w)
+    blocks (f16 scales; or the head's `blocks` of a tied table), dequantized."""
+    q, scales = blocks(w)
     return quant.dequantize(q, scales.astype(np.float32), quant.BLOCK)
 
 
 def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours",
-                     blocks=q8_matmul.quantize_weight) -> np.ndarray:
+                     blocks=q8_matmul.quantize_weight, head_blocks=q8_matmul.quantize_weight) -> np.ndarray:
     """transformers' Qwen3VLTextModel over the checkpoint with every projection in integer math
-    (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's), lm_head (tied: the
-    table's Q8_0 blocks) in Q8_0 integer math and the embedding table's `table_numbers`;
+    (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's), lm_head in integer math
+    over its `head_blocks` (Q8_0's, or q4_0's 6-bit; tied: the table's) and the embedding table's
+    `table_numbers` (the head's blocks when tied);
     activations quantized as our graph does ("ours") or as llama.cpp does ("llama.cpp"). The
     logits of the prompt's last row and of `steps` greedy steps (each step the whole sequence
     again: rows are independent in the kernel's math)."""
@@ -94,11 +95,12 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
                 if name.endswith("proj"):
                     setattr(parent, name, q8_linear(child.weight, activations, blocks))
     raw = hf.embed_tokens.weight.detach().numpy()
-    hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table_numbers(raw)), requires_grad=False)
+    table = table_numbers(raw, head_blocks if cfg.tie_word_embeddings else q8_matmul.quantize_weight)
+    hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table), requires_grad=False)
     weight = raw if cfg.tie_word_embeddings else next(
         load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
         if "lm_head.weight" in load_file(str(f)))
-    module = q8_linear(weight, activations)
+    module = q8_linear(weight, activations, head_blocks)
     head = lambda h: module(torch.from_numpy(h)).numpy()  # noqa: E731
     ids, rows = list(prompt), []
     with torch.inference_mode():
@@ -128,12 +130,12 @@ def test_q8_0_equals_numpys_integer_math(folders, name, cfg):
     check_integer_math(folders, name, cfg, "q8_0", q8_matmul.quantize_weight)
 
 
-def check_integer_math(folders, name: str, cfg, precision: str, blocks) -> None:
+def check_integer_math(folders, name: str, cfg, precision: str, blocks, head_blocks=q8_matmul.quantize_weight) -> None:
     """The session's logits under `precision` against `reference_logits` with the weights'
-    `blocks`: relL2 <= TOL, greedy tokens equal, and far from f32's."""
+    `blocks` and lm_head's `head_blocks`: relL2 <= TOL, greedy tokens equal, and far from f32's."""
     ours = chunked_logits(folders / name, folders / "cache", precision, cfg.vocab_size, STEPS)
     prompt = np.arange(37) * 7 % cfg.vocab_size
-    ref = reference_logits(folders / name, cfg, prompt, STEPS, blocks=blocks)
+    ref = reference_logits(folders / name, cfg, prompt, STEPS, blocks=blocks, head_blocks=head_blocks)
     errors = [rel_l2(a, b) for a, b in zip(ours, ref)]
     away = rel_l2(ours, chunked_logits(folders / name, folders / "cache", "f32", cfg.vocab_size, STEPS))
     print(f"{precision} ({name}) against numpy's integer math: relL2 {max(errors):.1e}; against f32 {away:.1e}")
