@@ -220,9 +220,12 @@ static inline __attribute__((always_inline)) void full_pass(
 // broadcasts cost x1.28 the time at 512 rows (8 bits); 4 parts x 2 rows (8 bits) and 4 x 4
 // (4 bits) x1.0. At 8 bits the loop is bound by its vector ops (4 a part, row and step, two on
 // the multiply pipes that the vmulps share), about 1.4 cycles a part, row and step on Zen 5.
+// 6 bits, 3 rows (4 spilled: 8 i32 sums, 2 parts' codes and 3 constants): bench_q8_loop.py, 2
+// threads, x0.76 the time at 4 rows, x0.66 at 3, x1.05 at 512 (1 thread); the 6-bit table is
+// lm_head's, one row a lane.
 #define Q8_TILES_AT_ONCE 2
 #define PARTS(bits) 2
-#define ROWS(bits) 4
+#define ROWS(bits) ((bits) == 6 ? 3 : 4)
 #define Q8_ROWS_MAX 4
 
 // The same with AVX2, per 8 outputs (part j: tile j / 2, its half j % 2) x 4 inputs a step:

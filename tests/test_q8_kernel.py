@@ -56,9 +56,9 @@ def weights(seed: int, bits: int = 8):
 @pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
 @pytest.mark.parametrize("m", [1, 4, 6, 11])
 def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m, bits):
-    """Rows of 1, 4 (one pass of the 4-row loop: AVX-512, and AVX2 at 8 bits; AVX2's Q4_0 loop
-    takes 2 rows a pass), 6 (a pass and a remainder of 2) and 11 (passes and a remainder of 3,
-    or of 1);
+    """Rows of 1 (the one-row loops), 4 (one pass of the 4-row loop; AVX2 at 6 bits takes 3 rows a
+    pass: a pass and a remainder of 1), 6 (a pass and a remainder of 2, or two passes) and 11
+    (passes and a remainder of 3, or of 2);
     a row of zeros and a row with one large value among them; at 4 bits every code, -8..7, occurs (at
     6 bits every one of -32..31: AVX2's one-row loop sums a half block's products in i16)."""
     rng = np.random.default_rng(m)
