@@ -223,6 +223,18 @@ static inline __attribute__((always_inline)) void full_pass(
 // 6 bits, 3 rows (4 spilled: 8 i32 sums, 2 parts' codes and 3 constants): bench_q8_loop.py, 2
 // threads, x0.76 the time at 4 rows, x0.66 at 3, x1.05 at 512 (1 thread); the 6-bit table is
 // lm_head's, one row a lane.
+// The 8-bit loop runs at about its op mix's throughput: 8 (part, row, step)s take 36.5 vector ops
+// (the 4 above each, a block's epilogue of 4, the |x| copy), ~2.63 ns at 512 rows, where a stream
+// of the same ops without dependences takes ~2.52 ns (Zen 5: vpsignb runs on 2 pipes, one of them
+// the multiplies'). Tried at 512 rows (benchmarks/bench_q8_loop.py, 1 thread, weights in cache;
+// the same bits unless said): the epilogue software-pipelined as the AVX-512 full_pass's (the
+// previous block's sums on the stack) x0.998-1.018, or bunched into steps 0-3, 4-7, 0-1, 0 or 2-5
+// x0.99-1.02; |x| made a block ahead x1.00; weights prefetched 4 blocks ahead x0.99; 4 parts x 2
+// rows x1.00; |w| rather than |x| x1.02; 1-3 of the rows' vpsignb as (w ^ s) - s, s = (x < 0),
+// x1.03-1.11. |x| x (w ^ s) (a vpxor, any pipe) is exact with the sum started at the block's sum of
+// |x| where x < 0 (pairs in [-32768, 32258]), but the starts cost: x1.015 with the masks and starts
+// made once a pass (the xor alone x0.95, with a start's add x0.98: wrong bits). Without vpsignb
+// (wrong bits) x0.88-0.89, without the epilogue's two vmulps x0.95.
 #define Q8_TILES_AT_ONCE 2
 #define PARTS(bits) 2
 #define ROWS(bits) ((bits) == 6 ? 3 : 4)
