@@ -32,8 +32,9 @@ signed q in i8 (-128..127) or i4 (-8..7).
   int8 numbers with one group of all K inputs (a scale per output channel); at run time x is
   quantized per row the same way (scale = max|x| / 127, `quantize_activations`) and the
   contraction runs in i32 (emitter/layers.py `integer_project`; `integer_matmul` here).
-- Q8_0 (`--precision q8_0`, llama.cpp's name): int8 weights in blocks of BLOCK = 32 inputs with
-  an f16 scale each, activations quantized per row and block at run time, every block's
+- Q8_0 (`--precision q8_0`, llama.cpp's name): int8 weights (-127..127) in blocks of BLOCK = 32
+  inputs with an f16 scale each, searched (`searched`, over `searched_range`; llama.cpp's
+  max|w| / 127 is a candidate), activations quantized per row and block at run time, every block's
   int8 x int8 dot product in int32 through the hand-written kernel (kernels/q8_matmul.py:
   VNNI on AVX-512, vpmaddubsw on AVX2, linked into IREE's executables). Its graph forms name
   the kernel's ISA (`KERNEL_ISA`: "q8_0-avx512vnni", "q8_0-avx2"; emitter/identity.py's
@@ -197,7 +198,7 @@ class Layout:
 
 
 # the kernel precisions' layouts: Q8_0's also holds the embedding table of an untied q4_0
-KERNEL_LAYOUTS = {Q8_0: Layout(8, BLOCK, packed=True), Q4_0: Layout(4, BLOCK, scales="f16", searched=True, packed=True)}
+KERNEL_LAYOUTS = {p: Layout(bits, BLOCK, scales="f16", searched=True, packed=True) for p, bits in ((Q8_0, 8), (Q4_0, 4))}
 # q4_0's lm_head table (the embedding table when tied): 6 bits, searched f16 scales per 32 (6.5
 # bits a weight: llama.cpp's Q4_0 files keep it in Q6_K, 6.56), through the kernel's 6-bit entry;
 # in Q8_0 where its rows are not a multiple of Q6_K_ROW inputs, as llama-quantize falls back
@@ -287,7 +288,7 @@ def quantize(w: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     for r in range(0, n, BLOCK_ROWS):
         g = w[r:r + BLOCK_ROWS].reshape(-1, k // layout.group, layout.group)
         if layout.searched:
-            step, lo, hi = searched(g, layout), -(1 << (layout.bits - 1)), levels(layout.bits)
+            step, (lo, hi) = searched(g, layout), searched_range(layout.bits)
         else:
             step = as_scales(np.abs(g).max(axis=2) / np.float32(levels(layout.bits)), layout)
             lo, hi = -levels(layout.bits), levels(layout.bits)
@@ -309,12 +310,18 @@ def rounded(g: np.ndarray, step: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return np.clip(out, lo, hi, out=out)
 
 
+def searched_range(bits: int) -> tuple[int, int]:
+    """The values a searched layout rounds to: all 2^bits levels, -2^(bits-1)..2^(bits-1)-1,
+    except at 8 bits -127..127 (Q8_0's: the kernel's AVX2 sign trick cannot negate -128)."""
+    return (-levels(8), levels(8)) if bits == 8 else (-(1 << (bits - 1)), levels(bits))
+
+
 def searched(g: np.ndarray, layout: Layout) -> np.ndarray:
-    """The f32 steps (each exact in the layout's scale type) of groups g [R, G, g] over all
-    2^bits levels, -2^(bits-1)..2^(bits-1)-1: for each of CANDIDATES times the signed max /
-    -2^(bits-1), the values it rounds to, the least-squares step for them (sum(q w) / sum(q q)),
-    rounded to the scale type; per group the one whose values give the least squared error."""
-    lo, hi = -(1 << (layout.bits - 1)), levels(layout.bits)
+    """The f32 steps (each exact in the layout's scale type) of groups g [R, G, g] over the
+    levels of `searched_range` (lo..hi): for each of CANDIDATES times the signed max / lo, the
+    values it rounds to, the least-squares step for them (sum(q w) / sum(q q)), rounded to the
+    scale type; per group the one whose values give the least squared error."""
+    lo, hi = searched_range(layout.bits)
     top = np.take_along_axis(g, np.abs(g).argmax(axis=2)[:, :, None], axis=2)[:, :, 0]
     best = least = None
     for c in CANDIDATES:

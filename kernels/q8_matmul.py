@@ -189,15 +189,12 @@ def object_executable(obj: str | os.PathLike, export: str, entry: str, bindings:
 
 # -- weights -----------------------------------------------------------------
 def quantize_weight(w: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """(q [N, K] int8, scales [N, K / 32] f16) of an f32 weight [N, K]. 8 bits: q in
-    [-127, 127], `quant.quantize` in blocks of 32, the scales then rounded to f16 (llama.cpp's
-    Q8_0: 8.5 bits a weight). 4 bits: q in [-8, 7], each block's f16 scale searched for the
-    least squared error (`quant.searched`, as int4's; Q4_0's bytes: 4.5 bits a weight); 6 bits
-    the same in [-32, 31] (6.5 bits a weight, as llama.cpp's Q6_K's 6.56)."""
-    if bits in (4, 6):
-        return quant.quantize(w, quant.Layout(bits, BLOCK, scales="f16", searched=True, packed=True))
-    q, scales = quant.quantize(w, quant.Layout(8, BLOCK))
-    return q, scales.astype(np.float16)
+    """(q [N, K] int8, scales [N, K / 32] f16) of an f32 weight [N, K], each block's f16 scale
+    searched for the least squared error (`quant.searched`, as int4's). 8 bits: q in
+    [-127, 127] (llama.cpp's Q8_0 bytes, 8.5 bits a weight; its rule is the search's max / 127
+    candidate); 4 bits: q in [-8, 7] (Q4_0's bytes: 4.5 bits a weight); 6 bits the same in
+    [-32, 31] (6.5 bits a weight, as llama.cpp's Q6_K's 6.56)."""
+    return quant.quantize(w, quant.Layout(check_bits(bits), BLOCK, scales="f16", searched=True, packed=True))
 
 
 def check_bits(bits: int) -> int:

@@ -100,6 +100,19 @@ def chunked_logits(model, cache, precision: str, vocab: int, steps: int) -> np.n
     return np.stack(rows)
 
 
+def q8_0_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q [N, K] int8 in -127..127, d [N, K/32] f16) of f32 w [N, K] by llama.cpp's Q8_0 rule
+    (ggml `quantize_row_q8_0_ref`): per block of 32, d = max|w| / 127, q = roundf(w * (1 / d))
+    (half away from zero) with d in f32, then d kept in f16."""
+    n, k = w.shape
+    groups = np.asarray(w, np.float32).reshape(n, k // 32, 32)
+    d = np.abs(groups).max(axis=2) / np.float32(127)
+    inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d))
+    scaled = groups * inverse[:, :, None]
+    q = np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))
+    return q.astype(np.int8).reshape(n, k), d.astype(np.float16)
+
+
 def q4_0_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(q [N, K] int8 in -8..7, d [N, K/32] f16) of f32 w [N, K] by llama.cpp's Q4_0 rule
     (ggml `quantize_row_q4_0_ref`): per block of 32, d = the signed max / -8,

@@ -94,16 +94,19 @@ def test_w8a8_against_q8_0_at_equal_bits(files, tmp_path):
 def test_our_q8_0_against_llama_cpps_q8_0_at_equal_bits(files, tmp_path):
     """The bar at equal bits: the distance of `--precision q8_0` (Q8_0 weights and
     activations, the kernel) from the f32 model is no worse than llama.cpp's Q8_0 math's:
-    transformers with llama.cpp's CPU Q8_0 x Q8_0 in every projection and lm_head (the
+    transformers with llama.cpp's CPU Q8_0 x Q8_0 in every projection and lm_head (its
+    weights' rule, `helpers.q8_0_blocks`: max / 127 per block, where ours are searched; the
     activations' block scales in f16; tests/test_q8_0.py `reference_logits`). The Q8_0 file
     run here in its bits (f32 activations) is printed beside them."""
+    from helpers import q8_0_blocks
     from test_q8_0 import reference_logits
 
     cache = tmp_path / "cache"
     original = logits(files["hf"], cache, "f32")
     ours = rel_l2(logits(files["hf"], cache, "q8_0"), original)
     prompt = np.arange(37) * 7 % CFG.vocab_size
-    theirs = rel_l2(reference_logits(files["hf"], CFG, prompt, len(original) - 1, "llama.cpp"), original)
+    theirs = rel_l2(reference_logits(files["hf"], CFG, prompt, len(original) - 1, "llama.cpp", q8_0_blocks,
+                                     q8_0_blocks, q8_0_blocks), original)
     weight_only = rel_l2(logits(files["q8_0"], cache, NATIVE_PRECISION), original)
     print(f"distance from the f32 model: our q8_0 {ours:.2e}, llama.cpp's Q8_0 math {theirs:.2e}, the Q8_0 file "
           f"in its bits with f32 activations {weight_only:.2e}")
@@ -115,18 +118,19 @@ def test_our_q4_0_against_llama_cpps_q4_0_at_equal_bits(files, tmp_path):
     """The bar at 4 bits: the distance of `--precision q4_0` (Q4_0 weights with searched f16
     scales, Q8_0 activations, the kernel) from the f32 model is no worse than llama.cpp's
     Q4_0 x Q8_0 math's (transformers with ggml's Q4_0 rule, `helpers.q4_0_blocks`, against
-    llama.cpp's Q8_0 activations in every projection; the table and lm_head in Q8_0, as
-    llama.cpp keeps them wider). Our int4 and the Q4_0 file in its bits (f32 activations)
-    are printed beside them."""
-    from helpers import q4_0_blocks
+    llama.cpp's Q8_0 activations in every projection; the table and lm_head in Q8_0 by its
+    rule, `helpers.q8_0_blocks`: llama-quantize's Q6_K head falls back to Q8_0 at this width,
+    and so does ours). Our int4 and the Q4_0 file in its bits (f32 activations) are printed
+    beside them."""
+    from helpers import q4_0_blocks, q8_0_blocks
     from test_q8_0 import reference_logits
 
     cache = tmp_path / "cache"
     original = logits(files["hf"], cache, "f32")
     ours = rel_l2(logits(files["hf"], cache, "q4_0"), original)
     prompt = np.arange(37) * 7 % CFG.vocab_size
-    theirs = rel_l2(reference_logits(files["hf"], CFG, prompt, len(original) - 1, "llama.cpp", q4_0_blocks),
-                    original)
+    theirs = rel_l2(reference_logits(files["hf"], CFG, prompt, len(original) - 1, "llama.cpp", q4_0_blocks,
+                                     q8_0_blocks, q8_0_blocks), original)
     int4 = rel_l2(logits(files["hf"], cache, "int4"), original)
     weight_only = rel_l2(logits(files["q4_0"], cache, NATIVE_PRECISION), original)
     print(f"distance from the f32 model: our q4_0 {ours:.3e}, llama.cpp's Q4_0 x Q8_0 math {theirs:.3e}, our int4 "

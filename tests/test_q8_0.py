@@ -68,18 +68,20 @@ def q8_linear(weight, activations=ours, blocks=q8_matmul.quantize_weight):
 
 
 def table_numbers(w: np.ndarray, blocks=q8_matmul.quantize_weight) -> np.ndarray:
-    """The embedding table's numbers, ours and in llama.cpp's Q8_0 file alike: its Q8_0
-    blocks (f16 scales; or the head's `blocks` of a tied table), dequantized."""
+    """The embedding table's numbers: its `blocks` (ours: Q8_0 blocks with searched f16
+    scales, or the head's of a tied table), dequantized."""
     q, scales = blocks(w)
     return quant.dequantize(q, scales.astype(np.float32), quant.BLOCK)
 
 
 def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours",
-                     blocks=q8_matmul.quantize_weight, head_blocks=q8_matmul.quantize_weight) -> np.ndarray:
+                     blocks=q8_matmul.quantize_weight, head_blocks=q8_matmul.quantize_weight,
+                     table_blocks=q8_matmul.quantize_weight) -> np.ndarray:
     """transformers' Qwen3VLTextModel over the checkpoint with every projection in integer math
     (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's), lm_head in integer math
     over its `head_blocks` (Q8_0's, or q4_0's 6-bit; tied: the table's) and the embedding table's
-    `table_numbers` (the head's blocks when tied);
+    `table_numbers` (the head's blocks when tied, else `table_blocks`'; ours, or llama.cpp's
+    rules: tests/helpers.py);
     activations quantized as our graph does ("ours") or as llama.cpp does ("llama.cpp"). The
     logits of the prompt's last row and of `steps` greedy steps (each step the whole sequence
     again: rows are independent in the kernel's math)."""
@@ -95,7 +97,7 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
                 if name.endswith("proj"):
                     setattr(parent, name, q8_linear(child.weight, activations, blocks))
     raw = hf.embed_tokens.weight.detach().numpy()
-    table = table_numbers(raw, head_blocks if cfg.tie_word_embeddings else q8_matmul.quantize_weight)
+    table = table_numbers(raw, head_blocks if cfg.tie_word_embeddings else table_blocks)
     hf.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(table), requires_grad=False)
     weight = raw if cfg.tie_word_embeddings else next(
         load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
