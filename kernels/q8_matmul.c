@@ -248,7 +248,7 @@ static inline __attribute__((always_inline)) void full_pass(
 // 15) against x, summed in i16 over the block's 8 steps (at most 8 x 2 x 15 x 127 = 30480: exact)
 // and widened by one vpmaddwd a block, OFFSET * xs taken off after; 6 bits, vpmaddubsw of the
 // codes (at most 63: 2 x 63 x 127 = 16002 a step, no saturation) widened by a vpmaddwd every
-// step (8 steps' i16 sum would overflow), OFFSET * xs taken off after (one row: one_row6).
+// step (8 steps' i16 sum would overflow), OFFSET * xs taken off after (one row: one_row).
 // The 6-bit codes' top 2 bits of step q in bits 4-5 of each byte (the rest cleared), as the
 // AVX-512 section's top_bits.
 static inline __attribute__((always_inline)) __m256i top_bits(__m256i top, int q) {
@@ -275,10 +275,7 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
   return _mm256_set1_epi32(quad);
 }
 
-// One row (decode) at 4 bits: tiles [t0, t1) in order, a tile's two parts a pass (a single stream
-// of weights, as tile_rows at one row), the f32 accumulators in registers. Weights and scales are
-// prefetched Q4_ONE_ROW_AHEAD blocks (8 KB of weights) ahead, past the range's end too (into the
-// next workgroup's: stopping at the end took x1.02-1.04 the time). benchmarks/bench_q8_loop.py
+// one_row's prefetch at 4 bits: Q4_ONE_ROW_AHEAD blocks (8 KB of weights). benchmarks/bench_q8_loop.py
 // (Zen 5, 2 threads, against tile_rows' one-row loop, whose work is the same unprefetched: x1.00
 // with the weights in L3): x0.82-0.95 the time, the plain read at 35-46 GB/s; 4 blocks ahead
 // x1.13, 8 about x1.0, 16-128 x0.82-0.98 (deeper better the slower the read); 16, 24 and 48 x1.00-1.14
@@ -287,7 +284,7 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
 // Q8_0 at one row (tile_rows) the same, 12 blocks (6 KB) ahead: x0.85-0.88 the time without,
 // 4 blocks ahead x0.91-0.94, 8 x1.01-1.03 the time of 12, 16 and 24 x1.09-1.12.
 #define Q8_ONE_ROW_AHEAD 12
-#define Q8_ONE_ROW4 1  // this ISA's section has one_row4 and one_row6 (`workgroup`, shared by both, calls them at M = 1)
+#define Q8_ONE_ROW4 1  // this ISA's section has one_row (`workgroup`, shared by both, calls it at M = 1, 4 and 6 bits)
 // x's block at xb split as vpmaddubsw pairs its inputs (4j, 4j+1 into the low i16 of each output's
 // i32, 4j+2, 4j+3 into the high one): -OFFSET(4) times each half's sum of x, two i16 in one i32
 // (at most 8 x 16 x 127 = 16256 each), the start of every output's two i16 sums of the block.
@@ -299,58 +296,7 @@ static inline __attribute__((always_inline)) int32_t start_pair(const int8_t* re
   return _mm_cvtsi128_si32(_mm_sub_epi16(_mm_setzero_si128(), h));
 }
 
-// one_row4's i16 sums start at start_pair rather than 0, so that no OFFSET * xs comes off after
-// (a broadcast and a vpsubd a part a block): each i16 half then ends at the exact sum of w x over
-// its 16 inputs, |.| <= 16 x 8 x 127 = 16256, so the wrapping vpaddw (products at most 2 x 15 x
-// 127, no vpmaddubsw saturation) lands on it exactly and vpmaddwd adds the halves into the exact
-// isum: the same bits. x0.975-1.017 (median of 7 runs 0.978) the time with the weights in L3 (1
-// thread), the same from DRAM (x0.99-1.00).
-#define Q4_CHUNK 256  // blocks of x whose starts one_row4 (one_row6) keeps at once (1 KB (2 KB) of stack)
-static inline __attribute__((always_inline)) void one_row4(
-    const int8_t* restrict x, const float* restrict dx, const uint8_t* restrict w, const uint16_t* restrict dw,
-    float* restrict y, size_t K, size_t t0, size_t t1) {
-  const size_t blocks = K / 32;
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-  int32_t start[Q4_CHUNK];
-  for (size_t c0 = 0; c0 < blocks; c0 += Q4_CHUNK) {
-    const size_t c1 = c0 + Q4_CHUNK < blocks ? c0 + Q4_CHUNK : blocks;
-    for (size_t b = c0; b < c1; ++b) start[b - c0] = start_pair(x + b * 32);
-    for (size_t t = t0; t < t1; ++t) {
-      const uint8_t* wt = w + t * blocks * BLOCK_BYTES(4);
-      const uint16_t* d = dw + t * 16 * blocks;
-      __m256 acc0 = c0 ? _mm256_loadu_ps(y + 16 * t) : _mm256_setzero_ps();
-      __m256 acc1 = c0 ? _mm256_loadu_ps(y + 16 * t + 8) : _mm256_setzero_ps();
-      for (size_t b = c0; b < c1; ++b) {
-        const uint8_t* wb = wt + b * BLOCK_BYTES(4);
-        Q8_UNROLL
-        for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(wb + Q4_ONE_ROW_AHEAD * BLOCK_BYTES(4) + 64 * l), _MM_HINT_T0);
-        _mm_prefetch((const char*)(d + (b + Q4_ONE_ROW_AHEAD) * 16), _MM_HINT_T0);
-        __m256i s0 = _mm256_set1_epi32(start[b - c0]), s1 = s0;
-        Q8_UNROLL
-        for (int q = 0; q < 4; ++q) {
-          __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + q * 64));
-          __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + q * 64 + 32));
-          __m256i xl = broadcast_quad(x + b * 32 + q * 4), xh = broadcast_quad(x + b * 32 + 16 + q * 4);
-          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v0, low), xl));
-          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(v1, low), xl));
-          __asm__("" : "+x"(s0), "+x"(s1));  // one running sum a register (else gcc spills a tree of products)
-          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), xh));
-          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), xh));
-          __asm__("" : "+x"(s0), "+x"(s1));
-        }
-        const __m256 dxv = _mm256_set1_ps(dx[b]);
-        __m256 sc0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16))), dxv);
-        __m256 sc1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16 + 8))), dxv);
-        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(sc0, _mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones))));
-        acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(sc1, _mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones))));
-      }
-      _mm256_storeu_ps(y + 16 * t, acc0);
-      _mm256_storeu_ps(y + 16 * t + 8, acc1);
-    }
-  }
-}
-
-// x's block at xb split as one_row6's i16 sums pair its inputs: for steps 0-3 (inputs 0-15) and
+// x's block at xb split as one_row's 6-bit i16 sums pair its inputs: for steps 0-3 (inputs 0-15) and
 // 4-7 (16-31), -OFFSET(6) times the sum of the 8 inputs each i16 half of an output's i32 takes
 // (4j, 4j+1 low, 4j+2, 4j+3 high; at most 32 x 8 x 127 = 32512), two i16 in one i32 each: the
 // starts of every output's i16 sums of the two halves of the block, at the low and high 32 bits.
@@ -362,8 +308,16 @@ static inline __attribute__((always_inline)) int64_t start_halves(const int8_t* 
   return (int64_t)(uint32_t)_mm256_cvtsi256_si32(p) | (int64_t)_mm256_extract_epi32(p, 4) << 32;
 }
 
-// One row (decode) at 6 bits: one_row4's loop (tiles in order, a tile's two parts a pass, weights
-// and scales prefetched Q6_ONE_ROW_AHEAD blocks ahead) over step_weights' 6-bit codes. The i16
+// Block b's exact i32 sums of one tile's two parts (outputs 0-7 in i0, 8-15 in i1) at one row:
+// its weights at wb, x's block at xb, the block's start (start_pair or start_halves).
+//
+// 4 bits: the i16 sums start at start_pair rather than 0, so that no OFFSET * xs comes off after
+// (a broadcast and a vpsubd a part a block): each i16 half then ends at the exact sum of w x over
+// its 16 inputs, |.| <= 16 x 8 x 127 = 16256, so the wrapping vpaddw (products at most 2 x 15 x
+// 127, no vpmaddubsw saturation) lands on it exactly and vpmaddwd adds the halves into the exact
+// isum: the same bits. x0.975-1.017 (median of 7 runs 0.978) the time with the weights in L3 (1
+// thread), the same from DRAM (x0.99-1.00).
+// 6 bits: step_weights' codes, weights and scales prefetched Q6_ONE_ROW_AHEAD blocks ahead. The i16
 // sums of each half of the block (4 steps) start at start_halves, so that each ends at the exact
 // sum of w x over its 8 inputs, |.| <= 8 x 32 x 127 = 32512 (the wrapping vpaddw of products of
 // at most 2 x 63 x 127, unsaturated, lands on it), widened by one vpmaddwd a half: the exact isum
@@ -372,40 +326,75 @@ static inline __attribute__((always_inline)) int64_t start_halves(const int8_t* 
 // x0.96-1.03 of 24. Cheaper unpacking would not help there: dropping the top bits' shift and and
 // (wrong codes, the same bytes) took x0.99-1.02 the time from DRAM (x0.83 with the weights in L3).
 #define Q6_ONE_ROW_AHEAD 24
-static inline __attribute__((always_inline)) void one_row6(
-    const int8_t* restrict x, const float* restrict dx, const uint8_t* restrict w, const uint16_t* restrict dw,
-    float* restrict y, size_t K, size_t t0, size_t t1) {
-  const size_t blocks = K / 32;
+#define ONE_ROW_AHEAD(bits) ((bits) == 4 ? Q4_ONE_ROW_AHEAD : Q6_ONE_ROW_AHEAD)
+static inline __attribute__((always_inline)) void one_row_block(__m256i* restrict i0, __m256i* restrict i1,
+                                                                const uint8_t* restrict wb,
+                                                                const int8_t* restrict xb, int64_t start,
+                                                                const int bits) {
   const __m256i ones = _mm256_set1_epi16(1);
+  if (bits == 4) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i s0 = _mm256_set1_epi32((int32_t)start), s1 = s0;
+    Q8_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + q * 64));
+      __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + q * 64 + 32));
+      __m256i xl = broadcast_quad(xb + q * 4), xh = broadcast_quad(xb + 16 + q * 4);
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v0, low), xl));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(v1, low), xl));
+      __asm__("" : "+x"(s0), "+x"(s1));  // one running sum a register (else gcc spills a tree of products)
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), xh));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), xh));
+      __asm__("" : "+x"(s0), "+x"(s1));
+    }
+    *i0 = _mm256_madd_epi16(s0, ones);
+    *i1 = _mm256_madd_epi16(s1, ones);
+    return;
+  }
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+  Q8_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    __m256i s0 = _mm256_set1_epi32((int32_t)(start >> (32 * h))), s1 = s0;
+    Q8_UNROLL
+    for (int q = 4 * h; q < 4 * h + 4; ++q) {
+      __m256i xq = broadcast_quad(xb + q * 4);
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(step_weights(wb, q, 6), xq));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(step_weights(wb + 32, q, 6), xq));
+      __asm__("" : "+x"(s0), "+x"(s1));  // one running sum a register
+    }
+    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(s0, ones));
+    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(s1, ones));
+  }
+  *i0 = a0;
+  *i1 = a1;
+}
+
+// One row (decode) at 4 or 6 bits: tiles [t0, t1) in order, a tile's two parts a pass (a single
+// stream of weights, as tile_rows at one row), the f32 accumulators in registers, the weights
+// and scales prefetched ONE_ROW_AHEAD(bits) blocks ahead, past the range's end too (into the next
+// workgroup's: stopping at the end took x1.02-1.04 the time at 4 bits).
+#define Q4_CHUNK 256  // blocks of x whose starts one_row keeps at once (2 KB of stack)
+static inline __attribute__((always_inline)) void one_row(
+    const int8_t* restrict x, const float* restrict dx, const uint8_t* restrict w, const uint16_t* restrict dw,
+    float* restrict y, size_t K, size_t t0, size_t t1, const int bits) {
+  const size_t blocks = K / 32;
   int64_t start[Q4_CHUNK];
   for (size_t c0 = 0; c0 < blocks; c0 += Q4_CHUNK) {
     const size_t c1 = c0 + Q4_CHUNK < blocks ? c0 + Q4_CHUNK : blocks;
-    for (size_t b = c0; b < c1; ++b) start[b - c0] = start_halves(x + b * 32);
+    for (size_t b = c0; b < c1; ++b) start[b - c0] = bits == 4 ? start_pair(x + b * 32) : start_halves(x + b * 32);
     for (size_t t = t0; t < t1; ++t) {
-      const uint8_t* wt = w + t * blocks * BLOCK_BYTES(6);
+      const uint8_t* wt = w + t * blocks * BLOCK_BYTES(bits);
       const uint16_t* d = dw + t * 16 * blocks;
       __m256 acc0 = c0 ? _mm256_loadu_ps(y + 16 * t) : _mm256_setzero_ps();
       __m256 acc1 = c0 ? _mm256_loadu_ps(y + 16 * t + 8) : _mm256_setzero_ps();
       for (size_t b = c0; b < c1; ++b) {
-        const uint8_t* wb = wt + b * BLOCK_BYTES(6);
+        const uint8_t* wb = wt + b * BLOCK_BYTES(bits);
         Q8_UNROLL
-        for (int l = 0; l < BLOCK_BYTES(6) / 64; ++l)
-          _mm_prefetch((const char*)(wb + Q6_ONE_ROW_AHEAD * BLOCK_BYTES(6) + 64 * l), _MM_HINT_T0);
-        _mm_prefetch((const char*)(d + (b + Q6_ONE_ROW_AHEAD) * 16), _MM_HINT_T0);
-        __m256i i0 = _mm256_setzero_si256(), i1 = i0;
-        Q8_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          __m256i s0 = _mm256_set1_epi32((int32_t)(start[b - c0] >> (32 * h))), s1 = s0;
-          Q8_UNROLL
-          for (int q = 4 * h; q < 4 * h + 4; ++q) {
-            __m256i xq = broadcast_quad(x + b * 32 + q * 4);
-            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(step_weights(wb, q, 6), xq));
-            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(step_weights(wb + 32, q, 6), xq));
-            __asm__("" : "+x"(s0), "+x"(s1));  // one running sum a register
-          }
-          i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(s0, ones));
-          i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));
-        }
+        for (int l = 0; l < BLOCK_BYTES(bits) / 64; ++l)
+          _mm_prefetch((const char*)(wb + ONE_ROW_AHEAD(bits) * BLOCK_BYTES(bits) + 64 * l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(d + (b + ONE_ROW_AHEAD(bits)) * 16), _MM_HINT_T0);
+        __m256i i0, i1;
+        one_row_block(&i0, &i1, wb, x + b * 32, start[b - c0], bits);
         const __m256 dxv = _mm256_set1_ps(dx[b]);
         __m256 sc0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16))), dxv);
         __m256 sc1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b * 16 + 8))), dxv);
@@ -436,7 +425,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int j = 0; j < 2 * Q8_TILES_AT_ONCE; ++j) _mm256_storeu_ps(y + m * N + n0 + 8 * j, _mm256_setzero_ps());
   for (int j0 = 0; j0 < 2 * Q8_TILES_AT_ONCE; j0 += parts) {
     for (size_t b = 0; b < blocks; ++b) {
-      if (MC == 1 && bits == 8) {  // one row (decode): the tile's weights and scales prefetched as one_row4's
+      if (MC == 1 && bits == 8) {  // one row (decode): the tile's weights and scales prefetched as one_row's
         const uint8_t* ahead = wt + ((j0 / 2) * blocks + b + Q8_ONE_ROW_AHEAD) * BLOCK_BYTES(8);
         Q8_UNROLL
         for (int l = 0; l < BLOCK_BYTES(8) / 64; ++l) _mm_prefetch((const char*)(ahead + 64 * l), _MM_HINT_T0);
@@ -530,12 +519,8 @@ static inline __attribute__((always_inline)) void workgroup(
   const size_t blocks = K / 32;
   const size_t end = (wg + 1) * tiles < N / 16 ? (wg + 1) * tiles : N / 16;
 #ifdef Q8_ONE_ROW4
-  if (M == 1 && bits == 4) {
-    if (wg * tiles < end) one_row4(xq, dx, w, dw, y, K, wg * tiles, end);
-    return;
-  }
-  if (M == 1 && bits == 6) {
-    if (wg * tiles < end) one_row6(xq, dx, w, dw, y, K, wg * tiles, end);
+  if (M == 1 && bits != 8) {
+    if (wg * tiles < end) one_row(xq, dx, w, dw, y, K, wg * tiles, end, bits);
     return;
   }
 #endif
