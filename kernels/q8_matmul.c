@@ -235,6 +235,9 @@ static inline __attribute__((always_inline)) void full_pass(
 // |x| where x < 0 (pairs in [-32768, 32258]), but the starts cost: x1.015 with the masks and starts
 // made once a pass (the xor alone x0.95, with a start's add x0.98: wrong bits). Without vpsignb
 // (wrong bits) x0.88-0.89, without the epilogue's two vmulps x0.95.
+// The i16 form (x and each part's step of w widened by vpmovsxbw, 2 vpmaddwd and 2 vpaddd a part,
+// row and step, a vphaddd and vpermq a block; 1 part x 4 rows, the same bits) x1.19-1.20 (1 and 2
+// threads): it trades vpsignb for a second vpaddd, 4.5 vector ops a part, row and step rather than 4.
 #define Q8_TILES_AT_ONCE 2
 #define PARTS(bits) 2
 #define ROWS(bits) ((bits) == 6 ? 3 : 4)
