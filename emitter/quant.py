@@ -51,9 +51,10 @@ signed q in i8 (-128..127) or i4 (-8..7).
   6.5 bits a weight, as llama.cpp's Q4_0 files keep `output` in Q6_K's 6.56) through the kernel's
   6-bit entry, and a tied embedding table with it (its rows gathered out of the 6-bit tiles); an
   untied model's embedding table is Q8_0's. At widths that 256 does not divide the head is Q8_0,
-  as llama-quantize falls back from Q6_K to Q8_0 there (`Q6_K_ROW`). (With lm_head in Q4_0 too, the logits on
-  tests/test_gguf.py's checkpoint were 0.110 from f32, against 0.074 for llama.cpp's Q4_0 x Q8_0
-  math with its wider head.)
+  as llama-quantize falls back from Q6_K to Q8_0 there (`Q6_K_ROW`). (With lm_head in Q4_0 too,
+  the logits on tests/test_gguf.py's checkpoint were 0.110 from f32, against 0.074 for
+  llama.cpp's Q4_0 x Q8_0 math with its wider head; with an untied table in Q4_0, as llama.cpp's
+  `token_embd`, its first greedy token flipped.)
 
 In the archive the weight's checkpoint name holds q transposed, [K, N] (i8 or i4: `stored`), and
 `scales_name` (the name with "weight" replaced by "scales") holds the scales [N, K / group]
@@ -197,7 +198,8 @@ class Layout:
                 q8_matmul.pack_scales(scales).reshape(scales.shape))
 
 
-# the kernel precisions' layouts: Q8_0's also holds the embedding table of an untied q4_0
+# the kernel precisions' layouts: Q8_0's also holds an untied q4_0's embedding table, and q4_0's
+# head at widths Q6_K_ROW does not divide
 KERNEL_LAYOUTS = {p: Layout(bits, BLOCK, scales="f16", searched=True, packed=True) for p, bits in ((Q8_0, 8), (Q4_0, 4))}
 # q4_0's lm_head table (the embedding table when tied): 6 bits, searched f16 scales per 32 (6.5
 # bits a weight: llama.cpp's Q4_0 files keep it in Q6_K, 6.56), through the kernel's 6-bit entry;
