@@ -200,7 +200,8 @@ class Layout:
 
 # the kernel precisions' layouts: Q8_0's also holds an untied q4_0's embedding table, and q4_0's
 # head at widths Q6_K_ROW does not divide
-KERNEL_LAYOUTS = {p: Layout(bits, BLOCK, scales="f16", searched=True, packed=True) for p, bits in ((Q8_0, 8), (Q4_0, 4))}
+KERNEL_LAYOUTS = {p: Layout(bits, BLOCK, scales="f16", searched=True, packed=True)
+                  for p, bits in ((Q8_0, 8), (Q4_0, 4))}
 # q4_0's lm_head table (the embedding table when tied): 6 bits, searched f16 scales per 32 (6.5
 # bits a weight: llama.cpp's Q4_0 files keep it in Q6_K, 6.56), through the kernel's 6-bit entry;
 # in Q8_0 where its rows are not a multiple of Q6_K_ROW inputs, as llama-quantize falls back
