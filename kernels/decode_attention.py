@@ -139,7 +139,8 @@ def chunk_attention(b: Builder, obj: str, q: Value, k_pool: Value, v_pool: Value
     flat = lambda x, hint: b.reshape(x, (int(np.prod(x.shape)),), hint=hint)  # noqa: E731
     operands = [flat(q, "attn_q"), flat(k_pool, "attn_k_pool"), flat(v_pool, "attn_v_pool"), table,
                 b.reshape(start, (1,), hint="attn_start")]
-    out = b.dispatch(name, chunk_executable(obj, kv_heads, blocks, groups, d, rows, k_pool.dtype), name, operands, TensorType((rows * heads * d,), "f32"),
+    text = chunk_executable(obj, kv_heads, blocks, groups, d, rows, k_pool.dtype)
+    out = b.dispatch(name, text, name, operands, TensorType((rows * heads * d,), "f32"),
                      workload=kv_heads * rows // BLOCK, hint="chunk_attention")
     return b.reshape(out, (rows, heads * d), hint="context")
 

@@ -1,7 +1,8 @@
 // q8_matmul: y[M, N] = x[M, K] @ w[N, K]^T against activations quantized per row and block of
-// 32 (llama.cpp's Q8_0), with weights in Q8_0 (int8), 6-bit or Q4_0 (4-bit codes) blocks of 32: llama.cpp's
-// Q8_0 x Q8_0 and Q4_0 x Q8_0 math (and the same with 6-bit weights), one IREE workgroup's share, linked into IREE's embedded ELF
-// executables through `hal.executable.objects` (kernels/q8_matmul.py writes the dispatch that calls it).
+// 32 (llama.cpp's Q8_0), with weights in Q8_0 (int8), 6-bit or Q4_0 (4-bit codes) blocks of 32:
+// llama.cpp's Q8_0 x Q8_0 and Q4_0 x Q8_0 math (and the same with 6-bit weights), one IREE
+// workgroup's share, linked into IREE's embedded ELF executables through `hal.executable.objects`
+// (kernels/q8_matmul.py writes the dispatch that calls it).
 //
 //   y[m, n] = sum over blocks b, in order, of ((float)dw[n, b] * dx[m, b]) * (float)isum(m, n, b)
 //   isum(m, n, b) = sum_{j < 32} (int32)xq[m, 32b + j] * (int32)w[n, 32b + j]   (exact)
@@ -61,7 +62,10 @@
 // bits 4-5 (what crosses from the neighbour lands outside them, and the and clears it).
 static inline __attribute__((always_inline)) __m512i top_bits(__m512i top, int q) {
   const int r = q >> 1;
-  top = r == 0 ? _mm512_slli_epi16(top, 4) : r == 1 ? _mm512_slli_epi16(top, 2) : r == 3 ? _mm512_srli_epi16(top, 2) : top;
+  top = r == 0   ? _mm512_slli_epi16(top, 4)
+        : r == 1 ? _mm512_slli_epi16(top, 2)
+        : r == 3 ? _mm512_srli_epi16(top, 2)
+                 : top;
   return _mm512_and_si512(top, _mm512_set1_epi8(0x30));
 }
 
@@ -256,7 +260,10 @@ static inline __attribute__((always_inline)) void full_pass(
 // AVX-512 section's top_bits.
 static inline __attribute__((always_inline)) __m256i top_bits(__m256i top, int q) {
   const int r = q >> 1;
-  top = r == 0 ? _mm256_slli_epi16(top, 4) : r == 1 ? _mm256_slli_epi16(top, 2) : r == 3 ? _mm256_srli_epi16(top, 2) : top;
+  top = r == 0   ? _mm256_slli_epi16(top, 4)
+        : r == 1 ? _mm256_slli_epi16(top, 2)
+        : r == 3 ? _mm256_srli_epi16(top, 2)
+                 : top;
   return _mm256_and_si256(top, _mm256_set1_epi8(0x30));
 }
 
