@@ -36,7 +36,7 @@ from emitter.text import emit_text_module, prefill_inputs, text_weights
 from emitter.text_shape import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_blocks, decode_name, lane_counts,
                                 prefill_chunks)
 
-from runtime.artifact.archive import release_mapped_pages
+from runtime.artifact.archive import release_mapped_pages, spec_bytes
 from runtime.artifact.build import compiled_module
 from runtime.artifact.cache import ArtifactCache, load_verified
 from runtime.artifact.compiler import resolve_precision
@@ -76,15 +76,21 @@ def kv_token_bytes(cfg, kv_dtype: str = "f32") -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (2 if kv_dtype == "bf16" else 4)
 
 
-def default_context(model_dir, kv_dtype: str = "f32") -> tuple[int, str]:
+def kv_memory(resident: int = 0) -> float:
+    """Bytes the KV cache may take by default: half of the memory available now less
+    `resident`, the bytes of the weights that will be loaded beside it (`weight_bytes`)."""
+    return max(0, available_memory() - resident) * 0.5
+
+
+def default_context(model_dir, kv_dtype: str = "f32", resident: int = 0) -> tuple[int, str]:
     """The context when `--context` is not given: the ladder's top (32768), at most the
-    checkpoint's max_position_embeddings and what half of the available memory holds for
-    one sequence (a multiple of 512, at least 4096); and why."""
+    checkpoint's max_position_embeddings and what `kv_memory(resident)` holds for one
+    sequence (a multiple of 512, at least 4096); and why."""
     cfg, _ = load_text_config(model_dir)
-    fits = int(available_memory() * 0.5 // kv_token_bytes(cfg, kv_dtype)) // 512 * 512
+    fits = int(kv_memory(resident) // kv_token_bytes(cfg, kv_dtype)) // 512 * 512
     limits = [(CONTEXT_LADDER[-1], "the default ceiling"),
               (cfg.max_position_embeddings, "the model's max_position_embeddings"),
-              (max(fits, DEFAULT_CONTEXT), "what half the available memory holds")]
+              (max(fits, DEFAULT_CONTEXT), "what half the memory the weights leave holds")]
     return min(limits)
 
 
@@ -94,10 +100,10 @@ def fitting_context(tokens: int, limit: int) -> int:
 
 
 def kv_blocks(model_dir, buckets, context: int, lanes: int, kv_dtype: str = "f32",
-              memory_gb: float | None = None) -> tuple[int, str]:
+              memory_gb: float | None = None, resident: int = 0) -> tuple[int, str]:
     """The KV pool's block count for `--kv-cache-memory` (GB), or by default a whole context
-    for each of `lanes` sequences, at most half of this machine's available memory and at
-    least one context; and a line saying what was chosen."""
+    for each of `lanes` sequences, at most `kv_memory(resident)` and at least one context;
+    and a line saying what was chosen."""
     cfg, _ = load_text_config(model_dir)
     try:
         shape = TextShape(tuple(buckets), context, lanes, 0, kv_dtype)
@@ -114,8 +120,9 @@ def kv_blocks(model_dir, buckets, context: int, lanes: int, kv_dtype: str = "f32
                                 f"context of {context} tokens needs ({least}, {least * block_bytes / 1e9:.3f} GB)")
         why = "--kv-cache-memory"
     else:
-        blocks = max(least, min(shape.blocks, int(available_memory() * 0.5 // block_bytes)))
-        why = "a whole context per --max-batch sequence" if blocks == shape.blocks else "half the available memory"
+        blocks = max(least, min(shape.blocks, int(kv_memory(resident) // block_bytes)))
+        why = ("a whole context per --max-batch sequence" if blocks == shape.blocks else
+               f"half the memory the weights ({resident / 1e9:.2f} GB) leave")
     return blocks, (f"{blocks} blocks of {BLOCK} tokens ({blocks * block_bytes / 1e9:.2f} GB, {kv_dtype}; "
                     f"{(blocks - 1) * BLOCK} tokens in all, {why})")
 
@@ -140,9 +147,7 @@ class TextSession:
         self.target = target or DEFAULT_TARGET
         self.progress = progress or (lambda message: None)
         self.deepstack_layers = deepstack_layers
-        if is_native(precision):  # the checkpoint's quantized weights in their bits, the rest f32
-            self.cfg, precision = replace(self.cfg, native_weights=native_weights(model_dir, self.cfg)), "f32"
-        self.precision = resolve_precision(precision, self.target, self.progress)  # bf16-f32 unless bf16 dots pay
+        self.cfg, self.precision = text_precision(model_dir, self.cfg, precision, self.target, self.progress)
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         text_weights(self.cfg, self.precision)  # a width the quantization group does not divide: one line, now
         self.model_dir, self.seconds = Path(model_dir), {}
@@ -458,6 +463,32 @@ def vision_parts(model_dir):
     return cfg, load_policy(model_dir, cfg), load_video_policy(model_dir, cfg)
 
 
+def text_precision(model_dir, cfg, precision: str, target: str, progress=None):
+    """(config, precision) the language model is built with for the `precision` asked:
+    native runs the checkpoint's quantized weights in their bits, the rest f32; the others
+    as `resolve_precision` has them (bf16-f32 unless bf16 dots pay on `target`)."""
+    if is_native(precision):
+        cfg, precision = replace(cfg, native_weights=native_weights(model_dir, cfg)), "f32"
+    return cfg, resolve_precision(precision, target, progress)
+
+
+def weight_bytes(model_dir, precision: str | None, target: str | None = None, vision: bool = True) -> int:
+    """Bytes the weights take resident once loaded: the language model's at `precision`
+    (None: the checkpoint's own) and, with `vision`, the tower's beside it (f32 where the
+    tower runs native: a bound). What the KV cache's default size leaves them (`kv_memory`)."""
+    from emitter.config import VISION_PRECISIONS, graph_weights
+
+    target = target or DEFAULT_TARGET
+    precision = precision or checkpoint_precision(model_dir)
+    cfg, text = text_precision(model_dir, load_text_config(model_dir)[0], precision, target)
+    total = sum(map(spec_bytes, text_weights(cfg, text)))
+    vision_cfg = vision_parts(model_dir)[0] if vision else None
+    if vision_cfg is not None:
+        tower = vision_precision(precision)
+        total += sum(map(spec_bytes, graph_weights(vision_cfg, tower if tower in VISION_PRECISIONS else "f32")))
+    return total
+
+
 class Generator:
     """The whole Qwen3-VL of a checkpoint folder on IREE: images and a prompt in, greedy
     tokens and text out. The vision session is opened on the first request with images.
@@ -489,7 +520,8 @@ class Generator:
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
         self.fits = context is None  # the context fitted to each request
         if self.fits:
-            context = default_context(model_dir, kv_cache_dtype)[0]
+            context = default_context(model_dir, kv_cache_dtype, weight_bytes(model_dir, precision, target,
+                                                                             vision=keep_vision))[0]
         deepstack = (gguf_text.deepstack_layers(model_dir) if text_only
                      else len(self.vision_cfg.deepstack_visual_indexes))
         self.text_options = dict(buckets=buckets, deepstack_layers=deepstack,

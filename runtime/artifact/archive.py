@@ -41,9 +41,15 @@ ARCHIVE_FORMAT = 1
 METADATA_PREFIX = "TENSORv0:"
 DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i8": "int8", "i4": "int4"}  # graph dtype -> metadata name
 BITS = {"f32": 32, "bf16": 16, "f16": 16, "i8": 8, "i4": 4}
+
 MADV_DONTNEED = 4  # Linux and macOS
 _CODE = (Path(checkpoint.__file__), Path(gguf_vision.__file__), Path(gguf_text.__file__), Path(gguf_blocks.__file__),
          Path(quant.__file__), Path(q8_matmul.__file__), Path(__file__))  # the host transforms
+
+
+def spec_bytes(spec) -> int:
+    """Bytes one weight of a `WeightSpec` takes in an archive, and resident once loaded (i4: two a byte)."""
+    return int(np.prod(spec.shape)) * BITS[spec.dtype] // 8
 
 
 class ArchiveError(ValueError):
@@ -176,7 +182,7 @@ def open_entries(path: str | os.PathLike, specs) -> rt.ParameterIndex:
         shape, dtype = _entry_shape_dtype(entry)
         if shape != list(spec.shape) or dtype != DTYPE_NAMES[spec.dtype]:
             raise ArchiveError(f"{spec.name}: is {dtype} {shape} in {path}; expected {want}")
-        nbytes = int(np.prod(spec.shape)) * BITS[spec.dtype] // 8
+        nbytes = spec_bytes(spec)
         if entry.length != nbytes:
             raise ArchiveError(f"{spec.name}: holds {entry.length} bytes in {path}; expected {nbytes} ({want})")
     if entries:

@@ -65,7 +65,7 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 @click.option("--context", type=int, metavar="N",
               help="Tokens the KV cache holds (prompt and answer). Default: the least of "
                    f"{', '.join(map(str, CONTEXT_LADDER))} that holds the prompt and --max-new-tokens, at most the "
-                   "model's max_position_embeddings and what half the available memory holds.")
+                   "model's max_position_embeddings and what half the memory the weights leave holds.")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
               help=KV_CACHE_HELP)
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")

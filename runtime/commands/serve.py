@@ -46,13 +46,13 @@ def positive(name: str, value: int) -> int:
               help="Sequences decoded together (decode lanes on the device); more requests wait in the queue.")
 @click.option("--context", type=int, metavar="N",
               help="Tokens a sequence may hold (prompt and answer). Default: "
-                   f"{CONTEXT_LADDER[-1]}, at most the model's max_position_embeddings and what half the available "
-                   "memory holds.")
+                   f"{CONTEXT_LADDER[-1]}, at most the model's max_position_embeddings and what half the memory the "
+                   "weights leave holds.")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
               help=KV_CACHE_HELP)
 @click.option("--kv-cache-memory", type=float, metavar="GB",
               help="Memory of the paged KV cache, shared by all sequences (default: a whole context for each of "
-                   "--max-batch sequences, at most half the free memory, at least one context).")
+                   "--max-batch sequences, at most half the memory the weights leave, at least one context).")
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
               help="Prefill bucket in tokens (repeatable; default those of "
                    f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context); a longer prompt runs in "
@@ -118,9 +118,9 @@ def serve_command(model, mmproj, host, port, max_batch, context, kv_cache_dtype,
     model = with_mmproj(model, mmproj, cache_dir)
     scaling = check_replicas(ray, replicas, min_replicas, max_replicas)
     if context is None:
-        from runtime.text import default_context
+        from runtime.text import default_context, weight_bytes
 
-        context, why = default_context(model, kv_cache_dtype)
+        context, why = default_context(model, kv_cache_dtype, weight_bytes(model, precision, target))
         click.echo(f"context: {context} tokens ({why}; --context to change)", err=True)
     options = ServeOptions(model, context, prompt_buckets(buckets, context), host, port, max_batch, precision,
                            api_key, allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,

@@ -41,10 +41,11 @@ class ServeOptions:
 
 def generator_for(options: ServeOptions, say):
     """The Generator of these options (nothing compiled or loaded yet)."""
-    from runtime.text import Generator, kv_blocks
+    from runtime.text import Generator, kv_blocks, weight_bytes
 
     blocks, note = kv_blocks(options.model, options.buckets, options.context, options.max_batch,
-                             options.kv_cache_dtype, options.kv_cache_memory)
+                             options.kv_cache_dtype, options.kv_cache_memory,
+                             weight_bytes(options.model, options.precision, options.target))
     say(f"KV cache: {note}")
     return Generator(options.model, options.buckets, options.context, target=options.target,
                      cache_dir=options.cache_dir, precision=options.precision, threads=options.threads, progress=say,
