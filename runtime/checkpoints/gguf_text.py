@@ -12,6 +12,7 @@ Every problem is a one-line `CheckpointError` naming the file and the tensor.
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -75,12 +76,26 @@ def hf_name(name: str) -> str | None:
     return None
 
 
-def reader(path):
-    """The file's `gguf.GGUFReader`, its architecture checked."""
+def parsed(file):
+    """`gguf.GGUFReader(file)`, parsed once a process for each version of the file (its
+    resolved path, mtime and size): a Qwen vocabulary's metadata alone takes ~6 s to parse,
+    and one `generate` reads the file's metadata in a dozen places."""
+    file = Path(file)
+    stat = file.stat()
+    return _parsed(str(file.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=4)
+def _parsed(file: str, mtime_ns: int, size: int):
     import gguf
 
+    return gguf.GGUFReader(file)
+
+
+def reader(path):
+    """The file's `gguf.GGUFReader` (`parsed`), its architecture checked."""
     try:
-        r = gguf.GGUFReader(text_file(path) or path)
+        r = parsed(text_file(path) or path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
     arch = field(r, "general.architecture", path)

@@ -56,11 +56,9 @@ def mmproj_file(model) -> Path | None:
 
 
 def reader(path):
-    """The mmproj's `gguf.GGUFReader`, its architecture and projector checked."""
-    import gguf
-
+    """The mmproj's `gguf.GGUFReader` (`gguf_text.parsed`), its architecture and projector checked."""
     try:
-        r = gguf.GGUFReader(path)
+        r = gguf_text.parsed(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
     arch = gguf_text.field(r, "general.architecture", path)
