@@ -474,18 +474,18 @@ def text_precision(model_dir, cfg, precision: str, target: str, progress=None):
 
 def weight_bytes(model_dir, precision: str | None, target: str | None = None, vision: bool = True) -> int:
     """Bytes the weights take resident once loaded: the language model's at `precision`
-    (None: the checkpoint's own) and, with `vision`, the tower's beside it (f32 where the
-    tower runs native: a bound). What the KV cache's default size leaves them (`kv_memory`)."""
-    from emitter.config import VISION_PRECISIONS, graph_weights
+    (None: the checkpoint's own) and, with `vision`, the tower's beside it (at
+    `vision_precision`). What the KV cache's default size leaves them (`kv_memory`)."""
+    from emitter.config import graph_weights
 
-    target = target or DEFAULT_TARGET
+    from runtime.artifact.build import vision_source
+
     precision = precision or checkpoint_precision(model_dir)
-    cfg, text = text_precision(model_dir, load_text_config(model_dir)[0], precision, target)
+    cfg, text = text_precision(model_dir, load_text_config(model_dir)[0], precision, target or DEFAULT_TARGET)
     total = sum(map(spec_bytes, text_weights(cfg, text)))
-    vision_cfg = vision_parts(model_dir)[0] if vision else None
-    if vision_cfg is not None:
-        tower = vision_precision(precision)
-        total += sum(map(spec_bytes, graph_weights(vision_cfg, tower if tower in VISION_PRECISIONS else "f32")))
+    if vision and vision_parts(model_dir)[0] is not None:
+        tower_cfg, _, tower, *_ = vision_source(str(model_dir), None, vision_precision(precision))
+        total += sum(map(spec_bytes, graph_weights(tower_cfg, tower)))
     return total
 
 

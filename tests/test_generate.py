@@ -433,28 +433,33 @@ def test_default_context_follows_the_model_and_the_memory(model, tmp_path, monke
 
 
 def test_the_kv_cache_default_leaves_the_weights_their_memory(model, tmp_path, monkeypatch):
-    """`weight_bytes` is what the weight archives hold (the language model's at each
-    precision, the tower's beside it at its own), and the default pool is half of the memory
+    """`weight_bytes` is what the weight archives hold (the language model's at f32, bf16
+    and an MLX checkpoint's own 4 bits, the tower's beside it at its own), and the default pool is half of the memory
     they leave: serve's default on the 2B had taken half of what was free before the weights
     loaded, 12.3 GB of pool beside 8.5 GB of f32 weights, and was killed on a 24 GB machine."""
     import iree.runtime as rt
 
     import runtime.text as text
     from runtime.artifact.archive import cached_archive, cached_text_archive
+    from runtime.artifact.build import vision_source
     from runtime.artifact.cache import ArtifactCache
+    from runtime.checkpoints.synthetic_mlx import write_mlx_generation_checkpoint
 
     def held(path) -> int:
         index = rt.ParameterIndex()
         index.load(str(path), mmap=True)
         return sum(entry.length for _, entry in index.items())
 
-    cache, cfg = ArtifactCache(tmp_path), text.load_text_config(model)[0]
-    vision_cfg = text.vision_parts(model)[0]
-    for precision in ("f32", "bf16"):
-        language = held(cached_text_archive(model, cfg, precision, cache))
-        tower = held(cached_archive(model, vision_cfg, text.vision_precision(precision), cache))
-        assert text.weight_bytes(model, precision, vision=False) == language
-        assert text.weight_bytes(model, precision) == language + tower
+    mlx = tmp_path / "mlx"
+    write_mlx_generation_checkpoint(mlx, PRESETS["tiny"], TEXT_PRESETS["tiny"], bits=4, seed=3)
+    cache = ArtifactCache(tmp_path / "cache")
+    for folder, precision in ((model, "f32"), (model, "bf16"), (mlx, None)):
+        asked = precision or text.checkpoint_precision(folder)
+        cfg, graph = text.text_precision(folder, text.load_text_config(folder)[0], asked, "llvm-cpu")
+        tower_cfg, _, tower, *_ = vision_source(str(folder), None, text.vision_precision(asked))
+        language = held(cached_text_archive(folder, cfg, graph, cache))
+        assert text.weight_bytes(folder, precision, vision=False) == language
+        assert text.weight_bytes(folder, precision) == language + held(cached_archive(folder, tower_cfg, tower, cache))
     resident = text.weight_bytes(model, "f32")
     block = text.kv_token_bytes(TEXT_PRESETS["tiny"]) * text.BLOCK
     monkeypatch.setattr(text, "available_memory", lambda: resident + 2 * 1000 * block)
