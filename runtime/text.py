@@ -31,13 +31,13 @@ from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
 from emitter import quant
-from emitter.config import NATIVE_PRECISION, is_native
+from emitter.config import NATIVE_PRECISION, graph_weights, is_native
 from emitter.text import emit_text_module, prefill_inputs, text_weights
 from emitter.text_shape import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_blocks, decode_name, lane_counts,
                                 prefill_chunks)
 
 from runtime.artifact.archive import release_mapped_pages, spec_bytes
-from runtime.artifact.build import compiled_module
+from runtime.artifact.build import compiled_module, vision_source
 from runtime.artifact.cache import ArtifactCache, load_verified
 from runtime.artifact.compiler import resolve_precision
 from runtime.artifact.iree_module import (LoadedModule, device_config, invoke, parameters_module,
@@ -476,10 +476,6 @@ def weight_bytes(model_dir, precision: str | None, target: str | None = None, vi
     """Bytes the weights take resident once loaded: the language model's at `precision`
     (None: the checkpoint's own) and, with `vision`, the tower's beside it (at
     `vision_precision`). What the KV cache's default size leaves them (`kv_memory`)."""
-    from emitter.config import graph_weights
-
-    from runtime.artifact.build import vision_source
-
     precision = precision or checkpoint_precision(model_dir)
     cfg, text = text_precision(model_dir, load_text_config(model_dir)[0], precision, target or DEFAULT_TARGET)
     total = sum(map(spec_bytes, text_weights(cfg, text)))
