@@ -284,3 +284,44 @@ def test_cli_build_model_writes_the_weight_archive(tmp_path):
     second = qwen3vl(*args)
     assert second.returncode == 0 and second.stdout.splitlines()[-1].split()[-1] == archive
     assert "writing" not in second.stderr and "compiling" not in second.stderr
+
+
+def test_checkpoint_digests_are_remembered_by_stat(tmp_path, monkeypatch):
+    """`digests.Digests`: the sha256 of a file range, kept under the cache root beside the
+    file's stat and reused by a later process while the stat holds; bytes rewritten (same
+    size, a later mtime) are read again, and a file written in the last 2 s is not
+    remembered at all (its mtime may still move within the clock's tick)."""
+    import hashlib
+
+    from runtime.artifact import digests as d
+
+    data = os.urandom(1 << 20)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    reads = []
+    real = d.sha256_range
+    monkeypatch.setattr(d, "sha256_range", lambda *args: reads.append(args) or real(*args))
+
+    first = d.Digests(tmp_path / "cache")
+    assert first(path, 100, 5000) == hashlib.sha256(data[100:5000]).hexdigest()
+    assert first(path) == hashlib.sha256(data).hexdigest()
+    first.save()
+    again = d.Digests(tmp_path / "cache")  # as a later process
+    assert again(path, 100, 5000) == hashlib.sha256(data[100:5000]).hexdigest()
+    assert again(path) == hashlib.sha256(data).hexdigest()
+    assert len(reads) == 2
+
+    changed = bytes([data[0] ^ 1]) + data[1:]
+    path.write_bytes(changed)
+    os.utime(path, (old + 1, old + 1))
+    assert d.Digests(tmp_path / "cache")(path) == hashlib.sha256(changed).hexdigest()
+    assert len(reads) == 3
+
+    path.write_bytes(data)  # just now: read, not remembered
+    recent = d.Digests(tmp_path / "cache")
+    assert recent(path) == hashlib.sha256(data).hexdigest()
+    recent.save()
+    assert d.Digests(tmp_path / "cache")(path) == hashlib.sha256(data).hexdigest()
+    assert len(reads) == 5

@@ -33,6 +33,7 @@ from emitter.text import text_weights
 from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
+from runtime.artifact.digests import Digests, sha256_range
 from runtime.checkpoints import (gguf_blocks, gguf_text, gguf_vision, mlx_quant, text as text_checkpoint,
                                  vision as checkpoint)
 
@@ -56,15 +57,6 @@ class ArchiveError(ValueError):
     """An archive that does not hold the graph's weights; the message names the tensor."""
 
 
-def sha256_range(path: Path, begin: int, end: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        if end > begin:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                digest.update(memoryview(m)[begin:end])
-    return digest.hexdigest()
-
-
 def stored_quantization(model_dir: Path) -> dict:
     """config.json's quantization blocks as written (how MLX tensors are dequantized)."""
     try:
@@ -79,32 +71,33 @@ def code_digest(code) -> str:
     return hashlib.sha256(b"".join(Path(p).read_bytes() for p in code)).hexdigest()
 
 
-def content_fields(model_dir, found: dict, specs, precision: str, code) -> dict:
+def content_fields(model_dir, found: dict, specs, precision: str, code, digest=sha256_range) -> dict:
     """What decides either model's archive bytes beside its config: every stored tensor of
-    the part (`found`: name, dtype, shape, sha256 of its bytes), the quantization settings,
-    the weight dtype, the weight schema of `specs`, and the source of the `code` that
-    transforms them."""
+    the part (`found`: name, dtype, shape, sha256 of its bytes by `digest`), the
+    quantization settings, the weight dtype, the weight schema of `specs`, and the source of
+    the `code` that transforms them."""
     return {
         "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
         "weight_schema": weight_schema_fields(specs),
         "quantization": stored_quantization(Path(model_dir)),
-        "tensors": [[name, e.dtype, list(e.shape), sha256_range(e.file, e.begin, e.end)]
+        "tensors": [[name, e.dtype, list(e.shape), digest(e.file, e.begin, e.end)]
                     for name, e in sorted(found.items())],
         "code_sha256": code_digest(code),
     }
 
 
-def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32") -> dict:
-    """What decides the vision archive's bytes (`content_fields`). Reads the vision tensors once."""
+def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32", digest=sha256_range) -> dict:
+    """What decides the vision archive's bytes (`content_fields`). Reads the vision tensors
+    once (`digest`: `digests.Digests` remembers them)."""
     mmproj = gguf_vision.mmproj_file(model_dir)
     if mmproj:  # a llama.cpp mmproj beside a GGUF text file: its sha256 in place of the tensors
         return {"archive_format": ARCHIVE_FORMAT, "vision_config": cfg.to_dict(),
                 "precision": weight_dtype(precision),
                 "weight_schema": weight_schema_fields(graph_weights(cfg, precision)),
-                **gguf_vision.content_fields(mmproj), "code_sha256": code_digest(_CODE)}
+                **gguf_vision.content_fields(mmproj, digest), "code_sha256": code_digest(_CODE)}
     found, _ = checkpoint.scan_vision_tensors(model_dir)
     return {"archive_format": ARCHIVE_FORMAT, "vision_config": cfg.to_dict(),
-            **content_fields(model_dir, found, graph_weights(cfg, precision), precision, _CODE)}
+            **content_fields(model_dir, found, graph_weights(cfg, precision), precision, _CODE, digest)}
 
 
 def graph_arrays(model_dir, cfg: VisionConfig, precision: str = "f32") -> list[tuple[str, np.ndarray]]:
@@ -221,6 +214,15 @@ def release_mapped_pages(index: rt.ParameterIndex) -> bool:
         return False
 
 
+def remembered(cache, fields_of):
+    """`fields_of(digest)` with the checkpoint digests remembered under the cache's root
+    (`digests.Digests`: the bytes are read again only for files whose stat changed)."""
+    digests = Digests(cache.root)
+    fields = fields_of(digests)
+    digests.save()
+    return fields
+
+
 def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: str, progress=None) -> Path:
     """The archive of `fields` from the cache (its size and sha256 checked against the
     manifest), written on a miss from `arrays()` ((name, array) pairs in `specs` order: the
@@ -238,7 +240,8 @@ def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: st
 
 def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress=None) -> Path:
     """The vision archive for this checkpoint content and precision (`cached_entries`)."""
-    return cached_entries(cache, archive_fields(model_dir, cfg, precision), graph_weights(cfg, precision),
+    return cached_entries(cache, remembered(cache, lambda digest: archive_fields(model_dir, cfg, precision, digest)),
+                          graph_weights(cfg, precision),
                           lambda: graph_arrays(model_dir, cfg, precision), "weights", precision, progress)
 
 
@@ -250,27 +253,28 @@ _TEXT_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(text_che
               Path(gguf_text.__file__), Path(gguf_blocks.__file__), Path(__file__))
 
 
-def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32") -> dict:
+def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32", digest=sha256_range) -> dict:
     """What decides a text archive's bytes: every stored text tensor (name, dtype, shape,
-    sha256 of its bytes), the quantization settings, the config, the precision, the weight
-    schema and the source of the code that transforms them. Reads the text tensors once (a
-    GGUF file: its sha256 in their place)."""
+    sha256 of its bytes by `digest`), the quantization settings, the config, the precision,
+    the weight schema and the source of the code that transforms them. Reads the text
+    tensors once (a GGUF file: its sha256 in their place)."""
     if text_checkpoint.gguf_text.is_gguf(model_dir):
         return {"kind": "qwen3vl-text-weights", "archive_format": TEXT_ARCHIVE_FORMAT, "text_config": cfg.to_dict(),
                 "precision": weight_dtype(precision),
                 "weight_schema": weight_schema_fields(text_weights(cfg, precision)),
-                **text_checkpoint.gguf_text.content_fields(model_dir),
+                **text_checkpoint.gguf_text.content_fields(model_dir, digest),
                 "code_sha256": code_digest(_TEXT_CODE)}
     found, _ = text_checkpoint.scan_text_tensors(Path(model_dir))
     return {"kind": "qwen3vl-text-weights", "archive_format": TEXT_ARCHIVE_FORMAT, "text_config": cfg.to_dict(),
-            **content_fields(model_dir, found, text_weights(cfg, precision), precision, _TEXT_CODE)}
+            **content_fields(model_dir, found, text_weights(cfg, precision), precision, _TEXT_CODE, digest)}
 
 
 def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progress=None) -> Path:
     """The text archive for this checkpoint content and precision from the cache (size and
     sha256 checked against the manifest), written on a miss: the checkpoint is read, checked
     and converted only then."""
-    return cached_entries(cache, text_archive_fields(model_dir, cfg, precision), text_weights(cfg, precision),
+    fields = remembered(cache, lambda digest: text_archive_fields(model_dir, cfg, precision, digest))
+    return cached_entries(cache, fields, text_weights(cfg, precision),
                           lambda: text_checkpoint.text_arrays(model_dir, cfg, precision),
                           "text weights", "the checkpoint's own bits" if cfg.native_weights else precision, progress)
 

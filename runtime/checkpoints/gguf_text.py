@@ -11,7 +11,6 @@ Every problem is a one-line `CheckpointError` naming the file and the tensor.
 
 from __future__ import annotations
 
-import hashlib
 from functools import lru_cache
 from pathlib import Path
 
@@ -244,18 +243,9 @@ def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
     return out
 
 
-def file_sha256(path) -> str:
-    """The sha256 of a whole file, read 16 MB at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def content_fields(path) -> dict:
-    """What decides an archive's bytes from this file: its sha256."""
-    return {"gguf_sha256": file_sha256(text_file(path))}
+def content_fields(path, digest) -> dict:
+    """What decides an archive's bytes from this file: its sha256, `digest(file)`."""
+    return {"gguf_sha256": digest(text_file(path))}
 
 
 # Qwen2's pre-tokenizer split (tokenizer.json of the Qwen2/Qwen3 models; llama.cpp's `qwen2` pre)

@@ -227,9 +227,9 @@ def vision_arrays(path, cfg: VisionConfig, precision: str = "f32") -> list[np.nd
     return out
 
 
-def content_fields(path) -> dict:
-    """What decides a vision archive's bytes from this file: its sha256."""
-    return {"mmproj_sha256": gguf_text.file_sha256(path)}
+def content_fields(path, digest) -> dict:
+    """What decides a vision archive's bytes from this file: its sha256, `digest(file)`."""
+    return {"mmproj_sha256": digest(path)}
 
 
 def paired_model(model, mmproj, cache_root) -> Path:
