@@ -22,6 +22,7 @@ from emitter.text_shape import MODULE_NAME as TEXT_MODULE, TextShape, decode_nam
 from emitter.text_config import TextConfig
 from emitter.vision import emit_vision_module, input_specs
 
+from runtime.artifact.archive import spec_bytes
 from runtime.artifact.compiler import compile_mlir
 from runtime.artifact.iree_module import LoadedModule, device_config, parameters_module
 
@@ -122,4 +123,4 @@ def weight_bytes(graph: str, precision: str) -> int:
     """Bytes of the graph's weights under `precision` (what a decode step reads)."""
     specs = graph_weights(vision_2b_block(), precision) if graph == "vision" else \
         text_weights(TEXT_2B_LAYER, precision)
-    return sum(int(np.prod(s.shape)) * (2 if s.dtype == "bf16" else 4) for s in specs)
+    return sum(map(spec_bytes, specs))

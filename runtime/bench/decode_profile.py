@@ -76,8 +76,8 @@ def write_archive(cfg, precision: str, path: Path) -> None:
 
 def weight_bytes(cfg, precision: str) -> int:
     """Bytes of the module's weights under `precision` (archive and resident alike)."""
-    from runtime.artifact.archive import BITS
-    return sum(int(np.prod(s.shape)) * BITS[s.dtype] // 8 for s in text_weights(*graph_form(cfg, precision)))
+    from runtime.artifact.archive import spec_bytes
+    return sum(map(spec_bytes, text_weights(*graph_form(cfg, precision))))
 
 
 def step_ms(vmfb: Path, archive: Path, slot: int, repeats: int, threads: int, profile: Path | None = None,
