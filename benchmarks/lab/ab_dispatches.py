@@ -10,8 +10,8 @@ dispatch by dispatch, round after round. Dispatches are paired across variants b
 they compute (the name after `dispatch_N_`), so a variant that renumbers them still pairs.
 Variant names are `ab_variants.py`'s (`baseline`, `mmt4d`, ..., or `flags:--a,--b`).
 
-    .venv/bin/python benchmarks/ab_dispatches.py baseline mmt4d --precision bf16
-    .venv/bin/python benchmarks/ab_dispatches.py baseline flags:--iree-llvmcpu-matmul-tile-bytes=1048576 --match matmul
+    .venv/bin/python benchmarks/lab/ab_dispatches.py baseline mmt4d --precision bf16
+    .venv/bin/python benchmarks/lab/ab_dispatches.py baseline flags:--iree-llvmcpu-matmul-tile-bytes=1048576 --match matmul
 """
 
 from __future__ import annotations

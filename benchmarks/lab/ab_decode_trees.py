@@ -8,7 +8,7 @@ between rounds; each round's own ratio to the first tree is reported beside the 
 `--profile` then adds each module's per-dispatch and queue report (bench_decode.py's).
 
     git worktree add --detach ../base main~1
-    .venv/bin/python benchmarks/ab_decode_trees.py ../base . --layers 28 --vocab 151936 --precision q8_0
+    .venv/bin/python benchmarks/lab/ab_decode_trees.py ../base . --layers 28 --vocab 151936 --precision q8_0
 
 A benchmark, not a test; nothing imports it.
 """
@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from emitter.quant import compile_flags  # noqa: E402
 from emitter.text_config import TEXT_PRESETS  # noqa: E402
 from runtime.artifact.compiler import compile_mlir  # noqa: E402

@@ -8,7 +8,7 @@ over the same weight archive, one built as the session builds it and one with
 `compile_flags` patched to none while it builds (`plain`); each prefills the same `--prompt`
 tokens in turn (the prefix cache off), `--rounds` times after one warm call each.
 
-    .venv/bin/python benchmarks/bench_prefill_flags.py --precision mlx4 --layers 4 --rounds 6
+    .venv/bin/python benchmarks/lab/bench_prefill_flags.py --precision mlx4 --layers 4 --rounds 6
 
 Memory: both modules at once (2B widths, 4 layers, 4-bit: ~0.4 GB of weights, shared).
 """

@@ -40,9 +40,9 @@ input channels, as LLM activations have. `--save DIR` writes each form's module 
 instructions in them (vpdpbusd / vpdpwssd: AVX-512 VNNI; vpmaddubsw / vpmaddwd) against the
 float ones (vfmadd*ps, vdpbf16ps) and the int->float converts (vcvtdq2ps).
 
-    .venv/bin/python benchmarks/bench_w8a8.py --rounds 5 --asm /tmp/w8a8-asm
-    .venv/bin/python benchmarks/bench_w8a8.py --rows 1 2 4 8 --forms int8 int4 mlx4
-    .venv/bin/python benchmarks/bench_w8a8.py --rows 1 --forms int8 w8a8-row --flags=--iree-llvmcpu-enable-ukernels=all
+    .venv/bin/python benchmarks/lab/bench_w8a8.py --rounds 5 --asm /tmp/w8a8-asm
+    .venv/bin/python benchmarks/lab/bench_w8a8.py --rows 1 2 4 8 --forms int8 int4 mlx4
+    .venv/bin/python benchmarks/lab/bench_w8a8.py --rows 1 --forms int8 w8a8-row --flags=--iree-llvmcpu-enable-ukernels=all
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from emitter import quant  # noqa: E402
 from emitter.builder import Builder  # noqa: E402

@@ -2,7 +2,7 @@
 time (alternating in one process), peak memory (each form in its own process) and the
 score FLOPs each form does against the FLOPs the segments need.
 
-    .venv/bin/python benchmarks/bench_attention.py --buckets 1024 4096 --images 1 4
+    .venv/bin/python benchmarks/lab/bench_attention.py --buckets 1024 4096 --images 1 4
 
 Forms: "dense" (one [H, B, B] score tensor, the graph's form for small buckets),
 "qchunk" (a loop over query chunks, scores [H, C, B], exact row softmax, same FLOPs as

@@ -4,7 +4,7 @@ Each variant is (emit function, extra flags). Graph variants are written here as
 alternative layer functions patched into the emitter for the emission only, so the
 emitter keeps one implementation; a variant that wins moves into emitter/layers.py or attention.py.
 
-    .venv/bin/python benchmarks/ab_variants.py baseline no_data_tiling --preset qwen3-vl-2b
+    .venv/bin/python benchmarks/lab/ab_variants.py baseline no_data_tiling --preset qwen3-vl-2b
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Q8_0 / 6-bit / Q4_0 kernel's loop alone, outside IREE: two versions of kernels/q8_matmul.c
 (this one, B, and `--baseline`, A) on the same [6144, 2048] weights, against a plain read of
-the same bytes, alternating round by round in one process (benchmarks/q8_loop.c: `--threads`
+the same bytes, alternating round by round in one process (benchmarks/lab/q8_loop.c: `--threads`
 workers pulling 128-output workgroups off one counter, as IREE's workers do; at least
 `--megabytes` of distinct weights, so that one row reads them from DRAM). Prints ms per
 projection, the GB/s of weight and scale bytes, and that rate over the read's (the roof) for
@@ -9,8 +9,8 @@ this one's in its place at 6 bits: "base missing"). Both builds use the kernel's
 (`q8_matmul.COMMON_FLAGS`, `ISA_FLAGS`); A's and B's results are compared bit for bit.
 
     git show main:kernels/q8_matmul.c > /tmp/q8_main.c
-    .venv/bin/python benchmarks/bench_q8_loop.py --baseline /tmp/q8_main.c --rows 1 --isa avx512vnni avx2
-    .venv/bin/python benchmarks/bench_q8_loop.py --baseline /tmp/q8_main.c --rows 512 --threads 1 --megabytes 1
+    .venv/bin/python benchmarks/lab/bench_q8_loop.py --baseline /tmp/q8_main.c --rows 1 --isa avx512vnni avx2
+    .venv/bin/python benchmarks/lab/bench_q8_loop.py --baseline /tmp/q8_main.c --rows 512 --threads 1 --megabytes 1
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels import q8_matmul  # noqa: E402
 

@@ -3,7 +3,7 @@ are fixed per process: one worker process per setting, each holding the same com
 tower, called one at a time in a random order each round, so the settings see the same
 machine load.
 
-    .venv/bin/python benchmarks/ab_runtime.py task_topology_group_count=2 \\
+    .venv/bin/python benchmarks/lab/ab_runtime.py task_topology_group_count=2 \\
         "task_topology_group_count=2 task_worker_spin_us=100" task_topology_group_count=1
 
 Each argument is one setting: IREE runtime flags without their leading dashes,

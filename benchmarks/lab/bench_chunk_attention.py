@@ -4,7 +4,7 @@ graph form it replaced (emitter/attention.py `grouped_attention` over the span t
 names, the f32 and bf16 graphs' form), both compiled by iree-compile for this machine and
 called alternately in one process, bf16 pools by default.
 
-    .venv/bin/python benchmarks/bench_chunk_attention.py --starts 0 1536 3584 --rounds 5
+    .venv/bin/python benchmarks/lab/bench_chunk_attention.py --starts 0 1536 3584 --rounds 5
 
 Prints ms per call (median of the rounds, each the mean of `--calls` calls) and, for the
 kernel, ns per (query row, head, key) pair it computes (the causal half only) and per pair a
@@ -24,7 +24,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from emitter.kv_pages import BLOCK  # noqa: E402
 from emitter.targets import target_flags  # noqa: E402

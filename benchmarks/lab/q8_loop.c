@@ -1,4 +1,4 @@
-// The Q8_0 / 6-bit / Q4_0 kernel's loop alone, outside IREE (benchmarks/bench_q8_loop.py builds and runs
+// The Q8_0 / 6-bit / Q4_0 kernel's loop alone, outside IREE (benchmarks/lab/bench_q8_loop.py builds and runs
 // it): two builds of kernels/q8_matmul.c (A, B: entries renamed by -D) on the same weights, `threads`
 // workers pulling 128-output workgroups off one counter as IREE's do, against a plain read of the
 // same bytes (256-bit loads: the read roof), the three alternating round by round.
