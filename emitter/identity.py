@@ -2,9 +2,8 @@
 a compiled `.vmfb` may be reused (see DESIGN.md, "Identity and the artifact cache").
 
 Never imports `runtime`. The compiler (`iree.compiler`) is imported lazily, only to
-read its version and to resolve what a target means on this machine: the device
-target attribute iree-compile builds from the target's flags (for llvm-cpu with
-`--iree-llvmcpu-target-cpu=host`: the host CPU name and feature string LLVM detects).
+read its version; what a target means on this machine is emitter/targets.py's
+`resolved_device_target`.
 """
 
 from __future__ import annotations
@@ -12,12 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from functools import lru_cache
 from pathlib import Path
 
 from . import __version__, quant
 from .config import ConfigError, VisionConfig, check_precision, graph_weights
-from .targets import DEFAULT_TARGET, TARGETS, target_flags
+from .targets import DEFAULT_TARGET, TARGETS, host_cpu, resolved_device_target, target_flags
 from .vision import check_binding, check_bucket, default_inspect_blocks, emit_artifact_module
 
 # Bump when the meaning of a cached artifact changes in a way no other field records
@@ -48,18 +46,6 @@ def ladder_for(patch_counts, buckets=DEFAULT_LADDER) -> tuple[int, ...]:
     return tuple(sorted(set(buckets) | {extended_bucket(n, top) for n in patch_counts if n > top}))
 
 
-# A trivial module: compiling it to `preprocessing` materializes the device target.
-_PROBE = """func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {
-  %0 = stablehlo.add %a, %a : tensor<4xf32>
-  return %0 : tensor<4xf32>
-}
-"""
-
-
-class IdentityError(ValueError):
-    """The compiler could not tell what a target resolves to on this machine."""
-
-
 def canonical_json(fields: dict) -> str:
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
@@ -84,29 +70,6 @@ def installed_compiler_version() -> dict:
             "revisions": {k: str(r) for k, r in sorted(v.REVISIONS.items())}}
 
 
-_DEVICE_RE = re.compile(r"util\.global private @__device_0 = (#hal\.device\.target<.*>) : !hal\.device")
-_CPU_RE = re.compile(r'\bcpu = "([^"]*)"')
-_FEATURES_RE = re.compile(r'\bcpu_features = "([^"]*)"')
-
-
-@lru_cache(maxsize=None)
-def resolved_device_target(flags: tuple[str, ...]) -> str:
-    """The `#hal.device.target<...>` attribute iree-compile builds for these flags on
-    this machine (host CPU name and features included for target-cpu=host). Stable
-    across processes on one machine; computed once per process per flag set."""
-    import iree.compiler as ireec
-    try:
-        text = ireec.compile_str(_PROBE, extra_args=[*flags, "--compile-to=preprocessing"])
-    except ireec.CompilerToolError as e:
-        raise IdentityError(f"iree-compile could not resolve the target for flags {list(flags)}:\n{e}") from None
-    if isinstance(text, bytes):
-        text = text.decode("utf-8")
-    m = _DEVICE_RE.search(text)
-    if not m:
-        raise IdentityError(f"iree-compile printed no device target for flags {list(flags)}")
-    return m.group(1)
-
-
 def target_fields(target: str, extra_flags=()) -> dict:
     """Name, backend, every compiler flag, and what the flags resolve to here."""
     flags = [*target_flags(target), *extra_flags]
@@ -115,9 +78,8 @@ def target_fields(target: str, extra_flags=()) -> dict:
     backend = re.match(r'#hal\.device\.target<"([^"]*)", \[#hal\.executable\.target<"([^"]*)"', device)
     out["backend"] = backend.group(2) if backend else None
     if "--iree-llvmcpu-target-cpu=host" in flags:
-        cpu, features = _CPU_RE.search(device), _FEATURES_RE.search(device)
-        out["host_cpu"] = {"name": cpu.group(1) if cpu else None,
-                           "features": features.group(1) if features else None}
+        cpu, features = host_cpu(device)
+        out["host_cpu"] = {"name": cpu, "features": features}
     return out
 
 
@@ -136,8 +98,8 @@ def bf16_form(target: str, extra_flags=()) -> tuple[str, str]:
     device = resolved_device_target(tuple([*target_flags(target), *extra_flags]))
     if '#hal.executable.target<"llvm-cpu"' not in device:
         return "bf16", "a GPU target"
-    cpu, features = _CPU_RE.search(device), _FEATURES_RE.search(device)
-    cpu, features = cpu.group(1) if cpu else "", (features.group(1) if features else "").split(",")
+    cpu, features = host_cpu(device)
+    cpu, features = cpu or "", (features or "").split(",")
     if any(cpu.startswith(prefix) and feature in features for prefix, feature in _DOUBLE_RATE_BF16):
         return "bf16", f"{cpu} has a double-rate bf16 dot product"
     if "+avx512bf16" in features:
@@ -153,11 +115,12 @@ def graph_precision(precision: str, target: str | None = None, extra_flags=()) -
     if precision == "bf16":
         return bf16_form(target or DEFAULT_TARGET, extra_flags)[0]
     if precision in quant.KERNEL_BITS:  # q8_0, q4_0: the kernel object of the target's ISA
-        from kernels import q8_matmul
+        from kernels.build import KernelError
+        from .kernel_calls import target_isa
         try:
             flags = tuple(target_flags(target or DEFAULT_TARGET)) + tuple(extra_flags)
-            return f"{precision}-{q8_matmul.target_isa(flags)}"
-        except q8_matmul.KernelError as e:
+            return f"{precision}-{target_isa(flags)}"
+        except KernelError as e:
             raise ConfigError(f"--precision {precision}: {e}") from None
     return precision
 

@@ -35,13 +35,13 @@ signed q in i8 (-128..127) or i4 (-8..7).
 - Q8_0 (`--precision q8_0`, llama.cpp's name): int8 weights (-127..127) in blocks of BLOCK = 32
   inputs with an f16 scale each, searched (`searched`, over `searched_range`; llama.cpp's
   max|w| / 127 is a candidate), activations quantized per row and block at run time, every block's
-  int8 x int8 dot product in int32 through the hand-written kernel (kernels/q8_matmul.py:
+  int8 x int8 dot product in int32 through the hand-written kernel (kernels/q8_matmul.c:
   VNNI on AVX-512, vpmaddubsw on AVX2, linked into IREE's executables). Its graph forms name
   the kernel's ISA (`KERNEL_ISA`: "q8_0-avx512vnni", "q8_0-avx2"; emitter/identity.py's
   `graph_precision` picks one for the target), so a module built for one ISA is never
   served to another. Its weights are `packed` layouts: q [N, K] int8 and the scales [N, K/32]
   f16 in the kernel's tile order (`Layout.store`), the embedding table's too: its rows are
-  gathered out of the tiles (kernels/q8_matmul.py `block_rows`), and a tied lm_head
+  gathered out of the tiles (emitter/kernel_calls.py `block_rows`), and a tied lm_head
   multiplies it through the kernel like any projection.
 - Q4_0 (`--precision q4_0`, llama.cpp's name): the same with 4-bit weights, -8..7 in blocks of
   32 with an f16 scale each, the scale searched as int4's (`searched`, rounded to f16), stored
@@ -72,6 +72,8 @@ from dataclasses import dataclass, replace
 import ml_dtypes
 import numpy as np
 
+from kernels.q8_matmul import BLOCK, TILE, pack_scales, pack_weight
+
 from .config import KERNEL_FORMS, KERNEL_ISA_NAMES, ConfigError, WeightSpec
 
 GROUP = 64  # inputs per scale of `--precision int8` (and the default of a `Layout`)
@@ -82,8 +84,6 @@ KERNEL_BITS = {p: {v: k for k, v in STORAGE_DTYPE.items()}[dtype] for p, dtype i
 # the kernel precisions' graph forms ("q8_0-avx512vnni", ...) -> the kernel object's ISA
 KERNEL_ISA = {f"{p}-{isa}": isa for p in KERNEL_BITS for isa in KERNEL_ISA_NAMES}
 PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a group of all K inputs
-BLOCK = 32  # inputs per scale of Q8_0 (llama.cpp's block)
-TILE = 16  # outputs per tile of a packed (q8_0, q4_0) weight; N a multiple of two tiles
 ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at run time
 # Outputs that a per-call dequantized i4 weight's N must be a multiple of: IREE's CPU codegen
 # masks the last tile of any other N with a `vector.maskedload` of i4 it cannot lower (N = 4304,
@@ -188,14 +188,12 @@ class Layout:
 
     def store(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q, scales) of an f32 weight [N, K] as the archive holds them: `stored`, or packed
-        for the kernel (`kernels.q8_matmul`'s `quantize_weight`, `pack_weight`, `pack_scales`:
+        for the kernel (`block_weight`, then kernels/q8_matmul.py's `pack_weight`, `pack_scales`:
         [N, K * bits / 8] bytes and [N, K/32] f16 in its tile order)."""
         if not self.packed:
             return stored(w, self)
-        from kernels import q8_matmul
-        q, scales = q8_matmul.quantize_weight(w, self.bits)
-        return (q8_matmul.pack_weight(q, self.bits).reshape(q.shape[0], -1),
-                q8_matmul.pack_scales(scales).reshape(scales.shape))
+        q, scales = block_weight(w, self.bits)
+        return pack_weight(q, self.bits).reshape(q.shape[0], -1), pack_scales(scales).reshape(scales.shape)
 
 
 # the kernel precisions' layouts: Q8_0's also holds an untied q4_0's embedding table, and q4_0's
@@ -418,6 +416,24 @@ def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndar
     return xq.reshape(m, k), (amax / np.float32(levels(8))).astype(np.float32)
 
 
+def block_weight(w: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """(q [N, K] int8, scales [N, K / 32] f16) of an f32 weight [N, K] for the block kernel, each
+    block's f16 scale searched for the least squared error (`searched`). 8 bits: q in [-127, 127]
+    (llama.cpp's Q8_0 bytes, 8.5 bits a weight; its rule is the search's max / 127 candidate);
+    4 bits: q in [-8, 7] (Q4_0's bytes: 4.5 bits a weight); 6 bits the same in [-32, 31] (6.5
+    bits a weight, as llama.cpp's Q6_K's 6.56). Unpacked: `Layout.store` packs them."""
+    return quantize(w, Layout(bits, BLOCK, scales="f16", searched=True, packed=True))
+
+
+def block_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(xq [M, K] int8, scales [M, K/32] f32, block sums of xq [M, K/32] int32) of f32 x, the
+    block kernel's activations as the graph computes them (`quantize_activations` in blocks of
+    32; emitter/layers.py `quantized_blocks`)."""
+    xq, dx = quantize_activations(x, BLOCK)
+    m, k = xq.shape
+    return xq, dx, xq.reshape(m, k // BLOCK, BLOCK).astype(np.int32).sum(axis=2, dtype=np.int32)
+
+
 def integer_sums(x: np.ndarray, q: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     """(the i32 sums [G, M, N] of each group of inputs, x's scales [M, G]) of x @ q.T in
     integers: x [M, K] quantized by `quantize_activations`, q [N, K] int8."""
@@ -465,7 +481,7 @@ class QuantizedWeight:
 class BlockWeight:
     """A packed (q8_0, q4_0) [N, K] weight in a graph: q [N, K * bits / 8] i8 and its scales
     [N, K / 32] f16 in the kernel's tile order, and the path of the kernel object its
-    projections link (kernels/q8_matmul.py `block_project`)."""
+    projections link (emitter/layers.py `block_project`)."""
     q: object  # builder.Value
     scales: object  # builder.Value
     kernel: str

@@ -1,7 +1,15 @@
 """Compile targets: the iree-compile flags for each, in one place (they are part of an
-artifact's identity, so the emitter knows them; the runtime's compiler driver uses them)."""
+artifact's identity, so the emitter knows them; the runtime's compiler driver uses them), and
+what a target resolves to on this machine (`resolved_device_target`, `host_cpu`).
+
+The compiler (`iree.compiler`) is imported lazily, only to resolve a target: the device target
+attribute iree-compile builds from the target's flags (for llvm-cpu with
+`--iree-llvmcpu-target-cpu=host`: the host CPU name and feature string LLVM detects)."""
 
 from __future__ import annotations
+
+import re
+from functools import lru_cache
 
 INPUT_FLAGS = ("--iree-input-type=stablehlo",)
 
@@ -49,7 +57,7 @@ DEFAULT_TARGET = "llvm-cpu"
 
 
 class TargetError(ValueError):
-    pass
+    """An unknown target, or one the compiler could not resolve on this machine."""
 
 
 def target_flags(name: str) -> list[str]:
@@ -62,3 +70,38 @@ def target_flags(name: str) -> list[str]:
 def runtime_driver(name: str) -> str:
     target_flags(name)
     return TARGETS[name][0]
+
+
+# A trivial module: compiling it to `preprocessing` materializes the device target.
+_PROBE = """func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = stablehlo.add %a, %a : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+_DEVICE_RE = re.compile(r"util\.global private @__device_0 = (#hal\.device\.target<.*>) : !hal\.device")
+_CPU_RE = re.compile(r'\bcpu = "([^"]*)"')
+_FEATURES_RE = re.compile(r'\bcpu_features = "([^"]*)"')
+
+
+@lru_cache(maxsize=None)
+def resolved_device_target(flags: tuple[str, ...]) -> str:
+    """The `#hal.device.target<...>` attribute iree-compile builds for these flags on
+    this machine (host CPU name and features included for target-cpu=host). Stable
+    across processes on one machine; computed once per process per flag set."""
+    import iree.compiler as ireec
+    try:
+        text = ireec.compile_str(_PROBE, extra_args=[*flags, "--compile-to=preprocessing"])
+    except ireec.CompilerToolError as e:
+        raise TargetError(f"iree-compile could not resolve the target for flags {list(flags)}:\n{e}") from None
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    m = _DEVICE_RE.search(text)
+    if not m:
+        raise TargetError(f"iree-compile printed no device target for flags {list(flags)}")
+    return m.group(1)
+
+
+def host_cpu(device: str) -> tuple[str | None, str | None]:
+    """(LLVM CPU name, its `cpu_features` string) of a resolved device target, None where absent."""
+    cpu, features = _CPU_RE.search(device), _FEATURES_RE.search(device)
+    return cpu.group(1) if cpu else None, features.group(1) if features else None

@@ -45,7 +45,10 @@ n2 = rms(h). Then the final RMSNorm and lm_head (the embedding table when tied).
 
 from __future__ import annotations
 
-from . import __version__, quant
+from kernels import decode_attention, q8_matmul
+from kernels.build import object_name
+
+from . import __version__, kernel_calls, quant
 from .builder import Builder, Value
 from .config import (PARAMETER_SCOPE, PRECISION_NOTES, ConfigError, WeightSpec, activation_dtype, check_precision,
                      weight_dtype)
@@ -139,12 +142,9 @@ def kernel_isa(precision: str) -> str | None:
 
 def kernel_object(precision: str) -> str | None:
     """The file name of the kernel object a graph form of q8_0 or q4_0 links (`kernel_isa`;
-    kernels/q8_matmul.py `object_name`), else None."""
+    kernels/build.py `object_name`), else None."""
     isa = kernel_isa(precision)
-    if isa is None:
-        return None
-    from kernels import q8_matmul
-    return q8_matmul.object_name(isa)
+    return None if isa is None else object_name(isa, q8_matmul.SOURCE)
 
 
 def attention_object(cfg: TextConfig, shape: "TextShape", precision: str) -> str | None:
@@ -153,11 +153,9 @@ def attention_object(cfg: TextConfig, shape: "TextShape", precision: str) -> str
     `chunk_fits` (`kernel_isa`'s); None for other precisions (their graphs are the same for
     every target), or a shape the kernel does not take."""
     isa = kernel_isa(precision)
-    from kernels import decode_attention
     if isa is None or not decode_attention.fits(cfg.groups, cfg.head_dim, shape.kv_dtype):
         return None
-    from kernels import q8_matmul
-    return q8_matmul.object_name(isa, decode_attention.SOURCE)
+    return object_name(isa, decode_attention.SOURCE)
 
 
 class TextGraph:
@@ -226,11 +224,10 @@ class TextGraph:
         token's keys are the same whichever call reads them)."""
         b = self.b
         if self.attention_kernel:
-            from kernels import decode_attention
             if q.shape[0] == 1:
-                return decode_attention.token_attention(b, self.attention_kernel, q, *pools, table, start, k, v)
+                return kernel_calls.token_attention(b, self.attention_kernel, q, *pools, table, start, k, v)
             if decode_attention.chunk_fits(self.cfg.groups, self.cfg.head_dim, self.kv_dtype):
-                return decode_attention.chunk_attention(b, self.attention_kernel, q, *pools, table, start)
+                return kernel_calls.chunk_attention(b, self.attention_kernel, q, *pools, table, start)
         own = self.read(k), self.read(v)
         if q.shape[0] == 1:
             cached = [self.read(read_blocks(b, pool, table)) for pool in pools]
@@ -255,8 +252,7 @@ class TextGraph:
                                   self.b.gather_rows(table.scales, tokens, hint="embed_scales"), "embed", biases)
             return self.b.transpose(columns, [1, 0], hint="embed")
         if isinstance(table, quant.BlockWeight):  # q8_0: rows out of the kernel's tiles
-            from kernels.q8_matmul import block_rows
-            return block_rows(self.b, table.q, table.scales, tokens, hint="embed")
+            return kernel_calls.block_rows(self.b, table.q, table.scales, tokens, hint="embed")
         rows = self.b.gather_rows(table, tokens, hint="embed")
         return rows if rows.dtype == "f32" else self.b.convert(rows, "f32", hint="embed")
 
@@ -459,3 +455,26 @@ def native_note(cfg: TextConfig) -> str:
         return ""
     return (f", {len(cfg.native_weights)} weights in the checkpoint's own bits "
             f"({', '.join(f'{bits}-bit {form} groups of {group}' for bits, group, form in kinds)}), f32 matmuls")
+
+
+def chunk_module(obj: str | None, rows: int, kv_heads: int, groups: int, head_dim: int, blocks: int,
+                 kv_dtype: str) -> str:
+    """A chunk's attention alone as a module's MLIR (`main`: q [rows, H, D], the K and V pools,
+    the table of run-time length and the start -> the context): through the kernel object
+    `obj`, or with `obj` None the graph form it replaces in the q8_0 and q4_0 graphs
+    (`grouped_attention` over the slots the table names, masked past each row's own), for the
+    tests and benchmarks that hold one against the other."""
+    from .vision import render_module
+
+    b = Builder()
+    q = b.argument("q", (rows, kv_heads * groups, head_dim))
+    pools = [b.argument(n, (kv_heads, blocks, BLOCK, head_dim), kv_dtype) for n in ("k_pool", "v_pool")]
+    table, start = b.argument("table", (SPAN_BLOCKS,), "i32"), b.argument("start", (), "i32")
+    b.bind(SPAN_BLOCKS.base, b.dimension_size(table, 0))
+    if obj is None:
+        f32 = lambda x: b.convert(x, "f32") if kv_dtype != "f32" else x  # noqa: E731
+        keys, values = (f32(read_span(b, p, table)) for p in pools)
+        out = grouped_attention(b, q, [keys], [values], position_mask(b, start, rows, SPAN))
+    else:
+        out = kernel_calls.chunk_attention(b, obj, q, *pools, table, start)
+    return render_module(b, [("out", out)], title="chunk attention, " + ("kernel" if obj else "graph form"))

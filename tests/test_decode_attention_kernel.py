@@ -1,5 +1,5 @@
 """The hand-written attention kernels (kernels/decode_attention.c, linked into IREE's executables
-by kernels/decode_attention.py): compiled by the real iree-compile, run by the IREE runtime, bit
+by emitter/kernel_calls.py): compiled by the real iree-compile, run by the IREE runtime, bit
 for bit against numpy's f32 math of the same order (`decode_attention.reference`), with f32 and
 bf16 pools, for the host's best ISA (AVX-512) and for x86-64-v3 code (AVX2); the table's length
 a run-time dim (one module, tables of several lengths); a shuffled table, padded entries past
@@ -19,8 +19,10 @@ from emitter.builder import Builder
 from emitter.kv_pages import BLOCK, SPAN_BLOCKS
 from emitter.targets import target_flags
 from emitter.vision import render_module
+from emitter import kernel_calls as calls
+from emitter.text import chunk_module
 from kernels import decode_attention as da
-from kernels import q8_matmul as q8
+from kernels.build import KernelError, build_object
 from runtime.artifact.compiler import compile_mlir
 from runtime.artifact.iree_module import LoadedModule
 
@@ -49,8 +51,8 @@ def vmfb(target: str, objects, kv_dtype: str, graph: bool = False) -> bytes:
         cached = [f32(read_blocks(b, p, table)) for p in pools]
         out = token_attention(b, q, *cached, position_mask(b, slot, 1, SPAN, own=False), f32(own_k), f32(own_v))
     else:
-        obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
-        out = da.token_attention(b, obj, q, *pools, table, slot, own_k, own_v)
+        obj = build_object(calls.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
+        out = calls.token_attention(b, obj, q, *pools, table, slot, own_k, own_v)
     return compile_mlir(render_module(b, [("out", out)], title="decode attention test"), target)
 
 
@@ -98,8 +100,8 @@ def test_kernel_is_the_graphs_attention(tmp_path, kv_dtype):
 
 def test_bounds_are_one_line():
     assert not da.fits(GROUPS, 100, "f32") and not da.fits(16, D, "f32") and da.fits(4, D, "bf16")
-    with pytest.raises(q8.KernelError, match="head_dim 100"):
-        da.executable("x.o", KV_HEADS, BLOCKS, GROUPS, 100, "f32")
+    with pytest.raises(KernelError, match="head_dim 100"):
+        calls.attention_executable("x.o", KV_HEADS, BLOCKS, GROUPS, 100, "f32")
 
 
 # -- a chunk's attention (prefill) -------------------------------------------
@@ -110,8 +112,8 @@ def chunk_vmfb(target: str, objects, kv_dtype: str, graph: bool = False) -> byte
     """The chunk kernel (or, `graph`, the graph's `grouped_attention` over the same reads, as
     emitter/text.py builds it) on q [ROWS, H, D], the pools holding the chunk's K/V, a table of
     run-time length and the chunk's start."""
-    obj = None if graph else q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
-    return compile_mlir(da.chunk_module(obj, ROWS, KV_HEADS, GROUPS, D, BLOCKS, kv_dtype), target)
+    obj = None if graph else build_object(calls.target_isa(tuple(target_flags(target))), objects, da.SOURCE)
+    return compile_mlir(chunk_module(obj, ROWS, KV_HEADS, GROUPS, D, BLOCKS, kv_dtype), target)
 
 
 def chunk_inputs(seed: int, kv_dtype: str, span_blocks: int, start: int):
@@ -153,8 +155,8 @@ def test_chunk_kernel_is_the_graphs_attention(tmp_path, kv_dtype):
 def test_chunk_kernel_takes_any_group_count(tmp_path, kv_heads, groups):
     """Query heads a KV head other than the 2B's 2 (the kernel takes two a pass: one left over
     at 1 and 3), bit for bit."""
-    obj = q8.build_object(q8.target_isa(tuple(target_flags("llvm-cpu"))), tmp_path, da.SOURCE)
-    module = LoadedModule(compile_mlir(da.chunk_module(obj, ROWS, kv_heads, groups, D, BLOCKS, "bf16"), "llvm-cpu"))
+    obj = build_object(calls.target_isa(tuple(target_flags("llvm-cpu"))), tmp_path, da.SOURCE)
+    module = LoadedModule(compile_mlir(chunk_module(obj, ROWS, kv_heads, groups, D, BLOCKS, "bf16"), "llvm-cpu"))
     rng = np.random.default_rng(7)
     q = rng.standard_normal((ROWS, kv_heads * groups, D), dtype=np.float32)
     kp, vp = (bf16(rng.standard_normal((kv_heads, BLOCKS, BLOCK, D), dtype=np.float32)) for _ in range(2))
@@ -165,5 +167,5 @@ def test_chunk_kernel_takes_any_group_count(tmp_path, kv_heads, groups):
 
 def test_chunk_bounds_are_one_line():
     assert da.chunk_fits(GROUPS, D, "bf16") and not da.chunk_fits(GROUPS, 256, "f32")
-    with pytest.raises(q8.KernelError, match="30 rows"):
-        da.chunk_executable("x.o", KV_HEADS, BLOCKS, GROUPS, D, 30, "f32")
+    with pytest.raises(KernelError, match="30 rows"):
+        calls.chunk_executable("x.o", KV_HEADS, BLOCKS, GROUPS, D, 30, "f32")

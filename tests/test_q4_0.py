@@ -21,13 +21,14 @@ import pytest
 from emitter import quant
 from emitter.identity import graph_precision
 from emitter.text import text_weights
+from emitter.kernel_calls import block_rows
 from kernels import q8_matmul
 from runtime.checkpoints.synthetic_text import write_text_model
 from test_q8_0 import CFG, UNTIED, check_integer_math, folders  # noqa: F401 (the fixture)
 
-Q4_0 = functools.partial(q8_matmul.quantize_weight, bits=4)  # our Q4_0 blocks (searched f16 scales)
-Q6 = functools.partial(q8_matmul.quantize_weight, bits=6)  # lm_head's 6-bit blocks (the same search)
-Q8_0 = q8_matmul.quantize_weight
+Q4_0 = functools.partial(quant.block_weight, bits=4)  # our Q4_0 blocks (searched f16 scales)
+Q6 = functools.partial(quant.block_weight, bits=6)  # lm_head's 6-bit blocks (the same search)
+Q8_0 = quant.block_weight
 
 
 # Rows of 256 inputs: lm_head in 6 bits (at 64, CFG's, it is Q8_0, as llama.cpp falls back from Q6_K)
@@ -96,7 +97,7 @@ def test_a_target_without_the_kernel_is_one_line():
 
 @pytest.mark.parametrize("bits", [8, 6, 4])
 def test_rows_gathered_out_of_the_tiles_are_the_dequantized_rows(bits):
-    """`q8_matmul.block_rows` (the embedding of a tied table) at each packed width: the rows of
+    """`kernel_calls.block_rows` (the embedding of a tied table) at each packed width: the rows of
     the packed weight, each block's values times its f16 scale, exactly; at 6 and 4 bits every
     code occurs."""
     from emitter.builder import Builder
@@ -105,10 +106,10 @@ def test_rows_gathered_out_of_the_tiles_are_the_dequantized_rows(bits):
     from runtime.artifact.iree_module import LoadedModule
 
     n, k, rows = 64, 96, np.array([0, 17, 63, 17, 40], np.int32)
-    q, scales = q8_matmul.quantize_weight(np.random.default_rng(bits).standard_normal((n, k), dtype=np.float32), bits)
+    q, scales = quant.block_weight(np.random.default_rng(bits).standard_normal((n, k), dtype=np.float32), bits)
     assert bits == 8 or set(np.unique(q)) == set(range(-(1 << (bits - 1)), 1 << (bits - 1)))
     b = Builder()
-    out = q8_matmul.block_rows(b, b.argument("w", (n, k * bits // 8), "i8"), b.argument("s", (n, k // 32), "f16"),
+    out = block_rows(b, b.argument("w", (n, k * bits // 8), "i8"), b.argument("s", (n, k // 32), "f16"),
                                b.argument("rows", (len(rows),), "i32"))
     module = LoadedModule(compile_mlir(render_module(b, [("rows", out)], title="block rows"), "llvm-cpu"))
     got = module(q8_matmul.pack_weight(q, bits).reshape(n, -1), q8_matmul.pack_scales(scales).reshape(n, -1), rows)[0]

@@ -24,7 +24,7 @@ from emitter import quant
 from emitter.config import ConfigError
 from emitter.identity import graph_precision
 from emitter.text import text_weights
-from kernels import q8_matmul
+from kernels import build, q8_matmul
 from runtime.checkpoints.synthetic_text import write_text_model
 from test_quant import CFG
 
@@ -34,8 +34,8 @@ UNTIED = dataclasses.replace(CFG, tie_word_embeddings=False)  # lm_head through 
 
 
 def ours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x's Q8_0 blocks as the q8_0 graph makes them: f32 scales (`q8_matmul.quantize_x`)."""
-    return q8_matmul.quantize_x(x)[:2]
+    """x's Q8_0 blocks as the q8_0 graph makes them: f32 scales (`quant.block_activations`)."""
+    return quant.block_activations(x)[:2]
 
 
 def llama_cpp(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -50,9 +50,9 @@ def llama_cpp(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(m, k), d.astype(np.float16).astype(np.float32)
 
 
-def q8_linear(weight, activations=ours, blocks=q8_matmul.quantize_weight):
+def q8_linear(weight, activations=ours, blocks=quant.block_weight):
     """A torch module computing x @ weight.T in Q8_0 x Q8_0, or Q4_0 x Q8_0 (`q8_matmul.reference`):
-    the weight's blocks made by `blocks` (Q8_0's `q8_matmul.quantize_weight`) against x's made
+    the weight's blocks made by `blocks` (Q8_0's `quant.block_weight`) against x's made
     by `activations`."""
     import torch
 
@@ -67,7 +67,7 @@ def q8_linear(weight, activations=ours, blocks=q8_matmul.quantize_weight):
     return Q8()
 
 
-def table_numbers(w: np.ndarray, blocks=q8_matmul.quantize_weight) -> np.ndarray:
+def table_numbers(w: np.ndarray, blocks=quant.block_weight) -> np.ndarray:
     """The embedding table's numbers: its `blocks` (ours: Q8_0 blocks with searched f16
     scales, or the head's of a tied table), dequantized."""
     q, scales = blocks(w)
@@ -75,8 +75,8 @@ def table_numbers(w: np.ndarray, blocks=q8_matmul.quantize_weight) -> np.ndarray
 
 
 def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours",
-                     blocks=q8_matmul.quantize_weight, head_blocks=q8_matmul.quantize_weight,
-                     table_blocks=q8_matmul.quantize_weight) -> np.ndarray:
+                     blocks=quant.block_weight, head_blocks=quant.block_weight,
+                     table_blocks=quant.block_weight) -> np.ndarray:
     """transformers' Qwen3VLTextModel over the checkpoint with every projection in integer math
     (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's), lm_head in integer math
     over its `head_blocks` (Q8_0's, or q4_0's 6-bit; tied: the table's) and the embedding table's
@@ -129,10 +129,10 @@ def test_q8_0_equals_numpys_integer_math(folders, name, cfg):
     """Prefill (two chunks: 32 rows, then 5) and greedy decode steps through the kernel
     against numpy's integer math of the same weights; against f32 it is quantized (the
     control: the comparison can fail)."""
-    check_integer_math(folders, name, cfg, "q8_0", q8_matmul.quantize_weight)
+    check_integer_math(folders, name, cfg, "q8_0", quant.block_weight)
 
 
-def check_integer_math(folders, name: str, cfg, precision: str, blocks, head_blocks=q8_matmul.quantize_weight) -> None:
+def check_integer_math(folders, name: str, cfg, precision: str, blocks, head_blocks=quant.block_weight) -> None:
     """The session's logits under `precision` against `reference_logits` with the weights'
     `blocks` and lm_head's `head_blocks`: relL2 <= TOL, greedy tokens equal, and far from f32's."""
     ours = chunked_logits(folders / name, folders / "cache", precision, cfg.vocab_size, STEPS)
@@ -156,7 +156,7 @@ def test_q8_0_weights_are_q8_0_blocks_in_the_kernels_tiles():
     assert specs[quant.scales_name(table)].dtype == "f16"
     w = np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32)
     q, scales = quant.Layout(8, quant.BLOCK, packed=True).store(w)
-    ref_q, ref_scales = q8_matmul.quantize_weight(w)
+    ref_q, ref_scales = quant.block_weight(w)
     assert np.array_equal(q.reshape(-1), q8_matmul.pack_weight(ref_q))
     assert np.array_equal(scales.reshape(-1), q8_matmul.pack_scales(ref_scales))
 
@@ -183,10 +183,10 @@ def test_the_identity_does_not_depend_on_the_kernel_folder(tmp_path, monkeypatch
     from emitter.text_shape import TextShape
     fields = []
     for folder in ("one", "two"):
-        monkeypatch.setenv(q8_matmul.OBJECTS_ENV, str(tmp_path / folder))
+        monkeypatch.setenv(build.OBJECTS_ENV, str(tmp_path / folder))
         fields.append(text_artifact_fields(CFG, TextShape((32,), 64), 0, "q8_0-avx2"))
         assert sorted(p.name for p in (tmp_path / folder).iterdir()) == sorted(
-            [q8_matmul.build_object("avx2", tmp_path).name, q8_matmul.build_object("avx2", tmp_path, decode_attention.SOURCE).name])
+            [build.build_object("avx2", tmp_path, s).name for s in (q8_matmul.SOURCE, decode_attention.SOURCE)])
     assert fields[0] == fields[1]
     assert str(tmp_path) not in json.dumps(fields[0])
 

@@ -1,5 +1,5 @@
 """The hand-written Q8_0 x Q8_0 and Q4_0 x Q8_0 kernels (kernels/q8_matmul.c, linked into IREE's
-executables by kernels/q8_matmul.py): compiled by the real iree-compile, run by the IREE runtime
+executables by emitter/kernel_calls.py): compiled by the real iree-compile, run by the IREE runtime
 (python and iree-run-module), bit for bit against numpy's integer math of the same order
 (`q8_matmul.reference`), at 8, 6 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
 for x86-64-v3 code (AVX2), at 1 to 11 rows; bad shapes and weights get a one-line error; a failed
@@ -21,6 +21,10 @@ import pytest
 from emitter.builder import Builder, BuildError, TensorType
 from emitter.targets import target_flags
 from emitter.vision import render_module
+from emitter import kernel_calls as calls
+from emitter.layers import block_project, quantized_blocks
+from emitter.quant import BlockWeight, block_activations, block_weight
+from kernels import build
 from kernels import q8_matmul as q8
 from runtime.artifact.compiler import CompileError, compile_mlir
 from runtime.artifact.iree_module import LoadedModule
@@ -36,20 +40,20 @@ def graph_vmfb(m: int, target: str, objects, bits: int = 8, by_name: bool = Fals
     """x [M, K] f32, the packed weight (`bits` wide) and scales in; the projection and x's
     quantized blocks out; `by_name`: the graph names the object by file name (as the text
     module does)."""
-    obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects)
+    obj = build.build_object(calls.target_isa(tuple(target_flags(target))), objects, q8.SOURCE)
     obj = obj.name if by_name else obj
     b = Builder()
     x = b.argument("x", (m, K))
-    y = q8.block_project(b, x, b.argument("w", (N * K * bits // 8,), "i8"),
-                         b.argument("s", (N * K // q8.BLOCK,), "f16"), obj)
-    xq, dx, xs = q8.quantized_blocks(b, x, "check")
+    w, s = b.argument("w", (N * K * bits // 8,), "i8"), b.argument("s", (N * K // q8.BLOCK,), "f16")
+    y = block_project(b, x, BlockWeight(b.reshape(w, (N, K * bits // 8)), b.reshape(s, (N, K // q8.BLOCK)), obj), "q8")
+    xq, dx, xs = quantized_blocks(b, x, "check")
     text = render_module(b, [("y", y), ("xq", xq), ("dx", dx), ("xs", xs)], title="q8 kernel test")
     return compile_mlir(text, target)
 
 
 def weights(seed: int, bits: int = 8):
     """(q, scales) of a random [N, K] weight, Q8_0's grid (8 bits), the 6-bit one or Q4_0's (4)."""
-    return q8.quantize_weight(np.random.default_rng(seed).standard_normal((N, K), dtype=np.float32), bits)
+    return block_weight(np.random.default_rng(seed).standard_normal((N, K), dtype=np.float32), bits)
 
 
 @pytest.mark.parametrize("bits", [8, 6, 4])
@@ -70,7 +74,7 @@ def test_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m, bits
     assert bits == 8 or set(np.unique(q)) == set(range(-(1 << bits - 1), 1 << bits - 1))
     module = LoadedModule(graph_vmfb(m, target, tmp_path, bits))
     y, xq, dx, xs = module(x, q8.pack_weight(q, bits), q8.pack_scales(scales))
-    ref_xq, ref_dx, ref_xs = q8.quantize_x(x)
+    ref_xq, ref_dx, ref_xs = block_activations(x)
     assert np.array_equal(xq, ref_xq) and np.array_equal(dx, ref_dx) and np.array_equal(xs, ref_xs)
     assert np.array_equal(y, q8.reference(ref_xq, ref_dx, q, scales))
     if m > 1:
@@ -90,7 +94,7 @@ def test_6_bit_sums_at_their_extremes_are_exact(tmp_path, target, m):
     q = np.stack([np.full(K, 31, np.int8), np.full(K, -32, np.int8), matched, -1 - matched] * (N // 4))
     scales = np.full((N, K // q8.BLOCK), 0.5, np.float16)
     y = LoadedModule(graph_vmfb(m, target, tmp_path, 6))(x, q8.pack_weight(q, 6), q8.pack_scales(scales))[0]
-    xq, dx, _ = q8.quantize_x(x)
+    xq, dx, _ = block_activations(x)
     assert np.abs(xq).min() == 127
     assert np.array_equal(y, q8.reference(xq, dx, q, scales))
 
@@ -108,21 +112,21 @@ def test_iree_run_module_runs_the_linked_kernel(tmp_path, bits):
                     *[f"--input=@{tmp_path / name}.npy" for name in "xws"],
                     *[f"--output=@{tmp_path / name}.npy" for name in ("y", "xq", "dx", "xs")]],
                    check=True, capture_output=True)
-    xq, dx, _ = q8.quantize_x(x)
+    xq, dx, _ = block_activations(x)
     assert np.array_equal(np.load(tmp_path / "y.npy"), q8.reference(xq, dx, q, scales))
 
 
 def test_a_graph_naming_the_object_compiles_from_the_kernel_folder(tmp_path, monkeypatch):
     """The object by file name, in a folder of `$QWEN3VL_KERNEL_DIR`: compile_mlir finds it there
     (and only there: the graph holds no folder)."""
-    monkeypatch.setenv(q8.OBJECTS_ENV, str(tmp_path / "elsewhere"))
+    monkeypatch.setenv(build.OBJECTS_ENV, str(tmp_path / "elsewhere"))
     m = 3
     x = np.random.default_rng(3).standard_normal((m, K), dtype=np.float32)
     q, scales = weights(3)
     y = LoadedModule(graph_vmfb(m, "llvm-cpu", tmp_path / "elsewhere", by_name=True))(
         x, q8.pack_weight(q), q8.pack_scales(scales))[0]
-    assert np.array_equal(y, q8.reference(*q8.quantize_x(x)[:2], q, scales))
-    monkeypatch.setenv(q8.OBJECTS_ENV, str(tmp_path / "empty"))
+    assert np.array_equal(y, q8.reference(*block_activations(x)[:2], q, scales))
+    monkeypatch.setenv(build.OBJECTS_ENV, str(tmp_path / "empty"))
     with pytest.raises(CompileError, match="referenced object file not found"):
         graph_vmfb(m, "llvm-cpu", tmp_path / "elsewhere", by_name=True)
 
@@ -139,9 +143,9 @@ def test_the_install_step_builds_every_isa_once(tmp_path):
     built = sorted(tmp_path.glob("*.o"))
     from kernels.__main__ import SOURCES
     assert sorted((p.name.split("-")[0], p.name.split("-")[1]) for p in built) == sorted(
-        (source.stem, isa) for source in SOURCES for isa in q8.ISA_FLAGS)
-    assert first.stdout.split() == [str(q8.build_object(isa, tmp_path, source)) for source in SOURCES
-                                    for isa in q8.ISA_FLAGS]
+        (source.stem, isa) for source in SOURCES for isa in build.ISA_FLAGS)
+    assert first.stdout.split() == [str(build.build_object(isa, tmp_path, source)) for source in SOURCES
+                                    for isa in build.ISA_FLAGS]
     stamps = [p.stat().st_mtime_ns for p in built]
     again = install_step(tmp_path)
     assert again.returncode == 0 and [p.stat().st_mtime_ns for p in built] == stamps  # nothing rebuilt
@@ -157,10 +161,10 @@ def test_the_install_step_without_a_c_compiler_is_one_line(tmp_path):
 
 
 def test_target_isa_follows_the_compile_target():
-    assert q8.target_isa(tuple(target_flags("llvm-cpu-x86-64-v3"))) == "avx2"
-    assert q8.isa_for_features("+avx2,+avx512f,+avx512bw,+avx512vl,+avx512vnni") == "avx512vnni"
-    with pytest.raises(q8.KernelError, match="expected AVX2 or AVX-512 VNNI"):
-        q8.isa_for_features("+sse4.2")
+    assert calls.target_isa(tuple(target_flags("llvm-cpu-x86-64-v3"))) == "avx2"
+    assert build.isa_for_features("+avx2,+avx512f,+avx512bw,+avx512vl,+avx512vnni") == "avx512vnni"
+    with pytest.raises(build.KernelError, match="expected AVX2 or AVX-512 VNNI"):
+        build.isa_for_features("+sse4.2")
 
 
 @pytest.mark.parametrize("m, n, k, expected", [
@@ -169,8 +173,8 @@ def test_target_isa_follows_the_compile_target():
     (0, 128, 512, "rows 0: expected at least 1"),
 ])
 def test_bad_shapes_get_one_line(m, n, k, expected):
-    with pytest.raises(q8.KernelError, match=expected) as e:
-        q8.executable("unused.o", m, n, k)
+    with pytest.raises(build.KernelError, match=expected) as e:
+        calls.matmul_executable("unused.o", m, n, k)
     assert "\n" not in str(e.value)
 
 
@@ -178,7 +182,7 @@ def test_a_weight_of_minus_128_is_refused():
     """The AVX2 path's sign trick cannot negate -128: the packer refuses it."""
     q = np.zeros((64, 32), np.int8)
     q[3, 5] = -128
-    with pytest.raises(q8.KernelError, match=r"weight: expected int8 values in \[-127, 127\]"):
+    with pytest.raises(build.KernelError, match=r"weight: expected int8 values in \[-127, 127\]"):
         q8.pack_weight(q)
 
 
@@ -187,7 +191,7 @@ def test_a_weight_of_minus_128_is_refused():
 def test_a_weight_outside_its_codes_is_refused(bits, value, codes):
     q = np.zeros((64, 32), np.int8)
     q[3, 5] = value
-    with pytest.raises(q8.KernelError, match=rf"weight: expected int8 values in {codes}$"):
+    with pytest.raises(build.KernelError, match=rf"weight: expected int8 values in {codes}$"):
         q8.pack_weight(q, bits)
 
 
@@ -217,12 +221,12 @@ def test_q6_weight_bytes_are_6_5_bits_and_unpack_to_the_codes():
 
 
 def test_bad_bits_are_one_line():
-    with pytest.raises(q8.KernelError, match=r"^q8_matmul: weight bits 2: expected one of 8, 6, 4$"):
-        q8.executable("unused.o", 1, 64, 64, bits=2)
+    with pytest.raises(build.KernelError, match=r"^q8_matmul: weight bits 2: expected one of 8, 6, 4$"):
+        calls.matmul_executable("unused.o", 1, 64, 64, bits=2)
 
 
 def test_scales_must_be_f16():
-    with pytest.raises(q8.KernelError, match="scales of float32: expected float16"):
+    with pytest.raises(build.KernelError, match="scales of float32: expected float16"):
         q8.pack_scales(np.ones((64, 1), np.float32))
 
 
@@ -233,8 +237,8 @@ def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     out = tmp_path / "objects"
-    with pytest.raises(q8.KernelError, match="broken-cc failed for avx2"):
-        q8.build_object("avx2", out)
+    with pytest.raises(build.KernelError, match="broken-cc failed for avx2"):
+        build.build_object("avx2", out, q8.SOURCE)
     assert not any(out.rglob("*"))
 
 

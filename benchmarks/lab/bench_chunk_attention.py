@@ -1,5 +1,5 @@
 """A prefill chunk's attention alone, one layer of the 2B's shape: the hand-written kernel
-(kernels/decode_attention.py `chunk_attention`, the q8_0 and q4_0 graphs' form) against the
+(emitter/kernel_calls.py `chunk_attention`, the q8_0 and q4_0 graphs' form) against the
 graph form it replaced (emitter/attention.py `grouped_attention` over the span the table
 names, the f32 and bf16 graphs' form), both compiled by iree-compile for this machine and
 called alternately in one process, bf16 pools by default.
@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from emitter.kv_pages import BLOCK  # noqa: E402
 from emitter.targets import target_flags  # noqa: E402
 from kernels import decode_attention as da  # noqa: E402
-from kernels import q8_matmul as q8  # noqa: E402
+from emitter.kernel_calls import target_isa  # noqa: E402
+from emitter.text import chunk_module  # noqa: E402
+from kernels.build import build_object  # noqa: E402
 from runtime.artifact.compiler import compile_mlir  # noqa: E402
 from runtime.artifact.iree_module import LoadedModule  # noqa: E402
 from runtime.vision import set_thread_count  # noqa: E402
@@ -37,8 +39,8 @@ from runtime.vision import set_thread_count  # noqa: E402
 
 def module(form: str, rows: int, kv_heads: int, groups: int, d: int, blocks: int, kv_dtype: str, target: str,
            objects: Path) -> LoadedModule:
-    obj = q8.build_object(q8.target_isa(tuple(target_flags(target))), objects, da.SOURCE) if form == "kernel" else None
-    return LoadedModule(compile_mlir(da.chunk_module(obj, rows, kv_heads, groups, d, blocks, kv_dtype), target))
+    obj = build_object(target_isa(tuple(target_flags(target))), objects, da.SOURCE) if form == "kernel" else None
+    return LoadedModule(compile_mlir(chunk_module(obj, rows, kv_heads, groups, d, blocks, kv_dtype), target))
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ workers pulling 128-output workgroups off one counter, as IREE's workers do; at 
 projection, the GB/s of weight and scale bytes, and that rate over the read's (the roof) for
 each ISA, row count and weight width (8, 6 or 4 bits; a baseline older than the 6-bit entry runs
 this one's in its place at 6 bits: "base missing"). Both builds use the kernel's own flags
-(`q8_matmul.COMMON_FLAGS`, `ISA_FLAGS`); A's and B's results are compared bit for bit.
+(kernels/build.py `COMMON_FLAGS`, `ISA_FLAGS`); A's and B's results are compared bit for bit.
 
     git show main:kernels/q8_matmul.c > /tmp/q8_main.c
     .venv/bin/python benchmarks/lab/bench_q8_loop.py --baseline /tmp/q8_main.c --rows 1 --isa avx512vnni avx2
@@ -25,18 +25,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import q8_matmul  # noqa: E402
+from kernels import build, q8_matmul  # noqa: E402
 
 HARNESS = Path(__file__).with_name("q8_loop.c")
 
 
-def build(isa: str, a: Path, b: Path, folder: Path) -> Path:
+def build_loop(isa: str, a: Path, b: Path, folder: Path) -> Path:
     """The harness linked with `a` and `b` built for `isa` (their entries renamed apart)."""
-    cc = q8_matmul.compiler()
+    cc = build.compiler()
     objects = []
     for name, source in (("A", a), ("B", b)):
         obj = folder / f"{isa}-{name}.o"
-        subprocess.run([cc, *q8_matmul.COMMON_FLAGS, *q8_matmul.ISA_FLAGS[isa], "-fvisibility=default",
+        subprocess.run([cc, *build.COMMON_FLAGS, *build.ISA_FLAGS[isa], "-fvisibility=default",
                         *(f"-D{entry}={entry[:2]}_{name}" for entry in q8_matmul.ENTRIES.values()),
                         "-c", str(source), "-o", str(obj)], check=True)
         objects.append(str(obj))
@@ -49,7 +49,7 @@ def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", type=Path, default=q8_matmul.SOURCE,
                    help="the other version of kernels/q8_matmul.c (A; default: this one, a noise check)")
-    p.add_argument("--isa", nargs="+", default=list(q8_matmul.ISA_FLAGS), choices=list(q8_matmul.ISA_FLAGS))
+    p.add_argument("--isa", nargs="+", default=list(build.ISA_FLAGS), choices=list(build.ISA_FLAGS))
     p.add_argument("--rows", type=int, nargs="+", default=[1])
     p.add_argument("--bits", type=int, nargs="+", default=[8, 4], choices=sorted(q8_matmul.ENTRIES))
     p.add_argument("--threads", type=int, default=2)
@@ -60,7 +60,7 @@ def main(argv=None) -> list:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for isa in args.isa:
-            exe = build(isa, args.baseline, q8_matmul.SOURCE, Path(tmp))
+            exe = build_loop(isa, args.baseline, q8_matmul.SOURCE, Path(tmp))
             for m in args.rows:
                 for bits in args.bits:
                     done = subprocess.run([str(exe), str(m), str(bits), str(args.threads), str(args.megabytes),

@@ -23,7 +23,7 @@ sweep, `--rounds` times; the median sweep gives ms per projection. Forms:
   a plain i8 x i8 -> i32 matmul, which IREE's data tiling packs into s8s8s32 tiles.
 - q8k / q8k-avx2: llama.cpp's Q8_0 x Q8_0 math (int8 weights and activations in blocks of 32,
   a scale per block on both sides) in a hand-written C kernel that iree-compile links into
-  the executable (kernels/q8_matmul.py): the target's best ISA (AVX-512 VNNI or AVX2), or its
+  the executable (emitter/kernel_calls.py): the target's best ISA (AVX-512 VNNI or AVX2), or its
   AVX2 build on the same target. q4k / q4k-avx2: llama.cpp's Q4_0 x Q8_0 math in the same
   kernel (4-bit weights, Q4_0's 18 bytes a block of 32 with its f16 scale).
 
@@ -63,11 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from emitter import quant  # noqa: E402
 from emitter.builder import Builder  # noqa: E402
-from emitter.layers import integer_project, project, quantized_project  # noqa: E402
+from emitter.kernel_calls import block_matmul, target_isa  # noqa: E402
+from emitter.layers import integer_project, project, quantized_blocks, quantized_project  # noqa: E402
 from emitter.module import function, render  # noqa: E402
 from emitter.quant import QuantizedWeight  # noqa: E402
 from emitter.targets import target_flags  # noqa: E402
-from kernels import q8_matmul  # noqa: E402
+from kernels import build, q8_matmul  # noqa: E402
 from runtime.artifact.iree_module import device_config, parameters_module  # noqa: E402
 from runtime.bench.roof import memory_bandwidth_gbs  # noqa: E402
 from runtime.vision import set_thread_count  # noqa: E402
@@ -102,8 +103,8 @@ def weight_bytes(form: str, n: int, k: int) -> int:
 
 def kernel_object(form: str, objects: Path, source: Path = q8_matmul.SOURCE) -> Path:
     """The kernel object a kernel form links: the compile target's ISA, or AVX2, built from `source`."""
-    isa = "avx2" if form.endswith("-avx2") else q8_matmul.target_isa(tuple(target_flags("llvm-cpu")))
-    return q8_matmul.build_object(isa, objects, source)
+    isa = "avx2" if form.endswith("-avx2") else target_isa(tuple(target_flags("llvm-cpu")))
+    return build.build_object(isa, objects, source)
 
 
 def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, objects: Path | None = None,
@@ -121,7 +122,7 @@ def module_text(form: str, n: int, k: int, m: int, count: int, per_call: int, ob
             if form in KERNEL_FORMS:
                 w = b.parameter(f"w{i}", (n * k * bits // 8,), "i8", f"w{i}")
                 s = b.parameter(f"s{i}", (n * k // group,), "f16", f"s{i}")
-                y = q8_matmul.block_project(b, x, w, s, kernel_object(form, objects, source), hint=f"p{i}")
+                y = block_matmul(b, *quantized_blocks(b, x, f"p{i}_x"), w, s, kernel_object(form, objects, source), f"p{i}")
             elif bits == 16:
                 w = b.parameter(f"w{i}", (n, k), "bf16", f"w{i}")
                 y = project(b, x, w, hint=f"p{i}")
@@ -147,7 +148,7 @@ def weight_arrays(form: str, n: int, k: int, count: int, seed: int = 0):
         base = (w.view(np.uint32) >> 16).astype(np.uint16)
         return [(f"w{i}", np.roll(base, i)) for i in range(count)]
     if form in KERNEL_FORMS:
-        q, scales = q8_matmul.quantize_weight(w, bits)
+        q, scales = quant.block_weight(w, bits)
         packed, packed_scales = q8_matmul.pack_weight(q, bits), q8_matmul.pack_scales(scales)
         return [pair for i in range(count) for pair in ((f"w{i}", np.roll(packed, i)), (f"s{i}", packed_scales))]
     q, scales = quant.stored(w, quant.Layout(bits, group))
@@ -196,10 +197,10 @@ def quality(n: int = 1024, k: int = 2048, m: int = 8, outliers: int = 8, seed: i
     x = rng.standard_normal((m, k), dtype=np.float32)
     x[:, rng.choice(k, outliers, replace=False)] *= 20
     y = x @ w.T
-    q, s = q8_matmul.quantize_weight(w)
-    xq, dx, _ = q8_matmul.quantize_x(x)
+    q, s = quant.block_weight(w)
+    xq, dx, _ = quant.block_activations(x)
     forms = {"q8k": q8_matmul.reference(xq, dx, q, s),
-             "q4k": q8_matmul.reference(xq, dx, *q8_matmul.quantize_weight(w, 4)),
+             "q4k": q8_matmul.reference(xq, dx, *quant.block_weight(w, 4)),
              "w8a8-row": quant.integer_matmul(x, *quant.quantize(w, quant.Layout(8, k))),
              "w8a8-g32": quant.integer_matmul(x, *quant.quantize(w, quant.Layout(8, 32))),
              "int8": x @ quant.dequantize(*quant.quantize(w, quant.Layout(8)), quant.GROUP).T,

@@ -17,7 +17,7 @@ from iree.compiler.tools.binaries import find_tool
 from emitter.errors import Failure
 from emitter.identity import graph_precision, precision_note
 from emitter.targets import target_flags
-from kernels.q8_matmul import search_flags
+from kernels.build import search_flags
 
 # What iree.compiler.compile_str put before our flags; kept so the vmfb stays the same.
 BASE_FLAGS = ("--iree-input-type=auto", "--iree-vm-bytecode-module-output-format=flatbuffer-binary",
