@@ -193,26 +193,3 @@ def _tag(a: np.ndarray) -> str:
 def _write_json(path: Path, value: dict) -> None:
     write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
 
-
-def write_text_preset_checkpoint(folder, preset_name: str, layout: str = "hf", dtype: str = "f32", bits=None,
-                                 seed: int = 0, group_size: int = 64) -> str:
-    """`qwen3vl random-checkpoint --with-text`: the vision and text presets of one name, in the
-    Hugging Face layout in f32, or in mlx-vlm's (`synthetic_mlx`: any dtype, quantized with
-    `bits`); a line saying what."""
-    from emitter.config import ConfigError, preset
-    from emitter.text_config import TEXT_PRESETS
-
-    if layout == "hf" and (dtype != "f32" or bits):
-        raise ValueError("--with-text: writes the Hugging Face layout in f32 only (no --dtype, --bits; "
-                         "--layout mlx takes them)")
-    if preset_name not in TEXT_PRESETS:
-        raise ConfigError(f"--preset {preset_name!r}: no language-model preset; expected one of "
-                          f"{', '.join(TEXT_PRESETS)}")
-    if layout == "mlx":
-        from runtime.checkpoints.synthetic_mlx import write_mlx_generation_checkpoint
-        write_mlx_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name],
-                                        int(bits) if bits else None, group_size, dtype, seed)
-        quantized = f", {bits}-bit groups of {group_size}" if bits else ""
-        return f"wrote {folder} ({preset_name}, mlx, {dtype}{quantized}, with a language model, tokenizer and chat template)"
-    write_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name], seed=seed)
-    return f"wrote {folder} ({preset_name}, hf, f32, with a language model, tokenizer and chat template)"

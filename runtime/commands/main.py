@@ -1,4 +1,5 @@
-"""`qwen3vl`: the command-line entry point (presets, build, run, oracle, random-checkpoint)."""
+"""`qwen3vl`: the command-line entry point (presets, build, run, export, random-checkpoint here; generate,
+serve, embed, oracle and bench in their own modules)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class OneLineErrors(click.Group):
 
 @click.group(cls=OneLineErrors, context_settings=CONTEXT)
 def main():
-    """Compile and run the Qwen3-VL vision tower with IREE."""
+    """Compile and run Qwen3-VL (the vision tower and the language model) with IREE."""
     signal.signal(signal.SIGTERM, terminated)
 
 
@@ -167,12 +168,35 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, group_size, seed
 
     cfg = preset(preset_name)
     if with_text:
-        from runtime.checkpoints.synthetic_text import write_text_preset_checkpoint
-        click.echo(write_text_preset_checkpoint(folder, preset_name, layout, dtype, bits, seed, int(group_size)))
+        click.echo(with_text_checkpoint(folder, preset_name, layout, dtype, bits, seed, int(group_size)))
         return
     write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None,
                      group_size=int(group_size))
     click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
+
+
+def with_text_checkpoint(folder, preset_name: str, layout: str, dtype: str, bits, seed: int, group_size: int) -> str:
+    """`random-checkpoint --with-text`: the vision and text presets of one name, in the
+    Hugging Face layout in f32 (`synthetic_text`), or in mlx-vlm's (`synthetic_mlx`: any
+    dtype, quantized with `bits`); a line saying what."""
+    from emitter.config import ConfigError, preset
+    from emitter.text_config import TEXT_PRESETS
+
+    if layout == "hf" and (dtype != "f32" or bits):
+        raise ValueError("--with-text: writes the Hugging Face layout in f32 only (no --dtype, --bits; "
+                         "--layout mlx takes them)")
+    if preset_name not in TEXT_PRESETS:
+        raise ConfigError(f"--preset {preset_name!r}: no language-model preset; expected one of "
+                          f"{', '.join(TEXT_PRESETS)}")
+    if layout == "mlx":
+        from runtime.checkpoints.synthetic_mlx import write_mlx_generation_checkpoint
+        write_mlx_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name],
+                                        int(bits) if bits else None, group_size, dtype, seed)
+        quantized = f", {bits}-bit groups of {group_size}" if bits else ""
+        return f"wrote {folder} ({preset_name}, mlx, {dtype}{quantized}, with a language model, tokenizer and chat template)"
+    from runtime.checkpoints.synthetic_text import write_generation_checkpoint
+    write_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name], seed=seed)
+    return f"wrote {folder} ({preset_name}, hf, f32, with a language model, tokenizer and chat template)"
 
 
 from runtime.commands.oracle import oracle_command  # noqa: E402

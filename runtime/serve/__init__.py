@@ -12,11 +12,16 @@
 - `tools`, `reasoning`: the tool-call formats of Qwen's templates; the <think> split.
 - `structured`: llguidance grammars and the per-sequence token masks.
 - `endpoints`: /v1/models/{id}, /v1/completions, /tokenize, /detokenize.
+- `respond`: what chat and completions share: a job's events to its client, whole or as
+  SSE, the job cancelled when the client leaves.
 - `image_budget`: mm_processor_kwargs within --image-min-tokens / --image-max-tokens.
 - `scheduler`: the engine thread that runs requests on the model.
 - `encoder_cache`: the tower's rows of media already seen (LRU in bytes).
 - `metrics`: Prometheus metrics.
 - `server`: uvicorn's server with a shutdown that answers every request past `--grace`.
+- `assemble`: one server's parts from its options (generator, engine, metrics, app).
+- `ray_app`, `ray_router`, `affinity`, `scaling`: `--ray`, the server as replicas on Ray Serve,
+  requests routed by the start of their prompt to the replica whose cache holds it.
 
 The `qwen3vl serve` command itself is runtime/commands/serve.py.
 """

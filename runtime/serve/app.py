@@ -5,14 +5,12 @@ GET /health, GET /metrics; the rest (GET /v1/models/{id}, POST /v1/completions, 
 /detokenize) in runtime/serve/endpoints.py. Every response that is not a success is
 OpenAI's error object with a 4xx/5xx status (the Host, API-key and Content-Type checks and
 the catch-all are in `guard`; the body's bounds in `body`). A client that leaves cancels
-its request at once: the handler waits on the job's next event or the connection's end,
-whichever comes first.
+its request at once (`respond`, shared with /v1/completions).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import uuid
@@ -20,7 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -34,6 +32,7 @@ from runtime.serve.endpoints import add_routes
 from runtime.serve.image_budget import ImageBudget
 from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import check_logit_bias, parse_chat_request
+from runtime.serve.respond import Departure, fingerprint, next_event, respond, sse
 from runtime.serve.scheduler import Job, as_api_error
 
 
@@ -110,24 +109,9 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         job, folder = await checked(request)
-        gone, streaming = Departure(request), False
-        try:
-            engine.submit(job)
-            first = await next_event(job, gone)
-            if first[0] == "error":
-                raise folder.scrub(first[1])
-            reply = Reply(model_id, job.request, first[1])
-            if job.request.stream:
-                streaming = True  # the stream watches its client, and cleans up, from here
-                return StreamingResponse(stream(job, reply, folder), media_type="text/event-stream")
-            return await collect(job, reply, gone, folder)
-        except ClientGone:
-            return Response(status_code=499)  # nginx's "client closed request": no one reads it
-        finally:
-            gone.stop()
-            if not streaming:
-                folder.close()
-                job.cancelled.set()  # a no-op once the job is done
+        return await respond(request, engine, job,
+                             lambda tokens, gone: collect(job, Reply(model_id, job.request, tokens), gone, folder),
+                             lambda tokens: stream(job, Reply(model_id, job.request, tokens), folder), folder)
 
     app.add_middleware(Guard, api_key=limits.api_key, hosts=limits.allowed_hosts, metrics=metrics)
     return app
@@ -179,14 +163,6 @@ def make_job(body, generator, model_id: str, limits: Limits, specials=None) -> t
     return Job(request, params, media, asyncio.get_running_loop()), folder
 
 
-def fingerprint(generator) -> str | None:
-    """system_fingerprint: the text module's artifact identity (its cache key), once built."""
-    from pathlib import Path
-
-    path = getattr(generator.text, "vmfb_path", None)
-    return f"fp_{Path(path).stem[:16]}" if path else None
-
-
 async def refuse_early(generator, job: Job, folder: MediaFolder) -> None:
     """A prompt the context cannot hold, or an image whose header is not one, refused
     before the job queues: from the text and the image headers, nothing decoded (a
@@ -196,40 +172,6 @@ async def refuse_early(generator, job: Job, folder: MediaFolder) -> None:
                                 job.request.agents.template_kwargs)
     except ValueError as e:
         raise folder.scrub(as_api_error(e)) from None
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its answer was complete."""
-
-
-class Departure:
-    """Completes when the client closes its connection (its body already read): ASGI's
-    `receive()` then says `http.disconnect`."""
-
-    def __init__(self, request: Request):
-        self.task = asyncio.ensure_future(self._wait(request.receive))
-
-    @staticmethod
-    async def _wait(receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    def stop(self) -> None:
-        self.task.cancel()
-
-
-async def next_event(job: Job, gone: Departure | None):
-    """The job's next event; if the client leaves first, the job is cancelled (the engine
-    frees its lane before its next step) and ClientGone raised."""
-    if gone is None:
-        return await job.events.get()
-    get = asyncio.ensure_future(job.events.get())
-    await asyncio.wait((get, gone.task), return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
-        return get.result()
-    get.cancel()
-    job.cancelled.set()
-    raise ClientGone()
 
 
 class Reply:
@@ -256,10 +198,6 @@ class Reply:
         return dict(self.head(), object="chat.completion", usage=usage,
                     choices=[{"index": 0, "message": message, "logprobs": logprobs,
                               "finish_reason": self.answer.finish_reason(finish)}])
-
-
-def sse(value) -> str:
-    return f"data: {json.dumps(value, ensure_ascii=False)}\n\n"
 
 
 async def collect(job: Job, reply: Reply, gone: Departure, folder: MediaFolder) -> JSONResponse:

@@ -11,14 +11,16 @@ import uuid
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from runtime.inputs.chat import build_prompt
 from runtime.sampling import SamplingError
 from runtime.serve import protocol
 from runtime.serve.agents import AgentFields, _constraints
 from runtime.serve.answer import AnswerSpec
+from runtime.serve.body import read_json
 from runtime.serve.errors import ApiError, shown
+from runtime.serve.respond import fingerprint, next_event, respond, sse
 from runtime.serve.scheduler import Job, as_api_error
 
 COMPLETION_FIELDS = ("prompt", "model", "n", "stream", "stream_options", "max_tokens", "stop", "ignore_eos",
@@ -28,8 +30,6 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's for /v1/completions
 
 
 def add_routes(app, generator, engine, model_id: str, limits) -> None:
-    from runtime.serve.app import ClientGone, Departure, next_event, read_json
-
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name != model_id:
@@ -40,24 +40,10 @@ def add_routes(app, generator, engine, model_id: str, limits) -> None:
     async def completions(request: Request):
         body = await read_json(request, limits.max_body_bytes)
         job = completion_job(body, generator, model_id)
-        gone, streaming = Departure(request), False
-        try:
-            engine.submit(job)
-            first = await next_event(job, gone)
-            if first[0] == "error":
-                raise first[1]
-            head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": model_id, "system_fingerprint": job.request.fingerprint}
-            if not job.request.stream:
-                return await collect_completion(job, head, gone)
-            streaming = True  # the stream cleans up from here
-            return StreamingResponse(stream_completion(job, head), media_type="text/event-stream")
-        except ClientGone:
-            return Response(status_code=499)  # the client closed the request: no one reads it
-        finally:
-            gone.stop()
-            if not streaming:
-                job.cancelled.set()  # a no-op once the job is done
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_id, "system_fingerprint": job.request.fingerprint}
+        return await respond(request, engine, job, lambda tokens, gone: collect_completion(job, head, gone),
+                             lambda tokens: stream_completion(job, head))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -78,8 +64,6 @@ def _choice(text: str, finish=None) -> dict:
 
 
 async def collect_completion(job: Job, head: dict, gone) -> JSONResponse:
-    from runtime.serve.app import next_event
-
     pieces = [job.request.echo]
     while True:
         event = await next_event(job, gone)
@@ -93,8 +77,6 @@ async def collect_completion(job: Job, head: dict, gone) -> JSONResponse:
 
 async def stream_completion(job: Job, head: dict):
     """The SSE body of a /v1/completions stream; a client gone away cancels the job."""
-    from runtime.serve.app import next_event, sse
-
     try:
         if job.request.echo:
             yield sse(dict(head, choices=[_choice(job.request.echo)]))
@@ -142,7 +124,6 @@ def _prompt_ids(body: dict, generator) -> tuple[np.ndarray, str]:
 
 def completion_job(body, generator, model_id: str) -> Job:
     """A /v1/completions body as a job whose prompt is already built (no template)."""
-    from runtime.serve.app import fingerprint
     from runtime.serve.structured import Grammars
 
     if not isinstance(body, dict):

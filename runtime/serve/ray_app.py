@@ -29,7 +29,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from runtime.serve.affinity import Route, routing_key
-from runtime.serve.app import sse
+from runtime.serve.respond import sse
 from runtime.serve.assemble import ServeOptions, assemble
 from runtime.serve.errors import ApiError
 from runtime.serve.scaling import Scaling
