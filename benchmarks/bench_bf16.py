@@ -9,7 +9,7 @@ load and one call, in a process of its own.
 Forms: f32, bf16 (bf16 x bf16 operands) and bf16-f32 (bf16 weights widened inside each
 matmul) for the host; f32 and bf16-f32 for AVX2, with bf16 x bf16 on the decode step only
 (IREE's scalar loop there: the control). Which form `qwen3vl` builds for bf16 is printed
-per target (`emitter.identity.bf16_form`)."""
+per target (`emitter.precision.bf16_form`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from emitter.identity import bf16_form, graph_precision  # noqa: E402
+from emitter.precision import bf16_form, precision  # noqa: E402
 from runtime.bench import bf16 as bf16_speed  # noqa: E402
 from runtime.vision import set_thread_count  # noqa: E402
 
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     out = {"cpu": cpu(), "threads": 2, "targets": {}}
     graphs = ("vision", "prefill", "decode")
     for target in TARGETS:
-        built = graph_precision("bf16", target)
+        built = precision("bf16").for_target(target).name
         out["targets"][target] = {"bf16_built_as": built, "why": bf16_form(target)[1]}
         print(f"{target}: bf16 is built as {built} ({bf16_form(target)[1]})")
         if target == "llvm-cpu":  # every form, to show the choice

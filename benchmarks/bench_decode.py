@@ -15,7 +15,7 @@ makes, and the read bandwidth measured then (the time the weights' bytes take at
 
 `--lanes` times the server's batched step (`decode_<lanes>`, one token for each of
 that many sequences) instead of one sequence's. Each precision is built with the flags the
-session compiles it with (`quant.compile_flags`); `--without-module-flags` also times each
+session compiles it with (`Precision.compile_flags`); `--without-module-flags` also times each
 one that has any built without them (`<precision>/plain`: the A/B of those flags).
 
     .venv/bin/python benchmarks/bench_decode.py --layers 8 --contexts 576 --precision mlx4 --without-module-flags
@@ -34,8 +34,7 @@ from pathlib import Path
 
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
-from emitter.config import PRECISIONS
-from emitter.quant import compile_flags
+from emitter.precision import GRAPH_PRECISIONS, precision as precision_of
 from runtime.bench.decode_profile import (NATIVE_FORMS, decode_module, graph_form, profile_report, step_ms,
                                           weight_bytes, write_archive)
 
@@ -44,7 +43,7 @@ def module_flags(cfg, precision: str) -> tuple[str, ...]:
     """The iree-compile flags the session adds for `precision` (a NATIVE_FORMS name: its
     checkpoint's config over f32)."""
     form_cfg, form = graph_form(cfg, precision)
-    return compile_flags(form, form_cfg.native_weights)
+    return precision_of(form).compile_flags(form_cfg.native_weights)
 
 
 def base_precision(label: str) -> str:
@@ -58,7 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size (lm_head rows)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096])
-    parser.add_argument("--precision", nargs="+", default=["f32"], choices=[*PRECISIONS, *NATIVE_FORMS],
+    parser.add_argument("--precision", nargs="+", default=["f32"], choices=[*GRAPH_PRECISIONS, *NATIVE_FORMS],
                         help="one or more graph precisions, timed alternating (the first is the base); mlx4, "
                              "mlx8: an MLX checkpoint's affine weights in their bits, groups of 64; gguf-q4_0: a "
                              "GGUF Q4_0 file in its bits (f32 activations; q4_0 is the kernel's precision); "
@@ -69,7 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lanes", type=int, nargs="+", default=[1], help="sequences per step (the server's lanes)")
     parser.add_argument("--profile", action="store_true", help="per-dispatch times and copies per context")
     parser.add_argument("--without-module-flags", action="store_true",
-                        help="also time each precision that adds iree-compile flags (quant.compile_flags) built "
+                        help="also time each precision that adds iree-compile flags (Precision.compile_flags) built "
                              "without them, as <precision>/plain")
     args = parser.parse_args(argv)
     cfg = replace(TEXT_PRESETS[args.preset], num_hidden_layers=args.layers, vocab_size=args.vocab)

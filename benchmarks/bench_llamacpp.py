@@ -255,7 +255,7 @@ def child_vision(options: dict) -> dict:
     """In the child: one VisionSession whose one bucket is the image's patch count, a
     warm-up call, then one timed call: seconds of out.seconds["run"], the grid, and the
     form bf16 was built as. One image per process, as llama-mtmd-cli runs it."""
-    from emitter.identity import bf16_form
+    from emitter.precision import bf16_form
     from runtime.vision import VisionSession, set_thread_count
 
     set_thread_count(options["threads"])

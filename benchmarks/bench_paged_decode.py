@@ -42,9 +42,13 @@ from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
 from runtime.bench import decode_profile as bench
 try:
-    from emitter.quant import compile_flags
-except ImportError:  # a tree before the kernel precisions
-    compile_flags = lambda precision: []
+    from emitter.precision import precision as precision_of
+    compile_flags = lambda precision: precision_of(precision).compile_flags()
+except ImportError:  # a tree before the precision table
+    try:
+        from emitter.quant import compile_flags
+    except ImportError:  # a tree before the kernel precisions
+        compile_flags = lambda precision: []
 out, context, layers, vocab = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 precision, kv = sys.argv[5], sys.argv[6]
 cfg = replace(TEXT_PRESETS["qwen3-vl-2b"], num_hidden_layers=layers, vocab_size=vocab)

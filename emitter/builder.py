@@ -212,7 +212,7 @@ class Builder:
                  workload: int, hint: str = "dispatch") -> Value:
         """A `flow.dispatch` of export `@export` of a hand-written `stream.executable`
         `@executable` (its MLIR `text`, added to the module once) on `operands`, with
-        `workload` passed to the export's workgroup-count region (e.g. kernels/q8_matmul.py).
+        `workload` passed to the export's workgroup-count region (e.g. emitter/kernel_calls.py).
         An operand of run-time shape carries its dims (`{%d}`), and each such dim is passed
         after the operands too, an `index` argument of the export's function, in order."""
         if f"@{executable} " not in text:

@@ -7,9 +7,24 @@ import sys
 import click
 
 from .atomic import check_writable, write_atomic
-from .config import DEFAULT_PRESET, VISION_PRECISIONS, resolve_config
+from .config import DEFAULT_PRESET, resolve_config
 from .errors import command_errors, fail  # noqa: F401 - fail: the commands' one-line exit
+from .precision import VISION_PRECISIONS, help_text, precision
 from .vision import parse_bucket
+
+
+class PrecisionChoice(click.Choice):
+    """--precision: one of `choices`, given to the command as its `emitter.precision.Precision`
+    (the one place a command line's precision name is resolved)."""
+
+    def convert(self, value, param, ctx):
+        return value if value is None else precision(super().convert(value, param, ctx))
+
+
+def precision_option(choices, default="f32", help: str | None = None):
+    """The --precision option over `choices`, its help a line a choice (`precision.help_text`)."""
+    return click.option("--precision", type=PrecisionChoice(list(choices)), default=default,
+                        show_default=default is not None, help=help or help_text(choices))
 
 
 def write_stdout(text: str) -> None:
@@ -33,10 +48,8 @@ def write_stdout(text: str) -> None:
 @click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
               help="With --diagnostics: a block whose inner stages to return (repeatable; "
                    "default the first and the last block).")
-@click.option("--precision", type=click.Choice(VISION_PRECISIONS), default="f32", show_default=True,
-              help="f32; bf16: matmul weights and operands in bf16, f32 accumulation, norms and softmax; "
-                   "bf16-f32: bf16 weights widened to f32 inside each matmul (what `qwen3vl` builds for bf16 "
-                   "on a CPU without a double-rate bf16 dot product).")
+@precision_option(VISION_PRECISIONS, help="f32; bf16: matmul weights and operands in bf16; bf16-f32: bf16 weights "
+                  "widened to f32 inside each matmul (see docs/precisions.md).")
 @click.option("--weights", type=click.Choice(["arguments", "parameters"]), default="arguments", show_default=True,
               help="Weights as function arguments, or as globals read from a parameter archive (scope `model`).")
 @click.option("--explain", is_flag=True,

@@ -1,5 +1,6 @@
 """The vision config the graph depends on: parsed from a Hugging Face `config.json`,
-validated, and the presets of the released checkpoints (plus `tiny` for tests)."""
+validated, its weight schema, and the presets of the released checkpoints (plus `tiny` for
+tests). Precisions are emitter/precision.py's."""
 
 from __future__ import annotations
 
@@ -221,69 +222,8 @@ def load_model_config(model_dir: str | Path) -> VisionConfig:
     return from_hf_config(config, source=str(path))
 
 
-# precision -> (the matmul weights' dtype, the dtype of the activations fed to the matmuls).
-# Accumulation, norms and softmax stay f32 under every precision. "bf16" runs the matmuls
-# on bf16 operands (fast where the bf16 dot product runs at twice the f32 rate: AMD Zen 4/5,
-# Arm bf16); "bf16-f32" keeps the weights in bf16 (half the bytes) and widens them to f32
-# inside each matmul, for the other CPUs: Intel's single-rate AVX-512 BF16, and AVX2, where
-# IREE 3.13 lowers a bf16 x bf16 matmul to scalar code (~50x slower than f32;
-# docs/performance.md, "bf16 on every CPU").
-# Users ask for "f32" or "bf16"; `identity.graph_precision` picks the bf16 form for a target.
-# "int8" and "int4" (the language model only): its matmul weights stored in i8 / i4 with
-# group scales (emitter/quant.py), f32 activations; "w8a8" int8 weights with a scale per output
-# channel and activations quantized to int8 per row at run time (the projections in i32);
-# "q8_0" and "q4_0" llama.cpp's Q8_0 and Q4_0 x Q8_0 through a hand-written kernel (emitter/quant.py),
-# their graph forms naming the kernel's ISA (the activations given to it in f32, quantized inside
-# its dispatch's graph).
-KERNEL_FORMS = {"q8_0": "i8", "q4_0": "i4"}  # the kernel precisions -> their weights' dtype (quant.KERNEL_BITS)
-KERNEL_ISA_NAMES = {"avx512vnni": "AVX-512 VNNI", "avx2": "AVX2"}  # their graph forms' ISAs (quant.KERNEL_ISA)
-PRECISIONS = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "bf16-f32": ("bf16", "f32"), "int8": ("i8", "f32"),
-              "int4": ("i4", "f32"), "w8a8": ("i8", "i8"),
-              **{form: (dtype, "f32") for p, dtype in KERNEL_FORMS.items()
-                 for form in (p, *(f"{p}-{isa}" for isa in KERNEL_ISA_NAMES))}}
-USER_PRECISIONS = ("f32", "bf16")
-# "native" (a quantized checkpoint's own bits: an MLX-quantized folder, a llama.cpp GGUF):
-# each weight it stores quantized in bits that run as stored is kept in them with its
-# group's scale (and an affine one's bias; emitter/quant.py), the rest f32; not a graph
-# precision of its own (TextConfig.native_weights and VisionConfig's say which weights).
-# "mlx", its first name, is still accepted (`is_native`).
-NATIVE_PRECISION = "native"
-MLX_PRECISION = "mlx"  # the same as NATIVE_PRECISION
-TEXT_PRECISIONS = ("f32", "bf16", "int8", "int4", "w8a8", *KERNEL_FORMS, NATIVE_PRECISION, MLX_PRECISION)  # generate/serve
-VISION_PRECISIONS = ("f32", "bf16", "bf16-f32")  # the graph precisions of the vision tower
-# Each precision in the module headers:
-PRECISION_NOTES = {"f32": "", "bf16": ", bf16 matmuls", "bf16-f32": ", bf16 weights, f32 matmuls",
-                   "int8": ", int8 weights with f32 scales per 64, f32 matmuls",
-                   "int4": ", int4 weights with f32 scales per 64, f32 matmuls",
-                   "w8a8": ", int8 weights with an f32 scale per output, int8 activations per row, i32 matmuls",
-                   **{form: f", {numbers} (f16 scales per 32), the {isa} kernel"
-                      for p, numbers in (("q8_0", "Q8_0 weights and activations"),
-                                         ("q4_0", "Q4_0 weights and Q8_0 activations"))
-                      for form, isa in ((p, "host's"), *((f"{p}-{i}", name) for i, name in KERNEL_ISA_NAMES.items()))}}
 # The parameter scope every module's weight globals are read from (keys: checkpoint names).
 PARAMETER_SCOPE = "model"
-PRECISION_HELP = ("bf16: matmul weights in bf16 (half the memory), f32 accumulation, ~1e-3 error; operands in bf16 "
-                  "where the CPU's bf16 dot product runs at twice the f32 rate, else widened to f32 in the matmul "
-                  "(bf16-f32, said in one line). f32 is exact.")
-QUANT_HELP = ("int8 (the language model): its projections, embedding table and lm_head stored in int8 with one f32 "
-              "scale per 64 weights (8.5 bits a weight, 27% of f32's bytes), f32 activations; the vision tower runs "
-              "in bf16 beside it (and beside every precision below but native). int4: in 4 bits (-8..7) with one "
-              "f32 scale per 64 weights, each searched for the least squared error (4.5 bits a weight, as "
-              "llama.cpp's Q4_0). w8a8: int8 weights with one scale per output channel, and each projection's input "
-              "quantized to int8 per row at run time, multiplied in int32 (faster decode, larger error than int8). "
-              "q8_0: llama.cpp's Q8_0 (int8 weights with an f16 scale per 32 searched for the least squared "
-              "error, 8.5 bits a weight, the embedding table too), each projection's input quantized per 32 at run "
-              "time and multiplied in int32 by a hand-written kernel (AVX-512 VNNI, else AVX2) linked into the "
-              "module. q4_0: llama.cpp's Q4_0 through the same kernel (4-bit weights, -8..7, with an f16 scale per "
-              "32 searched likewise: 4.5 bits a weight; lm_head, and the embedding table when tied, in 6 bits, as "
-              "llama.cpp keeps it in Q6_K, Q8_0 where the width is not a multiple of 256), against the same int8 "
-              "activations. docs/text.md gives their distance from f32. native: a quantized checkpoint in its own "
-              "bits, exact against its own dequantization (under f32 its weights are expanded to f32 at load): an "
-              "MLX one as mlx-vlm writes it (8- and 4-bit weights in their group size and per-module settings), or "
-              "llama.cpp's GGUF (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors, text and mmproj: a "
-              "Q4_K_M download). mlx: the same as native.")
-DEFAULT_PRECISION_HELP = ("[default: native for a quantized checkpoint (an MLX one in 8 or 4 bits, a GGUF with "
-                          "quantized tensors), else f32]")
 MATMUL_WEIGHT_SUFFIXES = ("proj.weight", "qkv.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
@@ -295,58 +235,6 @@ class WeightSpec:
     shape: tuple[int, ...]
     dtype: str
     host_transform: str
-
-
-def is_native(precision: str | None) -> bool:
-    """Whether `precision` asks for a checkpoint's own quantized bits (native, or its alias mlx)."""
-    return precision in (NATIVE_PRECISION, MLX_PRECISION)
-
-
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ConfigError(f"--precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    return precision
-
-
-def weight_dtype(precision: str) -> str:
-    """The dtype the matmul weights are stored in (and archived in) under `precision`."""
-    return PRECISIONS[check_precision(precision)][0]
-
-
-def activation_dtype(precision: str) -> str | None:
-    """The dtype of a matmul's activations under `precision`, or None where they take each
-    matmul's weight dtype (f32 and bf16); a graph's `Builder(activations=...)`. "i8" (w8a8):
-    quantized at run time (emitter/layers.py `integer_project`)."""
-    weights, activations = PRECISIONS[check_precision(precision)]
-    return None if activations == weights != "i8" else activations
-
-
-def graph_weights(cfg: VisionConfig, precision: str = "f32") -> list[WeightSpec]:
-    """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
-    (exact for bf16 checkpoints); norms, biases and the position table stay f32. The linears
-    of `cfg.native_weights` (a tower run in its own bits) are i8 / i4 with their scales and
-    any biases (emitter/quant.py's `Layout.specs`)."""
-    if check_precision(precision) not in VISION_PRECISIONS:
-        raise ConfigError(f"--precision {precision}: the language model's only; the vision tower takes one of "
-                          f"{', '.join(VISION_PRECISIONS)}")
-    from .quant import native_layouts
-    schema = weight_schema(cfg)
-    layouts = native_layouts(cfg.native_weights)
-    odd = [n for n in layouts if not n.endswith(MATMUL_WEIGHT_SUFFIXES) or n not in dict(schema)]
-    if odd:
-        raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the tower's linears can run quantized")
-    specs = []
-    for name, shape in schema:
-        if name in layouts:
-            specs += layouts[name].specs(name, shape)
-            continue
-        transforms = ["conv3d_flatten"] if name == CONV_WEIGHT else []
-        dtype = "f32"
-        if weight_dtype(precision) == "bf16" and name.endswith(MATMUL_WEIGHT_SUFFIXES):
-            dtype = "bf16"
-            transforms.append("round_to_bf16")
-        specs.append(WeightSpec(name, shape, dtype, "+".join(transforms) or "none"))
-    return specs
 
 
 def weight_schema(cfg: VisionConfig) -> list[tuple[str, tuple[int, ...]]]:

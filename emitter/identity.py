@@ -13,10 +13,11 @@ import json
 import re
 from pathlib import Path
 
-from . import __version__, quant
-from .config import ConfigError, VisionConfig, check_precision, graph_weights
+from . import __version__
+from .config import VisionConfig
+from .precision import Precision, for_graph
 from .targets import DEFAULT_TARGET, TARGETS, host_cpu, resolved_device_target, target_flags
-from .vision import check_binding, check_bucket, default_inspect_blocks, emit_artifact_module
+from .vision import check_binding, check_bucket, default_inspect_blocks, emit_artifact_module, graph_weights
 
 # Bump when the meaning of a cached artifact changes in a way no other field records
 # (e.g. the calling convention of the emitted function). Vision 2: one module per bucket
@@ -83,64 +84,14 @@ def target_fields(target: str, extra_flags=()) -> dict:
     return out
 
 
-# bf16 x bf16 matmuls pay only where the bf16 dot product runs at twice the rate of f32
-# FMAs: AMD Zen 4/5 (vdpbf16ps, measured 455-464 bf16 against 223 f32 GFLOP/s on 2 cores)
-# and Arm's BF16 (BFMMLA). Intel's AVX-512 BF16 (Cooper Lake to Granite Rapids) runs it on one
-# port, at f32's rate, so the activations' rounding and packing make a bf16 x bf16 graph
-# slower than f32 (measured 1.3x on a 2B tower); without one (AVX2) IREE 3.13 lowers it to
-# a scalar loop (~50x). There, bf16-f32 (docs/performance.md, "bf16 on every CPU").
-_DOUBLE_RATE_BF16 = (("znver", "+avx512bf16"), ("", "+bf16"))  # (LLVM CPU name prefix, feature)
-
-
-def bf16_form(target: str, extra_flags=()) -> tuple[str, str]:
-    """("bf16" or "bf16-f32", why) for `target` as LLVM resolves it here: "bf16" on GPU
-    targets and CPUs with a double-rate bf16 dot product, else "bf16-f32"."""
-    device = resolved_device_target(tuple([*target_flags(target), *extra_flags]))
-    if '#hal.executable.target<"llvm-cpu"' not in device:
-        return "bf16", "a GPU target"
-    cpu, features = host_cpu(device)
-    cpu, features = cpu or "", (features or "").split(",")
-    if any(cpu.startswith(prefix) and feature in features for prefix, feature in _DOUBLE_RATE_BF16):
-        return "bf16", f"{cpu} has a double-rate bf16 dot product"
-    if "+avx512bf16" in features:
-        return "bf16-f32", f"{cpu}'s bf16 dot product runs at the rate of f32 FMAs"
-    return "bf16-f32", f"{cpu or target} has no bf16 dot product"
-
-
-def graph_precision(precision: str, target: str | None = None, extra_flags=()) -> str:
-    """The precision a graph is built in for what a user asked (`USER_PRECISIONS`) on
-    `target`: bf16 as `bf16_form` says (bf16-f32: bf16 weights widened to f32 inside each
-    matmul, half the weight bytes of f32, never IREE's scalar bf16 loop)."""
-    check_precision(precision)
-    if precision == "bf16":
-        return bf16_form(target or DEFAULT_TARGET, extra_flags)[0]
-    if precision in quant.KERNEL_BITS:  # q8_0, q4_0: the kernel object of the target's ISA
-        from kernels.build import KernelError
-        from .kernel_calls import target_isa
-        try:
-            flags = tuple(target_flags(target or DEFAULT_TARGET)) + tuple(extra_flags)
-            return f"{precision}-{target_isa(flags)}"
-        except KernelError as e:
-            raise ConfigError(f"--precision {precision}: {e}") from None
-    return precision
-
-
-def precision_note(asked: str, used: str, target: str | None = None) -> str | None:
-    """One line for a user whose precision was changed to the target's fast form, or None."""
-    if asked == used or asked != "bf16":
-        return None
-    why = bf16_form(target or DEFAULT_TARGET)[1]
-    return (f"note: --precision {asked}: {why}; running {used} (bf16 weights, widened to f32 inside each "
-            f"matmul: half the weight memory, about f32's matmul speed)")
-
-
 def bucket_set(buckets, cfg: VisionConfig | None = None) -> list[int]:
     """A bucket or several as the artifact's bucket set: checked, distinct, ascending."""
     buckets = [buckets] if isinstance(buckets, int) else list(buckets)
     return sorted({check_bucket(b, cfg) for b in buckets})
 
 
-def artifact_fields(kind: str, config: dict, graph: str, weights, precision: str, target: str | None = None,
+def artifact_fields(kind: str, config: dict, graph: str, weights, precision: Precision | str,
+                    target: str | None = None,
                     compiler_version=None, extra_flags=(), **fields) -> dict:
     """Canonical JSON-able dict of everything that decides whether a compiled module of
     `kind` ("vision" or "text") may be reused: its config, the emitted `graph` (title comment
@@ -153,7 +104,7 @@ def artifact_fields(kind: str, config: dict, graph: str, weights, precision: str
         "format_version": {"vision": FORMAT_VERSION, "text": TEXT_FORMAT_VERSION}[kind],
         "emitter_version": __version__,
         f"{kind}_config": config,
-        "precision": check_precision(precision),
+        "precision": for_graph(precision).name,
         "weight_schema": weight_schema_fields(weights),
         "graph_sha256": hashlib.sha256(graph.encode("utf-8")).hexdigest(),
         "target": target_fields(target or DEFAULT_TARGET, extra_flags),
@@ -167,7 +118,7 @@ def artifact_fields(kind: str, config: dict, graph: str, weights, precision: str
 
 def vision_artifact_fields(cfg: VisionConfig, buckets, policy, target: str | None = DEFAULT_TARGET,
                            diagnostics: bool = False, inspect_blocks=None, compiler_version=None,
-                           extra_flags=(), precision: str = "f32", weights: str = "arguments",
+                           extra_flags=(), precision: Precision | str = "f32", weights: str = "arguments",
                            video_policy=None) -> dict:
     """`artifact_fields` of the vision artifact module (`emit_artifact_module`) for the
     bucket set `buckets` (one bucket or several). `policy` is a `ProcessorPolicy` (or its
@@ -179,8 +130,9 @@ def vision_artifact_fields(cfg: VisionConfig, buckets, policy, target: str | Non
         blocks = sorted({int(i) for i in blocks})
     else:
         blocks = []  # the plain variant does not depend on them
+    precision = for_graph(precision)
     graph = emit_artifact_module(cfg, buckets, diagnostics=diagnostics, inspect_blocks=inspect_blocks, title="",
-                                 precision=check_precision(precision), weights=weights)
+                                 precision=precision, weights=weights)
     return artifact_fields("vision", cfg.to_dict(), graph, graph_weights(cfg, precision), precision, target,
                            compiler_version, extra_flags, buckets=buckets, diagnostics=diagnostics,
                            inspect_blocks=blocks, weight_binding=check_binding(weights),
@@ -188,15 +140,15 @@ def vision_artifact_fields(cfg: VisionConfig, buckets, policy, target: str | Non
                            video_policy=_video_policy_dict(video_policy))
 
 
-def text_artifact_fields(cfg, shape, deepstack_layers: int, precision: str = "f32",
+def text_artifact_fields(cfg, shape, deepstack_layers: int, precision: Precision | str = "f32",
                          target: str | None = DEFAULT_TARGET, graph: str | None = None) -> dict:
     """`artifact_fields` of the language-model module (`text.emit_text_module`) of a
     `text.TextShape`; `graph`: the module's MLIR text when the caller has it already."""
     from .text import emit_text_module, text_weights
-    from .quant import compile_flags
+    precision = for_graph(precision)
     graph = graph or emit_text_module(cfg, shape, deepstack_layers, precision)
     return artifact_fields("text", cfg.to_dict(), graph, text_weights(cfg, precision), precision, target,
-                           extra_flags=compile_flags(precision, cfg.native_weights), buckets=list(shape.buckets),
+                           extra_flags=precision.compile_flags(cfg.native_weights), buckets=list(shape.buckets),
                            context=shape.context, deepstack_layers=deepstack_layers,
                            lanes=shape.lanes, kv_blocks=shape.blocks, kv_cache_dtype=shape.kv_dtype)
 
@@ -210,7 +162,7 @@ def _video_policy_dict(video_policy) -> dict:
 
 def explain_identity(cfg: VisionConfig, bucket, diagnostics: bool = False, inspect_blocks=None,
                      model_dir: str | Path | None = None, target: str | None = None, policy=None,
-                     precision: str = "f32", weights: str = "arguments") -> str:
+                     precision: Precision | str = "f32", weights: str = "arguments") -> str:
     """Human text: the identity of the artifact for `bucket` (one or several) and the
     fields it hashes (pretty JSON). The policies come from `model_dir`'s preprocessor
     configs when given, else the released defaults."""

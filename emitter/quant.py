@@ -5,7 +5,7 @@ bits (8 or 4), its group (inputs per scale: 32, 64, 128, ...) and whether it is 
 A weight w [N, K] is cut along K into groups of `group` consecutive inputs, each with one
 scale (f32, or bf16 where the layout says so: `Layout.scales`); its values are stored as
 signed q in i8 (-128..127) or i4 (-8..7).
-- Symmetric, the layouts of `--precision int8|int4` (`PRECISION_LAYOUTS`), w ~ q * scale,
+- Symmetric, the layouts of `--precision int8|int4` (emitter/precision.py), w ~ q * scale,
   exactly that product in f32 (`dequantize`): the quantized graph computes with these
   numbers and nothing else. int8: groups of 64, f32 scales, scale = max|w| / 127,
   q = clamp(round(w / scale), -127, 127). int4: groups of 64, f32 scales (4.5 bits a
@@ -14,7 +14,7 @@ signed q in i8 (-128..127) or i4 (-8..7).
   (Q4_0's rule), the values it rounds to, the least-squares step for those values (as
   llama.cpp's `make_qx_quants`), rounded to the scales' type; the candidate of least
   squared error is kept. The table lm_head reads (the embedding table when tied) stays in
-  int8's layout under int4 (`HEAD_LAYOUTS`), as llama.cpp's Q4_0 files keep theirs in Q6_K.
+  int8's layout under int4 (the precision's `head`), as llama.cpp's Q4_0 files keep theirs in Q6_K.
   Logit distance from f32 on the 2B random checkpoint (docs/performance.md): 0.395 before
   (max|w| / 7 per 64), 0.278 now; groups of 32 with bf16 scales (`Layout(4, 32, scales="bf16")`,
   the same bits) reach 0.251, under Q4_0's 0.264, but IREE 3.13's scale-and-sum over 64
@@ -37,8 +37,8 @@ signed q in i8 (-128..127) or i4 (-8..7).
   max|w| / 127 is a candidate), activations quantized per row and block at run time, every block's
   int8 x int8 dot product in int32 through the hand-written kernel (kernels/q8_matmul.c:
   VNNI on AVX-512, vpmaddubsw on AVX2, linked into IREE's executables). Its graph forms name
-  the kernel's ISA (`KERNEL_ISA`: "q8_0-avx512vnni", "q8_0-avx2"; emitter/identity.py's
-  `graph_precision` picks one for the target), so a module built for one ISA is never
+  the kernel's ISA ("q8_0-avx512vnni", "q8_0-avx2"; emitter/precision.py's
+  `Precision.for_target` picks one for the target), so a module built for one ISA is never
   served to another. Its weights are `packed` layouts: q [N, K] int8 and the scales [N, K/32]
   f16 in the kernel's tile order (`Layout.store`), the embedding table's too: its rows are
   gathered out of the tiles (emitter/kernel_calls.py `block_rows`), and a tied lm_head
@@ -74,16 +74,11 @@ import numpy as np
 
 from kernels.q8_matmul import BLOCK, TILE, pack_scales, pack_weight
 
-from .config import KERNEL_FORMS, KERNEL_ISA_NAMES, ConfigError, WeightSpec
+from .config import ConfigError, WeightSpec
 
 GROUP = 64  # inputs per scale of `--precision int8` (and the default of a `Layout`)
-Q8_0, Q4_0 = "q8_0", "q4_0"  # the user's names of the kernel precisions
 STORAGE_DTYPE = {8: "i8", 4: "i4"}  # bits -> the graph's element type of q
 PACKED_ONLY_BITS = 6  # a width held only in the kernel's packed tiles (q4_0's lm_head table)
-KERNEL_BITS = {p: {v: k for k, v in STORAGE_DTYPE.items()}[dtype] for p, dtype in KERNEL_FORMS.items()}  # -> bits
-# the kernel precisions' graph forms ("q8_0-avx512vnni", ...) -> the kernel object's ISA
-KERNEL_ISA = {f"{p}-{isa}": isa for p in KERNEL_BITS for isa in KERNEL_ISA_NAMES}
-PER_CHANNEL = ("w8a8",)  # precisions whose weights take one scale per output: a group of all K inputs
 ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at run time
 # Outputs that a per-call dequantized i4 weight's N must be a multiple of: IREE's CPU codegen
 # masks the last tile of any other N with a `vector.maskedload` of i4 it cannot lower (N = 4304,
@@ -98,16 +93,6 @@ CANDIDATES = (0.8, 0.85, 0.9, 0.95, 1.0)  # a searched group's trial steps, in u
 def levels(bits: int) -> int:
     """The largest magnitude a symmetric value takes: 127 at 8 bits, 7 at 4 (-127..127, -7..7)."""
     return (1 << (bits - 1)) - 1
-
-
-def is_block_kernel(precision: str) -> bool:
-    """Whether `precision` is q8_0, q4_0 or one of their graph forms (`KERNEL_ISA`)."""
-    return precision in KERNEL_BITS or precision in KERNEL_ISA
-
-
-def kernel_precision(precision: str) -> str:
-    """The user's name (q8_0, q4_0) of a kernel precision or graph form."""
-    return precision.split("-")[0]
 
 
 def scales_name(weight_name: str) -> str:
@@ -196,25 +181,16 @@ class Layout:
         return pack_weight(q, self.bits).reshape(q.shape[0], -1), pack_scales(scales).reshape(scales.shape)
 
 
-# the kernel precisions' layouts: Q8_0's also holds an untied q4_0's embedding table, and q4_0's
-# head at widths Q6_K_ROW does not divide
-KERNEL_LAYOUTS = {p: Layout(bits, BLOCK, scales="f16", searched=True, packed=True)
-                  for p, bits in ((Q8_0, 8), (Q4_0, 4))}
+# the kernel precisions' layouts (emitter/precision.py): Q8_0's also holds an untied q4_0's
+# embedding table, and q4_0's head at widths Q6_K_ROW does not divide
+KERNEL_LAYOUTS = {"q8_0": Layout(8, BLOCK, scales="f16", searched=True, packed=True),
+                  "q4_0": Layout(4, BLOCK, scales="f16", searched=True, packed=True)}
 # q4_0's lm_head table (the embedding table when tied): 6 bits, searched f16 scales per 32 (6.5
 # bits a weight: llama.cpp's Q4_0 files keep it in Q6_K, 6.56), through the kernel's 6-bit entry;
 # in Q8_0 where its rows are not a multiple of Q6_K_ROW inputs, as llama-quantize falls back
 # from Q6_K (a super-block of 256) to Q8_0 there: the same bits as llama.cpp's file either way
 Q6_HEAD = Layout(PACKED_ONLY_BITS, BLOCK, scales="f16", searched=True, packed=True)
 Q6_K_ROW = 256
-# precision -> the layout of its weights (w8a8's group: each weight's K; `layout_of`)
-PRECISION_LAYOUTS = {"int8": Layout(8), "int4": Layout(4, searched=True), "w8a8": Layout(8),
-                     **{p: KERNEL_LAYOUTS[k] for k in KERNEL_BITS
-                        for p in (k, *(f"{k}-{isa}" for isa in KERNEL_ISA_NAMES))}}
-# precision -> the layout of the table lm_head reads (the embedding table when tied), where it
-# differs: int4's in int8 and q4_0's in 6 bits (`Q6_HEAD`), as llama.cpp's Q4_0 keeps it in Q6_K
-# (module docstring)
-HEAD_LAYOUTS = {"int4": Layout(8), **{p: Q6_HEAD for p in PRECISION_LAYOUTS
-                                      if is_block_kernel(p) and kernel_precision(p) == Q4_0}}
 
 
 # iree-compile flags of a module whose weights are weight-only quantized and dequantized per
@@ -225,34 +201,6 @@ HEAD_LAYOUTS = {"int4": Layout(8), **{p: Q6_HEAD for p in PRECISION_LAYOUTS
 # prefill reads (docs/performance.md, "One copy of the int8 weights"; at the 4-bit MLX 8B
 # 5.0 GB, docs/text.md); global optimization resolves that encoding away.
 WEIGHT_ONLY_FLAGS = ("--iree-opt-data-tiling=false", "--iree-global-opt-data-tiling")
-
-
-def compile_flags(precision: str, native_weights=()) -> tuple[str, ...]:
-    """The iree-compile flags a text module of `precision` adds to its target's:
-    `WEIGHT_ONLY_FLAGS` for int8 and int4 and for a checkpoint run in its own bits (its
-    config's `native_weights` not empty); none for the rest (float, w8a8, q8_0, q4_0)."""
-    layout = PRECISION_LAYOUTS.get(precision)
-    weight_only = layout and not layout.packed and precision not in PER_CHANNEL
-    return WEIGHT_ONLY_FLAGS if weight_only or native_weights else ()
-
-
-def bits_of(precision: str) -> int | None:
-    """The bits of a quantized precision's weights, or None for a float precision."""
-    layout = PRECISION_LAYOUTS.get(precision)
-    return layout and layout.bits
-
-
-def layout_of(precision: str, shape: tuple[int, ...], head: bool = False, gathered: bool = False) -> Layout:
-    """The layout of a [N, K] weight quantized under `precision`: PRECISION_LAYOUTS' (the
-    `head` table, lm_head's: HEAD_LAYOUTS' where it has one), with one group of all K inputs
-    (a scale per output channel) under PER_CHANNEL. A `gathered` one (the embedding table, read
-    by rows out of the kernel's tiles) of a kernel precision is the head's when it is the head
-    (tied), else Q8_0's (an untied q4_0's table stays 8-bit: read a row a token, its bytes are
-    not the decode's). q4_0's 6-bit head is Q8_0 at rows not a multiple of Q6_K_ROW inputs."""
-    layout = HEAD_LAYOUTS.get(precision, PRECISION_LAYOUTS[precision]) if head else PRECISION_LAYOUTS[precision]
-    if (gathered and layout.packed and not head) or (layout == Q6_HEAD and shape[-1] % Q6_K_ROW):
-        return KERNEL_LAYOUTS[Q8_0]
-    return replace(layout, group=shape[-1]) if precision in PER_CHANNEL else layout
 
 
 def held_bits(bits: int, outputs: int) -> int:

@@ -50,12 +50,12 @@ from kernels.build import object_name
 
 from . import __version__, kernel_calls, quant
 from .builder import Builder, Value
-from .config import (PARAMETER_SCOPE, PRECISION_NOTES, ConfigError, WeightSpec, activation_dtype, check_precision,
-                     weight_dtype)
+from .config import PARAMETER_SCOPE, ConfigError, WeightSpec
 from .attention import grouped_attention, token_attention
 from .kv_pages import BLOCK, SPAN, SPAN_BLOCKS, pool_shape, read_blocks, read_span, write_chunk, write_token
 from .layers import apply_rotary, dequantized, gated_mlp, held, mrope_tables, project, rms_norm, rope_inv_freq
 from .module import function, render
+from .precision import Precision, for_graph
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
 from .text_shape import MODULE_NAME, RESET, TextShape, decode_name, lane_counts, prefill_name
 
@@ -63,15 +63,15 @@ EMBEDDING = "embed_tokens.weight"
 MATMUL_SUFFIXES = ("proj.weight", EMBEDDING, LM_HEAD)
 
 
-def text_weights(cfg: TextConfig, precision: str = "f32") -> list[WeightSpec]:
+def text_weights(cfg: TextConfig, precision: Precision | str = "f32") -> list[WeightSpec]:
     """The decoder's weights in checkpoint order (HF names, shapes, dtypes the graph takes):
     under the bf16 precisions the projection matrices, the embedding table and lm_head are bf16;
     those quantized (`weight_layouts`: int8, int4, w8a8, an MLX checkpoint's own bits) are i8 / i4,
     transposed to [in, out], followed by their group scales (and an affine one's biases;
     emitter/quant.py)."""
-    check_precision(precision)
+    precision = for_graph(precision)
     shapes = weight_shapes(cfg)
-    bf16, layouts = weight_dtype(precision) == "bf16", weight_layouts(cfg, precision, [n for n, _ in shapes])
+    bf16, layouts = precision.weights == "bf16", weight_layouts(cfg, precision, [n for n, _ in shapes])
     specs = []
     for name, shape in shapes:
         if name in layouts:
@@ -105,16 +105,17 @@ def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
+def weight_layouts(cfg: TextConfig, precision: Precision | str, names) -> dict:
     """{name: quant.Layout} of the weights the graph takes quantized: under int8, int4, w8a8,
-    q8_0 and q4_0 every matmul weight, in the precision's layout (`quant.layout_of`: symmetric; w8a8
+    q8_0 and q4_0 every matmul weight, in the precision's layout (`Precision.layout_for`: symmetric; w8a8
     in int8 with a scale per output channel; the table lm_head reads, int4's in int8; q8_0's and
     q4_0's packed for their kernel in blocks of 32, q4_0's lm_head table in 6 bits, an embedding
     table not read by lm_head in Q8_0's 8-bit tiles); a checkpoint run in its own bits
     (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
     group and form (`quant.native_layouts`).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
-    bits = quant.bits_of(precision)
+    precision = for_graph(precision)
+    bits = precision.bits
     if cfg.native_weights and bits:
         raise ConfigError(f"--precision {precision}: the checkpoint's weights are quantized and run in their "
                           "own bits (or expanded under f32)")
@@ -127,27 +128,24 @@ def weight_layouts(cfg: TextConfig, precision: str, names) -> dict:
         return layouts
     shapes = dict(weight_shapes(cfg))
     head = LM_HEAD if LM_HEAD in shapes else TEXT_PREFIX + EMBEDDING
-    return {n: quant.layout_of(precision, shapes[n], head=n == head, gathered=n.endswith(EMBEDDING))
+    return {n: precision.layout_for(shapes[n], head=n == head, gathered=n.endswith(EMBEDDING))
             for n in names if n.endswith(MATMUL_SUFFIXES)}
 
 
-def kernel_isa(precision: str) -> str | None:
+def kernel_isa(precision: Precision) -> str | None:
     """The ISA of the kernel objects a graph form of q8_0 or q4_0 links (q8_0 or q4_0 itself:
     the default target's), else None."""
-    if precision in quant.KERNEL_BITS:
-        from .identity import graph_precision
-        precision = graph_precision(precision)
-    return quant.KERNEL_ISA.get(precision)
+    return precision.for_target().isa if precision.kernel else None
 
 
-def kernel_object(precision: str) -> str | None:
+def kernel_object(precision: Precision) -> str | None:
     """The file name of the kernel object a graph form of q8_0 or q4_0 links (`kernel_isa`;
     kernels/build.py `object_name`), else None."""
     isa = kernel_isa(precision)
     return None if isa is None else object_name(isa, q8_matmul.SOURCE)
 
 
-def attention_object(cfg: TextConfig, shape: "TextShape", precision: str) -> str | None:
+def attention_object(cfg: TextConfig, shape: "TextShape", precision: Precision) -> str | None:
     """The file name of the attention kernels' object (kernels/decode_attention.py) a graph
     form of q8_0 or q4_0 links for its one-token attention, and for a chunk's where
     `chunk_fits` (`kernel_isa`'s); None for other precisions (their graphs are the same for
@@ -162,8 +160,8 @@ class TextGraph:
     """One function's builder with the weights and KV cache bound (same globals, same order,
     in every function of the module)."""
 
-    def __init__(self, cfg: TextConfig, shape: "TextShape", precision: str):
-        self.cfg, self.shape, self.b = cfg, shape, Builder(activations=activation_dtype(precision))
+    def __init__(self, cfg: TextConfig, shape: "TextShape", precision: Precision):
+        self.cfg, self.shape, self.b = cfg, shape, Builder(activations=precision.activation_dtype)
         self.kv_dtype = shape.kv_dtype
         self.inputs: dict[str, Value] = {}
         self.w = quant.grouped({s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype,
@@ -340,10 +338,10 @@ def decode_inputs(lanes: int) -> list[tuple]:
 
 
 def prefill_function(cfg: TextConfig, shape: TextShape, bucket: int, deepstack_layers: int,
-                     precision: str = "f32") -> tuple[dict, list[str]]:
+                     precision: Precision | str = "f32") -> tuple[dict, list[str]]:
     """prefill_<bucket>: a chunk of `bucket` tokens at slot `start` of a sequence, over the
     slots of the blocks its table names."""
-    g = TextGraph(cfg, shape, precision)
+    g = TextGraph(cfg, shape, for_graph(precision))
     b = g.b
     inputs = {name: g.argument(name, dims, dtype)
               for name, dims, dtype in prefill_inputs(cfg, shape, bucket, deepstack_layers)}
@@ -368,12 +366,13 @@ def prefill_function(cfg: TextConfig, shape: TextShape, bucket: int, deepstack_l
     return g.function(prefill_name(bucket), g.logits(row)), b.globals
 
 
-def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, precision: str = "f32") -> tuple[dict, list]:
+def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, precision: Precision | str = "f32"
+                    ) -> tuple[dict, list]:
     """decode_<lanes>: one token for each of `lanes` sequences, lane i at slot slots[i] of
     the sequence whose first blocks are tables[i]. Every weight matmul (projections,
     MLP, lm_head) runs once for all lanes, so a step reads the weights once; attention is
     per lane, over its own sequence."""
-    g = TextGraph(cfg, shape, precision)
+    g = TextGraph(cfg, shape, for_graph(precision))
     b = g.b
     inputs = {name: g.argument(name, dims, dtype) for name, dims, dtype in decode_inputs(lanes)}
     b.bind(SPAN_BLOCKS.base, b.dimension_size(inputs["tables"], 1, hint="span_blocks"))
@@ -402,13 +401,13 @@ def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, precision: st
     return g.function(decode_name(lanes), g.logits(x)), b.globals
 
 
-def reset_function(cfg: TextConfig, shape: TextShape, precision: str = "f32") -> tuple[dict, list]:
+def reset_function(cfg: TextConfig, shape: TextShape, precision: Precision | str = "f32") -> tuple[dict, list]:
     """`reset(fill [2 x layers] f32)`: each KV pool stored whole, pool j with `fill[j]`
     (zeros from the caller). Called once after loading. Until then every pool holds IREE's
     one shared zero buffer, and slot-wise updates of it write through to all of them (IREE
     3.13). One argument per global: values that are equal would be merged into one buffer
     again."""
-    g = TextGraph(cfg, shape, precision)
+    g = TextGraph(cfg, shape, for_graph(precision))
     b = g.b
     states = [state for pair in g.pages for state in pair]
     fill = g.argument("fill", (len(states),), "f32")
@@ -418,12 +417,12 @@ def reset_function(cfg: TextConfig, shape: TextShape, precision: str = "f32") ->
     return function(b, RESET, [("done", b.constant(0, (), "i32", hint="done"))]), b.globals
 
 
-def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, precision: str = "f32",
+def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, precision: Precision | str = "f32",
                      functions: str = "all") -> str:
     """MLIR text of the language-model module (deterministic: same input, same bytes):
     `prefill_<S>` for each bucket S, `decode_<B>` for each lane count B, and `reset`
     (`functions` "prefill" or "decode": only those, for benchmarks)."""
-    check_precision(precision)
+    precision = for_graph(precision)
     entries = []
     if functions in ("all", "prefill"):
         entries += [prefill_function(cfg, shape, s, deepstack_layers, precision) for s in shape.buckets]
@@ -440,7 +439,7 @@ def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, p
     kv = "" if shape.kv_dtype == "f32" else f" in {shape.kv_dtype}"
     header = (f"// Qwen3-VL language model, prompt buckets {', '.join(map(str, shape.buckets))}, context "
               f"{shape.context}, {shape.lanes} lanes, KV cache of {shape.blocks} blocks of {BLOCK}{kv}, "
-              f"{deepstack_layers} DeepStack layers{PRECISION_NOTES[precision]}{native_note(cfg)}.\n"
+              f"{deepstack_layers} DeepStack layers{precision.note}{native_note(cfg)}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
               f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items() if k != 'native_weights')}\n")
     return render(MODULE_NAME, header, shared, functions_)

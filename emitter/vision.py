@@ -8,7 +8,7 @@ Per-call inputs (all padded to the bucket B):
   pos_weight  [4, B] f32           their weights
   rope_pos    [2, B] i32           (row, col) of each patch on its image grid
   segment_ids [B] i32              one id per image frame; each padding patch its own
-then the weights in checkpoint order (`config.graph_weights`), each named by its
+then the weights in checkpoint order (`graph_weights`), each named by its
 checkpoint tensor name; or, with weights="parameters", no weight arguments: each weight
 is a global read from the parameter archive under that name.
 Results: the main merger [B/4, out_hidden], then each DeepStack merger in order;
@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from . import __version__
 from .builder import Builder, Value
-from .config import HF_PREFIX, PARAMETER_SCOPE, PRECISION_NOTES, VisionConfig, activation_dtype, graph_weights
+from .config import (CONV_WEIGHT, HF_PREFIX, MATMUL_WEIGHT_SUFFIXES, PARAMETER_SCOPE, ConfigError, VisionConfig,
+                     WeightSpec, weight_schema)
 from .attention import ATTENTION_FORMS, attention, attention_chunk, attention_form, attention_inputs
 from .layers import Stages, layer_norm, linear, merger, mlp, rope_inv_freq, rotary_tables
 from .module import function, render
-from .quant import grouped
+from .precision import VISION, VISION_PRECISIONS, Precision, for_graph
+from .quant import grouped, native_layouts
 
 BLOCK_STAGES = ("norm1", "attn", "attn_residual", "norm2", "mlp")
 MERGER_STAGES = ("norm", "fc1", "act")
@@ -144,7 +146,36 @@ def largest_buffer_bytes(cfg: VisionConfig, bucket: int) -> int:
                    cfg.num_heads * chunk * chunk)
 
 
-def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: str = "f32",
+def graph_weights(cfg: VisionConfig, precision: Precision | str = "f32") -> list[WeightSpec]:
+    """`weight_schema` with dtypes: under bf16 the matmul weights are taken in bf16
+    (exact for bf16 checkpoints); norms, biases and the position table stay f32. The linears
+    of `cfg.native_weights` (a tower run in its own bits) are i8 / i4 with their scales and
+    any biases (emitter/quant.py's `Layout.specs`)."""
+    precision = for_graph(precision)
+    if VISION not in precision.models:
+        raise ConfigError(f"--precision {precision}: the language model's only; the vision tower takes one of "
+                          f"{', '.join(VISION_PRECISIONS)}")
+    schema = weight_schema(cfg)
+    layouts = native_layouts(cfg.native_weights)
+    odd = [n for n in layouts if not n.endswith(MATMUL_WEIGHT_SUFFIXES) or n not in dict(schema)]
+    if odd:
+        raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the tower's linears can run quantized")
+    specs = []
+    for name, shape in schema:
+        if name in layouts:
+            specs += layouts[name].specs(name, shape)
+            continue
+        transforms = ["conv3d_flatten"] if name == CONV_WEIGHT else []
+        dtype = "f32"
+        if precision.weights == "bf16" and name.endswith(MATMUL_WEIGHT_SUFFIXES):
+            dtype = "bf16"
+            transforms.append("round_to_bf16")
+        specs.append(WeightSpec(name, shape, dtype, "+".join(transforms) or "none"))
+    return specs
+
+
+
+def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: Precision | str = "f32",
                        binding: str = "arguments", kept=(), attention: str | None = None
                        ) -> tuple[list[Value], dict[str, Value]]:
     """Emit the tower into `b`; returns (outputs, every named stage). The stages in `kept`
@@ -200,10 +231,11 @@ def check_inspect_blocks(cfg: VisionConfig, inspect_blocks) -> None:
 
 
 def vision_function(cfg: VisionConfig, bucket: int, name: str, diagnostics: bool = False, inspect_blocks=None,
-                    precision: str = "f32", weights: str = "arguments", attention: str | None = None
+                    precision: Precision | str = "f32", weights: str = "arguments", attention: str | None = None
                     ) -> tuple[dict, list[str]]:
     """One bucket's function (name, arguments, results, body) and the weight globals it reads."""
-    b = Builder(activations=activation_dtype(precision))
+    precision = for_graph(precision)
+    b = Builder(activations=precision.activation_dtype)
     kept = stage_names(cfg, inspect_blocks) if diagnostics else []
     outputs, stages = build_vision_graph(b, cfg, bucket, precision, weights, kept, attention)
     values = outputs + [stages[s] for s in kept]
@@ -212,7 +244,7 @@ def vision_function(cfg: VisionConfig, bucket: int, name: str, diagnostics: bool
 
 
 def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False, inspect_blocks=None,
-                       title: str = "", precision: str = "f32", weights: str = "arguments",
+                       title: str = "", precision: Precision | str = "f32", weights: str = "arguments",
                        attention: str | None = None) -> str:
     """MLIR text of the vision tower for one bucket, function `main` (deterministic: same
     input, same bytes). `precision` "bf16" takes the matmul weights in bf16 and runs every
@@ -224,6 +256,7 @@ def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False
     overrides the bucket's attention form ("dense" or "blockwise"; for A/B measurements)."""
     check_bucket(bucket, cfg)
     check_inspect_blocks(cfg, inspect_blocks)
+    precision = for_graph(precision)
     function, globals_ = vision_function(cfg, bucket, "main", diagnostics, inspect_blocks, precision, weights,
                                          attention)
     return render_functions([function], globals_, title=title, buckets=[bucket], diagnostics=diagnostics,
@@ -231,7 +264,7 @@ def emit_vision_module(cfg: VisionConfig, bucket: int, diagnostics: bool = False
 
 
 def emit_artifact_module(cfg: VisionConfig, buckets, diagnostics: bool = False, inspect_blocks=None,
-                         title: str = "", precision: str = "f32", weights: str = "parameters") -> str:
+                         title: str = "", precision: Precision | str = "f32", weights: str = "parameters") -> str:
     """MLIR text of the artifact module: one entry per bucket, `encode_<B>` (with
     `diagnostics`, `encode_<B>_diagnostics`, whose results start with the same outputs),
     every entry reading the same weight globals (scope `model`, keys the checkpoint names),
@@ -241,6 +274,7 @@ def emit_artifact_module(cfg: VisionConfig, buckets, diagnostics: bool = False, 
     if not buckets or len(set(buckets)) != len(buckets):
         raise BucketError(f"buckets {buckets}: expected one or more distinct buckets")
     check_inspect_blocks(cfg, inspect_blocks)
+    precision = for_graph(precision)
     functions, shared = [], None
     for bucket in buckets:
         function, globals_ = vision_function(cfg, bucket, entry_name(bucket, diagnostics), diagnostics,
@@ -252,27 +286,27 @@ def emit_artifact_module(cfg: VisionConfig, buckets, diagnostics: bool = False, 
                             precision=precision, config=cfg.to_dict())
 
 
-def vision_header(title: str = "", buckets=(0,), diagnostics: bool = False, precision: str = "f32",
+def vision_header(title: str = "", buckets=(0,), diagnostics: bool = False, precision: Precision | str = "f32",
                   config: dict | None = None, parameters: bool = False) -> str:
     """The vision module's header comment."""
     buckets = list(buckets)
     notes = (" (" + title + ")" if title else "") + f", {'bucket' if len(buckets) == 1 else 'buckets'} " \
         f"{', '.join(map(str, buckets))} patches" + (", diagnostics" if diagnostics else "") + \
-        PRECISION_NOTES[precision] + (", weights from parameters" if parameters else "")
+        for_graph(precision).note + (", weights from parameters" if parameters else "")
     return (f"// Qwen3-VL vision tower{notes}.\n"
             f"// Emitted by qwen3vl-iree {__version__}; regenerate with emit-qwen3vl, do not edit by hand.\n"
             f"// vision config: {', '.join(f'{k}={v}' for k, v in (config or {}).items())}\n")
 
 
 def render_functions(functions: list[dict], globals_: list[str], *, title: str = "", buckets=(0,),
-                     diagnostics: bool = False, precision: str = "f32", config: dict | None = None) -> str:
+                     diagnostics: bool = False, precision: Precision | str = "f32", config: dict | None = None) -> str:
     """Functions (name, arguments, results, body) over shared globals, as the vision module."""
     header = vision_header(title, buckets, diagnostics, precision, config, bool(globals_))
     return render(MODULE_NAME, header, globals_, functions)
 
 
 def render_module(b: Builder, results: list[tuple[str, Value]], *, title: str = "", bucket: int = 0,
-                  diagnostics: bool = False, precision: str = "f32", config: dict | None = None) -> str:
+                  diagnostics: bool = False, precision: Precision | str = "f32", config: dict | None = None) -> str:
     """The builder's globals, arguments and lines as function `main` in the vision module,
     with `results` (ABI name, value) returned in order."""
     return render_functions([function(b, "main", results)], b.globals, title=title, buckets=[bucket],

@@ -30,9 +30,9 @@ import iree.runtime as rt
 from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
-from emitter import quant
-from emitter.config import NATIVE_PRECISION, graph_weights, is_native
+from emitter.precision import NATIVE, PRECISIONS, Precision, precision as precision_of
 from emitter.text import emit_text_module, prefill_inputs, text_weights
+from emitter.vision import graph_weights
 from emitter.text_shape import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_blocks, decode_name, lane_counts,
                                 prefill_chunks)
 
@@ -135,7 +135,8 @@ class TextSession:
     the cache) and loaded on the first call."""
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int = DEFAULT_CONTEXT,
-                 deepstack_layers: int = 0, target: str | None = None, cache_dir=None, precision: str = "f32",
+                 deepstack_layers: int = 0, target: str | None = None, cache_dir=None,
+                 precision: Precision | str = "f32",
                  progress=None, config: rt.Config | None = None, kv_cache_dtype: str = "f32", lanes: int = 1,
                  kv_blocks: int = 0, prefix_cache: bool = True):
         self.cfg, self.token_ids = load_text_config(model_dir)
@@ -147,7 +148,8 @@ class TextSession:
         self.target = target or DEFAULT_TARGET
         self.progress = progress or (lambda message: None)
         self.deepstack_layers = deepstack_layers
-        self.cfg, self.precision = text_precision(model_dir, self.cfg, precision, self.target, self.progress)
+        self.cfg, self.precision = text_precision(model_dir, self.cfg, precision_of(precision), self.target,
+                                                  self.progress)
         text_entries(model_dir, self.cfg)  # every weight stored (headers only; read when the archive is written)
         text_weights(self.cfg, self.precision)  # a width the quantization group does not divide: one line, now
         self.model_dir, self.seconds = Path(model_dir), {}
@@ -425,7 +427,7 @@ def greedy(text: TextSession, input_ids, position_ids, rope_delta: int, max_new_
     return run_tokens(text, prompt, sampler, max_new_tokens, eos_ids, on_token)
 
 
-def checkpoint_precision(model_dir) -> str:
+def checkpoint_precision(model_dir) -> Precision:
     """The language model's precision when none is asked, the one place it is decided: native
     for a checkpoint that stores quantized weights in bits that run as stored (MLX's 8 or 4;
     a GGUF's quantized types: `native_weights`), else f32."""
@@ -433,17 +435,8 @@ def checkpoint_precision(model_dir) -> str:
     try:
         native_weights(model_dir, cfg)
     except CheckpointError:
-        return "f32"
-    return NATIVE_PRECISION
-
-
-def vision_precision(precision: str) -> str:
-    """The vision tower's precision beside the language model's: bf16 under the quantized
-    text precisions (int8, int4, w8a8, q8_0, q4_0: their linears are not quantized, and
-    bf16 halves the tower's weights, as llama.cpp's f16 projector beside its quantized text),
-    else the same (under native the linears a tower stores in 8 or 4 bits run in those bits,
-    `build.make_plan`)."""
-    return "bf16" if quant.bits_of(precision) else precision
+        return PRECISIONS["f32"]
+    return NATIVE
 
 
 def vision_parts(model_dir):
@@ -463,24 +456,24 @@ def vision_parts(model_dir):
     return cfg, load_policy(model_dir, cfg), load_video_policy(model_dir, cfg)
 
 
-def text_precision(model_dir, cfg, precision: str, target: str, progress=None):
+def text_precision(model_dir, cfg, precision: Precision, target: str, progress=None):
     """(config, precision) the language model is built with for the `precision` asked:
     native runs the checkpoint's quantized weights in their bits, the rest f32; the others
     as `resolve_precision` has them (bf16-f32 unless bf16 dots pay on `target`)."""
-    if is_native(precision):
-        cfg, precision = replace(cfg, native_weights=native_weights(model_dir, cfg)), "f32"
+    if precision.native:
+        cfg, precision = replace(cfg, native_weights=native_weights(model_dir, cfg)), PRECISIONS["f32"]
     return cfg, resolve_precision(precision, target, progress)
 
 
-def weight_bytes(model_dir, precision: str | None, target: str | None = None, vision: bool = True) -> int:
+def weight_bytes(model_dir, precision: Precision | str | None, target: str | None = None, vision: bool = True) -> int:
     """Bytes the weights take resident once loaded: the language model's at `precision`
     (None: the checkpoint's own) and, with `vision`, the tower's beside it (at
-    `vision_precision`). What the KV cache's default size leaves them (`kv_memory`)."""
-    precision = precision or checkpoint_precision(model_dir)
+    `Precision.tower`). What the KV cache's default size leaves them (`kv_memory`)."""
+    precision = precision_of(precision) if precision else checkpoint_precision(model_dir)
     cfg, text = text_precision(model_dir, load_text_config(model_dir)[0], precision, target or DEFAULT_TARGET)
     total = sum(map(spec_bytes, text_weights(cfg, text)))
     if vision and vision_parts(model_dir)[0] is not None:
-        tower_cfg, _, tower, *_ = vision_source(str(model_dir), None, vision_precision(precision))
+        tower_cfg, _, tower, *_ = vision_source(str(model_dir), None, precision.tower)
         total += sum(map(spec_bytes, graph_weights(tower_cfg, tower)))
     return total
 
@@ -496,7 +489,8 @@ class Generator:
     resident beside the language model's; a later request with images loads it again)."""
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int | None = DEFAULT_CONTEXT,
-                 target: str | None = None, cache_dir=None, precision: str | None = "f32", threads: int | None = None,
+                 target: str | None = None, cache_dir=None, precision: Precision | str | None = "f32",
+                 threads: int | None = None,
                  progress=None, kv_cache_dtype: str = "f32", lanes: int = 1, kv_blocks: int = 0,
                  prefix_cache: bool = True, keep_vision: bool = True):
         from runtime.vision import set_thread_count
@@ -510,9 +504,10 @@ class Generator:
         self.tokenizer = ChatTokenizer(model_dir)
         if precision is None:
             precision = checkpoint_precision(model_dir)
-            if precision == NATIVE_PRECISION and progress:
+            if precision.native and progress:
                 progress("precision: native (the checkpoint's quantized weights in their bits; --precision f32 "
                          "expands them)")
+        precision = precision_of(precision)
         self.options = dict(target=target, cache_dir=cache_dir, precision=precision, progress=progress)
         self.fits = context is None  # the context fitted to each request
         if self.fits:
@@ -546,7 +541,7 @@ class Generator:
         buckets = ladder_for([patches])
         if self._vision is None or self._vision.buckets[-1] < patches:
             self._vision = VisionSession(self.model_dir, buckets=buckets,
-                                         **dict(self.options, precision=vision_precision(self.options["precision"])))
+                                         **dict(self.options, precision=self.options["precision"].tower))
         return self._vision
 
     def prepare(self, messages, media=(), max_new_tokens: int = 1, encode=None, template_kwargs=None):

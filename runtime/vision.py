@@ -17,7 +17,8 @@ import numpy as np
 import iree.runtime as rt
 
 from emitter.atomic import write_atomic
-from emitter.config import graph_weights
+from emitter.precision import Precision
+from emitter.vision import graph_weights
 from emitter.identity import DEFAULT_LADDER, ladder_for
 from emitter.vision import entry_name, input_specs, result_names
 
@@ -71,7 +72,8 @@ class VisionSession:
 
     def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
                  threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None,
-                 precision: str = "f32", weights: str = DEFAULT_BINDING, vision_weights: dict | None = None,
+                 precision: Precision | str = "f32", weights: str = DEFAULT_BINDING,
+                 vision_weights: dict | None = None,
                  dump_inputs=None):
         """The weights come from the checkpoint's archive in the cache (written on first
         use, memory-mapped, checked against the config); the one artifact module serves
@@ -106,7 +108,7 @@ class VisionSession:
         self._calls = 0
         self._lock = threading.Lock()
 
-    def _bind_weights(self, vision_weights, precision: str) -> tuple[list, list]:
+    def _bind_weights(self, vision_weights, precision: Precision) -> tuple[list, list]:
         """(modules the artifact needs added before it, weight arguments of every call).
         Parameter-bound: an io_parameters module over the mapped archive (or over
         `vision_weights`); argument-bound: device arrays uploaded once."""
@@ -189,7 +191,7 @@ class VisionSession:
         call = {"function": self.function_name(bucket), "bucket": bucket, "images": list(images or []),
                 "grid_thw": [list(map(int, g)) for g in grids], "patches": patches,
                 "merged": patches // self.cfg.merge_unit, "inputs": [f"{n}.npy" for n in names],
-                "outputs": self.result_names(), "precision": self.plan.precision,
+                "outputs": self.result_names(), "precision": self.plan.precision.name,
                 "weights_archive": str(self.archive_path) if self.archive_path else None}
         write_atomic(folder / "call.json", json.dumps(call, indent=1) + "\n")
 

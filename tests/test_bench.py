@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from emitter.identity import graph_precision
+from emitter.precision import precision
 
 QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")
 TINY = ["--preset", "tiny", "--bucket", "512", "--images", "64x64,64x64", "--repeats", "1", "--warmup", "0",
@@ -35,7 +35,7 @@ def test_bench_both_precisions_and_end_to_end(tmp_path):
     assert {"numpy 128", "iree 128"} <= set(f["roof"]["f32"]["all"]) and "iree 128" in f["roof"]["bf16"]["all"]
     assert f["roof_fraction"] == f["gflops"] / f["roof_gflops"]
     assert f["rel_l2_e2e_vs_graph"] <= 1e-6  # the session on image files computes the same embeddings
-    assert f["graph_precisions"] == {"f32": "f32", "bf16": graph_precision("bf16")}  # as the commands build it
+    assert f["graph_precisions"] == {"f32": "f32", "bf16": precision("bf16").for_target().name}  # as the commands build it
     if importlib.util.find_spec("transformers") is not None:  # ours agrees with transformers' sdpa tower
         assert "sdpa" in f["torch"], f["torch"]
         assert f["torch_s"] > 0 and f["torch_bf16_s"] > 0 and f["ratio"] == f["torch_s"] / f["ours_s"]

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import rel_l2
-from emitter.config import PRESETS, graph_weights
-from emitter.identity import bf16_form, graph_precision
+from emitter.config import PRESETS
+from emitter.precision import bf16_form, precision
+from emitter.vision import graph_weights
 from emitter.text import emit_text_module
 from emitter.text_shape import TextShape
 from emitter.text_config import TEXT_PRESETS
@@ -41,9 +42,9 @@ def cpuinfo(field: str) -> str:
 
 
 def test_the_bf16_form_follows_the_cpu():
-    assert graph_precision("bf16", AVX2) == "bf16-f32"
-    assert graph_precision("f32", AVX2) == "f32"
-    assert graph_precision("bf16", "cuda-sm80") == "bf16"
+    assert precision("bf16").for_target(AVX2).name == "bf16-f32"
+    assert precision("f32").for_target(AVX2).name == "f32"
+    assert precision("bf16").for_target("cuda-sm80").name == "bf16"
     flags = cpuinfo("flags").split()
     if flags:  # the host's form agrees with what the kernel says this CPU is: AMD's double-rate dot product
         double_rate = "avx512_bf16" in flags and cpuinfo("vendor_id") == "AuthenticAMD"
@@ -99,7 +100,7 @@ def test_bf16_is_not_scalar_bound_on_avx2():
     bf16 operands compiled for AVX2 (IREE's scalar loop), must fail that bound, or the check
     could not tell."""
     set_thread_count(2)
-    times = bf16_speed.measure(AVX2, ["f32", graph_precision("bf16", AVX2)], rounds=7)
+    times = bf16_speed.measure(AVX2, ["f32", precision("bf16").for_target(AVX2).name], rounds=7)
     control = bf16_speed.measure(AVX2, ["f32", "bf16"], rounds=3, graphs=("decode",))["decode"]
     for graph, t in times.items():
         assert t["bf16-f32"] / t["f32"] <= SCALAR_BOUND, (graph, t)

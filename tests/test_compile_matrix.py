@@ -28,7 +28,7 @@ import iree.runtime as rt
 from conftest import graph_weights
 from emitter.builder import Builder
 from emitter.config import PRESETS, VisionConfig
-from emitter.config import graph_weights as weight_specs
+from emitter.vision import graph_weights as weight_specs
 from emitter.identity import DEFAULT_LADDER
 from emitter.policy import DEFAULT_POLICY
 from emitter.targets import DEFAULT_TARGET

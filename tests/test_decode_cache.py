@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from emitter.quant import compile_flags
+from emitter.precision import precision as precision_of
 from emitter.text_config import TEXT_PRESETS
 from runtime.bench import decode_profile as bench
 from runtime.artifact.compiler import compile_mlir
@@ -25,7 +25,7 @@ def test_decode_step_copies_no_whole_cache(tmp_path, precision):
     vmfb, archive, profile = tmp_path / "decode.vmfb", tmp_path / "w.irpa", tmp_path / "decode.ireeprof"
     module = bench.decode_module(cfg, context, precision)
     assert ("decode_attention" in module) == (precision == "q8_0")
-    vmfb.write_bytes(compile_mlir(module, extra_flags=compile_flags(precision)))
+    vmfb.write_bytes(compile_mlir(module, extra_flags=precision_of(precision).compile_flags()))
     bench.write_archive(cfg, precision, archive)
     steps = 2
     bench.step_ms(vmfb, archive, context - 1, steps, 1, profile=profile)

@@ -17,7 +17,8 @@ from PIL import Image
 from safetensors.numpy import load_file
 
 from conftest import rel_l2
-from emitter.config import PRESETS, graph_weights
+from emitter.config import PRESETS
+from emitter.vision import graph_weights
 from runtime.artifact.archive import ArchiveError, open_archive, tensor_metadata, write_archive
 from runtime.vision import VisionSession
 from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint

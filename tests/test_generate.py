@@ -15,6 +15,7 @@ import pytest
 
 from emitter.config import ConfigError, PRESETS
 from emitter.text_config import TEXT_PRESETS, TextConfig, text_config_from_hf
+from emitter.precision import precision as precision_of
 from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
 from runtime.checkpoints.synthetic_text import write_generation_checkpoint
 from runtime.inputs.tokenizer import ChatTokenizer, TokenizerError, expand_pads, user_message
@@ -454,9 +455,9 @@ def test_the_kv_cache_default_leaves_the_weights_their_memory(model, tmp_path, m
     write_mlx_generation_checkpoint(mlx, PRESETS["tiny"], TEXT_PRESETS["tiny"], bits=4, seed=3)
     cache = ArtifactCache(tmp_path / "cache")
     for folder, precision in ((model, "f32"), (model, "bf16"), (mlx, None)):
-        asked = precision or text.checkpoint_precision(folder)
+        asked = precision_of(precision) if precision else text.checkpoint_precision(folder)
         cfg, graph = text.text_precision(folder, text.load_text_config(folder)[0], asked, "llvm-cpu")
-        tower_cfg, _, tower, *_ = vision_source(str(folder), None, text.vision_precision(asked))
+        tower_cfg, _, tower, *_ = vision_source(str(folder), None, asked.tower)
         language = held(cached_text_archive(folder, cfg, graph, cache))
         assert text.weight_bytes(folder, precision, vision=False) == language
         assert text.weight_bytes(folder, precision) == language + held(cached_archive(folder, tower_cfg, tower, cache))

@@ -18,7 +18,6 @@ from conftest import rel_l2
 from gguf_helpers import converted_checkpoint, dequantized_folder, model_folder, requantize
 from helpers import chunked_logits, generate_logits
 from emitter import quant
-from emitter.config import MLX_PRECISION, NATIVE_PRECISION
 from emitter.text_config import TEXT_PRESETS
 from runtime.checkpoints import gguf_text
 from runtime.checkpoints.text import load_text_weights, model_text_config
@@ -68,7 +67,7 @@ def test_in_its_bits_equals_f32_over_gguf_dequantize(files, kind, bits, tmp_path
     layouts = quant.native_layouts(gguf_text.native_weights(path, cfg))
     assert len(layouts) >= 7 * CFG.num_hidden_layers and set(layouts.values()) == {quant.Layout(bits, 32)}
     cache = tmp_path / "cache"
-    ours = logits(path, cache, MLX_PRECISION)  # the alias of native
+    ours = logits(path, cache, "mlx")  # the alias of native
     ref = logits(dequantized_folder(path, tmp_path / "deq"), cache, "f32")
     assert rel_l2(ours, ref) <= TOL
     original = logits(files["hf"], cache, "f32")
@@ -84,7 +83,7 @@ def test_w8a8_against_q8_0_at_equal_bits(files, tmp_path):
     cache = tmp_path / "cache"
     original = logits(files["hf"], cache, "f32")
     away = {name: rel_l2(logits(path, cache, precision), original)
-            for name, path, precision in (("q8_0", files["q8_0"], MLX_PRECISION), ("w8a8", files["hf"], "w8a8"),
+            for name, path, precision in (("q8_0", files["q8_0"], "mlx"), ("w8a8", files["hf"], "w8a8"),
                                           ("int8", files["hf"], "int8"))}
     print("distance from the f32 model: " + ", ".join(f"{k} {v:.2e}" for k, v in away.items()))
     assert 0 < away["q8_0"] < away["w8a8"] < 2 * away["q8_0"], away
@@ -107,7 +106,7 @@ def test_our_q8_0_against_llama_cpps_q8_0_at_equal_bits(files, tmp_path):
     prompt = np.arange(37) * 7 % CFG.vocab_size
     theirs = rel_l2(reference_logits(files["hf"], CFG, prompt, len(original) - 1, "llama.cpp", q8_0_blocks,
                                      q8_0_blocks, q8_0_blocks), original)
-    weight_only = rel_l2(logits(files["q8_0"], cache, NATIVE_PRECISION), original)
+    weight_only = rel_l2(logits(files["q8_0"], cache, "native"), original)
     print(f"distance from the f32 model: our q8_0 {ours:.2e}, llama.cpp's Q8_0 math {theirs:.2e}, the Q8_0 file "
           f"in its bits with f32 activations {weight_only:.2e}")
     assert 0 < ours <= theirs, (ours, theirs)
@@ -132,7 +131,7 @@ def test_our_q4_0_against_llama_cpps_q4_0_at_equal_bits(files, tmp_path):
     theirs = rel_l2(reference_logits(files["hf"], CFG, prompt, len(original) - 1, "llama.cpp", q4_0_blocks,
                                      q8_0_blocks, q8_0_blocks), original)
     int4 = rel_l2(logits(files["hf"], cache, "int4"), original)
-    weight_only = rel_l2(logits(files["q4_0"], cache, NATIVE_PRECISION), original)
+    weight_only = rel_l2(logits(files["q4_0"], cache, "native"), original)
     print(f"distance from the f32 model: our q4_0 {ours:.3e}, llama.cpp's Q4_0 x Q8_0 math {theirs:.3e}, our int4 "
           f"{int4:.3e}, the Q4_0 file in its bits with f32 activations {weight_only:.3e}")
     assert 0 < ours <= theirs, (ours, theirs)
@@ -144,7 +143,7 @@ def test_unsupported_quant_type_is_one_line(files, tmp_path):
     with pytest.raises(CheckpointError, match=r"^[\w.]+\.weight: GGUF type MXFP4 is not supported .*expected "
                                               r"one of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
                                               r"Q6_K$"):
-        TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision=NATIVE_PRECISION)
+        TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision="native")
 
 
 def test_a_folder_holding_the_files(files, tmp_path):
@@ -362,7 +361,7 @@ def test_q8_0_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path
     folder = model_folder(files, tmp_path, "f32", "q8_0")
     image = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(2).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(image)
-    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (NATIVE_PRECISION, "f32"))
+    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in ("native", "f32"))
     assert len(ours.cfg.native_weights) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.native_weights
     a, b = ours.encode([image]), ref.encode([image])
     assert rel_l2(a.image_embeds, b.image_embeds) <= TOL

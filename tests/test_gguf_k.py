@@ -15,7 +15,8 @@ import pytest
 
 from conftest import rel_l2
 from emitter import quant
-from emitter.config import NATIVE_PRECISION, graph_weights
+from emitter.precision import NATIVE
+from emitter.vision import graph_weights
 from emitter.text import text_weights
 from emitter.text_config import TEXT_PRESETS
 from runtime.checkpoints import gguf_blocks, gguf_text
@@ -123,7 +124,7 @@ def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
     from runtime.text import checkpoint_precision
 
     path = files["q4_k_m"]
-    assert checkpoint_precision(path) == NATIVE_PRECISION
+    assert checkpoint_precision(path) == NATIVE
     cfg, _ = model_text_config(path)
     layouts = quant.native_layouts(gguf_text.native_weights(path, cfg))
     assert len(layouts) == 7 * CFG.num_hidden_layers + 2
@@ -135,7 +136,7 @@ def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
     biases = {s.name for s in text_weights(native, "f32") if s.name.endswith("biases")}
     assert len(biases) == sum(layout.affine for layout in layouts.values())  # none for the symmetric ones
     cache = tmp_path / "cache"
-    ours = chunked_logits(path, cache, NATIVE_PRECISION, CFG.vocab_size, 2)
+    ours = chunked_logits(path, cache, "native", CFG.vocab_size, 2)
     ref = chunked_logits(dequantized_folder(path, tmp_path / "deq"), cache, "f32", CFG.vocab_size, 2)
     assert rel_l2(ours, ref) <= TOL
     original = chunked_logits(files["hf"], cache, "f32", CFG.vocab_size, 2)
@@ -156,7 +157,7 @@ def test_k_quant_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_p
     folder = model_folder(files, tmp_path, "f32", "q4_k_m")
     image = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(4).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(image)
-    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in (NATIVE_PRECISION, "f32"))
+    ours, ref = (VisionSession(folder, precision=p, cache_dir=tmp_path / "cache") for p in ("native", "f32"))
     layouts = quant.native_layouts(ours.cfg.native_weights)
     assert len(layouts) == 4 * 4 + 2 + 2 * 2 and not ref.cfg.native_weights
     assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_1", "Q5_1")}

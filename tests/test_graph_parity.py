@@ -79,7 +79,7 @@ def test_parameter_bound_weights_match_fixture(tiny_parity):
     """The same graph with its weights read from a parameter archive instead of arguments."""
     import iree.runtime as rt
     from conftest import graph_weights
-    from emitter.config import graph_weights as weight_specs
+    from emitter.vision import graph_weights as weight_specs
     from emitter.vision import emit_vision_module, result_names
     from runtime.artifact.compiler import compile_mlir
     from runtime.artifact.iree_module import LoadedModule, parameters_module

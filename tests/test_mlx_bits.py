@@ -18,6 +18,7 @@ import pytest
 from conftest import rel_l2
 from emitter import quant
 from emitter.config import ConfigError
+from emitter.precision import precision as precision_of
 from emitter.text import text_weights
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TEXT_PRESETS
 from runtime.bench.mlx_memory import measure, write_mlx_text
@@ -146,14 +147,14 @@ def test_int8_over_an_affine_checkpoint_is_one_line(checkpoint):
 def test_decode_dispatches_read_the_bits(tmp_path, form):
     """With biases too, the decode dispatches contract the weights in their bits (f32 x i4
     or i8 -> f32), and none widens one to an f32 copy (as tests/test_quant.py checks int8/int4);
-    built with the flags the session adds (`quant.compile_flags`), nothing re-encodes them at load."""
+    built with the flags the session adds (`Precision.compile_flags`), nothing re-encodes them at load."""
     from runtime.artifact.compiler import compile_mlir
     from runtime.bench.decode_profile import NATIVE_FORMS, decode_module, graph_form
 
     bits = NATIVE_FORMS[form].dtype
     cfg = dataclasses.replace(CFG, tie_word_embeddings=False)
     stored, precision = graph_form(cfg, form)
-    flags = quant.compile_flags(precision, stored.native_weights)
+    flags = precision_of(precision).compile_flags(stored.native_weights)
     compile_mlir(decode_module(cfg, 64, form), extra_flags=[*flags, f"--iree-hal-dump-executable-sources-to={tmp_path}"])
     names = [m for f in tmp_path.glob("*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]
     contractions = [n for n in names if re.search(rf"_(matmul|vecmat|matvec)\w*_f32x{bits}xf32$", n)]
@@ -168,7 +169,7 @@ def test_nothing_is_expanded_to_f32(tmp_path):
     answering peaks below the f32 bytes of its weights (an f32 expansion alone would be
     1x; the f32 run, printed, is over 2x), and once loaded its anonymous memory is under
     0.5x the bytes of q, scales and biases: no copy of them, the archive's pages serve
-    prefill and decode (`quant.compile_flags`, as for int8: tests/test_quant.py; measured
+    prefill and decode (`Precision.compile_flags`, as for int8: tests/test_quant.py; measured
     0.17x, 0.83x while decode's split-K q had a load-time copy)."""
     cfg = dataclasses.replace(CFG, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
                               num_attention_heads=8, num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20))
@@ -273,7 +274,8 @@ def test_vision_tower_in_its_bits(tmp_path, bits, group, intermediate):
     fc1 of 208 outputs (as the 8B's of 4304: IREE cannot compile it in i4) held in i8."""
     from PIL import Image
 
-    from emitter.config import PRESETS, graph_weights
+    from emitter.config import PRESETS
+    from emitter.vision import graph_weights
     from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
     from runtime.vision import VisionSession
 

@@ -7,7 +7,8 @@ import ml_dtypes
 import pytest
 
 from conftest import rel_l2
-from emitter.config import PRESETS, ConfigError, graph_weights
+from emitter.config import PRESETS, ConfigError
+from emitter.vision import graph_weights
 from emitter.vision import emit_vision_module, result_names
 from runtime.checkpoints.vision import weights_in_order
 from runtime.artifact.compiler import compile_mlir

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from emitter import quant
-from emitter.identity import graph_precision
+from emitter.precision import precision
 from emitter.text import text_weights
 from emitter.kernel_calls import block_rows
 from kernels import q8_matmul
@@ -70,7 +70,7 @@ def test_q4_0_weights_are_q4_0_blocks_in_the_kernels_tiles():
         assert specs[head].shape == (cfg.vocab_size, cfg.hidden_size * 6 // 8)  # 6 bits
         assert specs[table].shape[1] == cfg.hidden_size * (6 if head == table else 8) // 8
     w = np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32)
-    q, scales = quant.PRECISION_LAYOUTS["q4_0"].store(w)
+    q, scales = precision("q4_0").layout.store(w)
     ref_q, ref_scales = Q4_0(w)
     assert q.shape == (64, 48) and np.array_equal(q.reshape(-1), q8_matmul.pack_weight(ref_q, 4))
     assert np.array_equal(scales.reshape(-1), q8_matmul.pack_scales(ref_scales))
@@ -80,8 +80,8 @@ def test_the_kernels_isa_is_part_of_the_identity():
     """q4_0 builds a graph form named by the target's ISA; its archive differs from q8_0's."""
     from emitter.identity import text_artifact_fields
     from emitter.text_shape import TextShape
-    assert graph_precision("q4_0", "llvm-cpu-x86-64-v3") == "q4_0-avx2"
-    assert graph_precision("q4_0", "llvm-cpu") in quant.KERNEL_ISA
+    assert precision("q4_0").for_target("llvm-cpu-x86-64-v3").name == "q4_0-avx2"
+    assert precision("q4_0").for_target("llvm-cpu").family == "q4_0"
     fields = {p: text_artifact_fields(CFG, TextShape((32,), 64), 0, p)
               for p in ("q4_0-avx512vnni", "q4_0-avx2", "q8_0-avx2")}
     assert fields["q4_0-avx2"]["graph_sha256"] != fields["q4_0-avx512vnni"]["graph_sha256"]
@@ -92,7 +92,7 @@ def test_the_kernels_isa_is_part_of_the_identity():
 def test_a_target_without_the_kernel_is_one_line():
     from emitter.config import ConfigError
     with pytest.raises(ConfigError, match=r"^--precision q4_0: q8_matmul: target .*expected an x86-64 llvm-cpu"):
-        graph_precision("q4_0", "vulkan-spirv")
+        precision("q4_0").for_target("vulkan-spirv")
 
 
 @pytest.mark.parametrize("bits", [8, 6, 4])

@@ -22,7 +22,7 @@ from conftest import rel_l2
 from helpers import chunked_logits
 from emitter import quant
 from emitter.config import ConfigError
-from emitter.identity import graph_precision
+from emitter.precision import precision
 from emitter.text import text_weights
 from kernels import build, q8_matmul
 from runtime.checkpoints.synthetic_text import write_text_model
@@ -166,9 +166,9 @@ def test_the_kernels_isa_is_part_of_the_identity():
     AVX2) and x86-64-v3's AVX2 differ in precision and graph (the linked object)."""
     from emitter.identity import text_artifact_fields
     from emitter.text_shape import TextShape
-    assert graph_precision("q8_0", "llvm-cpu-x86-64-v3") == "q8_0-avx2"
-    host = graph_precision("q8_0", "llvm-cpu")
-    assert host in quant.KERNEL_ISA
+    assert precision("q8_0").for_target("llvm-cpu-x86-64-v3").name == "q8_0-avx2"
+    host = precision("q8_0").for_target("llvm-cpu")
+    assert host.family == "q8_0" and host.isa
     fields = {p: text_artifact_fields(CFG, TextShape((32,), 64), 0, p) for p in ("q8_0-avx512vnni", "q8_0-avx2")}
     assert fields["q8_0-avx2"]["graph_sha256"] != fields["q8_0-avx512vnni"]["graph_sha256"]
     assert fields["q8_0-avx2"]["weight_schema"] == fields["q8_0-avx512vnni"]["weight_schema"]  # one archive
@@ -193,7 +193,7 @@ def test_the_identity_does_not_depend_on_the_kernel_folder(tmp_path, monkeypatch
 
 def test_a_target_without_the_kernel_is_one_line():
     with pytest.raises(ConfigError, match=r"^--precision q8_0: q8_matmul: target .*expected an x86-64 llvm-cpu"):
-        graph_precision("q8_0", "vulkan-spirv")
+        precision("q8_0").for_target("vulkan-spirv")
 
 
 def test_outputs_the_tiles_do_not_divide_are_one_line():
@@ -214,8 +214,8 @@ def test_lanes_through_the_attention_kernel_equal_each_alone(folders):
     from test_kv_pages import batched_runs, solo_runs
 
     shape = dict(buckets=(16,), context=48, precision="q8_0", kv_cache_dtype="bf16")
-    assert attention_object(CFG, TextShape((16,), 48, kv_dtype="bf16"), graph_precision("q8_0"))
-    module = emit_text_module(CFG, TextShape((16,), 48, kv_dtype="bf16"), 0, graph_precision("q8_0"))
+    assert attention_object(CFG, TextShape((16,), 48, kv_dtype="bf16"), precision("q8_0").for_target())
+    module = emit_text_module(CFG, TextShape((16,), 48, kv_dtype="bf16"), 0, precision("q8_0").for_target())
     assert "@decode_attention_" in module and "@chunk_attention_16x" in module  # prefill's too
     rng = np.random.default_rng(2)
     prompts = [Prompt(ids, np.repeat(np.arange(ids.size)[None], 3, 0), 0)

@@ -20,6 +20,7 @@ from conftest import rel_l2
 from helpers import chunked_logits, q4_0_blocks
 from emitter import quant
 from emitter.config import ConfigError
+from emitter.precision import PRECISIONS, precision as precision_of
 from emitter.text import text_weights, weight_layouts
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_mlir
@@ -39,7 +40,7 @@ def test_quantize_is_symmetric_groupwise():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((6, 256), dtype=np.float32)
     w[2, 64:128] = 0  # an all-zero group
-    q, scales = quant.quantize(w, quant.PRECISION_LAYOUTS["int8"])
+    q, scales = quant.quantize(w, precision_of("int8").layout)
     assert q.dtype == np.int8 and scales.shape == (6, 4) and scales.dtype == np.float32
     groups = w.reshape(6, 4, 64)
     assert np.array_equal(scales, np.abs(groups).max(axis=2) / np.float32(127))
@@ -131,7 +132,7 @@ def models(tmp_path_factory):
     replaced by its dequantization (`quant.dequantize`), in f32."""
     root = tmp_path_factory.mktemp("quant")
     write_text_model(root / "model", CFG, seed=5)
-    for precision in quant.PRECISION_LAYOUTS:
+    for precision in [p for p, row in PRECISIONS.items() if row.layout]:
         weights = load_text_weights(root / "model", CFG)
         layouts = weight_layouts(CFG, precision, list(weights))
         for name, layout in layouts.items():
@@ -167,7 +168,7 @@ def test_decode_dispatches_read_the_bits(tmp_path, precision):
     """The decode dispatches contract the quantized weights in their bits (f32 x i8 -> f32,
     f32 x i4 -> f32); none widens one to an f32 copy (an i8 -> f32 dispatch that is no
     contraction; the embedding row's gather is i32 x i8)."""
-    bits = quant.STORAGE_DTYPE[quant.bits_of(precision)]
+    bits = quant.STORAGE_DTYPE[precision_of(precision).bits]
     compile_mlir(decode_module(CFG, 64, precision),
                  extra_flags=[f"--iree-hal-dump-executable-sources-to={tmp_path}"])
     names = [m for f in tmp_path.glob("*decode*.mlir") for m in re.findall(r"export public @(\w+)", f.read_text())]
@@ -188,7 +189,7 @@ def test_batched_decode_vectorizes_along_the_outputs(tmp_path, precision):
     tile wider than one along N. (Scaled as partial * scale, data tiling took the scaling
     for a contraction and turned the dots to [1, 16, 1, 0], 16 along the rows and scalar
     along N: 25x slower; docs/performance.md, "Quantized decode at several lanes".)"""
-    bits = quant.STORAGE_DTYPE[quant.bits_of(precision)]
+    bits = quant.STORAGE_DTYPE[precision_of(precision).bits]
     compile_mlir(decode_module(WIDE, 64, precision, lanes=4),
                  extra_flags=[f"--iree-hal-dump-executable-files-to={tmp_path}"])
     text = "\n".join(f.read_text() for f in tmp_path.glob("configured_*decode*.mlir"))
@@ -221,7 +222,7 @@ def test_int8_weights_resident_in_their_bits(tmp_path, precision):
     VNNI; measured 1.13x, 1.95x before the load's freed heap was given back), where one f32
     copy of them would be 4x and more. int8 holds no copy of them: under 0.6x, the module
     and the scales' reciprocals (measured 0.17x; the archive's pages serve prefill and
-    decode, `quant.compile_flags`; 1.89x while decode's split-K q had a load-time copy, and
+    decode, `Precision.compile_flags`; 1.89x while decode's split-K q had a load-time copy, and
     before the freed heap went back). A prefill then adds IREE's pool of per-call
     transients (the dequantized weights of a chunk), printed."""
     cfg = WIDE

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from emitter.quant import compile_flags  # noqa: E402
+from emitter.precision import precision as precision_of  # noqa: E402
 from emitter.text_config import TEXT_PRESETS  # noqa: E402
 from runtime.artifact.compiler import compile_mlir  # noqa: E402
 from runtime.bench.decode_profile import profile_report, step_ms, write_archive  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> int:
         text = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree.resolve())},
                               capture_output=True, text=True, check=True).stdout
         vmfbs.append(tmp / f"decode_{i}.vmfb")
-        vmfbs[-1].write_bytes(compile_mlir(text, extra_flags=compile_flags(args.precision, False)))
+        vmfbs[-1].write_bytes(compile_mlir(text, extra_flags=precision_of(args.precision).compile_flags()))
     times = [[] for _ in args.trees]
     for r in range(args.rounds):
         for i in (range(len(vmfbs)) if r % 2 == 0 else reversed(range(len(vmfbs)))):

@@ -306,7 +306,7 @@ def main(argv=None):
     from runtime.checkpoints.vision import weights_in_order
     from runtime.artifact.iree_module import LoadedModule, device_config, parameters_module
     from runtime.vision import set_thread_count
-    from emitter.config import graph_weights
+    from emitter.vision import graph_weights
 
     cfg = shallower(PRESETS[args.preset], args.depth)
     pixels, grid_thw = processed_images([tuple(int(v) for v in s.split("x")) for s in args.images.split(",")])

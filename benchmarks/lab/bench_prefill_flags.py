@@ -1,5 +1,5 @@
 """Prefill with and without the iree-compile flags a quantized text module adds
-(`quant.compile_flags`: data tiling from global optimization), alternating in one process.
+(`Precision.compile_flags`: data tiling from global optimization), alternating in one process.
 
 A random checkpoint at a preset's widths with `--layers` decoder layers and a `--vocab`
 vocabulary: under mlx4 / mlx8 quantized by the real `mx.quantize` in mlx-vlm's layout (groups
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter import quant
+from emitter.precision import Precision
 from emitter.text_config import TEXT_PRESETS
 from runtime.text import TextSession
 
@@ -35,13 +35,13 @@ MLX_BITS = {"mlx4": 4, "mlx8": 8}
 
 @contextmanager
 def without_module_flags():
-    """`quant.compile_flags` returning none while the block runs (the identity and the build read it)."""
-    original = quant.compile_flags
-    quant.compile_flags = lambda *args: ()
+    """`Precision.compile_flags` returning none while the block runs (the identity and the build read it)."""
+    original = Precision.compile_flags
+    Precision.compile_flags = lambda *args: ()
     try:
         yield
     finally:
-        quant.compile_flags = original
+        Precision.compile_flags = original
 
 
 def write_model(folder: Path, cfg, precision: str) -> str:

@@ -28,8 +28,10 @@ import iree.runtime as rt
 
 from emitter import quant
 from kernels import q8_matmul
-from emitter.config import VisionConfig, graph_weights, weight_dtype
+from emitter.config import VisionConfig
+from emitter.precision import Precision, for_graph
 from emitter.text import text_weights
+from emitter.vision import graph_weights
 from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
@@ -71,13 +73,13 @@ def code_digest(code) -> str:
     return hashlib.sha256(b"".join(Path(p).read_bytes() for p in code)).hexdigest()
 
 
-def content_fields(model_dir, found: dict, specs, precision: str, code, digest=sha256_range) -> dict:
+def content_fields(model_dir, found: dict, specs, precision: Precision | str, code, digest=sha256_range) -> dict:
     """What decides either model's archive bytes beside its config: every stored tensor of
     the part (`found`: name, dtype, shape, sha256 of its bytes by `digest`), the
     quantization settings, the weight dtype, the weight schema of `specs`, and the source of
     the `code` that transforms them."""
     return {
-        "precision": weight_dtype(precision),  # bf16 and bf16-f32 share one archive
+        "precision": for_graph(precision).weights,  # bf16 and bf16-f32 share one archive
         "weight_schema": weight_schema_fields(specs),
         "quantization": stored_quantization(Path(model_dir)),
         "tensors": [[name, e.dtype, list(e.shape), digest(e.file, e.begin, e.end)]
@@ -86,13 +88,13 @@ def content_fields(model_dir, found: dict, specs, precision: str, code, digest=s
     }
 
 
-def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32", digest=sha256_range) -> dict:
+def archive_fields(model_dir, cfg: VisionConfig, precision: Precision | str = "f32", digest=sha256_range) -> dict:
     """What decides the vision archive's bytes (`content_fields`). Reads the vision tensors
     once (`digest`: `digests.Digests` remembers them)."""
     mmproj = gguf_vision.mmproj_file(model_dir)
     if mmproj:  # a llama.cpp mmproj beside a GGUF text file: its sha256 in place of the tensors
         return {"archive_format": ARCHIVE_FORMAT, "vision_config": cfg.to_dict(),
-                "precision": weight_dtype(precision),
+                "precision": for_graph(precision).weights,
                 "weight_schema": weight_schema_fields(graph_weights(cfg, precision)),
                 **gguf_vision.content_fields(mmproj, digest), "code_sha256": code_digest(_CODE)}
     found, _ = checkpoint.scan_vision_tensors(model_dir)
@@ -100,7 +102,7 @@ def archive_fields(model_dir, cfg: VisionConfig, precision: str = "f32", digest=
             **content_fields(model_dir, found, graph_weights(cfg, precision), precision, _CODE, digest)}
 
 
-def graph_arrays(model_dir, cfg: VisionConfig, precision: str = "f32") -> list[tuple[str, np.ndarray]]:
+def graph_arrays(model_dir, cfg: VisionConfig, precision: Precision | str = "f32") -> list[tuple[str, np.ndarray]]:
     """(checkpoint name, array as the graph takes it) for every weight, in graph order."""
     mmproj = gguf_vision.mmproj_file(model_dir)
     weights = (gguf_vision.vision_arrays(mmproj, cfg, precision) if mmproj
@@ -113,7 +115,7 @@ def tensor_metadata(shape, dtype: str) -> str:
     return METADATA_PREFIX + json.dumps(meta)
 
 
-def write_archive(path: str | os.PathLike, named_arrays, cfg: VisionConfig, precision: str = "f32") -> None:
+def write_archive(path: str | os.PathLike, named_arrays, cfg: VisionConfig, precision: Precision | str = "f32") -> None:
     """Write the vision graph's .irpa whole or not at all (see `write_entries`)."""
     write_entries(path, named_arrays, graph_weights(cfg, precision))
 
@@ -152,7 +154,7 @@ def _entry_shape_dtype(entry) -> tuple[list | None, str | None]:
         return None, None
 
 
-def open_archive(path: str | os.PathLike, cfg: VisionConfig, precision: str = "f32") -> rt.ParameterIndex:
+def open_archive(path: str | os.PathLike, cfg: VisionConfig, precision: Precision | str = "f32") -> rt.ParameterIndex:
     """The vision graph's archive, memory-mapped and checked (see `open_entries`)."""
     return open_entries(path, graph_weights(cfg, precision))
 
@@ -223,7 +225,7 @@ def remembered(cache, fields_of):
     return fields
 
 
-def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: str, progress=None) -> Path:
+def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: Precision | str, progress=None) -> Path:
     """The archive of `fields` from the cache (its size and sha256 checked against the
     manifest), written on a miss from `arrays()` ((name, array) pairs in `specs` order: the
     checkpoint is read, checked and converted only then). Both models' archives."""
@@ -238,7 +240,7 @@ def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: st
     return path
 
 
-def cached_archive(model_dir, cfg: VisionConfig, precision: str, cache, progress=None) -> Path:
+def cached_archive(model_dir, cfg: VisionConfig, precision: Precision | str, cache, progress=None) -> Path:
     """The vision archive for this checkpoint content and precision (`cached_entries`)."""
     return cached_entries(cache, remembered(cache, lambda digest: archive_fields(model_dir, cfg, precision, digest)),
                           graph_weights(cfg, precision),
@@ -253,14 +255,14 @@ _TEXT_CODE = (Path(checkpoint.__file__), Path(mlx_quant.__file__), Path(text_che
               Path(gguf_text.__file__), Path(gguf_blocks.__file__), Path(__file__))
 
 
-def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32", digest=sha256_range) -> dict:
+def text_archive_fields(model_dir, cfg: TextConfig, precision: Precision | str = "f32", digest=sha256_range) -> dict:
     """What decides a text archive's bytes: every stored text tensor (name, dtype, shape,
     sha256 of its bytes by `digest`), the quantization settings, the config, the precision,
     the weight schema and the source of the code that transforms them. Reads the text
     tensors once (a GGUF file: its sha256 in their place)."""
     if text_checkpoint.gguf_text.is_gguf(model_dir):
         return {"kind": "qwen3vl-text-weights", "archive_format": TEXT_ARCHIVE_FORMAT, "text_config": cfg.to_dict(),
-                "precision": weight_dtype(precision),
+                "precision": for_graph(precision).weights,
                 "weight_schema": weight_schema_fields(text_weights(cfg, precision)),
                 **text_checkpoint.gguf_text.content_fields(model_dir, digest),
                 "code_sha256": code_digest(_TEXT_CODE)}
@@ -269,7 +271,7 @@ def text_archive_fields(model_dir, cfg: TextConfig, precision: str = "f32", dige
             **content_fields(model_dir, found, text_weights(cfg, precision), precision, _TEXT_CODE, digest)}
 
 
-def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progress=None) -> Path:
+def cached_text_archive(model_dir, cfg: TextConfig, precision: Precision | str, cache, progress=None) -> Path:
     """The text archive for this checkpoint content and precision from the cache (size and
     sha256 checked against the manifest), written on a miss: the checkpoint is read, checked
     and converted only then."""
@@ -279,7 +281,7 @@ def cached_text_archive(model_dir, cfg: TextConfig, precision: str, cache, progr
                           "text weights", "the checkpoint's own bits" if cfg.native_weights else precision, progress)
 
 
-def open_text_archive(path, cfg: TextConfig, precision: str = "f32"):
+def open_text_archive(path, cfg: TextConfig, precision: Precision | str = "f32"):
     """The text archive memory-mapped as an IREE parameter index, checked to hold exactly
     the graph's weights (ArchiveError naming the first that does not)."""
     return open_entries(path, text_weights(cfg, precision))

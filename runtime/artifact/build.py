@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from emitter.config import VisionConfig, is_native, resolve_config
+from emitter.config import VisionConfig, resolve_config
 from emitter.identity import DEFAULT_LADDER, artifact_identity, format_explanation, vision_artifact_fields
+from emitter.precision import PRECISIONS, Precision, precision as precision_of
 from emitter.policy import DEFAULT_POLICY, ProcessorPolicy, load_policy
 from emitter.video_policy import DEFAULT_VIDEO_POLICY, VideoPolicy, load_video_policy
 from emitter.targets import DEFAULT_TARGET, target_flags
@@ -32,7 +33,7 @@ class BuildPlan:
     target: str
     diagnostics: bool = False
     inspect_blocks: tuple[int, ...] | None = None
-    precision: str = "f32"
+    precision: Precision = PRECISIONS["f32"]
     weights: str = "arguments"
     video_policy: VideoPolicy = DEFAULT_VIDEO_POLICY
 
@@ -53,36 +54,37 @@ class BuildResult:
     seconds: float
 
 
-def folder_vision(model: str | None, preset_name: str | None, precision: str):
+def folder_vision(model: str | None, preset_name: str | None, precision: Precision):
     """(config, title, precision, image policy, video policy) of a checkpoint folder or a
     preset, the config checked against the weights' headers before anything is sized by it."""
     cfg, title = resolve_config(model, preset_name)
     if model:
         from runtime.checkpoints.vision import check_checkpoint, vision_native_weights
         check_checkpoint(model, cfg)
-        if is_native(precision):  # the linears MLX stores in 8 or 4 bits in those bits, the rest f32
-            cfg, precision = replace(cfg, native_weights=vision_native_weights(model, cfg)), "f32"
+        if precision.native:  # the linears MLX stores in 8 or 4 bits in those bits, the rest f32
+            cfg, precision = replace(cfg, native_weights=vision_native_weights(model, cfg)), PRECISIONS["f32"]
     policy = load_policy(model, cfg) if model else DEFAULT_POLICY
     video_policy = load_video_policy(model, cfg) if model else DEFAULT_VIDEO_POLICY
     return cfg, title, precision, policy, video_policy
 
 
-def vision_source(model: str | None, preset_name: str | None, precision: str):
+def vision_source(model: str | None, preset_name: str | None, precision: Precision | str):
     """`folder_vision`, or for a folder holding a GGUF text file and its llama.cpp mmproj the
     mmproj's (`gguf_vision.vision_parts`); under `native` its quantized linears run in their
     bits, as an MLX tower's (docs/text.md)."""
     from runtime.checkpoints import gguf_vision
+    precision = precision_of(precision)
     mmproj = gguf_vision.mmproj_file(model) if model else None
     if not mmproj:
         return folder_vision(model, preset_name, precision)
     cfg, policy, video_policy = gguf_vision.vision_parts(mmproj)
-    if is_native(precision):  # the quantized linears in their bits, the rest f32
-        cfg, precision = replace(cfg, native_weights=gguf_vision.native_weights(mmproj, cfg)), "f32"
+    if precision.native:  # the quantized linears in their bits, the rest f32
+        cfg, precision = replace(cfg, native_weights=gguf_vision.native_weights(mmproj, cfg)), PRECISIONS["f32"]
     return cfg, f"model {Path(model).name}", precision, policy, video_policy
 
 
 def make_plan(model: str | None, preset_name: str | None, buckets=(), target: str | None = None,
-              diagnostics: bool = False, inspect_blocks=None, precision: str = "f32",
+              diagnostics: bool = False, inspect_blocks=None, precision: Precision | str = "f32",
               weights: str | None = None, progress=None) -> BuildPlan:
     """Check every input before anything is compiled; ValueError naming the bad one. The
     plan's precision is the target's form of the one asked (`compiler.resolve_precision`:

@@ -15,7 +15,7 @@ import sys
 from iree.compiler.tools.binaries import find_tool
 
 from emitter.errors import Failure
-from emitter.identity import graph_precision, precision_note
+from emitter.precision import Precision, for_graph
 from emitter.targets import target_flags
 from kernels.build import search_flags
 
@@ -69,11 +69,12 @@ def compile_mlir(text: str, target: str = "llvm-cpu", extra_flags=()) -> bytes:
 _notes_said: set[str] = set()
 
 
-def resolve_precision(precision: str, target: str | None = None, progress=None) -> str:
-    """The precision to build for what a user asked on `target` (`graph_precision`); when
+def resolve_precision(precision: Precision | str, target: str | None = None, progress=None) -> Precision:
+    """The precision to build for what a user asked on `target` (`Precision.for_target`); when
     it differs, `progress` hears why in one line, once per process."""
-    used = graph_precision(precision, target)
-    note = precision_note(precision, used, target)
+    precision = for_graph(precision)
+    used = precision.for_target(target)
+    note = precision.target_note(used, target)
     if note and progress and note not in _notes_said:
         _notes_said.add(note)
         progress(note)

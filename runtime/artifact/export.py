@@ -61,7 +61,7 @@ def abi_document(plan: BuildPlan, identity: str, name: str, archive: Path) -> di
         "functions": functions,
         "parameters": {"scope": PARAMETER_SCOPE, "file": f"{name}.irpa", "content_key": archive.stem},
         "identity": identity,
-        "precision": plan.precision,
+        "precision": plan.precision.name,
         "vision_config": plan.cfg.to_dict(),
         "processor_policy": plan.policy.to_dict(),
         "video_policy": plan.video_policy.to_dict(),

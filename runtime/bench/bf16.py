@@ -2,7 +2,7 @@
 one text decode step (and a 512-token prefill) at Qwen3-VL-2B widths, compiled for the
 target and run here.
 
-`qwen3vl` builds bf16 in the target's fast form (`emitter.identity.graph_precision`):
+`qwen3vl` builds bf16 in the target's fast form (`emitter.precision.Precision.for_target`):
 bf16 operands where the bf16 dot product runs at twice the f32 rate, else bf16 weights widened to f32 inside
 each matmul ("bf16-f32"). Without that, IREE 3.13 lowers a bf16 x bf16 matmul for an AVX2
 CPU to one scalar loop (bf16 loads widened by bit masking, a scalar FMA each), about 50x
@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from emitter.config import PRESETS, graph_weights
+from emitter.config import PRESETS
+from emitter.vision import graph_weights
 from emitter.text import emit_text_module, text_weights
 from emitter.text_shape import MODULE_NAME as TEXT_MODULE, TextShape, decode_name, prefill_name
 from emitter.text_config import TextConfig

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from emitter.config import PRECISIONS
+from emitter.precision import precision as precision_of
 
 DEFAULT_SIZES = (2048, 4096)
 
@@ -88,8 +88,8 @@ def torch_gflops(n: int, precision: str, threads: int, repeats: int) -> float:
 
 def iree_matmul_mlir(n: int, precision: str) -> str:
     """One n x n x n dot_general with operands as the graphs of `precision` take them
-    (`emitter.config.PRECISIONS`: activations, weights), accumulating in f32."""
-    a, b = PRECISIONS[precision][1], PRECISIONS[precision][0]
+    (`Precision.activations`, `.weights`), accumulating in f32."""
+    a, b = precision_of(precision).activations, precision_of(precision).weights
     return (f"module @roof {{\n"
             f"  func.func @main(%a: tensor<{n}x{n}x{a}>, %b: tensor<{n}x{n}x{b}>) -> tensor<{n}x{n}xf32> {{\n"
             f"    %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : "
@@ -110,7 +110,7 @@ def iree_gflops(n: int, precision: str, config, repeats: int, extra_flags=()) ->
     dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
     rng = np.random.default_rng(0)
     a, b = (module.upload(rng.standard_normal((n, n), dtype=np.float32).astype(dtypes[t]))
-            for t in reversed(PRECISIONS[precision]))
+            for t in (precision_of(precision).activations, precision_of(precision).weights))
     return gflops(n, best_time(lambda: module.function(a, b), repeats))
 
 

@@ -35,7 +35,8 @@ import numpy as np
 
 from emitter.atomic import check_writable, write_atomic
 from emitter.config import CONV_WEIGHT, PRESETS, ROPE_THETA, VisionConfig, weight_schema
-from emitter.config import HF_PREFIX, graph_weights as graph_weight_specs
+from emitter.config import HF_PREFIX
+from emitter.vision import graph_weights as graph_weight_specs
 
 from runtime.artifact.compiler import resolve_precision
 from runtime.bench.roof import DEFAULT_SIZES, measure_roof
@@ -327,7 +328,7 @@ def run_bench(args, cfg, pixels, grid_thw, weights, images, inputs, roof_sizes, 
     programs, figures = {}, {}
     # Our bf16 in the host's form (`emitter.identity.bf16_form`), as the commands run it.
     forms = {precision: resolve_precision(precision, "llvm-cpu", print) for precision in precisions}
-    figures["graph_precisions"] = forms
+    figures["graph_precisions"] = {asked: form.name for asked, form in forms.items()}
     for precision in precisions:
         run, built = our_tower(cfg, weights, args.bucket, forms[precision], args.weights, args.flags, config,
                                inputs, workdir)

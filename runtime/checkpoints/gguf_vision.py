@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter.config import CONV_WEIGHT, HF_PREFIX, MATMUL_WEIGHT_SUFFIXES, VisionConfig, graph_weights, weight_schema
+from emitter.config import CONV_WEIGHT, HF_PREFIX, MATMUL_WEIGHT_SUFFIXES, VisionConfig, weight_schema
+from emitter.vision import graph_weights
 from runtime.checkpoints import gguf_text
 from runtime.checkpoints.vision import CheckpointError, weights_in_order
 

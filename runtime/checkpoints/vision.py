@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from emitter import quant
-from emitter.config import (CONV_WEIGHT, HF_PREFIX, MATMUL_WEIGHT_SUFFIXES, VisionConfig, graph_weights,
-                            weight_schema)
+from emitter.config import CONV_WEIGHT, HF_PREFIX, MATMUL_WEIGHT_SUFFIXES, VisionConfig, weight_schema
+from emitter.vision import graph_weights
 
 from runtime.checkpoints.mlx_quant import (QUANT_BITS, QuantConfig, dequantize_mlx, quantization_config,
                                            unpack_bytes)

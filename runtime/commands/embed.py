@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from emitter.config import PRECISION_HELP
+from emitter.cli import precision_option
+from emitter.precision import VISION_CHOICES
 from emitter.errors import EXIT_FAILED, command_errors
 
 from runtime.jobs.embed import FORMATS
@@ -27,8 +28,7 @@ SOME_FAILED = EXIT_FAILED  # exit status when an image could not be embedded (re
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="native", show_default=True,
               help="native: image_embeds and deepstack_features; vllm: image_embeds [tokens, out_hidden x (1 + K)], "
                    "main then each DeepStack feature, as vLLM takes Qwen3-VL's precomputed embeddings.")
-@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help=PRECISION_HELP)
+@precision_option(VISION_CHOICES)
 @click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
               help="Buckets to pack into (repeatable; a larger image fails). Default 64 128 256 512, plus for "
                    "an image past 512 patches the power of two that holds it, compiled on first use.")

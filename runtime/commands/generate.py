@@ -8,7 +8,8 @@ import sys
 
 import click
 
-from emitter.config import DEFAULT_PRECISION_HELP, PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
+from emitter.cli import precision_option
+from emitter.precision import TEXT_CHOICES, TEXT_HELP
 from emitter.errors import command_errors
 
 from emitter.text_shape import KV_CACHE_HELP, KV_DTYPES
@@ -17,9 +18,6 @@ from runtime.commands.mmproj import mmproj_option, with_mmproj
 from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
-# What bf16 means for the language model beyond the matmul weights (docs/text.md).
-TEXT_BF16_HELP = ("In the language model bf16 also stores the embedding table in bf16: the input embeddings "
-                  "are its rounded rows, as in transformers' bf16 model.")
 
 
 def _npy_bytes(array) -> bytes:
@@ -57,8 +55,7 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
               help="Write {prompt_tokens, tokens, text, seconds: {vision, prefill, decode}} here.")
 @click.option("--save-logits", metavar="FILE.npy", help="Write the [new tokens, vocab] f32 logits of each step.")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
-@click.option("--precision", type=click.Choice(TEXT_PRECISIONS), default=None,
-              help=f"{PRECISION_HELP} {TEXT_BF16_HELP} {QUANT_HELP} {DEFAULT_PRECISION_HELP}")
+@precision_option(TEXT_CHOICES, default=None, help=TEXT_HELP)
 @click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
               help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}); "
               "a longer prompt runs in chunks of the largest.")

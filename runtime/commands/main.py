@@ -7,7 +7,8 @@ import signal
 
 import click
 
-from emitter.config import PRECISION_HELP
+from emitter.cli import precision_option
+from emitter.precision import VISION_CHOICES
 from emitter.errors import command_errors
 from runtime.commands.mmproj import mmproj_option, with_mmproj
 
@@ -60,8 +61,7 @@ def presets():
 @click.option("--diagnostics", is_flag=True, help="Build the diagnostics variant (named intermediate stages).")
 @click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
               help="With --diagnostics: a block whose inner stages to return (repeatable).")
-@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help=PRECISION_HELP)
+@precision_option(VISION_CHOICES)
 @click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
               help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
                    "faster) or function arguments (packed on every call).")
@@ -108,8 +108,7 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
 @click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
-@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help=PRECISION_HELP)
+@precision_option(VISION_CHOICES)
 @click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
               help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
                    "faster) or function arguments (packed on every call).")
@@ -129,8 +128,7 @@ def run(model, mmproj, images, videos, output, buckets, target, cache_dir, threa
 @click.option("-o", "--output", required=True, metavar="OUT", help="Folder to write (created if missing).")
 @click.option("--bucket", "buckets", multiple=True, metavar="N",
               help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
-@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True,
-              help=PRECISION_HELP)
+@precision_option(VISION_CHOICES)
 @click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--name", metavar="NAME", help="File stem of the vmfb and irpa (default: the model folder's name).")
 @click.option("--diagnostics", is_flag=True,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from emitter.config import DEFAULT_PRECISION_HELP, PRECISION_HELP, QUANT_HELP, TEXT_PRECISIONS
+from emitter.cli import precision_option
+from emitter.precision import TEXT_CHOICES, TEXT_HELP
 
 from emitter.text_shape import KV_CACHE_HELP, KV_DTYPES
 
@@ -57,8 +58,7 @@ def positive(name: str, value: int) -> int:
               help="Prefill bucket in tokens (repeatable; default those of "
                    f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context); a longer prompt runs in "
                    "chunks of the largest.")
-@click.option("--precision", type=click.Choice(TEXT_PRECISIONS), default=None,
-              help=f"{PRECISION_HELP} {QUANT_HELP} {DEFAULT_PRECISION_HELP}")
+@precision_option(TEXT_CHOICES, default=None, help=TEXT_HELP)
 @click.option("--api-key", metavar="KEY", envvar="QWEN3VL_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/ (or $QWEN3VL_API_KEY; an empty key is refused).")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="HOST",

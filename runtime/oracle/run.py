@@ -23,6 +23,7 @@ import numpy as np
 
 from emitter import __version__
 from emitter.config import VisionConfig
+from emitter.precision import Precision, precision as precision_of
 from emitter.vision import default_inspect_blocks
 
 from runtime.oracle.compare import (DEFAULT_ATOL, DEFAULT_MAX_REL_L2, DEFAULT_RTOL, DEFAULT_TOLERANCES,  # noqa: F401
@@ -92,7 +93,7 @@ def _first_failure(comparisons: list[dict]) -> dict | None:
 def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None = None,
                max_rel_l2: float | None = None, inspect_blocks=None, stages=None, reference_dtype: str = "f64",
                cache_dir=None, buckets=None, target=None, threads=None, progress=None,
-               precision: str = "f32") -> dict:
+               precision: Precision | str = "f32") -> dict:
     """Run the diagnostics graph and the reference on the same payload, then the negative
     controls; return the report.
 
@@ -108,7 +109,8 @@ def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None 
     from runtime.oracle.reference import Reference
     from runtime.vision import VisionSession
 
-    tol = tolerances(precision, atol, rtol, max_rel_l2)
+    tol = tolerances(str(precision), atol, rtol, max_rel_l2)  # a precision the oracle has tolerances for
+    precision = precision_of(precision)
     dtypes = {"f32": np.float32, "f64": np.float64}
     if reference_dtype not in dtypes:
         raise ValueError(f"--reference-dtype {reference_dtype}: expected f32 or f64")
@@ -180,10 +182,10 @@ def run_oracle(model_dir, images, atol: float | None = None, rtol: float | None 
         "calls": calls,
         "artifact": artifact,
         "device": device,
-        "precision": precision,
-        "graph_precision": plan.precision,  # bf16 is built as bf16-f32 unless the CPU has a double-rate bf16 dot product
+        "precision": precision.name,
+        "graph_precision": plan.precision.name,  # bf16 is built as bf16-f32 unless the CPU has a double-rate bf16 dot product
         "reference": {"dtype": reference_dtype, "module": "runtime.oracle.reference"},
-        "tolerances": {**tol, "rule": PASS_RULE, "defaults": DEFAULT_TOLERANCES[precision]},
+        "tolerances": {**tol, "rule": PASS_RULE, "defaults": DEFAULT_TOLERANCES[precision.name]},
         "inspect_blocks": list(inspect),
         "stages_selected": selected or None,
         "comparisons": comparisons,
