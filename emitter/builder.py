@@ -7,92 +7,25 @@ and a hint (`%blocks.3.attn.scores`), and every line carries `loc("<stage>")`.
 A shape may hold run-time dimensions (`emitter/dims.py`, sizes bound by `bind`): the
 ops then take their dynamic forms (`dynamic_broadcast_in_dim`, `dynamic_iota`,
 `real_dynamic_slice`; reshapes as `tensor.expand_shape` / `collapse_shape`).
+
+The values and types are emitter/values.py's; the slices, gathers and scatters are
+emitter/indexing.py's (`IndexOps`, a base of `Builder`).
 """
 
 from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 
 from .dims import Dim, count, grouping, is_static, same_count
-
-DTYPES = ("f32", "bf16", "f16", "i32", "i64", "i8", "i4", "i1")
-# dot_general operand dtypes that may differ
-MIXED_DOTS = ({"f32", "bf16"}, {"f32", "i8"}, {"f32", "i4"}, {"i8", "i4"})
-COMPARE_DIRECTIONS = ("EQ", "NE", "GE", "GT", "LE", "LT")
-REDUCE_INIT = {  # (kind, dtype) -> identity element
-    ("add", "f32"): 0.0, ("maximum", "f32"): float("-inf"),
-    ("add", "i32"): 0, ("maximum", "i32"): -2**31, ("add", "i64"): 0, ("maximum", "i64"): -2**63,
-}
+from .indexing import IndexOps
+from .values import (COMPARE_DIRECTIONS, MIXED_DOTS, REDUCE_INIT, BuildError, TensorType, Value, array_attr,
+                     float_literal, ints_attr)
 
 
-class BuildError(ValueError):
-    """An op was given operands it cannot take (a bug in the graph code)."""
-
-
-@dataclass(frozen=True)
-class TensorType:
-    shape: tuple[int, ...]
-    dtype: str
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise BuildError(f"unknown dtype {self.dtype!r}")
-        object.__setattr__(self, "shape", tuple(d if isinstance(d, Dim) else int(d) for d in self.shape))
-
-    def __str__(self) -> str:
-        return "tensor<" + "".join(f"{d}x" for d in self.shape) + self.dtype + ">"
-
-
-@dataclass(frozen=True)
-class Value:
-    name: str
-    type: TensorType
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.type.shape
-
-    @property
-    def dtype(self) -> str:
-        return self.type.dtype
-
-    @property
-    def rank(self) -> int:
-        return len(self.type.shape)
-
-    def __str__(self) -> str:
-        return "%" + self.name
-
-
-def float_literal(x: float, dtype: str = "f32") -> str:
-    """An f32 or bf16 literal MLIR parses back to the same bits (infinities and NaN as hex,
-    of the type's width); a bf16 literal must be exact in bf16."""
-    with np.errstate(over="ignore"):
-        x32 = np.float32(x)
-    if np.isfinite(x) and not np.isfinite(x32):
-        raise BuildError(f"{x!r} does not fit in f32")
-    bits = int(x32.view(np.uint32))
-    if dtype == "bf16" and bits & 0xFFFF:
-        raise BuildError(f"{x!r} is not exact in bf16")
-    if not np.isfinite(x32):
-        return "0x%08X" % bits if dtype == "f32" else "0x%04X" % (bits >> 16)
-    text = np.format_float_scientific(x32, unique=True, exp_digits=2)
-    return text.replace(".e", ".0e")
-
-
-def _ints(values) -> str:
-    return ", ".join(str(int(v)) for v in values)
-
-
-def _array(values) -> str:
-    return f"array<i64: {_ints(values)}>" if len(values) else "array<i64>"
-
-
-class Builder:
+class Builder(IndexOps):
     def __init__(self, activations: str | None = None):
         """`activations`: the dtype every matmul's activations take ("f32": a bf16 weight is
         widened inside the matmul), or None: each matmul's weight dtype (`layers.linear`)."""
@@ -327,11 +260,11 @@ class Builder:
             s = self.shape_tensor(shape)
             expanding = [i for i, d in enumerate(dims) if x.shape[i] != shape[d]]
             same = [i for i, d in enumerate(dims) if x.shape[i] == shape[d]]
-            attrs = (f"broadcast_dimensions = {_array(dims)}, known_expanding_dimensions = {_array(expanding)}, "
-                     f"known_nonexpanding_dimensions = {_array(same)}")
+            attrs = (f"broadcast_dimensions = {array_attr(dims)}, known_expanding_dimensions = {array_attr(expanding)}, "
+                     f"known_nonexpanding_dimensions = {array_attr(same)}")
             return self._op(hint or "bcast", f'"stablehlo.dynamic_broadcast_in_dim"({x}, {s}) {{{attrs}}} : '
                                              f"({x.type}, {s.type}) -> {t}", t)
-        return self._op(hint or "bcast", f"stablehlo.broadcast_in_dim {x}, dims = [{_ints(dims)}] : ({x.type}) -> {t}", t)
+        return self._op(hint or "bcast", f"stablehlo.broadcast_in_dim {x}, dims = [{ints_attr(dims)}] : ({x.type}) -> {t}", t)
 
     def reshape(self, x: Value, shape, hint=None) -> Value:
         t = TensorType(shape, x.dtype)
@@ -370,57 +303,7 @@ class Builder:
         if sorted(perm) != list(range(x.rank)):
             raise BuildError(f"transpose: {list(perm)} is not a permutation of {x.rank} dims")
         t = TensorType([x.shape[p] for p in perm], x.dtype)
-        return self._op(hint or "transpose", f"stablehlo.transpose {x}, dims = [{_ints(perm)}] : ({x.type}) -> {t}", t)
-
-    def slice(self, x: Value, start, limit, hint=None) -> Value:
-        """x[start:limit]; along a run-time dim only the whole of it (`limit` that Dim)."""
-        def inside(s, e, d):
-            return s == 0 and e == d if isinstance(d, Dim) else not isinstance(e, Dim) and 0 <= s < e <= d
-
-        if len(start) != x.rank or len(limit) != x.rank or not all(map(inside, start, limit, x.shape)):
-            raise BuildError(f"slice: [{start}, {limit}) out of {x.type}")
-        t = TensorType([e if isinstance(e, Dim) else e - s for s, e in zip(start, limit)], x.dtype)
-        if not is_static(x.shape):
-            first, end, step = (self.shape_tensor(v) for v in (start, limit, [1] * x.rank))
-            return self._op(hint or "slice", f"stablehlo.real_dynamic_slice {x}, {first}, {end}, {step} : "
-                                             f"({x.type}, {first.type}, {end.type}, {step.type}) -> {t}", t)
-        ranges = ", ".join(f"{s}:{e}" for s, e in zip(start, limit))
-        return self._op(hint or "slice", f"stablehlo.slice {x} [{ranges}] : ({x.type}) -> {t}", t)
-
-    def _check_starts(self, op: str, x: Value, starts) -> str:
-        if len(starts) != x.rank or any(s.shape != () or s.dtype != "i32" for s in starts):
-            raise BuildError(f"{op}: needs {x.rank} scalar i32 start indices for {x.type}")
-        return ", ".join(str(s) for s in starts)
-
-    def dynamic_slice(self, x: Value, starts: list[Value], sizes, hint=None) -> Value:
-        """x[s0:s0+n0, ...] at run-time starts (scalar i32; clamped into range by StableHLO)."""
-        operands = self._check_starts("dynamic_slice", x, starts)
-        if len(sizes) != x.rank or any(isinstance(n, Dim) or not 0 < n or (not isinstance(d, Dim) and n > d)
-                                       for n, d in zip(sizes, x.shape)):
-            raise BuildError(f"dynamic_slice: sizes {list(sizes)} out of {x.type}")
-        t = TensorType(sizes, x.dtype)
-        types = ", ".join([str(x.type)] + [str(s.type) for s in starts])
-        return self._op(hint or "dslice", f"stablehlo.dynamic_slice {x}, {operands}, sizes = [{_ints(sizes)}] : "
-                                          f"({types}) -> {t}", t)
-
-    def dynamic_update_slice(self, x: Value, update: Value, starts: list[Value], hint=None) -> Value:
-        """x with `update` written at run-time starts (scalar i32; clamped into range, but
-        for an x of run-time shape: there the update must fit where it is written)."""
-        operands = self._check_starts("dynamic_update_slice", x, starts)
-        def fits(u, d):
-            return u == d if isinstance(u, Dim) else isinstance(d, Dim) or u <= d
-
-        if update.dtype != x.dtype or update.rank != x.rank or not all(map(fits, update.shape, x.shape)):
-            raise BuildError(f"dynamic_update_slice: {update.type} does not fit in {x.type}")
-        if not is_static(x.shape):  # IREE 3.13 lowers no dynamic_update_slice of a run-time shape
-            offsets = ", ".join(self._index(s, hint or "dupdate") for s in starts)
-            sizes = ", ".join(str(d) if not isinstance(d, Dim) else self._index(self.size(d), hint or "dupdate")
-                              for d in update.shape)
-            return self._op(hint or "dupdate", f"tensor.insert_slice {update} into {x}[{offsets}] [{sizes}] "
-                                               f"[{', '.join(['1'] * x.rank)}] : {update.type} into {x.type}", x.type)
-        types = ", ".join([str(x.type), str(update.type)] + [str(s.type) for s in starts])
-        return self._op(hint or "dupdate", f"stablehlo.dynamic_update_slice {x}, {update}, {operands} : "
-                                           f"({types}) -> {x.type}", x.type)
+        return self._op(hint or "transpose", f"stablehlo.transpose {x}, dims = [{ints_attr(perm)}] : ({x.type}) -> {t}", t)
 
     def optimization_barrier(self, x: Value, hint=None) -> Value:
         """x unchanged, but the compiler fuses nothing across it: x is written out as it is,
@@ -498,9 +381,9 @@ class Builder:
         free_a = [d for i, d in enumerate(a.shape) if i not in ca and i not in ba]
         free_b = [d for i, d in enumerate(b.shape) if i not in cb and i not in bb]
         t = TensorType([a.shape[i] for i in ba] + free_a + free_b, result_dtype or (a.dtype if a.dtype == b.dtype else "f32"))
-        dims = f"contracting_dims = [{_ints(ca)}] x [{_ints(cb)}]"
+        dims = f"contracting_dims = [{ints_attr(ca)}] x [{ints_attr(cb)}]"
         if ba:
-            dims = f"batching_dims = [{_ints(ba)}] x [{_ints(bb)}], " + dims
+            dims = f"batching_dims = [{ints_attr(ba)}] x [{ints_attr(bb)}], " + dims
         return self._op(hint or "dot", f"stablehlo.dot_general {a}, {b}, {dims} : ({a.type}, {b.type}) -> {t}", t)
 
     def reduce(self, x: Value, dims, kind: str = "add", hint=None) -> Value:
@@ -513,89 +396,7 @@ class Builder:
         t = TensorType([d for i, d in enumerate(x.shape) if i not in dims], x.dtype)
         return self._op(hint or f"reduce_{kind}",
                         f"stablehlo.reduce({x} init: {zero}) applies stablehlo.{kind} across dimensions = "
-                        f"[{_ints(dims)}] : ({x.type}, {zero.type}) -> {t}", t)
-
-    def gather_rows(self, table: Value, indices: Value, hint=None) -> Value:
-        """table[indices]: rows of a [R, H] table for a 1-D i32 index vector."""
-        if table.rank != 2 or indices.rank != 1 or indices.dtype != "i32":
-            raise BuildError(f"gather_rows: needs [R, H] and [N] i32, got {table.type} and {indices.type}")
-        (n,), (_, h) = indices.shape, table.shape
-        idx = self.reshape(indices, (n, 1), hint=(hint or "gather") + "_idx")
-        t = TensorType((n, h), table.dtype)
-        attrs = ("dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0], "
-                 f"start_index_map = [0], index_vector_dim = 1>, slice_sizes = {_array((1, h))}, "
-                 "indices_are_sorted = false")
-        return self._op(hint or "gather", f'"stablehlo.gather"({table}, {idx}) {{{attrs}}} : '
-                                          f"({table.type}, {idx.type}) -> {t}", t)
-
-    def take_rows(self, table: Value, indices: Value, hint=None) -> Value:
-        """table[indices]: rows of a [R, W] table for i32 indices of any shape, [*indices, W].
-        IREE's own `iree_linalg_ext.gather` (IREE 3.13 lowers a `stablehlo.gather` of whole
-        rows to a loop over elements, each computing its source index: about 3x slower for
-        the KV cache's block reads)."""
-        if table.rank != 2 or indices.dtype != "i32":
-            raise BuildError(f"take_rows: needs [R, W] and i32 indices, got {table.type} and {indices.type}")
-        t = TensorType((*indices.shape, table.shape[1]), table.dtype)
-        sizes = [self._index(self.size(d), hint or "take") for d in indices.shape if isinstance(d, Dim)]
-        empty = self._op((hint or "take") + "_init", f"tensor.empty({', '.join(sizes)}) : {t}", t)
-        return self._op(hint or "take", f"iree_linalg_ext.gather dimension_map = [0] ins({table}, {indices} : "
-                                        f"{table.type}, {indices.type}) outs({empty} : {t}) -> {t}", t)
-
-    def gather_slices(self, x: Value, axis: int, indices: Value, hint=None) -> Value:
-        """x's slices at `indices` [N] i32 along `axis`, in order: the same shape with that
-        dim N (a block table read of a paged KV cache)."""
-        if indices.rank != 1 or indices.dtype != "i32" or not 0 <= axis < x.rank:
-            raise BuildError(f"gather_slices: needs [N] i32 indices and an axis of {x.type}, got {indices.type}")
-        (n,) = indices.shape
-        idx = self.reshape(indices, (n, 1), hint=(hint or "gather") + "_idx")
-        shape = list(x.shape)
-        shape[axis] = n
-        t = TensorType(shape, x.dtype)
-        sizes = list(x.shape)
-        sizes[axis] = 1
-        offsets = [d for d in range(x.rank) if d != axis]
-        attrs = (f"dimension_numbers = #stablehlo.gather<offset_dims = [{_ints(offsets)}], collapsed_slice_dims = "
-                 f"[{axis}], start_index_map = [{axis}], index_vector_dim = 1>, slice_sizes = {_array(sizes)}, "
-                 "indices_are_sorted = false")
-        return self._op(hint or "gather", f'"stablehlo.gather"({x}, {idx}) {{{attrs}}} : '
-                                          f"({x.type}, {idx.type}) -> {t}", t)
-
-    def gather_points(self, x: Value, axes: list[int], indices: Value, hint=None) -> Value:
-        """x's sub-tensors at `indices` [N, len(axes)] i32, each a point in `axes` (collapsed),
-        whole along the other dims: [N, *x's other dims] (rows of a tiled table)."""
-        n, width = indices.shape if indices.rank == 2 else (None, None)
-        if indices.dtype != "i32" or width != len(axes) or not all(0 <= a < x.rank for a in axes):
-            raise BuildError(f"gather_points: needs [N, {len(axes)}] i32 indices and axes of {x.type}, "
-                             f"got {indices.type}")
-        kept = [d for d in range(x.rank) if d not in axes]
-        t = TensorType((n, *[x.shape[d] for d in kept]), x.dtype)
-        sizes = [1 if d in axes else x.shape[d] for d in range(x.rank)]
-        attrs = (f"dimension_numbers = #stablehlo.gather<offset_dims = [{_ints(range(1, len(kept) + 1))}], "
-                 f"collapsed_slice_dims = [{_ints(axes)}], start_index_map = [{_ints(axes)}], index_vector_dim = 1>, "
-                 f"slice_sizes = {_array(sizes)}, indices_are_sorted = false")
-        return self._op(hint or "gather", f'"stablehlo.gather"({x}, {indices}) {{{attrs}}} : '
-                                          f"({x.type}, {indices.type}) -> {t}", t)
-
-    def scatter_slices(self, x: Value, axis: int, indices: Value, updates: Value, hint=None) -> Value:
-        """x with its slices at `indices` [N] i32 along `axis` replaced by `updates` (x's shape
-        with that dim N); an index given twice keeps one of its updates."""
-        (n,) = indices.shape
-        shape = list(x.shape)
-        shape[axis] = n
-        if indices.dtype != "i32" or updates.type != TensorType(shape, x.dtype):
-            raise BuildError(f"scatter_slices: {updates.type} at {indices.type} into {x.type} along {axis}")
-        idx = self.reshape(indices, (n, 1), hint=(hint or "scatter") + "_idx")
-        name = self._fresh(f"{self._stage}.{hint or 'scatter'}" if self._stage else hint or "scatter")
-        scalar = TensorType((), x.dtype)
-        windows = [d for d in range(x.rank) if d != axis]
-        attrs = (f"scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [{_ints(windows)}], "
-                 f"inserted_window_dims = [{axis}], scatter_dims_to_operand_dims = [{axis}], index_vector_dim = 1>, "
-                 "indices_are_sorted = false, unique_indices = false")
-        self.lines += [f'%{name} = "stablehlo.scatter"({x}, {idx}, {updates}) ({{',
-                       f"  ^bb0(%{name}_old: {scalar}, %{name}_new: {scalar}):",
-                       f"    stablehlo.return %{name}_new : {scalar}",
-                       f'  }}) {{{attrs}}} : ({x.type}, {idx.type}, {updates.type}) -> {x.type} loc("{self._stage}")']
-        return Value(name, x.type)
+                        f"[{ints_attr(dims)}] : ({x.type}, {zero.type}) -> {t}", t)
 
     # -- conveniences built on the ops above ------------------------------------
     def broadcast_to(self, x: Value, shape, dims, hint=None) -> Value:
