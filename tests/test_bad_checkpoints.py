@@ -17,7 +17,8 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from emitter.config import PRESETS, load_model_config
-from runtime.checkpoints.vision import INDEX_NAME, CheckpointError, check_checkpoint, load_vision_weights
+from runtime.checkpoints.tensor_files import INDEX_NAME, CheckpointError
+from runtime.checkpoints.vision import check_checkpoint, load_vision_weights
 from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 QWEN3VL = str(Path(sys.executable).parent / "qwen3vl")

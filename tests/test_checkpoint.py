@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from emitter.config import PRESETS, load_model_config, weight_schema
+from runtime.checkpoints import tensor_files as st
 from runtime.checkpoints import vision as ck
-from runtime.checkpoints.vision import CheckpointError, load_vision_weights, read_safetensors_header
+from runtime.checkpoints.tensor_files import CheckpointError, read_safetensors_header
+from runtime.checkpoints.vision import load_vision_weights
 from runtime.checkpoints.mlx_quant import dequantize_mlx, pack_mlx, unpack_mlx
 from runtime.checkpoints.synthetic import (DEFAULT_PROCESSOR, quantize_mlx, round_to_dtype, write_checkpoint,
                                write_safetensors)
@@ -127,7 +129,7 @@ def _bf16_reference(x):
 @pytest.mark.parametrize("shards", [1, 3])
 def test_hf_widening_exact(tmp_path, dtype, shards):
     source = write_checkpoint(tmp_path, CFG, dtype=dtype, shards=shards, seed=shards)
-    assert (tmp_path / ck.INDEX_NAME).is_file() == (shards > 1)
+    assert (tmp_path / st.INDEX_NAME).is_file() == (shards > 1)
     rounding = _bf16_reference if dtype == "bf16" else (lambda x: x.astype(np.float16).astype(np.float32))
     expected = expected_from_source(source, rounding)
     assert_exact(load_vision_weights(tmp_path, CFG), expected)
@@ -139,7 +141,7 @@ def test_hf_widening_exact(tmp_path, dtype, shards):
 
 def test_hf_sharded_without_index(tmp_path):
     source = write_checkpoint(tmp_path, CFG, shards=3)
-    (tmp_path / ck.INDEX_NAME).unlink()
+    (tmp_path / st.INDEX_NAME).unlink()
     assert_exact(load_vision_weights(tmp_path, CFG), expected_from_source(source))
 
 
@@ -152,16 +154,16 @@ def test_hf_visual_prefix(tmp_path):
 
 def test_text_shards_are_never_opened(tmp_path, monkeypatch):
     source = write_checkpoint(tmp_path, CFG, shards=2)
-    index_path = tmp_path / ck.INDEX_NAME
+    index_path = tmp_path / st.INDEX_NAME
     index = json.loads(index_path.read_text())
     (tmp_path / "model-text.safetensors").write_bytes(b"\xff" * 64)  # not a safetensors file
     index["weight_map"]["model.language_model.layers.9.mlp.up_proj.weight"] = "model-text.safetensors"
     index["weight_map"]["lm_head.weight"] = "model-gone.safetensors"  # missing, holds no vision tensor
     index_path.write_text(json.dumps(index))
     opened, read = [], []
-    real_header, real_raw = ck.read_safetensors_header, ck._read_raw
-    monkeypatch.setattr(ck, "read_safetensors_header", lambda p: opened.append(p.name) or real_header(p))
-    monkeypatch.setattr(ck, "_read_raw", lambda e: read.append(e.name) or real_raw(e))
+    real_header, real_raw = st.read_safetensors_header, st._read_raw
+    monkeypatch.setattr(st, "read_safetensors_header", lambda p: opened.append(p.name) or real_header(p))
+    monkeypatch.setattr(st, "_read_raw", lambda e: read.append(e.name) or real_raw(e))
     assert_exact(load_vision_weights(tmp_path, CFG), expected_from_source(source))
     assert sorted(opened) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     # The text tensors share the second shard, but their bytes are never read.
@@ -294,7 +296,7 @@ def test_error_missing_tensor(tmp_path):
 def test_error_unexpected_shape(tmp_path):
     write_checkpoint(tmp_path, CFG, shards=2)
     name = "model.visual.merger.linear_fc1.bias"
-    shard = json.loads((tmp_path / ck.INDEX_NAME).read_text())["weight_map"][name]
+    shard = json.loads((tmp_path / st.INDEX_NAME).read_text())["weight_map"][name]
     rewrite(tmp_path / shard, lambda t: {**t, name: f32_bytes(np.zeros(7))})
     with pytest.raises(CheckpointError) as err:
         load_vision_weights(tmp_path, CFG)
@@ -347,7 +349,7 @@ def test_error_packed_shape(tmp_path):
 
 def test_error_duplicate_without_index(tmp_path):
     write_checkpoint(tmp_path, CFG, shards=2)
-    (tmp_path / ck.INDEX_NAME).unlink()
+    (tmp_path / st.INDEX_NAME).unlink()
     name = "model.visual.blocks.0.norm1.bias"  # lives in shard 1; copy it into shard 2
     rewrite(tmp_path / "model-00002-of-00002.safetensors",
             lambda t: {**t, name: f32_bytes(np.zeros(CFG.hidden_size))})
@@ -404,10 +406,10 @@ def test_error_no_vision_weights(tmp_path):
     one_line_naming(err, "no vision weights", "empty")
     write_checkpoint(tmp_path / "idx", CFG, shards=2)
     index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
-    (tmp_path / "idx" / ck.INDEX_NAME).write_text(json.dumps(index))
+    (tmp_path / "idx" / st.INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(CheckpointError) as err:
         load_vision_weights(tmp_path / "idx", CFG)
-    one_line_naming(err, "no vision weights", ck.INDEX_NAME)
+    one_line_naming(err, "no vision weights", st.INDEX_NAME)
     with pytest.raises(CheckpointError) as err:
         load_vision_weights(tmp_path / "nowhere", CFG)
     one_line_naming(err, "nowhere", "not a readable folder")
@@ -418,16 +420,16 @@ def test_error_index_references_missing_shard(tmp_path):
     (tmp_path / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError) as err:
         load_vision_weights(tmp_path, CFG)
-    msg = one_line_naming(err, "model-00002-of-00003.safetensors", "missing", ck.INDEX_NAME)
+    msg = one_line_naming(err, "model-00002-of-00003.safetensors", "missing", st.INDEX_NAME)
     assert "model.visual." in msg
 
 
 def test_error_index_places_tensor_in_wrong_shard(tmp_path):
     write_checkpoint(tmp_path, CFG, shards=2)
-    index = json.loads((tmp_path / ck.INDEX_NAME).read_text())
+    index = json.loads((tmp_path / st.INDEX_NAME).read_text())
     name = "model.visual.blocks.0.norm1.weight"
     index["weight_map"][name] = "model-00002-of-00002.safetensors"
-    (tmp_path / ck.INDEX_NAME).write_text(json.dumps(index))
+    (tmp_path / st.INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(CheckpointError) as err:
         load_vision_weights(tmp_path, CFG)
     one_line_naming(err, name, "model-00002-of-00002.safetensors")

@@ -21,7 +21,7 @@ from emitter import quant
 from emitter.text_config import TEXT_PRESETS
 from runtime.checkpoints import gguf_text
 from runtime.checkpoints.text import load_text_weights, model_text_config
-from runtime.checkpoints.vision import CheckpointError
+from runtime.checkpoints.tensor_files import CheckpointError
 from runtime.text import TextSession
 
 gguf = pytest.importorskip("gguf")

@@ -24,7 +24,7 @@ from emitter.text_config import LM_HEAD, TEXT_PREFIX, TEXT_PRESETS
 from runtime.bench.mlx_memory import measure, write_mlx_text
 from runtime.checkpoints.synthetic_mlx import STORED_HEAD, STORED_PREFIX, stored_name
 from runtime.checkpoints.text import native_weights, load_text_weights
-from runtime.checkpoints.vision import CheckpointError
+from runtime.checkpoints.tensor_files import CheckpointError
 from runtime.text import TextSession
 
 mx = pytest.importorskip("mlx.core")

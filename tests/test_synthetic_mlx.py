@@ -21,7 +21,8 @@ from emitter.text_config import TEXT_PRESETS
 from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
 from runtime.checkpoints.synthetic_mlx import write_mlx_generation_checkpoint
 from runtime.checkpoints.text import load_text_weights, native_weights
-from runtime.checkpoints.vision import INDEX_NAME, load_vision_weights, vision_native_weights
+from runtime.checkpoints.tensor_files import INDEX_NAME
+from runtime.checkpoints.vision import load_vision_weights, vision_native_weights
 
 # Widths that groups of 64 divide, the tiny tower's output the language model's width.
 TEXT = dataclasses.replace(TEXT_PRESETS["tiny"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,

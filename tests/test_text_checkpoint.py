@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from emitter.text_config import TEXT_PRESETS
-from runtime.checkpoints.vision import INDEX_NAME, CheckpointError
+from runtime.checkpoints.tensor_files import INDEX_NAME, CheckpointError
 from runtime.checkpoints.synthetic import quantize_mlx, write_safetensors
 from runtime.checkpoints.synthetic_text import write_text_model
 from runtime.checkpoints.text import load_text_weights, text_entries

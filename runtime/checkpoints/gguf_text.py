@@ -20,7 +20,7 @@ from emitter import quant
 from emitter.text import text_weights, weight_layouts, weight_shapes
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig, TokenIds, text_config_from_hf
 from runtime.checkpoints.gguf_blocks import LAYOUTS, in_bits
-from runtime.checkpoints.vision import CheckpointError
+from runtime.checkpoints.tensor_files import CheckpointError
 
 ARCH = "qwen3vl"
 MAGIC = b"GGUF"

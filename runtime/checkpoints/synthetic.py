@@ -22,7 +22,8 @@ from emitter.policy import VIDEO_PREPROCESSOR_CONFIG
 from emitter.text_config import TokenIds
 from emitter.video_policy import DEFAULT_VIDEO_POLICY
 
-from runtime.checkpoints.vision import CONV_NAME, HF_PREFIX, INDEX_NAME, MLX_PREFIX
+from runtime.checkpoints.tensor_files import INDEX_NAME
+from runtime.checkpoints.vision import CONV_NAME, HF_PREFIX, MLX_PREFIX
 from runtime.checkpoints.mlx_quant import dequantize_mlx, pack_mlx
 
 __all__ = ["write_checkpoint", "quantize_mlx", "dequantize_mlx", "round_to_dtype",

@@ -32,7 +32,8 @@ from emitter.video_policy import DEFAULT_VIDEO_POLICY
 from runtime.checkpoints.synthetic import (DEFAULT_PROCESSOR, ST_DTYPE, check_new_folder, checkpoint_config,
                                            quantization_block, safetensors_header, to_bytes)
 from runtime.checkpoints.synthetic_text import add_language_files
-from runtime.checkpoints.vision import CONV_NAME, INDEX_NAME, MLX_PREFIX
+from runtime.checkpoints.tensor_files import INDEX_NAME
+from runtime.checkpoints.vision import CONV_NAME, MLX_PREFIX
 
 STORED_PREFIX = "language_model.model."  # mlx-vlm's names of the decoder's tensors
 STORED_HEAD = "language_model.lm_head"

@@ -96,7 +96,7 @@ def write_text_model(folder, cfg: TextConfig, seed: int = 0, config: dict | None
     new folder: shards of about `shard_bytes` with `model.safetensors.index.json`, and a
     config.json (`config` on top of the text config and tying). Drawn and written a shard
     at a time, so memory stays near one shard even at a full preset's size."""
-    from runtime.checkpoints.vision import INDEX_NAME
+    from runtime.checkpoints.tensor_files import INDEX_NAME
 
     folder = Path(folder)
     folder.mkdir()

@@ -27,7 +27,8 @@ from emitter.text import text_weights, weight_layouts, weight_shapes
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig, TokenIds, load_text_config
 
 from runtime.checkpoints import vision as checkpoint
-from runtime.checkpoints.vision import CheckpointError, TensorEntry, read_float_tensor, read_uint32_tensor
+from runtime.checkpoints.tensor_files import (CheckpointError, ModelPart, TensorEntry, read_float_tensor,
+                                              read_uint32_tensor, scan_tensors)
 from runtime.checkpoints.mlx_quant import QuantConfig, dequantize_mlx, quantization_config
 from runtime.checkpoints import gguf_text
 
@@ -36,8 +37,8 @@ LAYOUTS = ((TEXT_PREFIX, LM_HEAD), ("language_model.model.", "language_model.lm_
 
 
 # lm_head by the module, so that an MLX-quantized head's .scales and .biases come with it.
-TEXT = checkpoint.ModelPart("language-model weights", tuple(prefix for prefix, _ in LAYOUTS) +
-                           tuple(head[: -len("weight")] for _, head in LAYOUTS))
+TEXT = ModelPart("language-model weights", tuple(prefix for prefix, _ in LAYOUTS) +
+                 tuple(head[: -len("weight")] for _, head in LAYOUTS))
 
 
 def model_text_config(model) -> tuple[TextConfig, TokenIds]:
@@ -48,8 +49,8 @@ def model_text_config(model) -> tuple[TextConfig, TokenIds]:
 
 def scan_text_tensors(model_dir: Path) -> tuple[dict[str, TensorEntry], str]:
     """Every text tensor of the folder (names to byte ranges), and where they were found
-    (`checkpoint.scan_tensors`: the same index, shard and duplicate checks as the vision side)."""
-    return checkpoint.scan_tensors(model_dir, TEXT)
+    (`tensor_files.scan_tensors`: the same index, shard and duplicate checks as the vision side)."""
+    return scan_tensors(model_dir, TEXT)
 
 
 def quantized_layout(key: str, entry: TensorEntry, found: dict[str, TensorEntry], shape: tuple[int, ...],
