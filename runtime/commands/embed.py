@@ -10,9 +10,9 @@ from emitter.cli import precision_option
 from emitter.precision import VISION_CHOICES
 from emitter.errors import EXIT_FAILED, command_errors
 
+from runtime.commands.options import CONTEXT, cache_dir_option, packed_buckets_option, target_option, threads_option
 from runtime.jobs.embed import FORMATS
 
-CONTEXT = {"help_option_names": ["-h", "--help"]}
 SOME_FAILED = EXIT_FAILED  # exit status when an image could not be embedded (recorded in the index)
 
 
@@ -26,16 +26,12 @@ SOME_FAILED = EXIT_FAILED  # exit status when an image could not be embedded (re
 @click.option("--ray-local", type=int, metavar="N", help="Run on Ray Data: start a local cluster with N workers.")
 @click.option("--ray", "ray_address", metavar="ADDRESS", help="Run on Ray Data: join the cluster at ADDRESS.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="native", show_default=True,
-              help="native: image_embeds and deepstack_features; vllm: image_embeds [tokens, out_hidden x (1 + K)], "
-                   "main then each DeepStack feature, as vLLM takes Qwen3-VL's precomputed embeddings.")
+              help="native: image_embeds and deepstack_features; vllm: the one tensor vLLM takes (docs/embed.md).")
 @precision_option(VISION_CHOICES)
-@click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
-              help="Buckets to pack into (repeatable; a larger image fails). Default 64 128 256 512, plus for "
-                   "an image past 512 patches the power of two that holds it, compiled on first use.")
-@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
-@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder (with Ray: every node must see it).")
-@click.option("--threads", type=int, metavar="N",
-              help="IREE worker threads per session (default: one per core locally, 1 per Ray actor).")
+@packed_buckets_option
+@target_option
+@cache_dir_option
+@threads_option("one per core locally, 1 per Ray actor")
 @click.option("--retry-failed", is_flag=True, help="Try again the images the index records as failed.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, precision, buckets, target, cache_dir,

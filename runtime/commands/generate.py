@@ -8,16 +8,10 @@ import sys
 
 import click
 
-from emitter.cli import precision_option
-from emitter.precision import TEXT_CHOICES, TEXT_HELP
 from emitter.errors import command_errors
 
-from emitter.text_shape import KV_CACHE_HELP, KV_DTYPES
-
-from runtime.commands.mmproj import mmproj_option, with_mmproj
+from runtime.commands.options import CONTEXT, text_options
 from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
-
-CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
 def _npy_bytes(array) -> bytes:
@@ -41,10 +35,10 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 
 
 @click.command("generate", context_settings=CONTEXT)
-@click.option("--model", required=True, metavar="DIR|FILE",
-              help="Checkpoint folder (config.json, *.safetensors, tokenizer.json, a chat template), or a llama.cpp "
-                   "GGUF text file, or a folder holding one and its mmproj (docs/text.md).")
-@mmproj_option
+@text_options(context_help="Tokens the KV cache holds (default: the least of "
+                           f"{', '.join(map(str, CONTEXT_LADDER))} that holds the prompt and answer; docs/text.md).",
+              buckets_help="Prefill bucket in tokens (repeatable; default "
+                           f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}); a longer prompt runs in chunks of the largest.")
 @click.option("--image", "images", multiple=True, metavar="PATH", help="An image, in prompt order (repeatable).")
 @click.option("--video", "videos", multiple=True, metavar="PATH",
               help="A video, after the images, in prompt order (repeatable; see qwen3vl run --video).")
@@ -54,28 +48,14 @@ def sampling_options(defaults, temperature, top_p, top_k, seed):
 @click.option("--json", "json_path", metavar="FILE",
               help="Write {prompt_tokens, tokens, text, seconds: {vision, prefill, decode}} here.")
 @click.option("--save-logits", metavar="FILE.npy", help="Write the [new tokens, vocab] f32 logits of each step.")
-@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
-@precision_option(TEXT_CHOICES, default=None, help=TEXT_HELP)
-@click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
-              help=f"Prefill bucket in tokens (repeatable; default {' '.join(map(str, DEFAULT_PROMPT_BUCKETS))}); "
-              "a longer prompt runs in chunks of the largest.")
-@click.option("--context", type=int, metavar="N",
-              help="Tokens the KV cache holds (prompt and answer). Default: the least of "
-                   f"{', '.join(map(str, CONTEXT_LADDER))} that holds the prompt and --max-new-tokens, at most the "
-                   "model's max_position_embeddings and what half the memory the weights leave holds.")
-@click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
-              help=KV_CACHE_HELP)
-@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
-@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
 @click.option("--temperature", type=float, metavar="T",
-              help="0: greedy; > 0: sample at this temperature (default: generation_config.json's do_sample and "
-                   "temperature, greedy when it sets none).")
+              help="0: greedy; > 0: sampled (default: generation_config.json's; docs/text.md, Sampling).")
 @click.option("--top-p", type=float, metavar="P", help="Nucleus sampling mass (default: generation_config.json's).")
 @click.option("--top-k", type=int, metavar="K", help="Sample among the K likeliest, 0 for all (default: "
                                                       "generation_config.json's, else 50).")
 @click.option("--seed", type=int, metavar="N", help="Seed of the sampler (same seed, same answer).")
-def generate_command(model, mmproj, images, videos, prompt, max_new_tokens, json_path, save_logits, cache_dir, precision,
-                     buckets, context, kv_cache_dtype, target, threads, temperature, top_p, top_k, seed):
+def generate_command(text, images, videos, prompt, max_new_tokens, json_path, save_logits, temperature, top_p, top_k,
+                     seed):
     """Answer one user message (the images in order, the videos, then the prompt), greedily or
     sampled as generation_config.json and the sampling options say, with the checkpoint's
     tokenizer and chat template; the text streams to stdout. The vision tower is let go once
@@ -98,17 +78,18 @@ def generate_command(model, mmproj, images, videos, prompt, max_new_tokens, json
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {max_new_tokens}: expected 1 or more")
         check_utf8(prompt, "--prompt")
-        model = with_mmproj(model, mmproj, cache_dir)
-        check_output_paths({"--json": json_path, "--save-logits": save_logits}, model, [*images, *videos])
+        text = text.resolved()
+        check_output_paths({"--json": json_path, "--save-logits": save_logits}, text.model, [*images, *videos])
         for path in images:
             try:
                 with open(path, "rb"):
                     pass
             except OSError as e:
                 raise ValueError(f"--image {path}: cannot read ({e.strerror or e}); expected an image file") from None
-        generator = Generator(model, buckets or DEFAULT_PROMPT_BUCKETS, context, target=target, cache_dir=cache_dir,
-                              precision=precision, threads=threads, progress=say, kv_cache_dtype=kv_cache_dtype,
-                              keep_vision=False)  # one answer: the tower goes once the media are encoded
+        # keep_vision False: one answer, the tower goes once the media are encoded
+        generator = Generator(text.model, text.buckets or DEFAULT_PROMPT_BUCKETS, text.context, target=text.target,
+                              cache_dir=text.cache_dir, precision=text.precision, threads=text.threads, progress=say,
+                              kv_cache_dtype=text.kv_cache_dtype, keep_vision=False)
         sampling = sampling_options(generator.sampling, temperature, top_p, top_k, seed)
         result = generator.generate(prompt, list(images), max_new_tokens, on_text=stream, videos=list(videos),
                                     sampling=sampling)

@@ -10,9 +10,9 @@ import click
 from emitter.cli import precision_option
 from emitter.precision import VISION_CHOICES
 from emitter.errors import command_errors
-from runtime.commands.mmproj import mmproj_option, with_mmproj
-
-CONTEXT = {"help_option_names": ["-h", "--help"]}
+from runtime.commands.options import (CONTEXT, cache_dir_option, mmproj_option, model_option, packed_buckets_option,
+                                      patch_buckets_option, target_option, threads_option, weights_option,
+                                      with_mmproj)
 
 
 def say(message: str) -> None:
@@ -53,18 +53,14 @@ def presets():
 @main.command(context_settings=CONTEXT)
 @click.option("--model", metavar="DIR", help="Checkpoint folder (config.json, preprocessor_config.json).")
 @click.option("--preset", "preset_name", metavar="NAME", help="A named config (see `qwen3vl presets`).")
-@click.option("--bucket", "buckets", multiple=True, metavar="N",
-              help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
-@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
-@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder (default $QWEN3VL_CACHE_DIR, "
-                                                  "else the user cache folder).")
+@patch_buckets_option
+@target_option
+@cache_dir_option
 @click.option("--diagnostics", is_flag=True, help="Build the diagnostics variant (named intermediate stages).")
 @click.option("--inspect-block", "inspect_blocks", type=int, multiple=True, metavar="N",
               help="With --diagnostics: a block whose inner stages to return (repeatable).")
 @precision_option(VISION_CHOICES)
-@click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
-              help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
-                   "faster) or function arguments (packed on every call).")
+@weights_option
 @click.option("--explain", is_flag=True,
               help="Print the artifact's identity, cache state and hashed fields; compile nothing.")
 def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_blocks, precision, weights, explain):
@@ -90,28 +86,19 @@ def build(model, preset_name, buckets, target, cache_dir, diagnostics, inspect_b
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--model", required=True, metavar="DIR|FILE",
-              help="Checkpoint folder (HF or MLX layout, or a GGUF text file and its mmproj), or a GGUF text file "
-                   "with --mmproj.")
+@model_option
 @mmproj_option
 @click.argument("images", nargs=-1, metavar="[IMAGE]...")
 @click.option("--video", "videos", multiple=True, metavar="FILE",
-              help="A video file (any container and codec PyAV decodes; repeatable), sampled and processed as "
-                   "video_preprocessor_config.json says.")
+              help="A video file (repeatable), sampled as video_preprocessor_config.json says (docs/inputs.md).")
 @click.option("-o", "--output", metavar="FILE",
-              help="Write image_embeds, deepstack_features and grid_thw here (safetensors); with --video also "
-                   "video_embeds, video_deepstack_features and video_grid_thw.")
-@click.option("--bucket", "buckets", multiple=True, type=int, metavar="N",
-              help="Buckets to pack into (repeatable; a larger image fails). Default 64 128 256 512, plus for "
-                   "an image past 512 patches the power of two that holds it (1024 ... 16384 ...), compiled on "
-                   "first use.")
-@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
-@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
-@click.option("--threads", type=int, metavar="N", help="IREE worker threads, 1 or more (default: one per core).")
+              help="Write image_embeds, deepstack_features and grid_thw here (safetensors; videos': docs/inputs.md).")
+@packed_buckets_option
+@target_option
+@cache_dir_option
+@threads_option()
 @precision_option(VISION_CHOICES)
-@click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters", show_default=True,
-              help="How the graph gets its weights: a parameter archive (packed once at load for every bucket: "
-                   "faster) or function arguments (packed on every call).")
+@weights_option
 @click.option("--dump-inputs", metavar="DIR",
               help="Write each call's inputs as DIR/<NN>/<name>.npy with DIR/<NN>/call.json (see `qwen3vl export`).")
 def run(model, mmproj, images, videos, output, buckets, target, cache_dir, threads, precision, weights, dump_inputs):
@@ -119,21 +106,21 @@ def run(model, mmproj, images, videos, output, buckets, target, cache_dir, threa
     order, then videos in order."""
     from runtime.jobs.run import run_images
 
-    click.echo(run_images(with_mmproj(model, mmproj, cache_dir), images, output, cache_dir, buckets or None, target, threads, progress=say,
-                          precision=precision, weights=weights, dump_inputs=dump_inputs, videos=videos))
+    click.echo(run_images(with_mmproj(model, mmproj, cache_dir), images, output, cache_dir, buckets or None, target,
+                          threads, progress=say, precision=precision, weights=weights, dump_inputs=dump_inputs,
+                          videos=videos))
 
 
 @main.command(context_settings=CONTEXT)
 @click.option("--model", required=True, metavar="DIR", help="Checkpoint folder (HF or MLX layout).")
 @click.option("-o", "--output", required=True, metavar="OUT", help="Folder to write (created if missing).")
-@click.option("--bucket", "buckets", multiple=True, metavar="N",
-              help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
+@patch_buckets_option
 @precision_option(VISION_CHOICES)
-@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
+@target_option
 @click.option("--name", metavar="NAME", help="File stem of the vmfb and irpa (default: the model folder's name).")
 @click.option("--diagnostics", is_flag=True,
               help="Entries encode_<B>_diagnostics: the outputs, then the named intermediate stages.")
-@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
+@cache_dir_option
 def export(model, output, buckets, precision, target, name, diagnostics, cache_dir):
     """Write OUT/NAME.vmfb (one entry per bucket), OUT/NAME.irpa (the weights), OUT/abi.json and
     OUT/README.txt: a folder IREE's own iree-run-module runs."""
@@ -153,10 +140,7 @@ def export(model, output, buckets, precision, target, name, diagnostics, cache_d
               help="Weights per MLX scale and bias (with --bits).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--with-text", is_flag=True,
-              help="Also a whole random language model, a byte-level BPE tokenizer and a chat template "
-                   "(for `qwen3vl generate`): HF layout in f32, or --layout mlx in --dtype, with --bits its codes "
-                   "drawn at random in their bits (any preset's size: the 4-bit 8B is about 5 GB, written a tensor "
-                   "at a time).")
+              help="Also a random language model, BPE tokenizer and chat template (for generate; docs/text.md).")
 def random_checkpoint(folder, preset_name, layout, dtype, bits, group_size, seed, with_text):
     """Write a deterministic random-weight checkpoint folder (for demos and tests).
 

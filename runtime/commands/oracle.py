@@ -6,6 +6,7 @@ import click
 
 from emitter.errors import EXIT_FAILED, command_errors, fail
 
+from runtime.commands.options import CONTEXT, cache_dir_option, patch_buckets_option, target_option, threads_option
 from runtime.oracle.run import DEFAULT_TOLERANCES, format_table, run_oracle, tolerances
 from runtime.oracle.report import check_report_path, write_report
 
@@ -14,7 +15,7 @@ def _defaults(key: str) -> str:
     return "default " + ", ".join(f"{p} {t[key]:g}" for p, t in DEFAULT_TOLERANCES.items())
 
 
-@click.command("oracle", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("oracle", context_settings=CONTEXT)
 @click.option("--model", metavar="DIR", required=True, help="Checkpoint folder (config.json, "
                                                                "preprocessor_config.json, *.safetensors).")
 @click.argument("images", nargs=-1, metavar="IMAGE...")
@@ -31,12 +32,10 @@ def _defaults(key: str) -> str:
               help="Compare only this stage (repeatable), e.g. embed, blocks.3, blocks.0.attn, merger.fc1.")
 @click.option("--reference-dtype", type=click.Choice(["f32", "f64"]), default="f64", show_default=True,
               help="Precision of the numpy reference.")
-@click.option("--bucket", "buckets", multiple=True, metavar="N",
-              help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
-@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
-@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder (default $QWEN3VL_CACHE_DIR, "
-                                                  "else the user cache folder).")
-@click.option("--threads", type=int, default=None, metavar="N", help="IREE worker threads.")
+@patch_buckets_option
+@target_option
+@cache_dir_option
+@threads_option()
 def oracle_command(model, images, report_path, precision, atol, rtol, max_rel_l2, inspect_blocks, stages,
                    reference_dtype, buckets, target, cache_dir, threads):
     """Compare the compiled diagnostics graph with the numpy reference, stage by stage.

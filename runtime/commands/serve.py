@@ -10,16 +10,9 @@ from pathlib import Path
 
 import click
 
-from emitter.cli import precision_option
-from emitter.precision import TEXT_CHOICES, TEXT_HELP
-
-from emitter.text_shape import KV_CACHE_HELP, KV_DTYPES
-
+from runtime.commands.options import CONTEXT, text_options
 from runtime.serve.assemble import ServeOptions
-from runtime.commands.mmproj import mmproj_option, with_mmproj
 from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
-
-CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
 def prompt_buckets(buckets, context: int) -> tuple[int, ...]:
@@ -37,40 +30,25 @@ def positive(name: str, value: int) -> int:
 
 
 @click.command("serve", context_settings=CONTEXT)
-@click.option("--model", required=True, metavar="DIR|FILE", help="Checkpoint folder or GGUF text file (as for "
-                                                                   "qwen3vl generate).")
-@mmproj_option
+@text_options(context_help=f"Tokens a sequence may hold, prompt and answer (default {CONTEXT_LADDER[-1]}, as memory "
+                           "allows; docs/text.md).",
+              buckets_help="Prefill bucket in tokens (repeatable; default those of "
+                           f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context; docs/serve.md).",
+              threads_default="one per core; 1 per replica with --ray")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (one other than loopback, without --api-key: a warning).")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
 @click.option("--max-batch", type=int, default=4, show_default=True, metavar="N",
-              help="Sequences decoded together (decode lanes on the device); more requests wait in the queue.")
-@click.option("--context", type=int, metavar="N",
-              help="Tokens a sequence may hold (prompt and answer). Default: "
-                   f"{CONTEXT_LADDER[-1]}, at most the model's max_position_embeddings and what half the memory the "
-                   "weights leave holds.")
-@click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="f32", show_default=True,
-              help=KV_CACHE_HELP)
+              help="Sequences decoded together (decode lanes); more requests wait in the queue.")
 @click.option("--kv-cache-memory", type=float, metavar="GB",
-              help="Memory of the paged KV cache, shared by all sequences (default: a whole context for each of "
-                   "--max-batch sequences, at most half the memory the weights leave, at least one context).")
-@click.option("--prompt-bucket", "buckets", multiple=True, type=int, metavar="N",
-              help="Prefill bucket in tokens (repeatable; default those of "
-                   f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context); a longer prompt runs in "
-                   "chunks of the largest.")
-@precision_option(TEXT_CHOICES, default=None, help=TEXT_HELP)
+              help="Memory of the paged KV cache (default: a context per --max-batch sequence, as memory allows; "
+                   "docs/serve.md).")
 @click.option("--api-key", metavar="KEY", envvar="QWEN3VL_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/ (or $QWEN3VL_API_KEY; an empty key is refused).")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="HOST",
-              help="Also answer requests whose Host header names HOST (repeatable; '*': any). By default only "
-                   "the --host address and the loopback names are answered (421 otherwise: DNS rebinding).")
+              help="Also answer requests whose Host header is HOST (repeatable; '*': any; docs/serve.md, Security).")
 @click.option("--allowed-local-media-path", metavar="DIR",
               help="Accept file:// image and video URLs, only for files under DIR (symlinks resolved).")
-@click.option("--cache-dir", metavar="DIR", help="Artifact cache folder.")
-@click.option("--threads", type=int, metavar="N",
-              help="IREE worker threads, 1 or more (default: one per core; with --ray: 1 per replica, the CPUs "
-                   "Ray reserves for it).")
-@click.option("--target", default=None, metavar="T", help="Compile target (default llvm-cpu).")
 @click.option("--max-waiting", type=int, default=16, show_default=True, metavar="N",
               help="Requests that may wait for the engine; more get 429 with Retry-After.")
 @click.option("--max-media", type=int, default=8, show_default=True, metavar="N",
@@ -79,28 +57,23 @@ def positive(name: str, value: int) -> int:
 @click.option("--encoder-cache-mb", type=int, default=512, show_default=True, metavar="MB",
               help="Bytes of image/video embeddings kept for reuse (LRU).")
 @click.option("--prompt-cache/--no-prompt-cache", default=True, show_default=True,
-              help="Prefix caching by blocks: a prompt whose first blocks of 16 tokens (text, positions and "
-                   "images) the KV cache holds shares them and prefills only the rest (exact: the same answer).")
+              help="Prefix caching: a prompt's blocks the KV cache holds are shared, not prefilled (docs/serve.md).")
 @click.option("--grace", type=float, default=10.0, show_default=True, metavar="S",
-              help="On SIGTERM: seconds to let requests in flight finish; then each still running gets a 503 "
-                   "error object (a stream: an error event, then [DONE]).")
+              help="On SIGTERM: seconds for requests in flight to finish; then each gets a 503 (docs/serve.md).")
 @click.option("--image-min-tokens", type=int, metavar="N",
-              help="Least tokens an image may take (bounds the checkpoint's and each request's mm_processor_kwargs).")
+              help="Least tokens an image may take (bounds mm_processor_kwargs; docs/serve.md).")
 @click.option("--image-max-tokens", type=int, metavar="N",
-              help="Most tokens an image may take (bounds the checkpoint's and each request's mm_processor_kwargs).")
+              help="Most tokens an image may take (bounds mm_processor_kwargs; docs/serve.md).")
 @click.option("--ray", metavar="ADDRESS",
-              help="Serve as replicas on Ray Serve: 'local' starts a cluster on this machine, else the HOST:PORT "
-                   "of a running one (`ray start --head`). The HTTP proxy listens at --host/--port; see "
-                   "docs/serve.md.")
+              help="Serve as replicas on Ray Serve: 'local', or a running cluster's HOST:PORT (docs/serve.md).")
 @click.option("--replicas", type=int, default=1, show_default=True, metavar="N",
               help="With --ray: replicas, each one engine with its own caches (--threads CPUs each, default 1).")
 @click.option("--min-replicas", type=int, metavar="N",
               help="With --ray: autoscale, down to N replicas (target: --max-batch ongoing requests each).")
 @click.option("--max-replicas", type=int, metavar="N", help="With --ray: autoscale, up to N replicas.")
-def serve_command(model, mmproj, host, port, max_batch, context, kv_cache_dtype, kv_cache_memory, buckets, precision, api_key,
-                  allowed_hosts, allowed_local_media_path,
-                  cache_dir, threads, target, max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache,
-                  grace, image_min_tokens, image_max_tokens, ray, replicas, min_replicas, max_replicas):
+def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed_hosts, allowed_local_media_path,
+                  max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace, image_min_tokens,
+                  image_max_tokens, ray, replicas, min_replicas, max_replicas):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn), or as
     replicas on Ray Serve (--ray). Everything is compiled and loaded before the first
     request is accepted."""
@@ -115,19 +88,22 @@ def serve_command(model, mmproj, host, port, max_batch, context, kv_cache_dtype,
     if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     check_access(host, api_key)
-    model = with_mmproj(model, mmproj, cache_dir)
+    text = text.resolved()
     scaling = check_replicas(ray, replicas, min_replicas, max_replicas)
+    context = text.context
     if context is None:
         from runtime.text import default_context, weight_bytes
 
-        context, why = default_context(model, kv_cache_dtype, weight_bytes(model, precision, target))
+        context, why = default_context(text.model, text.kv_cache_dtype,
+                                       weight_bytes(text.model, text.precision, text.target))
         click.echo(f"context: {context} tokens ({why}; --context to change)", err=True)
-    options = ServeOptions(model, context, prompt_buckets(buckets, context), host, port, max_batch, precision,
-                           api_key, allowed_local_media_path, cache_dir, threads, target, max_waiting, max_media,
-                           max_body_mb, encoder_cache_mb, prompt_cache, grace, kv_cache_dtype, kv_cache_memory,
-                           tuple(allowed_hosts), (image_min_tokens, image_max_tokens))
+    options = ServeOptions(text.model, context, prompt_buckets(text.buckets, context), host, port, max_batch,
+                           text.precision, api_key, allowed_local_media_path, text.cache_dir, text.threads, text.target,
+                           max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
+                           text.kv_cache_dtype, kv_cache_memory, tuple(allowed_hosts),
+                           (image_min_tokens, image_max_tokens))
     if ray is not None:
-        return serve_on_ray(dataclasses.replace(options, threads=threads or 1), scaling, ray)
+        return serve_on_ray(dataclasses.replace(options, threads=text.threads or 1), scaling, ray)
     server = build_server(options)  # bad input, failures: one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
