@@ -195,7 +195,7 @@ def chats(args, model: Path) -> dict:
     sequence), computed from the checkpoint's config."""
     from emitter.kv_pages import BLOCK
     from emitter.text_config import load_text_config
-    from runtime.text import kv_token_bytes
+    from runtime.sizing import kv_token_bytes
 
     clients = max(args.concurrency)
     token_bytes = kv_token_bytes(load_text_config(model)[0], args.kv_cache_dtype)

@@ -77,7 +77,8 @@ def child(options: dict) -> None:
 
     from runtime.inputs.chat import Media, encode_joint
     from runtime.inputs.tokenizer import user_message
-    from runtime.text import Generator, run_tokens
+    from runtime.generator import Generator
+    from runtime.text import run_tokens
     from runtime.sampling import Sampler
 
     def mark(phase: str) -> None:

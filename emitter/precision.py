@@ -144,8 +144,9 @@ def _kernel_rows(name: str, bits: int, numbers: str, help: str) -> list[Precisio
 _BOTH = (TEXT, VISION)
 _ROWS = [
     Precision("f32", "f32", "f32", "", "exact (the default for a float checkpoint)", models=_BOTH),
-    Precision("bf16", "bf16", "bf16", ", bf16 matmuls", "bf16 matmul weights (half the memory), ~1e-3 error; widened "
-              "to f32 in the matmul where the CPU's bf16 dot product is not double-rate (bf16-f32)", models=_BOTH),
+    Precision("bf16", "bf16", "bf16", ", bf16 matmuls", "matmul weights in bf16 (half the memory, ~1e-3 error; the "
+              "language model keeps its embedding table in bf16 too), widened to f32 in the matmul where the CPU's bf16 "
+              "dot product is not double-rate (bf16-f32)", models=_BOTH),
     Precision("bf16-f32", "bf16", "f32", ", bf16 weights, f32 matmuls", family="bf16", models=_BOTH, typed=False),
     Precision("int8", "i8", "f32", ", int8 weights with f32 scales per 64, f32 matmuls",
               "language model in int8, an f32 scale per 64 weights; f32 activations", Layout(8)),

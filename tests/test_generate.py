@@ -245,7 +245,7 @@ def test_one_answer_lets_the_tower_go_before_the_language_model(model, tmp_path)
     import weakref
 
     from PIL import Image
-    from runtime.text import Generator
+    from runtime.generator import Generator
 
     image = tmp_path / "a.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(image)
@@ -413,23 +413,23 @@ def test_default_context_follows_the_model_and_the_memory(model, tmp_path, monke
     """Without --context: serve takes 32768 tokens, at most max_position_embeddings and what
     half the memory the weights leave holds (never under 4096); generate takes the least
     ladder context that holds its prompt and answer, up to that."""
-    import runtime.text as text
+    import runtime.sizing as sizing
 
-    per_token = text.kv_token_bytes(TEXT_PRESETS["tiny"])
-    monkeypatch.setattr(text, "available_memory", lambda: 1 << 40)
-    assert text.default_context(model) == (32768, "the default ceiling")
-    assert text.default_context(model, "bf16")[0] == 32768
-    monkeypatch.setattr(text, "available_memory", lambda: 2 * per_token * 10000)
-    assert text.default_context(model) == (9728, "what half the memory the weights leave holds")
-    monkeypatch.setattr(text, "available_memory", lambda: 2 * per_token * 10000 + 12345678)
-    assert text.default_context(model, resident=12345678)[0] == 9728
-    monkeypatch.setattr(text, "available_memory", lambda: 2 * per_token * 100)
-    assert text.default_context(model)[0] == 4096
-    monkeypatch.setattr(text, "available_memory", lambda: 1 << 40)
+    per_token = sizing.kv_token_bytes(TEXT_PRESETS["tiny"])
+    monkeypatch.setattr(sizing, "available_memory", lambda: 1 << 40)
+    assert sizing.default_context(model) == (32768, "the default ceiling")
+    assert sizing.default_context(model, "bf16")[0] == 32768
+    monkeypatch.setattr(sizing, "available_memory", lambda: 2 * per_token * 10000)
+    assert sizing.default_context(model) == (9728, "what half the memory the weights leave holds")
+    monkeypatch.setattr(sizing, "available_memory", lambda: 2 * per_token * 10000 + 12345678)
+    assert sizing.default_context(model, resident=12345678)[0] == 9728
+    monkeypatch.setattr(sizing, "available_memory", lambda: 2 * per_token * 100)
+    assert sizing.default_context(model)[0] == 4096
+    monkeypatch.setattr(sizing, "available_memory", lambda: 1 << 40)
     folder = copy_model(model, tmp_path, lambda f: (f / "config.json").write_text(json.dumps(
         dict(hf_config(model), text_config=dict(hf_config(model)["text_config"], max_position_embeddings=20000)))))
-    assert text.default_context(folder) == (20000, "the model's max_position_embeddings")
-    assert [text.fitting_context(n, 20000) for n in (60, 4096, 4097, 9000, 16385)] == [4096, 4096, 8192, 16384,
+    assert sizing.default_context(folder) == (20000, "the model's max_position_embeddings")
+    assert [sizing.fitting_context(n, 20000) for n in (60, 4096, 4097, 9000, 16385)] == [4096, 4096, 8192, 16384,
                                                                                       20000]
 
 
@@ -440,6 +440,7 @@ def test_the_kv_cache_default_leaves_the_weights_their_memory(model, tmp_path, m
     loaded, 12.3 GB of pool beside 8.5 GB of f32 weights, and was killed on a 24 GB machine."""
     import iree.runtime as rt
 
+    import runtime.sizing as sizing
     import runtime.text as text
     from runtime.artifact.archive import cached_archive, cached_text_archive
     from runtime.artifact.build import vision_source
@@ -459,14 +460,14 @@ def test_the_kv_cache_default_leaves_the_weights_their_memory(model, tmp_path, m
         cfg, graph = text.text_precision(folder, text.load_text_config(folder)[0], asked, "llvm-cpu")
         tower_cfg, _, tower, *_ = vision_source(str(folder), None, asked.tower)
         language = held(cached_text_archive(folder, cfg, graph, cache))
-        assert text.weight_bytes(folder, precision, vision=False) == language
-        assert text.weight_bytes(folder, precision) == language + held(cached_archive(folder, tower_cfg, tower, cache))
-    resident = text.weight_bytes(model, "f32")
-    block = text.kv_token_bytes(TEXT_PRESETS["tiny"]) * text.BLOCK
-    monkeypatch.setattr(text, "available_memory", lambda: resident + 2 * 1000 * block)
-    blocks, note = text.kv_blocks(model, (64,), 4096, 4, resident=resident)
+        assert sizing.weight_bytes(folder, precision, vision=False) == language
+        assert sizing.weight_bytes(folder, precision) == language + held(cached_archive(folder, tower_cfg, tower, cache))
+    resident = sizing.weight_bytes(model, "f32")
+    block = sizing.kv_token_bytes(TEXT_PRESETS["tiny"]) * sizing.BLOCK
+    monkeypatch.setattr(sizing, "available_memory", lambda: resident + 2 * 1000 * block)
+    blocks, note = sizing.kv_blocks(model, (64,), 4096, 4, resident=resident)
     assert blocks == 1000 and "half the memory the weights" in note, note
-    assert text.kv_blocks(model, (64,), 4096, 4)[0] > 1000  # the same machine, the weights forgotten
+    assert sizing.kv_blocks(model, (64,), 4096, 4)[0] > 1000  # the same machine, the weights forgotten
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ from emitter.text_shape import prefill_chunks
 from emitter.text_config import TEXT_PRESETS
 from runtime.inputs.chat import Media
 from runtime.sampling import Sampler, SamplingParams
-from runtime.text import Generator, TextSession, run_tokens
+from runtime.generator import Generator
+from runtime.text import TextSession, run_tokens
 from runtime.checkpoints.synthetic_text import write_generation_checkpoint
 
 pytestmark = pytest.mark.parity

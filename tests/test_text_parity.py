@@ -15,7 +15,8 @@ from conftest import rel_l2
 from helpers import write_images
 from emitter.config import PRESETS
 from emitter.text_config import TEXT_PRESETS
-from runtime.text import Generator, greedy
+from runtime.generator import Generator
+from runtime.text import greedy
 from runtime.inputs.prefill import mrope_position_ids
 from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR
 from runtime.checkpoints.synthetic_text import write_generation_checkpoint

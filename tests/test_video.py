@@ -423,7 +423,7 @@ def test_generate_with_a_video_matches_transformers(tmp_path, answer_model):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.video_utils import VideoMetadata
     from emitter.policy import load_policy
-    from runtime.text import Generator
+    from runtime.generator import Generator
 
     steps, prompt = 6, "describe the picture"
     image = write_images(tmp_path, [(96, 64)])[0]

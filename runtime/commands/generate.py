@@ -63,7 +63,7 @@ def generate_command(text, images, videos, prompt, max_new_tokens, json_path, sa
     resident beside the language model's)."""
     from emitter.atomic import write_atomic
 
-    from runtime.text import Generator
+    from runtime.generator import Generator
     from runtime.outputs import check_output_paths
     from runtime.inputs.tokenizer import check_utf8
 

@@ -92,7 +92,7 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
     scaling = check_replicas(ray, replicas, min_replicas, max_replicas)
     context = text.context
     if context is None:
-        from runtime.text import default_context, weight_bytes
+        from runtime.sizing import default_context, weight_bytes
 
         context, why = default_context(text.model, text.kv_cache_dtype,
                                        weight_bytes(text.model, text.precision, text.target))

@@ -41,7 +41,8 @@ class ServeOptions:
 
 def generator_for(options: ServeOptions, say):
     """The Generator of these options (nothing compiled or loaded yet)."""
-    from runtime.text import Generator, kv_blocks, weight_bytes
+    from runtime.generator import Generator
+    from runtime.sizing import kv_blocks, weight_bytes
 
     blocks, note = kv_blocks(options.model, options.buckets, options.context, options.max_batch,
                              options.kv_cache_dtype, options.kv_cache_memory,
