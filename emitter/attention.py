@@ -34,7 +34,7 @@ def segment_mask(b: Builder, segment_ids: Value) -> Value:
 # Attention forms. "dense": one [H, B, B] score tensor and the [B, B] segment mask, fastest
 # for small buckets. "blockwise": query chunks of C rows (unrolled), each attending with
 # an online softmax, in a loop, over only the key chunks that hold its segments, so memory
-# per step is [H, C, C] and the cross-image blocks are never computed (docs/performance.md,
+# per step is [H, C, C] and the cross-image blocks are never computed (docs/history/performance-notebook.md,
 # "Large inputs", has the measurements behind the threshold). C is ATTENTION_CHUNK; half
 # of it below 2 x ATTENTION_CHUNK patches, so that a 512 bucket holding two images skips
 # their cross blocks (the 2B tower with two 256-patch images x1.09 in f32, x1.05 in bf16;
@@ -76,7 +76,7 @@ def paced_key_loop(chunk: int) -> bool:
     step before it issues the next, so only one step's transients are alive (2048: 3.0 GB,
     and faster: fewer pages faulted in). A wait costs about a millisecond, so 256-row chunks
     (bucket 512: at most 4 small steps a block, nothing held to speak of) are not paced:
-    there it cost 3.6% of a shallow tower's time (docs/performance.md, "Large inputs")."""
+    there it cost 3.6% of a shallow tower's time (docs/history/performance-notebook.md, "Large inputs")."""
     return chunk >= ATTENTION_CHUNK
 
 

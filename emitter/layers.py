@@ -90,7 +90,7 @@ def linear(b: Builder, x: Value, weight: Value | QuantizedWeight, bias: Value, h
 def square(b: Builder, x: Value) -> Value:
     """x * x, written |x| * |x| (the same bits): IREE 3.13 takes a sum over x * x for a
     contraction and lowers it to a scalar FMA per element; over |x| * |x| it is a vector
-    reduction (a 2B LayerNorm's second pass about 20% faster, docs/performance.md, "RoPE fused,
+    reduction (a 2B LayerNorm's second pass about 20% faster, docs/history/performance-notebook.md, "RoPE fused,
     squares that vectorize")."""
     magnitude = b.abs(x, hint="magnitude")
     return b.multiply(magnitude, magnitude, hint="square")
@@ -100,7 +100,7 @@ def layer_norm(b: Builder, x: Value, weight: Value, bias: Value, eps: float = LA
     """LayerNorm over the last dim: centered variance, in f32. The centered rows are written
     twice, x - mean for the output and x + (-mean) for the variance (the same values), so
     that IREE forms them inside each of its two passes instead of writing a centered copy
-    out between them (docs/performance.md, "RoPE fused, squares that vectorize")."""
+    out between them (docs/history/performance-notebook.md, "RoPE fused, squares that vectorize")."""
     rows, width = x.shape[:-1], x.shape[-1]
     keep = list(range(x.rank - 1))
 
@@ -268,7 +268,7 @@ def per_call_weight(b: Builder, weight: QuantizedWeight) -> QuantizedWeight:
     weight size (the dequantized weight; the scales broadcast to the weight's shape).
     Without an argument to give the zero, `held`. Through `held` alone, at 2B widths every
     int8 prefill call grew the process by 64 MiB blocks that IREE 3.13's transient pool
-    kept (0.13 GB a 500-token call; docs/performance.md, "Peak RSS of one answer at equal
+    kept (0.13 GB a 500-token call; docs/history/performance-notebook.md, "Peak RSS of one answer at equal
     bits")."""
     zero = b.call_zero()
     if zero is None:
@@ -314,7 +314,7 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     int4 weights".) More rows: the weight dequantized per call (`dequantized`) into the
     ordinary matmul. Under integer activations (`Builder.activations` "i8", `--precision w8a8`)
     every row count: `integer_project` (at 512 rows too it took half the time of the
-    dequantized matmul: docs/performance.md, "Integer activations")."""
+    dequantized matmul: docs/history/performance-notebook.md, "Integer activations")."""
     if b.activations == "i8" and x.rank == 2:
         return integer_project(b, x, weight, hint)
     if x.rank != 2 or x.shape[0] > SPLIT_K_ROWS:
@@ -344,7 +344,7 @@ def group_scaled(b: Builder, partial: Value, scales: Value, hint: str) -> Value:
     multiply and the sum over G that follows read to IREE 3.13 as a contraction, which
     data tiling then encodes, and at 2-8 rows the encoding of its operand, fused into the
     dispatch of the split-K dot, made that dot vectorize along the rows instead of N: 47 ms in
-    place of 1.5 ms for a 6144x2048 int8 projection at 4 rows (docs/performance.md,
+    place of 1.5 ms for a 6144x2048 int8 projection at 4 rows (docs/history/performance-notebook.md,
     "Quantized decode at several lanes"). The reciprocals depend on globals only: IREE
     hoists them into module initialization, a resident f32 copy the size of the scales
     (1/16 of an int8 weight's bytes, 1/8 of an int4 one's), so a call reads them as it read
@@ -385,7 +385,7 @@ def integer_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str = "
     [G, g, N] batched over the groups, each group's i32 sums in f32 times its x scale and its
     weight scale, summed over the groups. With one group (`--precision w8a8`: a scale per
     output channel, all K inputs) it is one i8 x i8 -> i32 matmul, which IREE's data tiling
-    runs in VNNI (`vpdpwssd`; docs/performance.md, "Integer activations")."""
+    runs in VNNI (`vpdpwssd`; docs/history/performance-notebook.md, "Integer activations")."""
     (k, n), g = weight.q.shape, weight.scales.shape[1]
     xq, x_scales = quantized_activations(b, cast(b, x, "f32", hint + "_f32"), k // g, hint + "_x")
     q3 = b.reshape(weight.q, (g, k // g, n), hint=hint + "_q")

@@ -15,7 +15,7 @@ signed q in i8 (-128..127) or i4 (-8..7).
   llama.cpp's `make_qx_quants`), rounded to the scales' type; the candidate of least
   squared error is kept. The table lm_head reads (the embedding table when tied) stays in
   int8's layout under int4 (the precision's `head`), as llama.cpp's Q4_0 files keep theirs in Q6_K.
-  Logit distance from f32 on the 2B random checkpoint (docs/performance.md): 0.395 before
+  Logit distance from f32 on the 2B random checkpoint (docs/history/performance-notebook.md): 0.395 before
   (max|w| / 7 per 64), 0.278 now; groups of 32 with bf16 scales (`Layout(4, 32, scales="bf16")`,
   the same bits) reach 0.251, under Q4_0's 0.264, but IREE 3.13's scale-and-sum over 64
   groups made the decode step 2.2x slower, so the default stays at 64.
@@ -198,7 +198,7 @@ Q6_K_ROW = 256
 # optimization instead of dispatch creation. Both pack prefill's dequantized weights for the
 # tiled matmul per call; dispatch creation also encodes decode's split-K q at load, as the
 # identity layout, a resident copy of every quantized weight beside the archive pages
-# prefill reads (docs/performance.md, "One copy of the int8 weights"; at the 4-bit MLX 8B
+# prefill reads (docs/history/performance-notebook.md, "One copy of the int8 weights"; at the 4-bit MLX 8B
 # 5.0 GB, docs/text.md); global optimization resolves that encoding away.
 WEIGHT_ONLY_FLAGS = ("--iree-opt-data-tiling=false", "--iree-global-opt-data-tiling")
 

@@ -16,13 +16,13 @@ INPUT_FLAGS = ("--iree-input-type=stablehlo",)
 # name -> (runtime driver, flags). "llvm-cpu" bakes the host CPU's features in;
 # distributes each data-tiled matmul in tiles of up to 2 MiB of operands, far more than
 # IREE 3.13's default: the 2B tower x1.025-1.045 in f32 at buckets 256 and 512, x1.00-1.01
-# in bf16 (docs/performance.md, "Matmul tile bytes"); and lets floating-point reductions
+# in bf16 (docs/history/performance-notebook.md, "Matmul tile bytes"); and lets floating-point reductions
 # reassociate (off by default at IREE 3.13's default opt level), so that sums and maxima
 # along the contiguous dim (LayerNorm, softmax) run in vectors instead of one element at a
-# time: the softmax statistics 28 -> 7 ms a 2B bf16 call (docs/performance.md, "Reductions");
+# time: the softmax statistics 28 -> 7 ms a 2B bf16 call (docs/history/performance-notebook.md, "Reductions");
 # and moves a collapse of dims across an expand of others, so that RoPE, computed over the
 # head's two halves, fuses into the head-major transpose that follows it (two dispatches
-# fewer a block, docs/performance.md, "RoPE fused, squares that vectorize").
+# fewer a block, docs/history/performance-notebook.md, "RoPE fused, squares that vectorize").
 def _llvm_cpu(cpu: str) -> tuple[str, tuple[str, ...]]:
     return ("local-task", (
         "--iree-hal-target-device=local",

@@ -8,7 +8,7 @@ Q4_0's 18 bytes a block of 32 with its f16 scale), and 6 bits (-32..31, 26 bytes
 lm_head table, where llama.cpp keeps Q6_K), one C function per weight width (`ENTRIES`) over the
 same loops and activations: AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw), built by
 kernels/build.py. IREE 3.13's own code for the grouped integer forms runs 3-10x slower than one
-group (docs/performance.md), so the graph calls this kernel instead: emitter/kernel_calls.py
+group (docs/history/performance-notebook.md), so the graph calls this kernel instead: emitter/kernel_calls.py
 emits the call (one workgroup per `OUTPUTS_PER_WORKGROUP` outputs), emitter/quant.py chooses the
 weights' numbers, and the archive writer packs them here.
 

@@ -1,7 +1,7 @@
 """Our processor (exact against transformers' PIL backend) against transformers' torchvision
 backend (`Qwen2VLImageProcessor`), on one corpus, with the released policy: how far the
 pixel values are apart, and what that does to the 2B tower's outputs (random weights,
-transformers' own tower on both pixel sets). The figures quoted in the README.
+transformers' own tower on both pixel sets). The figures quoted in docs/inputs.md, "Images".
 
 Needs torch, transformers and torchvision:  .venv/bin/python tests/measure_processor_backends.py
 """

@@ -611,7 +611,7 @@ def test_torchvision_backend_difference_is_what_the_readme_says():
     is installed) is not what we match: on the 32-pixel grid (no resize) the pixel values
     differ only by its fused normalization (under 1.2e-7); once resized, torch's bicubic
     differs from PIL's: at most one uint8 level on a smooth picture, many on noise.
-    Measured on the 2B tower by tests/measure_processor_backends.py (figures in the README)."""
+    Measured on the 2B tower by tests/measure_processor_backends.py (figures in docs/inputs.md, "Images")."""
     from measure_processor_backends import noise, shapes, torchvision_processor
     theirs = torchvision_processor()
     level = DEFAULT_POLICY.rescale_factor / DEFAULT_POLICY.image_std[0]

@@ -188,7 +188,7 @@ def test_batched_decode_vectorizes_along_the_outputs(tmp_path, precision):
     the outputs: IREE's configured dispatches give each f32 x i8 (i4) batch_matmul a vector
     tile wider than one along N. (Scaled as partial * scale, data tiling took the scaling
     for a contraction and turned the dots to [1, 16, 1, 0], 16 along the rows and scalar
-    along N: 25x slower; docs/performance.md, "Quantized decode at several lanes".)"""
+    along N: 25x slower; docs/history/performance-notebook.md, "Quantized decode at several lanes".)"""
     bits = quant.STORAGE_DTYPE[precision_of(precision).bits]
     compile_mlir(decode_module(WIDE, 64, precision, lanes=4),
                  extra_flags=[f"--iree-hal-dump-executable-files-to={tmp_path}"])

@@ -17,7 +17,7 @@ from emitter.targets import DEFAULT_TARGET, target_flags
 from emitter.vision import check_binding, check_bucket, emit_artifact_module, parse_bucket
 
 # The runtime's artifacts read their weights from a parameter archive: IREE then packs
-# them for the matmuls once at load instead of on every call (docs/performance.md).
+# them for the matmuls once at load instead of on every call (docs/history/performance-notebook.md).
 DEFAULT_BINDING = "parameters"
 
 from runtime.artifact.cache import ArtifactCache

@@ -34,7 +34,7 @@ def keep_freed_memory() -> None:
     whole process, once). IREE's CPU device allocates each call's transient buffers with
     malloc; glibc serves those over 32 MiB with a fresh mmap and unmaps them on free, so
     every call faulted in every page again. At bucket 16384 that was 310 million page
-    faults and 40% of the CPU time in the kernel (docs/performance.md, "Large inputs");
+    faults and 40% of the CPU time in the kernel (docs/history/performance-notebook.md, "Large inputs");
     at 512 nothing is that large and the time is unchanged. One arena, because `invoke`
     calls from a helper thread and a thread's own arena mmaps anything over 64 MiB.
     A host process that manages its own allocator (a server, a Ray worker) sets

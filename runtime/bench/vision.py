@@ -156,7 +156,7 @@ def our_tower(cfg, weights, bucket, precision, binding, flags, config, inputs, w
     returning image_embeds trimmed to the real rows; and its build figures. Parameter-bound
     weights are served as a session serves them: from an archive written in `workdir`,
     memory-mapped (numpy arrays served from memory instead made a 2B f32 call 4-9% slower,
-    docs/performance.md)."""
+    docs/history/performance-notebook.md)."""
     from emitter.vision import emit_vision_module
     from runtime.artifact.archive import open_archive, release_mapped_pages, write_archive
     from runtime.checkpoints.vision import weights_in_order

@@ -6,7 +6,7 @@ Not to its torchvision backend (`Qwen2VLImageProcessor`, which transformers pick
 whenever torchvision is installed; the released preprocessor_config.json names it
 `Qwen2VLImageProcessorFast`): that one resizes with torch's bicubic and normalizes with
 a fused formula. On images already on the 32-pixel grid the two agree to one float32
-step; on resized ones torch's bicubic differs from PIL's (the README has the figures).
+step; on resized ones torch's bicubic differs from PIL's (docs/inputs.md, "Images", has the figures).
 
 What transformers does, step by step, and how it is reproduced here:
 
