@@ -143,23 +143,20 @@ def _kernel_rows(name: str, bits: int, numbers: str, help: str) -> list[Precisio
 
 _BOTH = (TEXT, VISION)
 _ROWS = [
-    Precision("f32", "f32", "f32", "", "exact (the default for a float checkpoint)", models=_BOTH),
-    Precision("bf16", "bf16", "bf16", ", bf16 matmuls", "matmul weights in bf16 (half the memory, ~1e-3 error; the "
-              "language model keeps its embedding table in bf16 too), widened to f32 in the matmul where the CPU's bf16 "
-              "dot product is not double-rate (bf16-f32)", models=_BOTH),
+    Precision("f32", "f32", "f32", "", "exact", models=_BOTH),
+    Precision("bf16", "bf16", "bf16", ", bf16 matmuls", "matmul weights in bf16, the language model's embedding "
+              "table in bf16 too", models=_BOTH),
     Precision("bf16-f32", "bf16", "f32", ", bf16 weights, f32 matmuls", family="bf16", models=_BOTH, typed=False),
     Precision("int8", "i8", "f32", ", int8 weights with f32 scales per 64, f32 matmuls",
-              "language model in int8, an f32 scale per 64 weights; f32 activations", Layout(8)),
+              "int8 weights, a scale per 64", Layout(8)),
     Precision("int4", "i4", "f32", ", int4 weights with f32 scales per 64, f32 matmuls",
-              "language model in 4 bits, a searched f32 scale per 64 (lm_head in int8)", Layout(4, searched=True),
+              "4-bit weights, a scale per 64", Layout(4, searched=True),
               head=Layout(8)),
     Precision("w8a8", "i8", "i8", ", int8 weights with an f32 scale per output, int8 activations per row, i32 matmuls",
-              "int8 weights per output channel, int8 activations per row, i32 matmuls", Layout(8), per_channel=True),
-    *_kernel_rows("q8_0", 8, "Q8_0 weights and activations", "llama.cpp's Q8_0 through a hand-written kernel "
-                  "(AVX-512 VNNI or AVX2)"),
-    *_kernel_rows("q4_0", 4, "Q4_0 weights and Q8_0 activations", "llama.cpp's Q4_0 x Q8_0 through the same kernel "
-                  "(lm_head in 6 bits)"),
-    Precision("native", "f32", "f32", help="a quantized checkpoint (MLX, GGUF) in its own bits (alias: mlx)",
+              "int8 weights and activations", Layout(8), per_channel=True),
+    *_kernel_rows("q8_0", 8, "Q8_0 weights and activations", "llama.cpp's Q8_0, a hand-written kernel"),
+    *_kernel_rows("q4_0", 4, "Q4_0 weights and Q8_0 activations", "llama.cpp's Q4_0, the same kernel"),
+    Precision("native", "f32", "f32", help="a quantized checkpoint's own bits; alias mlx",
               models=(), native=True),
 ]
 PRECISIONS: dict[str, Precision] = {p.name: p for p in _ROWS}
@@ -193,9 +190,8 @@ def for_graph(value: "Precision | str") -> Precision:
 
 
 def help_text(choices) -> str:
-    """--precision's help: a line a choice, and where the story is."""
-    return "; ".join(f"{name}: {PRECISIONS[ALIASES.get(name, name)].help}" for name in choices
-                     if name not in ALIASES) + f" (see {HELP_DOC})."
+    """--precision's help: each choice in a few words, and where the story is."""
+    return ", ".join(f"{name} ({PRECISIONS[name].help})" for name in choices if name not in ALIASES) + f": {HELP_DOC}."
 
 
 # bf16 x bf16 matmuls pay only where the bf16 dot product runs at twice the rate of f32
@@ -207,7 +203,7 @@ def help_text(choices) -> str:
 _DOUBLE_RATE_BF16 = (("znver", "+avx512bf16"), ("", "+bf16"))  # (LLVM CPU name prefix, feature)
 
 
-TEXT_HELP = help_text(TEXT_CHOICES)[:-1] + "; default: native for a quantized checkpoint, else f32."  # generate, serve
+TEXT_HELP = help_text(TEXT_CHOICES) + " Default: native for a quantized checkpoint, else f32."  # generate, serve
 
 
 def bf16_form(target: str, extra_flags=()) -> tuple[str, str]:
