@@ -45,7 +45,7 @@
 
 #define Q8_TILES_AT_ONCE 2  // two tiles share each broadcast of x: half the broadcasts a dot product
 // Tiles at once at one row (decode, reading weights from DRAM): Q8_0 two, Q4_0 one, a single
-// stream of weights (benchmarks/bench_q8_loop.py: Q4_0 x0.70-0.79 the time of two at once, Q8_0
+// stream of weights (benchmarks/lab/bench_q8_loop.py: Q4_0 x0.70-0.79 the time of two at once, Q8_0
 // x1.09-1.15 with one); 6 bits one, as Q4_0 (x0.82-0.85 the time of two, both prefetched).
 #define ONE_ROW_TILES(bits) ((bits) == 8 ? 2 : 1)
 // Blocks (9 KB) of weights and scales tile_rows prefetches ahead at one row and 6 bits, past the
@@ -171,7 +171,7 @@ static inline __attribute__((always_inline)) void tile_rows(
 // block b's 8 dot-product steps each carry the epilogue of one (tile, row) pair of block b - 1
 // (8 pairs, 8 steps), so that its multiplies interleave with the dot products rather than follow
 // them in a burst. Each accumulator still takes its blocks in order: the same bits.
-// benchmarks/bench_q8_loop.py at 512 rows: x0.935-0.94 the time of the unpipelined loop for Q8_0, x0.95 for
+// benchmarks/lab/bench_q8_loop.py at 512 rows: x0.935-0.94 the time of the unpipelined loop for Q8_0, x0.95 for
 // Q4_0. What is left is mostly the multiplies: on Zen 5 vmulps shares vpdpbusd's two pipes (2 a
 // block, row and tile against 8 vpdpbusd); without them the loop takes x0.87-0.89.
 static inline __attribute__((always_inline)) void full_pass(
@@ -230,7 +230,7 @@ static inline __attribute__((always_inline)) void full_pass(
 // The 8-bit loop runs at about its op mix's throughput: 8 (part, row, step)s take 36.5 vector ops
 // (the 4 above each, a block's epilogue of 4, the |x| copy), ~2.63 ns at 512 rows, where a stream
 // of the same ops without dependences takes ~2.52 ns (Zen 5: vpsignb runs on 2 pipes, one of them
-// the multiplies'). Tried at 512 rows (benchmarks/bench_q8_loop.py, 1 thread, weights in cache;
+// the multiplies'). Tried at 512 rows (benchmarks/lab/bench_q8_loop.py, 1 thread, weights in cache;
 // the same bits unless said): the epilogue software-pipelined as the AVX-512 full_pass's (the
 // previous block's sums on the stack) x0.998-1.018, or bunched into steps 0-3, 4-7, 0-1, 0 or 2-5
 // x0.99-1.02; |x| made a block ahead x1.00; weights prefetched 4 blocks ahead x0.99; 4 parts x 2
@@ -285,7 +285,7 @@ static inline __attribute__((always_inline)) __m256i broadcast_quad(const void* 
   return _mm256_set1_epi32(quad);
 }
 
-// one_row's prefetch at 4 bits: Q4_ONE_ROW_AHEAD blocks (8 KB of weights). benchmarks/bench_q8_loop.py
+// one_row's prefetch at 4 bits: Q4_ONE_ROW_AHEAD blocks (8 KB of weights). benchmarks/lab/bench_q8_loop.py
 // (Zen 5, 2 threads, against tile_rows' one-row loop, whose work is the same unprefetched: x1.00
 // with the weights in L3): x0.82-0.95 the time, the plain read at 35-46 GB/s; 4 blocks ahead
 // x1.13, 8 about x1.0, 16-128 x0.82-0.98 (deeper better the slower the read); 16, 24 and 48 x1.00-1.14
@@ -331,7 +331,7 @@ static inline __attribute__((always_inline)) int64_t start_halves(const int8_t* 
 // sums of each half of the block (4 steps) start at start_halves, so that each ends at the exact
 // sum of w x over its 8 inputs, |.| <= 8 x 32 x 127 = 32512 (the wrapping vpaddw of products of
 // at most 2 x 63 x 127, unsaturated, lands on it), widened by one vpmaddwd a half: the exact isum
-// with no OFFSET * xs to take off. benchmarks/bench_q8_loop.py (2 threads, from DRAM): without the
+// with no OFFSET * xs to take off. benchmarks/lab/bench_q8_loop.py (2 threads, from DRAM): without the
 // prefetches x1.11-1.21 the time; 8, 16, 32, 48, 64 and 96 blocks ahead and T1 hints within
 // x0.96-1.03 of 24. Cheaper unpacking would not help there: dropping the top bits' shift and and
 // (wrong codes, the same bytes) took x0.99-1.02 the time from DRAM (x0.83 with the weights in L3).
