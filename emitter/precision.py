@@ -1,6 +1,6 @@
 """Precisions: one table, each name one frozen `Precision` that says everything a graph, an
 archive and a command need of it. Resolved once, where the command line or the API is read
-(`precision`, click's `PrecisionParam`), and passed on as that object.
+(`precision`; emitter/cli.py's `PrecisionChoice`), and passed on as that object.
 
 Accumulation, norms and softmax stay f32 under every precision. The rows:
 - f32: exact.
@@ -26,12 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kernels.build import ISA_TITLES, KernelError
+
 from .config import ConfigError
+from .kernel_calls import target_isa
 from .quant import BLOCK, KERNEL_LAYOUTS, Q6_HEAD, Q6_K_ROW, WEIGHT_ONLY_FLAGS, Layout
 from .targets import DEFAULT_TARGET, host_cpu, resolved_device_target, target_flags
 
 TEXT, VISION = "text", "vision"  # the models a precision builds graphs of
-KERNEL_ISAS = {"avx512vnni": "AVX-512 VNNI", "avx2": "AVX2"}  # the block kernel's objects (kernels/build.py)
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,6 @@ class Precision:
         return bool(self.layout and self.layout.packed)
 
     @property
-    def user_name(self) -> str:
-        """The name a user asks for: q8_0 for q8_0-avx2, bf16 for bf16-f32."""
-        return self.family or self.name
-
-    @property
     def tower(self) -> "Precision":
         """The vision tower's precision beside this language model's: bf16 under the quantized
         ones (their layouts are the language model's), else this one."""
@@ -113,8 +110,6 @@ class Precision:
         if self.name == "bf16":
             return PRECISIONS[bf16_form(target or DEFAULT_TARGET, extra_flags)[0]]
         if self.kernel and self.isa is None:
-            from kernels.build import KernelError
-            from .kernel_calls import target_isa
             try:
                 flags = tuple(target_flags(target or DEFAULT_TARGET)) + tuple(extra_flags)
                 return PRECISIONS[f"{self.name}-{target_isa(flags)}"]
@@ -131,14 +126,14 @@ class Precision:
                 f"each matmul: half the weight memory, about f32's matmul speed)")
 
 
-def _kernel_rows(name: str, bits: int, numbers: str, help: str) -> list[Precision]:
-    """A block-kernel precision (built for the host's ISA) and its target form per ISA."""
-    layout, head = KERNEL_LAYOUTS[name], Q6_HEAD if bits == 4 else None
-    dtype = {8: "i8", 4: "i4"}[bits]
-    base = Precision(name, dtype, "f32", f", {numbers} (f16 scales per {BLOCK}), the host's kernel", help,
-                     layout, head)
+def _kernel_rows(name: str, numbers: str, help: str) -> list[Precision]:
+    """A block-kernel precision (built for the host's ISA) and its target form per ISA; q4_0's
+    lm_head table in 6 bits (`quant.Q6_HEAD`)."""
+    layout = KERNEL_LAYOUTS[name]
+    base = Precision(name, layout.dtype, "f32", f", {numbers} (f16 scales per {BLOCK}), the host's kernel", help,
+                     layout, Q6_HEAD if layout.bits == 4 else None)
     return [base, *(replace(base, name=f"{name}-{isa}", note=f", {numbers} (f16 scales per {BLOCK}), the {title} "
-                            f"kernel", isa=isa, family=name, typed=False) for isa, title in KERNEL_ISAS.items())]
+                            f"kernel", isa=isa, family=name, typed=False) for isa, title in ISA_TITLES.items())]
 
 
 _BOTH = (TEXT, VISION)
@@ -154,8 +149,8 @@ _ROWS = [
               head=Layout(8)),
     Precision("w8a8", "i8", "i8", ", int8 weights with an f32 scale per output, int8 activations per row, i32 matmuls",
               "int8 weights and activations", Layout(8), per_channel=True),
-    *_kernel_rows("q8_0", 8, "Q8_0 weights and activations", "llama.cpp's Q8_0, a hand-written kernel"),
-    *_kernel_rows("q4_0", 4, "Q4_0 weights and Q8_0 activations", "llama.cpp's Q4_0, the same kernel"),
+    *_kernel_rows("q8_0", "Q8_0 weights and activations", "llama.cpp's Q8_0, a hand-written kernel"),
+    *_kernel_rows("q4_0", "Q4_0 weights and Q8_0 activations", "llama.cpp's Q4_0, the same kernel"),
     Precision("native", "f32", "f32", help="a quantized checkpoint's own bits; alias mlx",
               models=(), native=True),
 ]

@@ -26,6 +26,7 @@ ISA_FLAGS = {
     "avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi2"),
 }
+ISA_TITLES = {"avx512vnni": "AVX-512 VNNI", "avx2": "AVX2"}  # each ISA's name in module headers
 # LLVM target features each ISA's object needs, best first.
 ISA_FEATURES = {"avx512vnni": ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"), "avx2": ("+avx2",)}
 

@@ -86,10 +86,16 @@ def torch_gflops(n: int, precision: str, threads: int, repeats: int) -> float:
         return gflops(n, best_time(lambda: a @ b, repeats))
 
 
+def iree_operand_dtypes(precision: str) -> tuple[str, str]:
+    """(activations, weights): a matmul's operand dtypes as the graphs of `precision` take them."""
+    p = precision_of(precision)
+    return p.activations, p.weights
+
+
 def iree_matmul_mlir(n: int, precision: str) -> str:
     """One n x n x n dot_general with operands as the graphs of `precision` take them
-    (`Precision.activations`, `.weights`), accumulating in f32."""
-    a, b = precision_of(precision).activations, precision_of(precision).weights
+    (`iree_operand_dtypes`), accumulating in f32."""
+    a, b = iree_operand_dtypes(precision)
     return (f"module @roof {{\n"
             f"  func.func @main(%a: tensor<{n}x{n}x{a}>, %b: tensor<{n}x{n}x{b}>) -> tensor<{n}x{n}xf32> {{\n"
             f"    %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : "
@@ -110,7 +116,7 @@ def iree_gflops(n: int, precision: str, config, repeats: int, extra_flags=()) ->
     dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
     rng = np.random.default_rng(0)
     a, b = (module.upload(rng.standard_normal((n, n), dtype=np.float32).astype(dtypes[t]))
-            for t in (precision_of(precision).activations, precision_of(precision).weights))
+            for t in iree_operand_dtypes(precision))
     return gflops(n, best_time(lambda: module.function(a, b), repeats))
 
 
