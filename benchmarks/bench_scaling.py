@@ -6,8 +6,8 @@
     .venv/bin/python benchmarks/bench_scaling.py --model /tmp/2b --buckets 2048 4096 8192 \
         --defaults --max-peak-ratio 1.5   # no --bucket; peak RSS at most 1.5x the first bucket's
 
-`--defaults` runs `qwen3vl run` without `--bucket`, so each image takes the bucket the
-default ladder's extension gives it (`emitter.identity.ladder_for`). `--max-peak-ratio R`
+`--defaults` runs `qwen3vl run` without `--bucket`, so each image goes to the default
+buckets' module (`emitter.identity.DEFAULT_LADDER`: compiled once, any row count). `--max-peak-ratio R`
 exits 1 when a bucket's peak RSS exceeds R times the first bucket's (the bounded-memory
 check of the tower: memory grows about linearly with the patches, and the weights dominate).
 

@@ -108,7 +108,7 @@ def child(options: dict) -> None:
     gen.text._load = after("text loaded", gen.text._load)
     gen.text.prefill = after("prefilled", gen.text.prefill)
     chat = gen.prepare(messages, media, options["new"],
-                       encode=after("encoded", lambda items: encode_joint(gen.vision_for, items)))
+                       encode=after("encoded", lambda items: encode_joint(lambda: gen.vision, items)))
     sampler = Sampler(gen.sampling, chat.ids, gen.text.cfg.vocab_size)
     tokens, _, _ = run_tokens(gen.text, chat, sampler, options["new"], gen.tokenizer.eos_ids)
     mark("decoded")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .builder import Builder, Value
+from .dims import Dim
 from .layers import activation_dtype, apply_rotary, cast, linear, matmul, softmax
 
 
@@ -32,19 +33,16 @@ def segment_mask(b: Builder, segment_ids: Value) -> Value:
 
 
 # Attention forms. "dense": one [H, B, B] score tensor and the [B, B] segment mask, fastest
-# for small buckets. "blockwise": query chunks of C rows (unrolled), each attending with
+# for small buckets. "blockwise": a loop over query chunks of C rows, each attending with
 # an online softmax, in a loop, over only the key chunks that hold its segments, so memory
 # per step is [H, C, C] and the cross-image blocks are never computed (docs/history/performance-notebook.md,
-# "Large inputs", has the measurements behind the threshold). C is ATTENTION_CHUNK; half
-# of it below 2 x ATTENTION_CHUNK patches, so that a 512 bucket holding two images skips
-# their cross blocks (the 2B tower with two 256-patch images x1.09 in f32, x1.05 in bf16;
-# x0.96 with one 512-patch image); and larger past 8192 patches so that a block unrolls at
-# most MAX_QUERY_CHUNKS chunks: iree-compile's time grows faster than the number of
-# unrolled chunks (the 2B graph at 8192, 16 chunks a block, compiled in 3 min; at 16384,
-# 32 a block, not in 14).
+# "Large inputs", has the measurements behind the threshold). Both loops are graph loops,
+# so the graph is the same size for any row count, and the rows are a run-time dimension
+# (a multiple of C). C is ATTENTION_CHUNK; half of it in buckets below 2 x ATTENTION_CHUNK
+# patches, so that a 512 bucket holding two images skips their cross blocks (the 2B tower
+# with two 256-patch images x1.09 in f32, x1.05 in bf16; x0.96 with one 512-patch image).
 ATTENTION_FORMS = ("dense", "blockwise")
 ATTENTION_CHUNK = 512
-MAX_QUERY_CHUNKS = 16
 BLOCKWISE_FROM = 512  # patches: buckets of at least this many use the blockwise form
 NO_SEGMENT = -1  # segment id of the rows padded up to a whole chunk (host ids are >= 0)
 SOFTMAX_FLOOR = -3.0e38  # running max before any key: finite, so exp(floor - floor) is 1, never NaN
@@ -55,13 +53,9 @@ def attention_form(bucket: int) -> str:
 
 
 def attention_chunk(bucket: int) -> int:
-    """The blockwise form's chunk rows at `bucket`: ATTENTION_CHUNK, half of it below two
-    chunks (512 -> 256), or the multiple of it that keeps the query chunks at
-    MAX_QUERY_CHUNKS or fewer (16384 -> 1024)."""
-    if bucket < 2 * ATTENTION_CHUNK:
-        return ATTENTION_CHUNK // 2
-    chunks = -(-bucket // ATTENTION_CHUNK)
-    return ATTENTION_CHUNK * -(-chunks // MAX_QUERY_CHUNKS)
+    """The blockwise form's chunk rows at `bucket`: ATTENTION_CHUNK, or half of it below two
+    chunks (512 -> 256)."""
+    return ATTENTION_CHUNK // 2 if bucket < 2 * ATTENTION_CHUNK else ATTENTION_CHUNK
 
 
 def paced_key_loop(chunk: int) -> bool:
@@ -80,10 +74,10 @@ def paced_key_loop(chunk: int) -> bool:
     return chunk >= ATTENTION_CHUNK
 
 
-def attention_inputs(b: Builder, segment_ids: Value, form: str):
+def attention_inputs(b: Builder, segment_ids: Value, form: str, chunk: int):
     """What every block's attention reads beside q/k/v, built once per call: the [B, B]
-    mask (dense) or the `KeyRanges` (blockwise)."""
-    return segment_mask(b, segment_ids) if form == "dense" else key_ranges(b, segment_ids)
+    mask (dense) or the `KeyRanges` of `chunk`-row chunks (blockwise)."""
+    return segment_mask(b, segment_ids) if form == "dense" else key_ranges(b, segment_ids, chunk)
 
 
 def scaled_scores(b: Builder, q: Value, k: Value, operand_dtype: str = "f32") -> Value:
@@ -125,7 +119,8 @@ def key_chunk_range(b: Builder, seg_q: Value, segments: Value, chunk: int) -> tu
     same = b.compare("EQ", b.broadcast_in_dim(seg_q, (c, n), [0], hint="seg_q"),
                      b.broadcast_in_dim(segments, (c, n), [1], hint="seg_k"), hint="same_segment")
     index = b.iota((c, n), 1, hint="key_index")
-    neg_first = b.select(same, b.negate(index, hint="neg_index"), b.constant(-n, (c, n), "i32"), hint="first")
+    past = b.broadcast_in_dim(b.negate(b.size(n), hint="no_key"), (c, n), [], hint="no_key")
+    neg_first = b.select(same, b.negate(index, hint="neg_index"), past, hint="first")
     after_last = b.select(same, b.add(index, b.constant(1, (c, n), "i32")), b.constant(0, (c, n), "i32"),
                           hint="last")
     first = b.negate(b.reduce(neg_first, [0, 1], "maximum", hint="first"), hint="first")
@@ -145,14 +140,27 @@ class KeyRanges:
     end: Value
     chunk: int
 
+    @property
+    def count(self):
+        """Query chunks: an int, or a run-time Dim."""
+        return self.first.shape[0]
 
-def key_ranges(b: Builder, segment_ids: Value, chunk: int | None = None) -> KeyRanges:
-    """`key_chunk_range` of every query chunk, in a loop (one [chunk, P] comparison at a
-    time); `chunk` defaults to `attention_chunk` of the bucket."""
+
+def _padded(n, chunk: int):
+    """Rows padded to whole chunks: a run-time count of rows is one already (the host pads it)."""
+    if isinstance(n, Dim):
+        if n.scale % chunk:
+            raise ValueError(f"run-time rows {n} are not whole chunks of {chunk}")
+        return n
+    return -(-n // chunk) * chunk
+
+
+def key_ranges(b: Builder, segment_ids: Value, chunk: int) -> KeyRanges:
+    """`key_chunk_range` of every query chunk of `chunk` rows, in a loop (one [chunk, P]
+    comparison at a time)."""
     (n,) = segment_ids.shape
-    chunk = chunk or attention_chunk(n)
-    padded = -(-n // chunk) * chunk
-    segments = _pad_rows(b, segment_ids, 0, padded - n, NO_SEGMENT, "segments")
+    padded = _padded(n, chunk)
+    segments = segment_ids if padded == n else _pad_rows(b, segment_ids, 0, padded - n, NO_SEGMENT, "segments")
     count = padded // chunk
 
     def body(i, first, end):
@@ -161,12 +169,10 @@ def key_ranges(b: Builder, segment_ids: Value, chunk: int | None = None) -> KeyR
         lo, hi = key_chunk_range(b, seg_q, segments, chunk)
         first = b.dynamic_update_slice(first, b.reshape(lo, (1,)), [i], hint="first_chunks")
         end = b.dynamic_update_slice(end, b.reshape(hi, (1,)), [i], hint="end_chunks")
-        return [b.add(i, _i32(b, 1, "one")), first, end]
+        return [first, end]
 
     zeros = b.constant(0, (count,), "i32", hint="chunks")
-    _, first, end = b.while_loop([_i32(b, 0, "zero"), zeros, zeros],
-                                 lambda i, *_: b.compare("LT", i, _i32(b, count, "count"), hint="more_queries"),
-                                 body, hint="ranges")
+    first, end = b.for_loop(b.size(count), [zeros, zeros], body, hint="ranges")
     return KeyRanges(segments, first, end, chunk)
 
 
@@ -190,27 +196,27 @@ def online_softmax_step(b: Builder, q: Value, k: Value, v: Value, mask: Value, p
 
 
 def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRanges, operand_dtype: str) -> Value:
-    """The same attention as `dense_attention` with the segment mask, query chunk by query
-    chunk (unrolled): each chunk of `chunk` queries runs an online softmax (running max,
-    rescaled sums) in a loop over the key chunks in its segments' range, each masked by
-    segment. Memory per step is [heads, chunk, chunk]; work is the diagonal blocks only.
-    Rows are padded to a whole chunk with segment NO_SEGMENT, which no real row shares.
+    """The same attention as `dense_attention` with the segment mask, in a loop over query
+    chunks: each chunk of `chunk` queries runs an online softmax (running max, rescaled
+    sums) in a loop over the key chunks in its segments' range, each masked by segment.
+    Memory per step is [heads, chunk, chunk]; work is the diagonal blocks only. Static
+    rows are padded to a whole chunk with segment NO_SEGMENT, which no real row shares; a
+    run-time row count is whole chunks already.
 
     q, k and v enter the loop in the matmul operand dtype (under the bf16 policy the chunk
     copies are bf16 and no step converts them again); `online_softmax_step` is one key chunk."""
     q, k, v = (cast(b, x, operand_dtype, f"{name}_{operand_dtype}") for x, name in ((q, "q"), (k, "k"), (v, "v")))
     heads, n, d = q.shape
-    segments, chunk = ranges.segments, ranges.chunk
+    segments, chunk, count = ranges.segments, ranges.chunk, ranges.count
     (padded,) = segments.shape
-    q, k, v = (_pad_rows(b, x, 1, padded - n, 0.0, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if padded != n:
+        q, k, v = (_pad_rows(b, x, 1, padded - n, 0.0, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     zero = _i32(b, 0, "zero")
 
     # Chunk-major copies [chunks, heads, chunk, d] of q, k and v, written out once per block
     # behind one barrier, so that a chunk is a slice of the leading dim. IREE 3.13's llvm-cpu
     # fails ("large vector sizes") when a row slice of [heads, rows, d] fuses into the
-    # matmul's packing, and each barrier makes the host wait for the device (once a block
-    # here; a barrier per chunk made 148 waits in a 2B call at 512, 27 now).
-    count = padded // chunk
+    # matmul's packing, and each barrier makes the host wait for the device.
     q, k, v = b.optimization_barriers(
         [b.transpose(b.reshape(x, (heads, count, chunk, d)), [1, 0, 2, 3], hint=name + "_chunks")
          for x, name in ((q, "q"), (k, "k"), (v, "v"))], hint="chunks")
@@ -220,20 +226,23 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
         return b.reshape(b.dynamic_slice(x, [j, zero, zero, zero], (1, heads, chunk, d), hint=hint),
                          (heads, chunk, d), hint=hint)
 
-    def query_chunk(i):
-        """Chunk i's context [heads, chunk, d]: its key chunks in a loop, the softmax online."""
-        rows = (i * chunk, (i + 1) * chunk)
-        q_c = b.reshape(b.slice(q, (i, 0, 0, 0), (i + 1, heads, chunk, d), hint="q_chunk"), (heads, chunk, d),
-                        hint="q_chunk")
-        seg_q = b.slice(segments, (rows[0],), (rows[1],), hint="seg_q")
-        first = b.reshape(b.slice(ranges.first, (i,), (i + 1,)), (), hint="first_chunk")
-        end = b.reshape(b.slice(ranges.end, (i,), (i + 1,)), (), hint="end_chunk")
+    def query_chunk(i, out):
+        """`out` with chunk i's context [1, heads, chunk, d] written: its key chunks in a loop,
+        the softmax online; rounded to the operand dtype (the output projection reads it so)."""
+        q_c = chunk_of(q, i, "q_chunk")
+        seg_q = b.dynamic_slice(segments, [b.multiply(i, _i32(b, chunk, "chunk"), hint="q_start")], (chunk,),
+                                hint="seg_q")
+        first = b.reshape(b.dynamic_slice(ranges.first, [i], (1,)), (), hint="first_chunk")
+        end = b.reshape(b.dynamic_slice(ranges.end, [i], (1,)), (), hint="end_chunk")
         init = [first, b.constant(SOFTMAX_FLOOR, (heads, chunk), hint="peak"),
                 b.constant(0.0, (heads, chunk), hint="denom"), b.constant(0.0, (heads, chunk, d), hint="acc")]
         _, _, denom, acc = b.while_loop(init, lambda j, peak, *_: more_keys(j, end, peak),
                                         lambda j, peak, denom, acc: key_chunk(q_c, seg_q, j, peak, denom, acc),
                                         hint="keys")
-        return b.divide(acc, b.broadcast_in_dim(denom, acc.shape, [0, 1]), hint="context")
+        context = b.divide(acc, b.broadcast_in_dim(denom, acc.shape, [0, 1]), hint="context")
+        context = b.reshape(cast(b, context, operand_dtype, f"context_{operand_dtype}"), (1, heads, chunk, d),
+                            hint="context")
+        return b.dynamic_update_slice(out, context, [i, zero, zero, zero], hint="contexts")
 
     def more_keys(j, end, peak):
         """j < end; in a paced loop (`paced_key_loop`) also waiting for the device's running max."""
@@ -258,12 +267,9 @@ def blockwise_attention(b: Builder, q: Value, k: Value, v: Value, ranges: KeyRan
         carried = online_softmax_step(b, q_c, k_c, v_c, mask, peak, denom, acc, operand_dtype)
         return [b.add(j, _i32(b, 1, "one")), *carried]
 
-    # Query chunks unrolled, not a loop: a loop carrying the [heads, P, d] output copied it at
-    # every step and kept the copies (attention alone at 16384: 1.4-2.2 GB of peak, 0.76 unrolled).
-    # Each chunk's context is rounded to the operand dtype before the join: the output
-    # projection reads it in that dtype anyway, and the join copies half the bytes in bf16.
-    contexts = [cast(b, query_chunk(i), operand_dtype, f"context_{operand_dtype}") for i in range(padded // chunk)]
-    out = contexts[0] if len(contexts) == 1 else b.concatenate(contexts, 1, hint="context")
+    contexts = b.constant(0.0, (count, heads, chunk, d), operand_dtype, hint="contexts")
+    (out,) = b.for_loop(b.size(count), [contexts], query_chunk, hint="queries")
+    out = b.reshape(b.transpose(out, [1, 0, 2, 3], hint="context"), (heads, padded, d), hint="context")
     return out if padded == n else b.slice(out, (0, 0, 0), (heads, n, d), hint="context")
 
 

@@ -308,7 +308,8 @@ class Builder(IndexOps):
     def optimization_barrier(self, x: Value, hint=None) -> Value:
         """x unchanged, but the compiler fuses nothing across it: x is written out as it is,
         and what reads the result starts a new dispatch."""
-        return self._op(hint or "barrier", f"stablehlo.optimization_barrier {x} : {x.type}", x.type)
+        return self.tie_shape(self._op(hint or "barrier", f"stablehlo.optimization_barrier {x} : {x.type}", x.type),
+                              hint or "barrier")
 
     def optimization_barriers(self, values: list[Value], hint=None) -> list[Value]:
         """`values` unchanged, through one barrier: whatever reads any result waits for all
@@ -317,7 +318,15 @@ class Builder(IndexOps):
         operands, types = ", ".join(map(str, values)), ", ".join(str(v.type) for v in values)
         self.lines.append(f'%{name}:{len(values)} = stablehlo.optimization_barrier {operands} : {types} '
                           f'loc("{self._stage}")')
-        return [Value(f"{name}#{i}", v.type) for i, v in enumerate(values)]
+        return [self.tie_shape(Value(f"{name}#{i}", v.type), hint or "barrier") for i, v in enumerate(values)]
+
+    def tie_shape(self, x: Value, hint: str = "tied") -> Value:
+        """x with its run-time dims stated (`flow.tensor.tie_shape`), for a value whose op
+        cannot tell IREE its shape (a barrier's result); x itself when its shape is static."""
+        if is_static(x.shape):
+            return x
+        dims = [self._index(self.size(d), hint) for d in x.shape if isinstance(d, Dim)]
+        return self._op(hint, f"flow.tensor.tie_shape {x} : {x.type}{{{', '.join(dims)}}}", x.type)
 
     def concatenate(self, values: list[Value], dim: int, hint=None) -> Value:
         if not values or not 0 <= dim < values[0].rank:
@@ -362,6 +371,36 @@ class Builder(IndexOps):
         self.lines += [" cond {", *("  " + line for line in cond_lines), f"  stablehlo.return {pred} : {pred.type}",
                        " } do {", *("  " + line for line in body_lines),
                        f"  stablehlo.return {', '.join(map(str, nexts))} : {types}", f' }} loc("{self._stage}")']
+        return [Value(f"{name}#{i}", v.type) for i, v in enumerate(init)]
+
+    def for_loop(self, count: Value, init: list[Value], body, hint: str = "loop") -> list[Value]:
+        """`scf.for` i in [0, count) over the carried values `init` (any shapes, run-time dims
+        included: IREE 3.13 carries a run-time shape through an scf.for, not a
+        stablehlo.while): `body(i, *carried)`, i a scalar i32, returns the next carried
+        values (same types). Returns the final carried values."""
+        name = self._fresh(f"{self._stage}.{hint}" if self._stage else hint)
+        bound = self._index(count, hint)
+        iv = f"%{name}.iv"
+        args = [Value(self._fresh(f"{name}.arg{i}"), v.type) for i, v in enumerate(init)]
+        outer, self.lines = self.lines, []
+        try:
+            i32 = TensorType((), "i32")
+            self.lines.append(f'%{name}.i32 = arith.index_cast {iv} : index to i32 loc("{self._stage}")')
+            i = self._op("i", f"tensor.from_elements %{name}.i32 : {i32}", i32)
+            out = body(i, *args)
+        finally:
+            lines, self.lines = self.lines, outer
+        nexts = list(out) if isinstance(out, (list, tuple)) else [out]
+        if [v.type for v in nexts] != [v.type for v in init]:
+            raise BuildError(f"for_loop: body gave {[str(v.type) for v in nexts]} for {[str(v.type) for v in init]}")
+        types = ", ".join(str(v.type) for v in init)
+        carried = ", ".join(f"{a} = {v}" for a, v in zip(args, init))
+        self.lines += [f'%{name}.zero = arith.constant 0 : index loc("{self._stage}")',
+                       f'%{name}.one = arith.constant 1 : index loc("{self._stage}")',
+                       f"%{name}:{len(init)} = scf.for {iv} = %{name}.zero to {bound} step %{name}.one "
+                       f"iter_args({carried}) -> ({types}) {{",
+                       *("  " + line for line in lines),
+                       f"  scf.yield {', '.join(map(str, nexts))} : {types}", f'}} loc("{self._stage}")']
         return [Value(f"{name}#{i}", v.type) for i, v in enumerate(init)]
 
     # -- contractions and reductions --------------------------------------------

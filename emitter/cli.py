@@ -40,7 +40,8 @@ def write_stdout(text: str) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--bucket", required=True, metavar="N", help="Patches per call (a positive multiple of 4).")
+@click.option("--bucket", required=True, metavar="N",
+              help="Most patches per call (a positive multiple of 4); the rows are a run-time count up to it.")
 @click.option("--model", metavar="DIR", help="Checkpoint folder: reads its config.json.")
 @click.option("--preset", "preset_name", metavar="NAME",
               help=f"A named config (see `qwen3vl presets`); default {DEFAULT_PRESET}.")

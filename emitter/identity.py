@@ -20,31 +20,18 @@ from .targets import DEFAULT_TARGET, TARGETS, host_cpu, resolved_device_target, 
 from .vision import check_binding, check_bucket, default_inspect_blocks, emit_artifact_module, graph_weights
 
 # Bump when the meaning of a cached artifact changes in a way no other field records
-# (e.g. the calling convention of the emitted function). Vision 2: one module per bucket
-# set, entries `encode_<B>`. Text 1: `prefill_<S>` and `decode` (emitter/text.py).
-FORMAT_VERSION = 2
+# (e.g. the calling convention of the emitted function). Vision 3: one module per bucket
+# set, entries `encode_<B>` taking a run-time row count. Text 1: `prefill_<S>` and `decode`
+# (emitter/text.py).
+FORMAT_VERSION = 3
 TEXT_FORMAT_VERSION = 1
 
-# The default bucket ladder (patches per call): two 256x256 images fill 512.
-DEFAULT_LADDER = (64, 128, 256, 512)
-
-
-def extended_bucket(patches: int, top: int = DEFAULT_LADDER[-1]) -> int:
-    """The bucket past a ladder whose largest is `top` for an image of `patches` patches: the
-    smallest power of two that holds it (1024, 2048, ..., 16384 for a 2048x2048 image, and
-    on up to whatever the processor's max_pixels allows). Powers of two, not a finer ladder:
-    a bucket compiles in seconds to minutes (the 2B tower at 8192, about 3 min on 2 cores),
-    each one once per cache, and padding past the image costs the linear work of its rows
-    (padding patches attend only to themselves): at most 2x the patches, and nothing for the
-    common sizes (1024x1024 is 4096 patches, 1920x1080 8160)."""
-    return max(2 * top, 1 << (max(patches, 1) - 1).bit_length())
-
-
-def ladder_for(patch_counts, buckets=DEFAULT_LADDER) -> tuple[int, ...]:
-    """`buckets` plus the `extended_bucket` of each image larger than its largest: the
-    buckets that default-ladder sessions build so that every image fits, sorted."""
-    top = max(buckets)
-    return tuple(sorted(set(buckets) | {extended_bucket(n, top) for n in patch_counts if n > top}))
+# The default buckets (most patches one call holds). An entry's rows are a run-time count,
+# padded to whole row units (emitter/vision.py `row_unit`), so a bucket is compiled once
+# for every image size it takes: 512 holds up to two 256x256 images in 256-row chunks (each
+# skips the other's keys); 16384 holds the rest in 512-row chunks, and, in a session with
+# the default buckets, any larger image alone (`runtime.inputs.packing.pack`, open top).
+DEFAULT_LADDER = (512, 16384)
 
 
 def canonical_json(fields: dict) -> str:

@@ -2,16 +2,19 @@
 (`emit_vision_module`, emit-qwen3vl), or the artifact module (`emit_artifact_module`)
 exporting `encode_<B>` (or `encode_<B>_diagnostics`) per bucket over shared weight globals.
 
-Per-call inputs (all padded to the bucket B):
-  patches     [B, patch_dim] f32   processed pixels, merge-window order
-  pos_index   [4, B] i32           bilinear corners (ff, fc, cf, cc) into the position table
-  pos_weight  [4, B] f32           their weights
-  rope_pos    [2, B] i32           (row, col) of each patch on its image grid
-  segment_ids [B] i32              one id per image frame; each padding patch its own
+A bucket B is the most patches one call holds; the function's rows R are a run-time
+count, the call's patches padded to whole row units (`row_unit`: 256- or 512-row
+chunks in the blockwise attention form, merge windows of 4 in the dense one), so one
+compile serves every image size. Per-call inputs:
+  patches     [R, patch_dim] f32   processed pixels, merge-window order
+  pos_index   [4, R] i32           bilinear corners (ff, fc, cf, cc) into the position table
+  pos_weight  [4, R] f32           their weights
+  rope_pos    [2, R] i32           (row, col) of each patch on its image grid
+  segment_ids [R] i32              one id per image frame; each padding patch its own
 then the weights in checkpoint order (`graph_weights`), each named by its
 checkpoint tensor name; or, with weights="parameters", no weight arguments: each weight
 is a global read from the parameter archive under that name.
-Results: the main merger [B/4, out_hidden], then each DeepStack merger in order;
+Results: the main merger [R/4, out_hidden], then each DeepStack merger in order;
 the diagnostics variant appends the named stages listed by `stage_names`.
 """
 
@@ -22,6 +25,7 @@ from .builder import Builder, Value
 from .config import (CONV_WEIGHT, HF_PREFIX, MATMUL_WEIGHT_SUFFIXES, PARAMETER_SCOPE, ConfigError, VisionConfig,
                      WeightSpec, weight_schema)
 from .attention import ATTENTION_FORMS, attention, attention_chunk, attention_form, attention_inputs
+from .dims import Dim
 from .layers import Stages, layer_norm, linear, merger, mlp, rope_inv_freq, rotary_tables
 from .module import function, render
 from .precision import VISION, VISION_PRECISIONS, Precision, for_graph
@@ -84,14 +88,33 @@ def stage_names(cfg: VisionConfig, inspect_blocks=None) -> list[str]:
     return names
 
 
-def input_specs(cfg: VisionConfig, bucket: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of the per-call inputs, in argument order."""
+# The graph's rows are a run-time dimension: a call's patches padded to whole units of
+# `row_unit` (the blockwise form's chunk, or the merge unit), at most its bucket.
+ROWS = "units"
+
+
+def row_unit(cfg: VisionConfig, bucket: int, form: str | None = None) -> int:
+    """What a call's rows are padded to: whole chunks in the blockwise form (256 or 512
+    patches, `attention_chunk`), whole merge windows in the dense form."""
+    form = form or attention_form(bucket)
+    return attention_chunk(bucket) if form == "blockwise" else cfg.merge_unit
+
+
+def call_rows(cfg: VisionConfig, bucket: int, patches: int) -> int:
+    """The rows of a call of `patches` patches to `bucket`'s entry: whole `row_unit`s."""
+    unit = row_unit(cfg, bucket)
+    return -(-max(patches, 1) // unit) * unit
+
+
+def input_specs(cfg: VisionConfig, rows) -> list[tuple[str, tuple, str]]:
+    """(name, shape, dtype) of the per-call inputs, in argument order, for `rows` rows (an
+    int, or the graph's run-time Dim)."""
     return [
-        ("patches", (bucket, cfg.patch_dim), "f32"),
-        ("pos_index", (4, bucket), "i32"),
-        ("pos_weight", (4, bucket), "f32"),
-        ("rope_pos", (2, bucket), "i32"),
-        ("segment_ids", (bucket,), "i32"),
+        ("patches", (rows, cfg.patch_dim), "f32"),
+        ("pos_index", (4, rows), "i32"),
+        ("pos_weight", (4, rows), "f32"),
+        ("rope_pos", (2, rows), "i32"),
+        ("segment_ids", (rows,), "i32"),
     ]
 
 
@@ -134,15 +157,17 @@ def check_attention(form: str | None, bucket: int) -> str:
     return form
 
 
-def largest_buffer_bytes(cfg: VisionConfig, bucket: int) -> int:
-    """A lower bound on one call's memory: its largest f32 buffer. In the dense attention
-    form that is the [heads, B, B] scores (a call holds 2 to 3 of them at its peak); the
-    blockwise form's scores are [heads, chunk, chunk] per step, so there it is those or
-    the widest [B, width] activation (patches, qkv or the MLP's hidden layer)."""
+def largest_buffer_bytes(cfg: VisionConfig, bucket: int, patches: int | None = None) -> int:
+    """A lower bound on the memory of one call of `patches` patches (default: the bucket's
+    most) to `bucket`'s entry: its largest f32 buffer. In the dense attention form that is the
+    [heads, R, R] scores (a call holds 2 to 3 of them at its peak); the blockwise form's
+    scores are [heads, chunk, chunk] per step, so there it is those or the widest [R, width]
+    activation (patches, qkv or the MLP's hidden layer)."""
+    rows = call_rows(cfg, bucket, bucket if patches is None else patches)
     if attention_form(bucket) == "dense":
-        return 4 * cfg.num_heads * bucket * bucket
+        return 4 * cfg.num_heads * rows * rows
     chunk = attention_chunk(bucket)
-    return 4 * max(bucket * max(cfg.patch_dim, 3 * cfg.hidden_size, cfg.intermediate_size),
+    return 4 * max(rows * max(cfg.patch_dim, 3 * cfg.hidden_size, cfg.intermediate_size),
                    cfg.num_heads * chunk * chunk)
 
 
@@ -181,7 +206,12 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: Pr
     """Emit the tower into `b`; returns (outputs, every named stage). The stages in `kept`
     (those a diagnostics variant returns) are written out as they are (`layers.Stages`).
     `attention` names the attention form (`check_attention`; default: by bucket)."""
-    inputs = {name: b.argument(name, shape, dtype) for name, shape, dtype in input_specs(cfg, bucket)}
+    form = check_attention(attention, bucket)
+    unit = row_unit(cfg, bucket, form)
+    rows = Dim(ROWS, unit)
+    inputs = {name: b.argument(name, shape, dtype) for name, shape, dtype in input_specs(cfg, rows)}
+    b.bind(ROWS, b.divide(b.dimension_size(inputs["patches"], 0, hint="rows"), b.constant(unit, (), "i32"),
+                          hint="units"))
     weights = grouped({w.name[len(HF_PREFIX):]: bind_weight(b, w, check_binding(binding))
                        for w in graph_weights(cfg, precision)})
 
@@ -193,9 +223,7 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: Pr
         patch_embed = stages("patch_embed", linear(b, inputs["patches"], weights["patch_embed.proj.weight"],
                                                    weights["patch_embed.proj.bias"], "proj"))
     with b.stage("pos_embed"):
-        flat_index = b.reshape(inputs["pos_index"], (4 * bucket,), hint="flat_index")
-        corners = b.reshape(b.gather_rows(weights["pos_embed.weight"], flat_index, hint="corners"),
-                            (4, bucket, cfg.hidden_size), hint="corners")
+        corners = b.take_rows(weights["pos_embed.weight"], inputs["pos_index"], hint="corners")
         weight = b.broadcast_in_dim(inputs["pos_weight"], corners.shape, [0, 1], hint="corner_weight")
         pos_embed = stages("pos_embed", b.reduce(b.multiply(corners, weight, hint="weighted"), [0], "add",
                                                  hint="blend"))
@@ -205,7 +233,7 @@ def build_vision_graph(b: Builder, cfg: VisionConfig, bucket: int, precision: Pr
         inv_freq = rope_inv_freq(cfg.head_dim // 2, cfg.rope_theta)
         cos, sin = rotary_tables(b, inputs["rope_pos"], inv_freq, cfg.head_dim)
     with b.stage("mask"):
-        segments = attention_inputs(b, inputs["segment_ids"], check_attention(attention, bucket))
+        segments = attention_inputs(b, inputs["segment_ids"], form, attention_chunk(bucket))
 
     deepstack = []
     for i in range(cfg.depth):

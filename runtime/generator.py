@@ -91,22 +91,10 @@ class Generator:
 
     @property
     def vision(self):
-        """The vision session (the default bucket ladder, or the one `vision_for` chose)."""
+        """The vision session (the default buckets: any image size, one compile)."""
         if self._vision is None:
-            self._vision = self.vision_for(0)
-        return self._vision
-
-    def vision_for(self, patches: int):
-        """A vision session with a bucket that holds an image of `patches` patches: the
-        default ladder, extended when an image is larger than its top (`ladder_for`)."""
-        from emitter.identity import ladder_for
-
-        from runtime.vision import VisionSession
-
-        buckets = ladder_for([patches])
-        if self._vision is None or self._vision.buckets[-1] < patches:
-            self._vision = VisionSession(self.model_dir, buckets=buckets,
-                                         **dict(self.options, precision=self.options["precision"].tower))
+            from runtime.vision import VisionSession
+            self._vision = VisionSession(self.model_dir, **dict(self.options, precision=self.options["precision"].tower))
         return self._vision
 
     def prepare(self, messages, media=(), max_new_tokens: int = 1, encode=None, template_kwargs=None):
@@ -129,10 +117,10 @@ class Generator:
         rows = None
         if processed:
             if encode is None:
-                load = self.vision_for(max(m.patches for m in processed)).artifact  # no session held here
+                load = self.vision.artifact  # no session held here
                 seconds["build"] += timed(load)[1]  # compiled or loaded outside the clock
                 del load
-                encode = lambda items: encode_joint(self.vision_for, items)  # noqa: E731
+                encode = lambda items: encode_joint(lambda: self.vision, items)  # noqa: E731
             start = time.perf_counter()
             rows = encode(processed)
             seconds["vision"] += time.perf_counter() - start

@@ -138,7 +138,8 @@ class TextSession:
         kv = "" if self.kv_cache_dtype == "f32" else f" in {self.kv_cache_dtype}"
         detail = (f"prompt buckets {', '.join(map(str, self.buckets))}, context {self.context}, {self.lanes} "
                   f"lanes, KV cache {self.shape.blocks} blocks{kv}")
-        path, _ = compiled_module(self.cache, fields, lambda: graph, self.target, "text model", detail, self.progress)
+        path, _ = compiled_module(self.cache, fields, lambda: graph, self.target, "language model", detail,
+                                  self.progress)
         return path
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:

@@ -19,7 +19,7 @@ import iree.runtime as rt
 from emitter.atomic import write_atomic
 from emitter.precision import Precision
 from emitter.vision import graph_weights
-from emitter.identity import DEFAULT_LADDER, ladder_for
+from emitter.identity import DEFAULT_LADDER
 from emitter.vision import entry_name, input_specs, result_names
 
 from runtime.artifact.archive import cached_archive, entry_arrays, open_archive, release_mapped_pages
@@ -61,14 +61,13 @@ class VisionOutput:
 
 class VisionSession:
     """Open a checkpoint folder; `encode(images)` runs processor, packing, one call per
-    bucket and trimming. Safe to call again and from several threads: each result is a
-    copy that later calls never touch.
+    pack of images and trimming. Safe to call again and from several threads: each result
+    is a copy that later calls never touch.
 
-    Without `buckets` the session starts from the default ladder and grows: an image larger
-    than its largest bucket adds that image's `extended_bucket` (a power of two, 1024 and
-    up), and the next call loads the artifact module of the grown set (from the cache,
-    compiled on first use; `fit`). With `buckets` the set is fixed and a larger image is
-    an error (`PackingError`)."""
+    Each bucket's entry takes any row count (emitter/vision.py), so the artifact module is
+    compiled once for every image size. Without `buckets` the session has the default
+    buckets, and an image larger than the largest is a call of its own to it (`open_top`);
+    with `buckets` a larger image is an error (`PackingError`)."""
 
     def __init__(self, model_dir, buckets=None, target: str | None = None, cache_dir=None,
                  threads: int | None = None, progress=None, diagnostics: bool = False, inspect_blocks=None,
@@ -85,7 +84,7 @@ class VisionSession:
         self.model_dir = Path(model_dir)
         self.plan = make_plan(str(model_dir), None, buckets or DEFAULT_LADDER, target, diagnostics, inspect_blocks,
                               precision, weights, progress)
-        self.extensible = not buckets
+        self.open_top = not buckets
         precision = self.plan.precision  # the target's form of it (bf16-f32 on CPUs without bf16 dot products)
         self.cfg, self.policy = self.plan.cfg, self.plan.policy
         self.video_policy = self.plan.video_policy
@@ -132,17 +131,9 @@ class VisionSession:
     def max_loaded(self) -> int:
         return len(self.buckets)  # one module holds them all
 
-    def fit(self, grids) -> tuple[int, ...]:
-        """Grow an extensible session's buckets so that every image of `grids` fits one
-        (`emitter.identity.ladder_for`); the grown set's module replaces the loaded one at
-        the next call. Returns the buckets. A session with fixed buckets is left as it is."""
-        with self._lock:
-            if self.extensible:
-                wanted = ladder_for([patch_count(g) for g in grids], self.plan.buckets)
-                if wanted != self.plan.buckets:
-                    self.plan = dataclasses.replace(self.plan, buckets=wanted)
-                    self._artifact = None  # its packed weights go with it
-            return self.plan.buckets
+    def pack(self, grids, names=None) -> list[Call]:
+        """The calls that encode images of `grids` (`runtime.inputs.packing.pack`)."""
+        return pack(grids, self.buckets, names, self.open_top)
 
     def artifact(self) -> LoadedModule:
         """The artifact module (every bucket), from the cache (built on a miss), loaded once."""
@@ -172,23 +163,25 @@ class VisionSession:
         """One graph call on images already processed; each result (outputs, then any
         diagnostics stages) trimmed to the real rows: patches, or merged tokens."""
         patches = sum(patch_count(g) for g in grids)
-        inputs = host_inputs(pixel_values, grids, self.cfg, bucket)
+        inputs = host_inputs(pixel_values, grids, self.cfg, bucket, self.open_top)
+        rows = len(inputs[0])
         with self._lock:
             if self.dump_dir:
                 self._dump(inputs, grids, bucket, images)
             results = self.module(bucket)(*inputs, *self.device_weights)
-        return [r[:patches] if r.shape[0] == bucket else r[:patches // self.cfg.merge_unit] for r in results]
+        return [r[:patches] if r.shape[0] == rows else r[:patches // self.cfg.merge_unit] for r in results]
 
     def _dump(self, inputs, grids, bucket: int, images) -> None:
         """`<dump_dir>/<NN>/`: one `.npy` per input, named as in abi.json, and call.json."""
         folder = self.dump_dir / f"{self._calls:02d}"
         self._calls += 1
         folder.mkdir(parents=True, exist_ok=True)
-        names = [name for name, _, _ in input_specs(self.cfg, bucket)]
+        names = [name for name, _, _ in input_specs(self.cfg, len(inputs[0]))]
         for name, array in zip(names, inputs):
             write_atomic(folder / f"{name}.npy", _npy_bytes(np.asarray(array)))
         patches = sum(patch_count(g) for g in grids)
-        call = {"function": self.function_name(bucket), "bucket": bucket, "images": list(images or []),
+        call = {"function": self.function_name(bucket), "bucket": bucket, "rows": len(inputs[0]),
+                "images": list(images or []),
                 "grid_thw": [list(map(int, g)) for g in grids], "patches": patches,
                 "merged": patches // self.cfg.merge_unit, "inputs": [f"{n}.npy" for n in names],
                 "outputs": self.result_names(), "precision": self.plan.precision.name,
@@ -240,7 +233,7 @@ class VisionSession:
         by its ABI name, rows concatenated in image order (None when there is no image)."""
         grids = [tuple(int(v) for v in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
         starts = np.cumsum([0] + [patch_count(g) for g in grids])
-        calls = pack(grids, self.fit(grids), names)
+        calls = self.pack(grids, names)
         parts: dict[str, list[np.ndarray]] = {name: [] for name in self.result_names()}
         for call in calls:
             rows = pixel_values[starts[call.images[0]]:starts[call.images[-1] + 1]]

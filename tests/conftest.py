@@ -60,12 +60,13 @@ def run_graph(module: LoadedModule, cfg, state_dict, pixel_values, grid_thw, buc
     """Run a compiled graph on one packed call; results by name, trimmed to the real rows."""
     grids = [tuple(int(v) for v in g) for g in grid_thw]
     n = sum(t * h * w for t, h, w in grids)
-    results = module(*host_inputs(pixel_values, grids, cfg, bucket), *graph_weights(cfg, state_dict))
+    inputs = host_inputs(pixel_values, grids, cfg, bucket)
+    results = module(*inputs, *graph_weights(cfg, state_dict))
     names = result_names(cfg, diagnostics, inspect)
     assert len(results) == len(names)
     out = {}
     for name, value in zip(names, results):
-        rows = n if value.shape[0] == bucket else n // cfg.merge_unit
+        rows = n if value.shape[0] == len(inputs[0]) else n // cfg.merge_unit
         out[name] = value[:rows]
     return out
 

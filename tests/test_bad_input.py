@@ -112,11 +112,14 @@ def test_bucket_larger_than_memory_is_refused_before_compiling(tmp_path, tiny):
 
 
 @pytest.mark.slow  # compiles and runs bucket 8192
-def test_bucket_that_exhausts_the_allocator_is_a_one_line_error(tiny, cache_dir):
+def test_bucket_that_exhausts_the_allocator_is_a_one_line_error(tiny, cache_dir, tmp_path):
     """Past the estimate (its largest buffer, 48 MiB of patches, fits in 640 MiB of address
     space; the run needs more), an allocation fails at run time: that too names the bucket.
+    A call's rows are its image's (7744 patches, 8192 rows), not the bucket's.
     (Measured: at 640 MiB the process starts and bucket 4096 runs; 8192 runs at 768 MiB.)"""
-    model, image = tiny
+    model, image = tmp_path / "model", tmp_path / "big.png"
+    write_checkpoint(model, TINY, seed=1)  # the released processor: a 1408x1408 image as it is
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (1408, 1408, 3), dtype=np.uint8)).save(image)
     warm = run(model, image, "--threads", "1", bucket="8192", cache_dir=cache_dir)  # compile, unlimited
     assert warm.returncode == 0, warm.stderr
 

@@ -51,16 +51,16 @@ def test_export_folder_and_abi(exported):
     abi = json.loads((out / "abi.json").read_text())
     assert [f["name"] for f in abi["functions"]] == ["encode_32", "encode_64"]
     f64 = abi["functions"][1]
-    assert f64["bucket"] == 64
+    assert f64["bucket"] == 64 and f64["row_unit"] == TINY.merge_unit  # dense form: whole merge windows
     assert f64["inputs"] == [
-        {"name": "patches", "shape": [64, TINY.patch_dim], "dtype": "float32"},
-        {"name": "pos_index", "shape": [4, 64], "dtype": "int32"},
-        {"name": "pos_weight", "shape": [4, 64], "dtype": "float32"},
-        {"name": "rope_pos", "shape": [2, 64], "dtype": "int32"},
-        {"name": "segment_ids", "shape": [64], "dtype": "int32"},
+        {"name": "patches", "shape": ["R", TINY.patch_dim], "dtype": "float32"},
+        {"name": "pos_index", "shape": [4, "R"], "dtype": "int32"},
+        {"name": "pos_weight", "shape": [4, "R"], "dtype": "float32"},
+        {"name": "rope_pos", "shape": [2, "R"], "dtype": "int32"},
+        {"name": "segment_ids", "shape": ["R"], "dtype": "int32"},
     ]
     assert [o["name"] for o in f64["outputs"]] == ["image_embeds", "deepstack_features.0", "deepstack_features.1"]
-    assert all(o["shape"] == [16, TINY.out_hidden_size] for o in f64["outputs"])
+    assert all(o["shape"] == ["R/4", TINY.out_hidden_size] for o in f64["outputs"])
     assert abi["parameters"] == {"scope": "model", "file": "tiny-model.irpa",
                                  "content_key": abi["parameters"]["content_key"]}
     from emitter.video_policy import DEFAULT_VIDEO_POLICY
@@ -104,9 +104,11 @@ def test_iree_run_module_reproduces_qwen3vl_run(exported, tmp_path):
         call = json.loads((folder / "call.json").read_text())
         spec = functions[call["function"]]
         assert call["inputs"] == [f"{t['name']}.npy" for t in spec["inputs"]]
+        assert call["rows"] % spec["row_unit"] == 0 and call["patches"] <= call["rows"] <= call["bucket"]
         for t in spec["inputs"]:
             array = np.load(folder / f"{t['name']}.npy")
-            assert list(array.shape) == t["shape"] and array.dtype == np.dtype(t["dtype"])
+            shape = [call["rows"] if d == "R" else d for d in t["shape"]]
+            assert list(array.shape) == shape and array.dtype == np.dtype(t["dtype"])
         outputs = [tmp_path / f"{folder.name}.{t['name']}.npy" for t in spec["outputs"]]
         argv = [str(IREE_RUN_MODULE), "--device=local-task", f"--module={exported / 'out' / 'tiny-model.vmfb'}",
                 f"--parameters=model={exported / 'out' / 'tiny-model.irpa'}", f"--function={call['function']}",

@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 from emitter.config import PRESETS
+from emitter.identity import DEFAULT_LADDER
 from emitter.vision import emit_artifact_module, emit_vision_module
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 CASES = {  # file name -> (preset, buckets, diagnostics); several buckets: the artifact module
-    "tiny_b16.mlir": ("tiny", (16,), False),
+    "tiny_b16.mlir": ("tiny", (16,), False),  # the dense attention form, run-time rows
     "tiny_b16_diagnostics.mlir": ("tiny", (16,), True),
-    "tiny_artifact_b16_b32.mlir": ("tiny", (16, 32), False),
+    "tiny_b512.mlir": ("tiny", (512,), False),  # blockwise: loops over query and key chunks
+    "tiny_artifact_default.mlir": ("tiny", DEFAULT_LADDER, False),  # what a session compiles
 }
 
 

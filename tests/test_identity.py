@@ -195,8 +195,13 @@ def test_emit_cli_explain():
     assert result.output.startswith(f"identity {ident_of()}\n")
 
 
-def test_default_ladder():
-    assert DEFAULT_LADDER == (64, 128, 256, 512)
+def test_default_buckets_take_any_row_count():
+    """Each default entry's patches are [?, patch_dim]: one compile for every image size."""
+    from emitter.vision import emit_artifact_module, entry_name
+    text = emit_artifact_module(TINY, DEFAULT_LADDER)
+    for bucket in DEFAULT_LADDER:
+        signature = text[text.index(f"@{entry_name(bucket)}("):].split("\n", 2)[1]
+        assert f"%patches: tensor<?x{TINY.patch_dim}xf32>" in signature, signature
 
 
 def test_weight_binding_changes_identity(base):

@@ -1,6 +1,7 @@
-"""Large buckets: the blockwise attention form (query chunks, online softmax over only the
-key chunks of their segments) against transformers, its padding to whole chunks, the key
-ranges it visits, and the artifact identity that records the form."""
+"""Large inputs and any size: the blockwise attention form (a loop over query chunks, an
+online softmax over only the key chunks of their segments) against transformers, the rows
+as a run-time count padded to whole chunks, the key ranges it visits, the graph the same
+size for every bucket, and the default buckets taking any image with one compile."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from conftest import compiled, rel_l2, run_graph
 from emitter.builder import Builder
 from emitter.config import PRESETS
-from emitter.attention import BLOCKWISE_FROM, MAX_QUERY_CHUNKS, attention_chunk, attention_form, key_ranges
+from emitter.attention import BLOCKWISE_FROM, attention_chunk, attention_form, key_ranges
 from emitter.vision import emit_vision_module, render_functions
 from runtime.artifact.compiler import compile_mlir
 from runtime.artifact.iree_module import LoadedModule
@@ -40,17 +41,24 @@ def assert_close(ours: dict, expected: dict) -> dict:
 
 def test_large_buckets_take_the_blockwise_form():
     assert attention_form(BLOCKWISE_FROM - 4) == "dense" and attention_form(BLOCKWISE_FROM) == "blockwise"
-    assert "stablehlo.while" not in emit_vision_module(TINY, BLOCKWISE_FROM - 4)
-    assert "stablehlo.while" in emit_vision_module(TINY, BLOCKWISE_FROM)
+    assert "scf.for" not in emit_vision_module(TINY, BLOCKWISE_FROM - 4)
+    assert "scf.for" in emit_vision_module(TINY, BLOCKWISE_FROM)
 
 
-def test_large_buckets_unroll_a_bounded_number_of_query_chunks():
-    """Past 8192 patches the chunk grows so that a block unrolls at most MAX_QUERY_CHUNKS
-    query chunks (the compile time of the 2B graph at 16384 with 32 a block was unbounded)."""
-    assert [attention_chunk(n) for n in (512, 1000, 1024, 4096, 8192, 8200, 16384)] == [256, 256, 512, 512, 512, 1024,
-                                                                                       1024]
-    key_loops = emit_vision_module(TINY, 16384).count("stablehlo.while")
-    assert key_loops == 1 + TINY.depth * MAX_QUERY_CHUNKS  # the key-range loop, then each chunk's key loop
+def test_the_graph_is_the_same_size_for_any_bucket():
+    """Query and key chunks are loops in the graph and the rows a run-time count: the graph of
+    every blockwise bucket holds the same ops (one key-range loop, then per block a loop over
+    query chunks around a loop over key chunks); only the chunk (256 below 1024 patches,
+    512 from there) and the header differ."""
+    assert [attention_chunk(n) for n in (512, 1000, 1024, 4096, 8192, 16384, 65536)] == [256, 256, 512, 512, 512,
+                                                                                       512, 512]
+    graphs = {n: emit_vision_module(TINY, n) for n in (512, 1024, 8192, 65536)}
+    for text in graphs.values():
+        assert text.count("scf.for") == 1 + TINY.depth and text.count("stablehlo.while") == TINY.depth
+    sizes = [len(text) for text in graphs.values()]
+    assert max(sizes) <= 1.01 * min(sizes), sizes
+    body = {n: text.split("\n", 1)[1] for n, text in graphs.items()}
+    assert body[1024] == body[8192] == body[65536]
 
 
 @pytest.mark.slow  # about 15 s on a quiet machine, 50 s on a busy one
@@ -83,8 +91,8 @@ def test_bucket_512_takes_256_row_chunks_and_matches_transformers(grid_thw):
 @pytest.mark.parity
 @pytest.mark.parametrize("bucket", [512, 1100])
 def test_blockwise_form_in_bf16_stays_close_to_transformers(bucket):
-    """The bf16 policy in the blockwise form (q, k, v chunked in bf16, padded with bf16 zeros
-    at 1100, exp(scores - peak) rounded to bf16 once for the context and the denominator):
+    """The bf16 policy in the blockwise form (q, k, v chunked in bf16, exp(scores - peak)
+    rounded to bf16 once for the context and the denominator):
     clearly not f32, clearly the same function, as the dense form is at small buckets."""
     pytest.importorskip("transformers")
     from conftest import graph_weights
@@ -106,24 +114,26 @@ def test_blockwise_form_in_bf16_stays_close_to_transformers(bucket):
 
 @pytest.mark.parity
 def test_blockwise_form_pads_to_whole_chunks():
-    """A bucket that is not a whole number of chunks (1100 rows, padded to 1536 inside the
-    graph): same outputs as transformers."""
+    """816 patches in bucket 1100: the host pads them to 1024 rows, two 512-row chunks, not to
+    the bucket: same outputs as transformers."""
     pytest.importorskip("transformers")
+    from runtime.inputs.packing import host_inputs
     grid_thw = np.array([[1, 20, 24], [1, 16, 20], [1, 4, 4]], np.int64)
     weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=4)
     assert attention_form(1100) == "blockwise"
+    assert len(host_inputs(pixels, [tuple(g) for g in grid_thw], TINY, 1100)[0]) == 1024
     assert_close(run_graph(compiled("tiny", 1100), TINY, weights, pixels, grid_thw, 1100), expected)
 
 
 @pytest.mark.slow
 @pytest.mark.parity
-def test_bucket_past_8192_with_larger_chunks_matches_transformers():
-    """Bucket 8200: 1024-row chunks (9 a block, padded to 9216), three images whose
-    segments cross chunk boundaries."""
+def test_bucket_past_8192_matches_transformers():
+    """Bucket 8200: 7776 patches in 16 chunks of 512 rows (8192), three images whose segments
+    cross chunk boundaries."""
     pytest.importorskip("transformers")
     grid_thw = np.array([[1, 64, 64], [1, 56, 64], [1, 8, 12]], np.int64)
     weights, pixels, expected = transformers_outputs(TINY, grid_thw, seed=21)
-    assert len(pixels) == 7776 and attention_chunk(8200) == 1024
+    assert len(pixels) == 7776 and attention_chunk(8200) == 512
     assert_close(run_graph(compiled("tiny", 8200), TINY, weights, pixels, grid_thw, 8200), expected)
 
 
@@ -172,25 +182,27 @@ def test_attention_form_is_part_of_the_artifact_identity(monkeypatch):
     assert identity() != blockwise
 
 
-def test_the_default_ladder_extends_by_powers_of_two():
-    """An image past the default ladder's 512 patches gets the power of two that holds it,
-    1024 at least; the ladder keeps its buckets; a fixed ladder grows the same way."""
-    from emitter.identity import DEFAULT_LADDER, extended_bucket, ladder_for
-    assert [extended_bucket(n) for n in (513, 1024, 1025, 4096, 8160, 16384)] == [1024, 1024, 2048, 4096, 8192,
-                                                                                   16384]
-    assert ladder_for([10, 512]) == DEFAULT_LADDER
-    assert ladder_for([600, 4096, 8160, 100]) == (*DEFAULT_LADDER, 1024, 4096, 8192)
-    assert ladder_for([200], (16, 32)) == (16, 32, 256)
-    for n in (513, 3000, 16384, 65536):
-        assert extended_bucket(n) >= n and extended_bucket(n) < 2 * n
+def test_an_image_past_the_largest_default_bucket_is_a_call_of_its_own():
+    """Default buckets (open top): images pack up to the largest bucket, and a larger image is
+    a call of its own to it; fixed buckets refuse it."""
+    from emitter.identity import DEFAULT_LADDER
+    from runtime.inputs.packing import PackingError, pack
+    small, top = DEFAULT_LADDER[0], DEFAULT_LADDER[-1]
+    grids = [(1, 16, 16), (1, 16, 16), (1, 128, 160), (1, 8, 8)]  # 256, 256, 20480, 64 patches
+    calls = pack(grids, DEFAULT_LADDER, open_top=True)
+    assert [(c.bucket, c.images, c.patches) for c in calls] == [(small, (0, 1), 512), (top, (2,), 20480),
+                                                                (small, (3,), 64)]
+    with pytest.raises(PackingError, match="fit no bucket"):
+        pack(grids, DEFAULT_LADDER)
 
 
 @pytest.mark.parity
-def test_large_images_run_at_the_defaults_and_match_transformers(tmp_path):
-    """`qwen3vl run` without --bucket: a 720-patch image (past the default ladder) and a
-    280-patch one, packed into a 1024 bucket compiled on first use, equal to transformers'
-    tower on its own processor's pixels. A VisionSession without buckets grows the same way:
-    the small image alone in the ladder, then both in 1024, the same bits as `run`."""
+def test_any_image_size_runs_at_the_defaults_with_one_compile(tmp_path):
+    """`qwen3vl run` without --bucket: a 1000x700 photo (a size no bucket was ever made for),
+    a 720-patch image and a 280-patch one, in the 16384 entry, equal to transformers' tower on
+    its own processor's pixels. Then a VisionSession over the same cache encodes other sizes,
+    small and large, with no compile: the cache holds the one module `run` built, and the
+    same images give the same bits."""
     import copy
     import json
     import subprocess
@@ -210,17 +222,19 @@ def test_large_images_run_at_the_defaults_and_match_transformers(tmp_path):
 
     model, cache = tmp_path / "model", tmp_path / "cache"
     write_checkpoint(model, TINY, seed=5)
-    images = write_images(tmp_path, [(480, 400), (64, 96)], seed=7)  # 24x30 = 720 patches; 20x14 (min_pixels)
+    images = write_images(tmp_path, [(1000, 700), (480, 400), (64, 96)], seed=7)
     out = tmp_path / "f.safetensors"
     qwen3vl = Path(sys.executable).with_name("qwen3vl")
     result = subprocess.run([str(qwen3vl), "run", "--model", str(model), *images, "-o", str(out),
                              "--cache-dir", str(cache)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
-    assert "buckets  1024 (1000 patches, inputs [0, 1])" in result.stdout, result.stdout
-    features = load_file(out)
-
+    assert "compiling the vision tower for this checkpoint (once, about" in result.stderr, result.stderr
     config = json.loads((model / "preprocessor_config.json").read_text())
     processed = processing.Qwen2VLImageProcessorPil(**copy.deepcopy(config))(images=images)
+    patches = int(np.prod(processed["image_grid_thw"], axis=1).sum())
+    assert f"buckets  16384 ({patches} patches, inputs [0, 1, 2])" in result.stdout, result.stdout
+    features = load_file(out)
+
     shapes = dict(hf_weight_shapes(TINY))
     state = {name: w.reshape(shapes[name]) for name, w in load_vision_weights(model, TINY).items()}
     expected = run_vision_tower(TINY, state, np.asarray(processed["pixel_values"]),
@@ -230,10 +244,16 @@ def test_large_images_run_at_the_defaults_and_match_transformers(tmp_path):
     for k in range(len(TINY.deepstack_visual_indexes)):
         assert rel_l2(features["deepstack_features"][k], expected[f"deepstack_merger_list.{k}"]) <= TOLERANCE
 
-    session = VisionSession(model, cache_dir=cache)
-    small = session.encode(images[1:])
-    assert session.buckets == (64, 128, 256, 512) and [c.bucket for c in small.calls] == [512]
-    both = session.encode(images)  # grows: the module of (64 ... 512, 1024), from the cache `run` filled
-    assert session.buckets == (64, 128, 256, 512, 1024) and [c.bucket for c in both.calls] == [1024]
-    np.testing.assert_array_equal(both.image_embeds, features["image_embeds"])
-    np.testing.assert_array_equal(both.deepstack_features, features["deepstack_features"])
+    built = sorted(p.name for p in cache.rglob("*.vmfb"))
+    assert len(built) == 1
+    heard = []
+    session = VisionSession(model, cache_dir=cache, progress=heard.append)
+    more = write_images(tmp_path, [(300, 200), (1300, 900), (2000, 1100)], seed=8, stem="more")
+    for group in ([more[0]], [more[1]], more, images[2:]):
+        session.encode(group)
+    assert not [line for line in heard if "compiling" in line], heard
+    assert sorted(p.name for p in cache.rglob("*.vmfb")) == built, "a new size compiled a module"
+    again = session.encode(images)
+    assert [c.bucket for c in again.calls] == [16384]
+    np.testing.assert_array_equal(again.image_embeds, features["image_embeds"])
+    np.testing.assert_array_equal(again.deepstack_features, features["deepstack_features"])

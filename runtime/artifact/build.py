@@ -21,7 +21,7 @@ from emitter.vision import check_binding, check_bucket, emit_artifact_module, pa
 DEFAULT_BINDING = "parameters"
 
 from runtime.artifact.cache import ArtifactCache
-from runtime.artifact.compiler import compile_mlir, resolve_precision
+from runtime.artifact.compiler import compile_estimate, compile_mlir, resolve_precision
 
 
 @dataclass(frozen=True)
@@ -126,16 +126,19 @@ def compiled_module(cache: ArtifactCache, fields: dict, graph: Callable[[], str]
                     detail: str, progress: Callable[[str], None] | None = None) -> tuple[Path, bool]:
     """(the vmfb of `fields` in the cache, whether it was compiled now): on a miss, under the
     cache's lock, `graph()`'s MLIR compiled for `target` with the flags `fields` record
-    (the target's and any the module adds); `progress` hears `label: compiling <identity>
-    (detail) ...` and the time it took. Both models' modules are built here."""
+    (the target's and any the module adds); `progress` hears that the `label` compiles
+    (once, and about how long: `compiler.compile_estimate`) and the time it took. Both
+    models' modules are built here."""
     report = progress or (lambda message: None)
     identity = artifact_identity(fields)
     extra_flags = fields["target"]["flags"][len(target_flags(target)):]
 
     def emit() -> bytes:
-        report(f"{label}: compiling {identity[:12]} ({detail}) ...")
+        text = graph()
+        report(f"compiling the {label} for this checkpoint (once, about {compile_estimate(text)} s): "
+               f"{identity[:12]} ({detail}) ...")
         t0 = time.monotonic()
-        data = compile_mlir(graph(), target, extra_flags)
+        data = compile_mlir(text, target, extra_flags)
         report(f"{label}: compiled in {time.monotonic() - t0:.1f} s")
         return data
 
@@ -147,8 +150,8 @@ def build_artifact(plan: BuildPlan, cache: ArtifactCache,
     """The vision artifact module through the cache; `progress` hears when a compile starts and ends."""
     fields = plan.fields()
     start = time.monotonic()
-    path, built = compiled_module(cache, fields, lambda: emit_graph(plan), plan.target,
-                                  f"buckets {' '.join(map(str, plan.buckets))}", f"{plan.title}, {plan.target}",
+    path, built = compiled_module(cache, fields, lambda: emit_graph(plan), plan.target, "vision tower",
+                                  f"buckets {' '.join(map(str, plan.buckets))}, {plan.title}, {plan.target}",
                                   progress)
     return BuildResult(plan.buckets, artifact_identity(fields), path, built, time.monotonic() - start)
 

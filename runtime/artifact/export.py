@@ -2,7 +2,8 @@
 
 OUT/<name>.vmfb   the artifact module: one entry `encode_<B>` per bucket
 OUT/<name>.irpa   the weights exactly as the graph takes them (scope `model`)
-OUT/abi.json      every entry's inputs and outputs (name, shape, dtype), the archive, the identity
+OUT/abi.json      every entry's inputs and outputs (name, shape, dtype; "R" for the run-time row
+                  count, a whole number of `row_unit`s, "R/4" merged), the archive, the identity
 OUT/README.txt    how to run it with `iree-run-module`
 
 The module and the archive come from the cache (compiled or written on a miss), so an
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from fractions import Fraction
 from pathlib import Path
 
 from emitter import __version__
@@ -20,14 +22,15 @@ from emitter.atomic import folder_atomic, link_atomic, write_atomic
 from emitter.config import PARAMETER_SCOPE
 from emitter.identity import canonical_json
 from emitter.targets import runtime_driver
-from emitter.vision import entry_name, vision_function
+from emitter.dims import Dim
+from emitter.vision import entry_name, row_unit, vision_function
 
 from runtime.artifact.archive import cached_archive, open_archive
 from runtime.artifact.build import BuildPlan, build_artifact, make_plan
 from runtime.artifact.cache import ArtifactCache
 from runtime.outputs import check_output_folder
 
-ABI_FORMAT = 1
+ABI_FORMAT = 2  # 2: run-time rows ("R" in a shape), `row_unit` per entry
 MODULE_NAME = "qwen3vl_vision"
 NUMPY_DTYPES = {"f32": "float32", "i32": "int32", "bf16": "bfloat16"}
 TEMP = re.compile(r"^\..+\.tmp\.\d+\.")  # a killed writer's temp (emitter.atomic)
@@ -39,17 +42,26 @@ def export_name(model_dir) -> str:
     return name or "qwen3vl_vision"
 
 
-def _tensors(pairs) -> list[dict]:
-    return [{"name": name, "shape": list(t.shape), "dtype": NUMPY_DTYPES[t.dtype]} for name, t in pairs]
+def _tensors(pairs, unit: int) -> list[dict]:
+    """Name, shape and dtype of each (ABI name, tensor type); a run-time dim as "R" (the
+    rows, `unit` times the graph's run-time count) or "R/4"."""
+    def dim(d):
+        if not isinstance(d, Dim):
+            return d
+        share = Fraction(d.scale, unit)
+        return "R" if share == 1 else f"R/{share.denominator}" if share.numerator == 1 else f"{share}R"
+    return [{"name": name, "shape": [dim(d) for d in t.shape], "dtype": NUMPY_DTYPES[t.dtype]} for name, t in pairs]
 
 
 def function_abi(plan: BuildPlan, bucket: int, diagnostics: bool = False) -> dict:
-    """One entry's name, bucket, inputs and outputs, read off the emitted function itself."""
+    """One entry's name, bucket (the most patches a call holds), row unit (a call's rows are
+    a whole number of them), inputs and outputs, read off the emitted function itself."""
     function, _ = vision_function(plan.cfg, bucket, entry_name(bucket, diagnostics), diagnostics,
                                   plan.inspect_blocks, plan.precision, plan.weights)
-    return {"name": function["name"], "bucket": bucket,
-            "inputs": _tensors((abi, value.type) for value, abi in function["arguments"]),
-            "outputs": _tensors((abi, value.type) for abi, value in function["results"])}
+    unit = row_unit(plan.cfg, bucket)
+    return {"name": function["name"], "bucket": bucket, "row_unit": unit,
+            "inputs": _tensors(((abi, value.type) for value, abi in function["arguments"]), unit),
+            "outputs": _tensors(((abi, value.type) for abi, value in function["results"]), unit)}
 
 
 def abi_document(plan: BuildPlan, identity: str, name: str, archive: Path) -> dict:
@@ -72,16 +84,19 @@ def abi_document(plan: BuildPlan, identity: str, name: str, archive: Path) -> di
 def readme_text(abi: dict) -> str:
     first = abi["functions"][0]
     vmfb, irpa, device = abi["module"]["file"], abi["parameters"]["file"], abi["module"]["device"]
-    zeros = " ".join(f"--input={'x'.join(map(str, t['shape']))}x{t['dtype'].replace('float', 'f').replace('int', 'i')}=0"
-                     for t in first["inputs"])
+    rows = -(-first["bucket"] // first["row_unit"]) * first["row_unit"]  # R of a full call
+    zeros = " ".join(f"--input={'x'.join(str(rows if d == 'R' else d) for d in t['shape'])}x"
+                     f"{t['dtype'].replace('float', 'f').replace('int', 'i')}=0" for t in first["inputs"])
     dumped = " ".join(f"--input=@DUMP/00/{t['name']}.npy" for t in first["inputs"])
     outputs = " ".join(f"--output=@{t['name']}.npy" for t in first["outputs"])
-    entries = "\n".join(f"  {f['name']}: " + ", ".join(f"{t['name']} {t['shape']} {t['dtype']}" for t in f["inputs"])
-                        + " -> " + ", ".join(f"{t['name']} {t['shape']}" for t in f["outputs"])
+    entries = "\n".join(f"  {f['name']} (row unit {f['row_unit']}): "
+                        + ", ".join(f"{t['name']} {_shape(t)} {t['dtype']}" for t in f["inputs"])
+                        + " -> " + ", ".join(f"{t['name']} {_shape(t)}" for t in f["outputs"])
                         for f in abi["functions"])
     return f"""Qwen3-VL vision tower, compiled with IREE (exported by qwen3vl-iree {abi['emitter_version']}).
 
-{vmfb}   one module, one entry per bucket (patches per call):
+{vmfb}   one module, one entry per bucket (the most patches a call holds); R, the rows,
+           is any whole number of the entry's row unit up to it (padding: each its own segment):
 {entries}
 {irpa}   the weights, read by every entry from parameter scope `{abi['parameters']['scope']}`
 abi.json   every entry's inputs and outputs (name, shape, dtype), in argument order
@@ -98,8 +113,12 @@ inputs as DUMP/<NN>/<name>.npy and DUMP/<NN>/call.json (the function to call; it
   iree-run-module --device={device} --module={vmfb} --parameters={abi['parameters']['scope']}={irpa} \\
     --function={first['name']} {dumped} {outputs}
 
-Outputs are padded to the bucket: keep the first "merged" rows of each.
+Outputs are padded like the inputs: keep the first "merged" rows of each.
 """
+
+
+def _shape(tensor: dict) -> str:
+    return "[" + ", ".join(map(str, tensor["shape"])) + "]"
 
 
 def check_export_folder(out, model) -> Path:

@@ -183,7 +183,7 @@ def our_tower(cfg, weights, bucket, precision, binding, flags, config, inputs, w
         module = LoadedModule(vmfb, config=config)
         device_weights = [module.upload(w) for w in ordered]
     device_inputs = [module.upload(x) for x in inputs]
-    merged = bucket // cfg.merge_unit
+    merged = len(inputs[0]) // cfg.merge_unit  # the call's rows, merged
 
     def run():
         return module(*device_inputs, *device_weights)[0][:merged]

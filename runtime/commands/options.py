@@ -26,10 +26,12 @@ mmproj_option = click.option("--mmproj", metavar="FILE",
 # The vision tower's commands:
 patch_buckets_option = click.option(  # build, export, oracle
     "--bucket", "buckets", multiple=True, metavar="N",
-    help="Patches per call, a positive multiple of 4 (repeatable; default 64 128 256 512).")
+    help="Most patches per call, a positive multiple of 4 (repeatable; default 512 16384; each entry "
+         "takes any smaller count).")
 packed_buckets_option = click.option(  # run, embed
     "--bucket", "buckets", multiple=True, type=int, metavar="N",
-    help="Buckets to pack into (repeatable; default 64 128 256 512, and the power of two a larger image needs).")
+    help="Most patches per call (repeatable; default 512 16384, and a larger image alone in 16384: any "
+         "size, one compile).")
 weights_option = click.option("--weights", type=click.Choice(["parameters", "arguments"]), default="parameters",
                               show_default=True, help="parameters: an archive packed once at load (faster); "
                                                       "arguments: packed every call (docs/artifact.md).")

@@ -82,11 +82,11 @@ def image_tokens(items, policy, merge_unit: int) -> int:
 Rows = tuple[np.ndarray, np.ndarray]  # embeds [m, D], deepstack [K, m, D] of one medium
 
 
-def encode_joint(vision_for: Callable, processed: list[ProcessedMedia]) -> list[Rows]:
-    """All media in one packed tower run (`vision_for(patches)` gives a session with a
-    bucket for the largest input); the rows split back per medium."""
+def encode_joint(session: Callable, processed: list[ProcessedMedia]) -> list[Rows]:
+    """All media in one packed tower run (`session()` gives the vision session, which takes
+    any size); the rows split back per medium."""
     inputs = [g for m in processed for g in m.inputs]
-    vision = vision_for(max(m.patches for m in processed))
+    vision = session()
     out = vision.encode_pixels(np.concatenate([m.pixels for m in processed]), inputs)
     merge_unit = vision.cfg.spatial_merge_size ** 2
     bounds = np.cumsum([0] + [sum(patch_count(g) for g in m.inputs) // merge_unit for m in processed])

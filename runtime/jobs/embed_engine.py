@@ -12,7 +12,6 @@ import numpy as np
 
 from emitter.errors import Failure, one_line_error as one_line
 
-from emitter.identity import ladder_for
 
 from runtime.inputs.packing import pack, patch_count
 from runtime.inputs.processor import image_grid, process_image
@@ -58,8 +57,7 @@ def encode_batch(session, images: list[str]) -> list[Embedded]:
     for result in results:
         try:
             grid = image_grid(result.image, session.policy)  # header only
-            pack([grid], session.buckets if not session.extensible else ladder_for([patch_count(grid)]),
-                 [result.image])
+            session.pack([grid], [result.image])
             values, result.grid = process_image(result.image, session.policy)
         except (ValueError, OSError) as e:
             result.error = one_line(e)

@@ -15,7 +15,7 @@ from emitter.config import VisionConfig
 from emitter.targets import runtime_driver
 from emitter.vision import largest_buffer_bytes
 
-from emitter.identity import DEFAULT_LADDER, ladder_for
+from emitter.identity import DEFAULT_LADDER
 
 from runtime.artifact.build import make_plan
 from runtime.outputs import check_finite, check_output_path
@@ -67,18 +67,18 @@ def machine_memory() -> int:
     return min(limits)
 
 
-def check_bucket_memory(cfg: VisionConfig, buckets, target: str, asked: bool = True) -> None:
-    """Refuse, before compiling, a bucket whose largest buffer alone exceeds the host's memory
+def check_bucket_memory(cfg: VisionConfig, calls, target: str, asked: bool = True) -> None:
+    """Refuse, before compiling, a call whose largest buffer alone exceeds the host's memory
     (`emitter.vision.largest_buffer_bytes`; CPU targets: a device's own memory is only
-    known when it allocates). `asked`: the bucket came from --bucket (else from the default
-    ladder's extension, for an image that large)."""
+    known when it allocates). `asked`: the buckets came from --bucket (else a default
+    bucket holds an image that large)."""
     if runtime_driver(target) not in ("local-task", "local-sync"):
         return
     memory = machine_memory()
-    for bucket in sorted(buckets, reverse=True):
-        need = largest_buffer_bytes(cfg, bucket)
+    for call in sorted(calls, key=lambda c: -max(c.bucket, c.patches)):
+        need = largest_buffer_bytes(cfg, call.bucket, max(call.bucket, call.patches) if asked else call.patches)
         if need > memory:
-            raise ValueError(f"{'--bucket' if asked else 'bucket'} {bucket}: does not fit in memory: one of its "
+            raise ValueError(f"{'--bucket' if asked else 'bucket'} {call.bucket}: does not fit in memory: one of its "
                              f"buffers alone takes {need / 2**30:.1f} GiB, this machine has {memory / 2**30:.1f} GiB; "
                              f"use a smaller {'bucket' if asked else 'image'}")
 
@@ -125,9 +125,9 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
     plan = make_plan(str(model), None, buckets or DEFAULT_LADDER, target, precision=precision, weights=weights)
     headers = [video_grid(name, plan.video_policy) for name in video_names]  # headers only
     grids, labels = _inputs([image_grid(name, plan.policy) for name in names], names, headers, video_names)
-    # Without --bucket, an image past the default ladder gets a bucket of its own size (ladder_for).
-    calls = pack(grids, plan.buckets if buckets else ladder_for([patch_count(g) for g in grids]), labels)
-    check_bucket_memory(plan.cfg, {call.bucket for call in calls}, plan.target, bool(buckets))  # before any write
+    # Without --bucket, an image past the largest default bucket is a call of its own there.
+    calls = pack(grids, plan.buckets, labels, open_top=not buckets)
+    check_bucket_memory(plan.cfg, calls, plan.target, bool(buckets))  # before any write
     session = VisionSession(model, buckets=buckets, target=target, cache_dir=cache_dir, threads=threads,
                             progress=progress, precision=precision, weights=weights, dump_inputs=dump_inputs)
     t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def run_images(model, images, output=None, cache_dir=None, buckets=None, target=
     grid_thw, labels = _inputs(grid_thw, names, video_grids, video_names)
     pixel_values = np.concatenate([pixel_values, video_pixels])
     t1 = time.perf_counter()
-    needed = list(dict.fromkeys(call.bucket for call in pack(grid_thw, session.fit(grid_thw), labels)))
+    needed = list(dict.fromkeys(call.bucket for call in session.pack(grid_thw, labels)))
     try:
         if len(needed) <= session.max_loaded:  # else loading them now would evict some before the run
             for bucket in needed:

@@ -79,7 +79,7 @@ def assemble(options: ServeOptions, say, on_ready=None):
     generator.text.module  # noqa: B018 - compiled and loaded now, not at the first request
     generator.vision.artifact()
     metrics = Metrics()
-    encoder = EncoderCache(generator.vision_for, options.encoder_cache_mb << 20, metrics)
+    encoder = EncoderCache(lambda: generator.vision, options.encoder_cache_mb << 20, metrics)
     engine = Engine(generator, metrics, encoder, options.max_waiting)
     limits = Limits(options.api_key, options.allowed_local_media, options.max_body_mb << 20, options.max_media,
                     allowed_hosts=host_names(options.host, options.port, options.allowed_hosts),

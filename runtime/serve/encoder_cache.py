@@ -21,11 +21,12 @@ def media_key(medium: ProcessedMedia) -> str:
 
 
 class EncoderCache:
-    """`encode(processed)` with `chat.encode_joint`'s contract; each medium not held is
-    run through the tower alone, then held (least recently used dropped past `max_bytes`)."""
+    """`encode(processed)` with `chat.encode_joint`'s contract (`session()`: the vision
+    session); each medium not held is run through the tower alone, then held (least
+    recently used dropped past `max_bytes`)."""
 
-    def __init__(self, vision_for, max_bytes: int, metrics=None):
-        self.vision_for, self.max_bytes, self.metrics = vision_for, max_bytes, metrics
+    def __init__(self, session, max_bytes: int, metrics=None):
+        self.session, self.max_bytes, self.metrics = session, max_bytes, metrics
         self.entries: OrderedDict[str, Rows] = OrderedDict()
         self.bytes = 0
         self.lock = threading.Lock()
@@ -41,7 +42,7 @@ class EncoderCache:
                 self.entries.move_to_end(key)
                 self._count("encoder_hits")
                 return rows
-        rows = encode_joint(self.vision_for, [medium])[0]
+        rows = encode_joint(self.session, [medium])[0]
         rows = (rows[0].copy(), rows[1].copy())
         self._count("encoder_misses")
         self._put(key, rows)
