@@ -221,6 +221,28 @@ def test_write_archive_round_trip_bf16(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["w.irpa"]
 
 
+def test_archive_written_tensor_by_tensor_is_iree_builders_byte_for_byte(tmp_path):
+    """`write_archive` streams each tensor from a generator (`runtime/artifact/irpa.py`): the
+    file is the one IREE's own builder writes for the same entries, and an array whose size
+    is not its entry's is refused with nothing left behind."""
+    import iree.runtime as rt
+    import ml_dtypes
+    specs = graph_weights(TINY, "bf16")
+    rng = np.random.default_rng(1)
+    arrays = [(s.name, rng.standard_normal(s.shape).astype(np.float32 if s.dtype == "f32" else ml_dtypes.bfloat16))
+              for s in specs]
+    index = rt.ParameterIndex()
+    for spec, (name, array) in zip(specs, arrays):
+        index.add_buffer(name, array.reshape(-1).view(np.uint8), metadata=tensor_metadata(spec.shape, spec.dtype))
+    index.create_archive_file(str(tmp_path / "iree.irpa"))
+    write_archive(tmp_path / "ours.irpa", (pair for pair in arrays), TINY, "bf16")
+    assert (tmp_path / "ours.irpa").read_bytes() == (tmp_path / "iree.irpa").read_bytes()
+    short = [(name, array[..., :1]) if i == 3 else (name, array) for i, (name, array) in enumerate(arrays)]
+    with pytest.raises(ValueError, match=f"{arrays[3][0]}: .* bytes, expected"):
+        write_archive(tmp_path / "bad.irpa", iter(short), TINY, "bf16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iree.irpa", "ours.irpa"]
+
+
 @pytest.mark.parametrize("args,needle", [
     (("--model", "/nonexistent/m"), "--model /nonexistent/m"),
     (("--model", "{model}", "--bucket", "6"), "--bucket 6"),

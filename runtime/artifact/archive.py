@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
 from runtime.artifact.digests import Digests, sha256_range
+from runtime.artifact.irpa import write_irpa
 from runtime.checkpoints import (gguf_blocks, gguf_text, gguf_vision, mlx_quant, text as text_checkpoint,
                                  vision as checkpoint)
 
@@ -102,12 +104,12 @@ def archive_fields(model_dir, cfg: VisionConfig, precision: Precision | str = "f
             **content_fields(model_dir, found, graph_weights(cfg, precision), precision, _CODE, digest)}
 
 
-def graph_arrays(model_dir, cfg: VisionConfig, precision: Precision | str = "f32") -> list[tuple[str, np.ndarray]]:
-    """(checkpoint name, array as the graph takes it) for every weight, in graph order."""
+def graph_arrays(model_dir, cfg: VisionConfig, precision: Precision | str = "f32") -> Iterator[tuple[str, np.ndarray]]:
+    """(checkpoint name, array as the graph takes it) for every weight, in graph order, one at a time."""
     mmproj = gguf_vision.mmproj_file(model_dir)
     weights = (gguf_vision.vision_arrays(mmproj, cfg, precision) if mmproj
                else checkpoint.vision_arrays(model_dir, cfg, precision))
-    return [(spec.name, array) for spec, array in zip(graph_weights(cfg, precision), weights)]
+    return ((spec.name, array) for spec, array in zip(graph_weights(cfg, precision), weights))
 
 
 def tensor_metadata(shape, dtype: str) -> str:
@@ -122,19 +124,24 @@ def write_archive(path: str | os.PathLike, named_arrays, cfg: VisionConfig, prec
 
 def write_entries(path: str | os.PathLike, named_arrays, specs) -> None:
     """Write `(name, array)` pairs, one per weight spec in order, as an .irpa whole or not
-    at all (temp file beside it, fsync, rename). The arrays are referenced, not copied,
-    while IREE writes them."""
+    at all (temp file beside it, fsync, rename). The pairs may come from a generator: each
+    array is written as it comes and let go before the next (`irpa.write_irpa`), so the
+    writer holds one tensor, not the model."""
     path = Path(path)
-    index = rt.ParameterIndex()
-    for spec, (name, array) in zip(specs, named_arrays):
-        assert spec.name == name, (spec.name, name)
-        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        index.add_buffer(name, flat, metadata=tensor_metadata(spec.shape, spec.dtype))
+    specs = list(specs)
+    entries = [(s.name, spec_bytes(s), tensor_metadata(s.shape, s.dtype)) for s in specs]
+
+    def arrays():
+        for spec, (name, array) in zip(specs, named_arrays):
+            if spec.name != name:
+                raise ArchiveError(f"{name}: written where the graph expects {spec.name}")
+            yield array
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp.{os.getpid()}.", dir=path.parent)
-    os.close(fd)
     try:
-        index.create_archive_file(tmp)
-        with open(tmp, "rb+") as f:
+        with os.fdopen(fd, "wb") as f:
+            write_irpa(f, entries, arrays())
+            f.flush()
             os.fchmod(f.fileno(), 0o644)
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -232,9 +239,8 @@ def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: Pr
     report = progress or (lambda message: None)
 
     def write(path: Path) -> None:
-        named = arrays()
-        report(f"{label}: writing {path.name} ({precision}, {sum(a.nbytes for _, a in named) / 1e9:.2f} GB) ...")
-        write_entries(path, named, specs)
+        report(f"{label}: writing {path.name} ({precision}, {sum(map(spec_bytes, specs)) / 1e9:.2f} GB) ...")
+        write_entries(path, arrays(), specs)
 
     path, _ = cache.get_or_write(fields, "irpa", write, progress)
     return path

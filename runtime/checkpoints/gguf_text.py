@@ -11,6 +11,7 @@ Every problem is a one-line `CheckpointError` naming the file and the tensor.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
@@ -217,19 +218,19 @@ def load_text_weights(path, cfg: TextConfig) -> dict[str, np.ndarray]:
     return {name: dequantized(t) for name, t in text_tensors(path, cfg).items()}
 
 
-def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
-    """(name, array) in graph order (`text_weights(cfg, precision)`), as the graph takes
-    them: the weights of `cfg.native_weights` in their bits (`native_arrays`), the rest f32
+def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> Iterator:
+    """(name, array) in graph order (`text_weights(cfg, precision)`), yielded one at a time,
+    as the graph takes them: the weights of `cfg.native_weights` in their bits (`native_arrays`), the rest f32
     (or the precision's bf16 / int8 / int4, as for a folder)."""
     import ml_dtypes
 
     tensors = text_tensors(path, cfg)
     layouts = weight_layouts(cfg, precision, list(tensors))
     native = {entry[0] for entry in cfg.native_weights}
-    out, pending = [], {}
+    pending = {}
     for s in text_weights(cfg, precision):
         if s.name in pending:
-            out.append((s.name, pending.pop(s.name)))
+            yield (s.name, pending.pop(s.name))
             continue
         layout, t = layouts.get(s.name), tensors[s.name]
         if s.name in native:
@@ -239,8 +240,7 @@ def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> list:
         else:
             w = dequantized(t)
             q = w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)
-        out.append((s.name, q))
-    return out
+        yield (s.name, q)
 
 
 def content_fields(path, digest) -> dict:

@@ -18,6 +18,7 @@ IREE packs the weights from it at load, and then the mapped pages are let go.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -177,21 +178,22 @@ def load_text_weights(model_dir, cfg: TextConfig) -> dict[str, np.ndarray]:
     return {name: read_text_weight(*entries[name], found, shape, qconfig) for name, shape in weight_shapes(cfg)}
 
 
-def text_arrays(model_dir, cfg: TextConfig, precision: str = "f32") -> list:
+def text_arrays(model_dir, cfg: TextConfig, precision: str = "f32") -> Iterator:
     """(name, array) in graph order (`text_weights(cfg, precision)`), each in the dtype the
-    graph takes, read one weight at a time (no f32 copy of the whole model): f32; bf16 (round
+    graph takes, yielded one weight at a time (no f32 copy of the whole model): f32; bf16 (round
     to nearest even); int8, int4 (`quant.stored`, the weight then its scales); an MLX weight
     run in its bits (`cfg.native_weights`: `read_affine`, the weight, its scales and biases)."""
     import ml_dtypes
     if gguf_text.is_gguf(model_dir):
-        return gguf_text.text_arrays(model_dir, cfg, precision)
+        yield from gguf_text.text_arrays(model_dir, cfg, precision)
+        return
     entries, found = text_entries(model_dir, cfg)
     qconfig = quantization_config(Path(model_dir))
     layouts = weight_layouts(cfg, precision, [name for name, _ in weight_shapes(cfg)])
-    out, pending = [], {}
+    pending = {}
     for s in text_weights(cfg, precision):
         if s.name in pending:  # made with its weight, just before
-            out.append((s.name, pending.pop(s.name)))
+            yield (s.name, pending.pop(s.name))
             continue
         layout, (key, entry) = layouts.get(s.name), entries[s.name]
         shape = layout.source_shape(s.shape) if layout else s.shape
@@ -203,5 +205,4 @@ def text_arrays(model_dir, cfg: TextConfig, precision: str = "f32") -> list:
         else:
             w = read_text_weight(key, entry, found, shape, qconfig)
             q = w if s.dtype == "f32" else w.astype(ml_dtypes.bfloat16)
-        out.append((s.name, q))
-    return out
+        yield (s.name, q)

@@ -23,6 +23,7 @@ folder scan) are read by `tensor_files`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -277,26 +278,25 @@ def vision_native_weights(model_dir: str | Path, cfg: VisionConfig) -> tuple[tup
                  if s.quant and s.quant[0] in quant.STORAGE_DTYPE and s.hf_name.endswith(MATMUL_WEIGHT_SUFFIXES))
 
 
-def vision_arrays(model_dir: str | Path, cfg: VisionConfig, precision: str = "f32") -> list[np.ndarray]:
+def vision_arrays(model_dir: str | Path, cfg: VisionConfig, precision: str = "f32") -> Iterator[np.ndarray]:
     """The graph's ordered weight arguments (`graph_weights(cfg, precision)`), each in the
-    dtype the graph takes, read one weight at a time: f32, bf16 (round to nearest even), or
+    dtype the graph takes, yielded one weight at a time: f32, bf16 (round to nearest even), or
     for `cfg.native_weights` in their bits (`read_affine`: q, then its scales and biases)."""
     import ml_dtypes
     stored = {s.hf_name: s for s in check_checkpoint(model_dir, cfg)}
     affine = {name: bits for name, bits, _ in cfg.native_weights}
-    out, pending = [], {}
+    pending = {}
     for w in graph_weights(cfg, precision):
         if w.name in pending:  # made with its weight, just before
-            out.append(pending.pop(w.name))
+            yield pending.pop(w.name)
         elif w.name in affine:
             s = stored[w.name]
             q, pending[quant.scales_name(w.name)], pending[quant.biases_name(w.name)] = read_affine(
                 s.entry, s.quant[0], *s.quant[2:], s.shape, held=affine[w.name])
-            out.append(q)
+            yield q
         else:
             a = _read_stored(stored[w.name], cfg)
-            out.append(a if w.dtype == "f32" else a.astype(ml_dtypes.bfloat16))
-    return out
+            yield a if w.dtype == "f32" else a.astype(ml_dtypes.bfloat16)
 
 
 def load_vision_weights(model_dir: str | Path, cfg: VisionConfig) -> dict[str, np.ndarray]:
