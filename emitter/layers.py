@@ -157,6 +157,9 @@ def rotary_tables(b: Builder, rope_pos: Value, inv_freq, head_dim: int) -> tuple
     freq = b.broadcast_in_dim(b.constant_array(inv_freq, hint="inv_freq"), (2, n, quarter), [2], hint="inv_freq")
     angles = b.multiply(b.broadcast_in_dim(pos, (2, n, quarter), [0, 1]), freq, hint="angles")
     half = b.reshape(b.transpose(angles, [1, 0, 2]), (n, head_dim // 2), hint="angles")
+    # The two halves as a broadcast, not a concatenate: with run-time rows IREE 3.13 fused
+    # cat(half, half) into the rotation as a per-element branch, in scalar code (the 2B tower
+    # at 512 patches 5% slower); a broadcast fuses as a plain read.
     full = b.broadcast_in_dim(half, (n, 2, head_dim // 2), [0, 2], hint="angles")
     return b.cosine(full, hint="cos"), b.sine(full, hint="sin")
 
@@ -203,6 +206,9 @@ def merger(b: Builder, x: Value, w: dict, merge_unit: int, postshuffle_norm: boo
         grouped = normed
     else:
         normed = stages(f"{name}.norm", layer_norm(b, x, w["norm.weight"], w["norm.bias"]))
+        # Written out before fc1: with run-time rows, IREE 3.13's llvm-cpu failed to compile the
+        # norm fused through the grouping reshape into fc1's packing ("stack allocations need
+        # to be hoisted"). The merger's input is a quarter of a block's; the copy costs little.
         grouped = b.optimization_barrier(b.reshape(normed, grouped_shape, hint="grouped"), hint="grouped")
     fc1 = stages(f"{name}.fc1", linear(b, grouped, w["linear_fc1.weight"], w["linear_fc1.bias"], "fc1"))
     act = stages(f"{name}.act", gelu_erf(b, fc1))
