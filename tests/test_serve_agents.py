@@ -229,6 +229,39 @@ def test_two_step_tool_loop(server):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
 
 
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(server):
+    """`tool_choice: "none"` renders the tools as OpenAI and vLLM do: the prompt's ids are
+    transformers' `apply_chat_template(messages, tools=...)` (the same count, and
+    /v1/completions over those ids answers what the chat answers), and a call in the
+    answer's text is not parsed (the same forced text is a call under "auto")."""
+    transformers = pytest.importorskip("transformers")
+    arguments = {"city": "Paris", "days": 3}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}
+    messages = [user("What is the weather in Paris for 3 days?"), {"role": "assistant", "content": None,
+                                                                   "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"forecast": "sunny"})}]
+    theirs = json.loads(json.dumps(messages))  # as transformers documents a call: its arguments a dict
+    theirs[1]["tool_calls"][0]["function"]["arguments"] = arguments
+    ids = transformers.AutoTokenizer.from_pretrained(server.model).apply_chat_template(
+        theirs, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    kw = dict(messages=messages, max_tokens=8, extra_body={"ignore_eos": True})
+    chat = create(server, tools=TOOLS, tool_choice="none", **kw)
+    assert chat.usage.prompt_tokens == len(ids) > create(server, **kw).usage.prompt_tokens
+    done = server.client.completions.create(model="model", prompt=ids, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert done.choices[0].text == chat.choices[0].message.content and done.usage == chat.usage
+    assert chat.choices[0].message.tool_calls is None
+    call = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+    text = f"<tool_call>\n{call}\n</tool_call>"  # forced: the markers as their tokens (llguidance's Lark)
+    grammar = f"start: <tool_call> {json.dumps(chr(10) + call + chr(10))} </tool_call>"
+    forced = dict(messages=[user("Time?")], tools=TOOLS, extra_body={"guided_grammar": grammar})
+    none = create(server, tool_choice="none", **forced).choices[0]
+    assert none.message.content == text and none.message.tool_calls is None and none.finish_reason == "stop"
+    auto = create(server, tool_choice="auto", **forced).choices[0]
+    assert [c.function.name for c in auto.message.tool_calls] == ["get_time"] and auto.finish_reason == "tool_calls"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_response_format_json_schema_validates(server, stream):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},

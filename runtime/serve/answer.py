@@ -30,8 +30,8 @@ def resolve(request, tokenizer, vocab_size: int) -> AnswerSpec:
 
     agents = request.agents
     fmt = tools.tool_format(tokenizer.template_text)
-    if agents.tools and agents.tool_choice != "none":
-        if fmt is None:
+    if agents.tools:  # rendered under "none" too (OpenAI's and vLLM's prompt): the model sees them, calls none
+        if fmt is None and agents.tool_choice != "none":
             raise ApiError("tools: this checkpoint's chat template renders no tools", "tools")
         agents.template_kwargs["tools"] = agents.tools
     spec = AnswerSpec(fmt if agents.tools and agents.tool_choice != "none" else None, agents.schemas,
