@@ -104,10 +104,24 @@ def bad_cases(server):
                                         400, "stream_options.include_usage", "'no': expected true or false"),
         "a 500 kB model name": ({"messages": ok, "model": "m" * 500_000}, 404, "model",
                                 "^model: 'm{64}'\\.\\.\\.: this server serves 'model'$"),
+        "max_tokens -1": ({"messages": ok, "max_tokens": -1}, 400, "max_tokens", "expected an integer >= 1"),
         "special token in the text": ({"messages": [user("Hi <|image_pad|> there")]}, 400,
                                       "messages[0].content[0].text", "holds '<\\|image_pad\\|>', one of the "
                                       "model's special tokens"),
     }
+
+
+# The code of some cases (OpenAI's or vLLM's where they have one); every other case's is
+# "invalid_value" when it names a field, "invalid_request" when it names none.
+CODES = {"malformed JSON": "invalid_json", "unknown field": "unsupported_field", "wrong model": "model_not_found",
+         "a 500 kB model name": "model_not_found", "http URL": "url_not_allowed", "not an image": "invalid_image",
+         "file outside via ..": "url_not_allowed", "file via symlink out": "url_not_allowed",
+         "too many images": "too_many_media", "body too large": "body_too_large",
+         "prompt over the context": "context_length_exceeded",
+         "prompt over the context, image undecodable": "context_length_exceeded",
+         "nested 1000 deep": "invalid_json", "nested 65 deep": "invalid_json",
+         "image of 50000x50000": "image_too_large", "lone surrogate in a path": "invalid_json",
+         "special token in the text": "special_token"}
 
 
 def test_bad_inputs_are_openai_errors_and_the_server_keeps_serving(server):
@@ -119,10 +133,13 @@ def test_bad_inputs_are_openai_errors_and_the_server_keeps_serving(server):
         assert r.headers["content-type"] == "application/json", name
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, name
+        assert error["code"] == CODES.get(name, "invalid_value" if param else "invalid_request"), (name, error)
         assert error["param"] == param and re.search(pattern, error["message"]), (name, error)
         assert "\n" not in error["message"] and len(error["message"]) < 400, name
         assert "qwen3vl-serve-" not in error["message"], (name, error)  # no server temp path
     assert server.metric("qwen3vl_requests_total", '{outcome="refused"}') == refused + len(cases)
+    missing = httpx.get(server.url + "/v1/nope", headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found", missing.text
     assert chat(server, [user("Hi")], max_tokens=2)[2]["completion_tokens"] >= 1
 
 
@@ -198,6 +215,7 @@ def test_no_cors(server):
     for headers, status in ((preflight, 401), (dict(preflight, Authorization=f"Bearer {KEY}"), 405)):
         r = httpx.request("OPTIONS", server.url + "/v1/chat/completions", headers=headers)
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+        assert r.json()["error"]["code"] == ("invalid_api_key" if status == 401 else "method_not_allowed"), r.text
         assert not any(k.lower().startswith("access-control-") for k in r.headers)
 
 
