@@ -5,7 +5,6 @@ server for the module (started once, stopped with SIGTERM by the last test)."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import threading
@@ -132,9 +131,31 @@ def test_logprobs_bytes_are_the_tokens_bytes(server):
     content = r.choices[0].logprobs.content
     partial = [bytes(entry.bytes) for entry in content if entry.token == "\ufffd"]
     assert partial and all(not valid_utf8(b) for b in partial)  # part of a character, not U+FFFD's bytes
-    special = re.compile(r"<\|\w+\|>")  # skipped in the answer's text, as transformers decodes
-    joined = b"".join(bytes(entry.bytes) for entry in content if not special.fullmatch(entry.token))
+    joined = b"".join(bytes(entry.bytes) for entry in content)
     assert joined.decode("utf-8", errors="replace") == r.choices[0].message.content
+
+
+def test_logprobs_list_the_tokens_of_the_text(server):
+    """A special token the answer's text leaves out (as transformers decodes) is not in
+    `logprobs` either, streamed or not: the entries' bytes joined are the text, and the
+    tokens left out are the special ones (here `<|im_end|>`, made likely by logit_bias and
+    decoded past by ignore_eos)."""
+    from runtime.inputs.tokenizer import ChatTokenizer
+    ours = ChatTokenizer(server.model)
+    end = ours.tokenizer.token_to_id("<|im_end|>")
+    kw = dict(max_tokens=40, logprobs=True, temperature=1.0, seed=7, logit_bias={str(end): 4},
+              extra_body={"ignore_eos": True})
+    r = server.client.chat.completions.create(model="model", messages=[user("Hi")], **kw)
+    content = r.choices[0].logprobs.content
+    assert 0 < len(content) < r.usage.completion_tokens  # some tokens were <|im_end|>, some text
+    assert all(entry.token != "<|im_end|>" for entry in content)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace") == r.choices[0].message.content
+    streamed, text = [], ""
+    for chunk in server.client.chat.completions.create(model="model", messages=[user("Hi")], stream=True, **kw):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            streamed += choice.logprobs.content if choice.logprobs else []
+    assert text == r.choices[0].message.content and [e.token for e in streamed] == [e.token for e in content]
 
 
 def test_max_tokens_capped_by_the_context(server):

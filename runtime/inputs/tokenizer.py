@@ -230,6 +230,11 @@ class ChatTokenizer:
             return token.encode("utf-8")
         return bytes(table[c] for c in token)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special (control) tokens: the ones `decode` leaves out of the text."""
+        return frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """As transformers decodes: tokenizers' decode, then its space clean-up when
         tokenizer_config.json asks for it (which transformers skips for BPE models unless

@@ -276,7 +276,9 @@ class Engine:
         seq.at = now
         seq.tokens.append(token)
         self.metrics.generated_tokens.inc()
-        job.send("delta", seq.stream.add(token), self._logprobs(job, logits, token) if request.logprobs else None)
+        # logprobs list the tokens whose bytes make the text: a special token (EOS too) is not in it
+        listed = request.logprobs and token not in self.generator.tokenizer.special_ids
+        job.send("delta", seq.stream.add(token), self._logprobs(job, logits, token) if listed else None)
         done = token in seq.eos or seq.stream.stopped or (seq.constraint is not None and seq.constraint.done)
         finish = "stop" if done else "length" if seq.count == seq.max_new else None
         if finish:
