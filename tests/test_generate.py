@@ -153,6 +153,29 @@ def test_template_matches_transformers(model):
     assert ours.eos_ids == tuple(json.loads((model / "generation_config.json").read_text())["eos_token_id"])
 
 
+def test_typed_special_tokens_are_plain_text(model):
+    """`generate`'s prompt ids (`prompt_ids`, one image): the special tokens typed in the
+    prompt are encoded as ordinary text (transformers' split_special_tokens=True), the
+    template's own stay special, and a typed `<|image_pad|>` is no image's place."""
+    transformers = pytest.importorskip("transformers")
+    from emitter.text_config import TokenIds
+    ours = ChatTokenizer(model)
+    theirs = transformers.AutoTokenizer.from_pretrained(model)
+    plain = transformers.AutoTokenizer.from_pretrained(model, split_special_tokens=True)
+    config = json.loads((model / "config.json").read_text())
+    ids = TokenIds(**{k: config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                              "vision_end_token_id")})
+    typed = "A <|im_end|> and an <|image_pad|>."
+    marked = ours.render(user_message("@", 1))
+    head, tail = marked.split("@")
+    piece = lambda text, tok=theirs: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    expected = expand_pads(np.array(piece(head) + piece(typed, plain) + piece(tail)), ids.image_token_id, [3])
+    got = ours.prompt_ids(typed, ids, image_tokens=[3])
+    assert got.tolist() == expected.tolist() and (got == ids.image_token_id).sum() == 3
+    assert ours.prompt_ids("plain", ids, [3]).tolist() == expand_pads(
+        ours.encode(ours.render(user_message("plain", 1))), ids.image_token_id, [3]).tolist()
+
+
 def test_template_from_tokenizer_config_and_int_eos(model, tmp_path):
     def edit(folder):
         template = (folder / "chat_template.jinja").read_text()

@@ -7,6 +7,8 @@
   sandboxed environment with trim_blocks, lstrip_blocks and loop controls; `tojson`,
   `raise_exception`, `strftime_now`; the special tokens of tokenizer_config.json as
   variables).
+- Special tokens typed in the messages' text (a pasted `<|im_end|>`) encoded as ordinary
+  text, as OpenAI takes them (`render_chat`); only the template's own are special.
 - EOS ids from `generation_config.json` (`eos_token_id`: an int or a list), else
   config.json's; its `repetition_penalty` (1.0 when absent).
 - A llama.cpp GGUF text file: all three from its metadata (runtime/checkpoints/gguf_text.py).
@@ -176,14 +178,90 @@ class ChatTokenizer:
         except jinja2.exceptions.TemplateError as e:
             raise TokenizerError(f"chat template: {e}") from None
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, typed: dict[str, str] | None = None) -> np.ndarray:
         """Token ids of rendered text, as transformers' processor tokenizes a rendered chat:
         the tokenizer's own special tokens (its post-processor) are added unless the text
-        already starts with the BOS token."""
+        already starts with the BOS token. `typed` (from `render_chat`): markers that stand
+        for special-token text the messages hold, encoded as plain text (`_encode_marked`)."""
         check_utf8(text, "the prompt")
         bos = _token_text(self.config.get("bos_token"))
         add = not (bos and text.startswith(bos))
+        if typed:
+            return self._encode_marked(text, typed, add)
         return np.array(self.tokenizer.encode(text, add_special_tokens=add).ids, np.int64)
+
+    @functools.cached_property
+    def _specials(self):
+        """The special tokens' texts as one pattern, longest first (None: there are none)."""
+        import re
+
+        names = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        return re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True)))) if names else None
+
+    @functools.cached_property
+    def _plain(self):
+        """A copy of the tokenizer that reads special-token text as ordinary text
+        (transformers' `split_special_tokens=True`); a copy, so that no other encode,
+        on any thread, sees the switch."""
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(self.tokenizer.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **extra) -> tuple[str, dict[str, str]]:
+        """`render`, with every special token that the messages' strings (and `extra`'s:
+        `tools`) hold replaced by a marker first, so that the template's own tokens are
+        the only special ones in the text: (text, {marker: the token's text}) for
+        `encode`. A user pasting `<|im_end|>` writes text, as OpenAI takes it, not a turn's
+        end (nor, for `<|image_pad|>`, an image's place)."""
+        typed: dict[str, str] = {}
+        if self._specials is not None:
+            import uuid
+
+            nonce = uuid.uuid4().hex
+
+            def mark(found) -> str:
+                marker = f"\ue000{nonce}.{len(typed)}\ue001"
+                typed[marker] = found.group()
+                return marker
+
+            def walk(value):
+                if isinstance(value, str):
+                    return self._specials.sub(mark, value)
+                if isinstance(value, dict):
+                    return {k: walk(v) for k, v in value.items()}
+                if isinstance(value, (list, tuple)):
+                    return [walk(v) for v in value]
+                return value
+
+            messages, extra = walk(messages), {k: walk(v) for k, v in extra.items()}
+        return self.render(messages, add_generation_prompt, **extra), typed
+
+    def _encode_marked(self, text: str, typed: dict[str, str], add: bool) -> np.ndarray:
+        """`text` split at its special tokens (the template's: the typed ones are markers),
+        each token its id, each stretch between them with its markers put back and
+        encoded by `_plain`: the ids `encode` gives when nothing was typed (the tokenizer
+        splits at special tokens too), the typed tokens as ordinary text."""
+        import re
+
+        from tokenizers import Encoding
+
+        markers = re.compile("|".join(map(re.escape, typed)))
+        pieces, at = [], 0
+        for found in [*self._specials.finditer(text), None]:
+            end = found.start() if found else len(text)
+            if end > at:
+                stretch = markers.sub(lambda m: typed[m.group()], text[at:end])
+                pieces.append(self._plain.encode(stretch, add_special_tokens=False))
+            if found:
+                pieces.append(self.tokenizer.encode(found.group(), add_special_tokens=False))
+                at = found.end()
+        if not pieces:
+            pieces = [self.tokenizer.encode("", add_special_tokens=False)]
+        merged = Encoding.merge(pieces, growing_offsets=True)
+        return np.array(self.tokenizer.post_process(merged, None, add).ids, np.int64)
 
     def prompt_ids(self, prompt: str, token_ids: TokenIds, image_tokens=(), videos=()) -> np.ndarray:
         """Token ids of one user turn as Qwen3VLProcessor makes them: the images (each
@@ -199,12 +277,13 @@ class ChatTokenizer:
         """Token ids of a whole chat (`messages` as the template takes them, parts
         {"type": "image"}, {"type": "video"}, {"type": "text", "text": ...}), rendered with
         the generation prompt (and `template_kwargs`, see `render`); images and videos
-        counted as in `prompt_ids`, each kind in its order of appearance."""
-        text = self.render(messages, **(template_kwargs or {}))
+        counted as in `prompt_ids`, each kind in its order of appearance. Special tokens
+        typed in the messages' text are plain text (`render_chat`)."""
+        text, typed = self.render_chat(messages, **(template_kwargs or {}))
         strings = self.video_strings(token_ids)
         text = expand_video_text(text, [video_placeholder(times, tokens, strings) for times, tokens in videos],
                                  strings.pad)
-        return expand_pads(self.encode(text), token_ids.image_token_id, list(image_tokens))
+        return expand_pads(self.encode(text, typed), token_ids.image_token_id, list(image_tokens))
 
     def video_strings(self, token_ids: TokenIds) -> VideoStrings:
         """The text of the video pad, vision start and vision end tokens: the tokenizer's

@@ -11,7 +11,6 @@ its request at once (`respond`, shared with /v1/completions).
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -85,13 +84,11 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
                                             "owned_by": "qwen3vl-iree"}]}
 
-    specials = special_tokens(generator.tokenizer)
-
     async def checked(request: Request) -> tuple[Job, MediaFolder]:
         """The request as a job, refused (and counted) at its first fault, before it queues."""
         try:
             body = await read_json(request, limits.max_body_bytes)
-            job, folder = make_job(body, generator, model_id, limits, specials)
+            job, folder = make_job(body, generator, model_id, limits)
         except ApiError:
             metrics.requests.labels("refused").inc()
             raise
@@ -117,30 +114,9 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
     return app
 
 
-def special_tokens(tokenizer) -> re.Pattern | None:
-    """The tokenizer's special tokens (`<|im_start|>`, `<|image_pad|>`, ...) as one pattern."""
-    names = [t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values() if t.special]
-    return re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True)))) if names else None
-
-
-def refuse_special_tokens(messages: list[dict], specials: re.Pattern | None) -> None:
-    """A 400 naming the text that holds a special token: the chat template would read it
-    as the token (a turn's end, an image's place), not as the text the user wrote."""
-    for i, message in enumerate(messages if specials else ()):
-        content = message["content"]
-        texts = [(f"messages[{i}].content", content)] if isinstance(content, str) else [
-            (f"messages[{i}].content[{j}].text", part["text"]) for j, part in enumerate(content) if "text" in part]
-        for param, text in texts:
-            found = specials.search(text)
-            if found:
-                raise ApiError(f"{param}: the text holds {found.group()!r}, one of the model's special tokens, "
-                               "which message text cannot carry; expected plain text", param, code="special_token")
-
-
-def make_job(body, generator, model_id: str, limits: Limits, specials=None) -> tuple[Job, MediaFolder]:
+def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, MediaFolder]:
     """The checked request as a job; its media written to files (ApiError on any fault)."""
-    request = parse_chat_request(body, limits.max_media)
-    refuse_special_tokens(request.messages, specials)
+    request = parse_chat_request(body, limits.max_media)  # a special token typed in it is text (ChatTokenizer)
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(f"model: {shown(model)}: this server serves {model_id!r}", "model", 404, "model_not_found")

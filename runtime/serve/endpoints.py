@@ -176,9 +176,9 @@ def tokenize_body(body, generator) -> list[int]:
                            "messages")
         add = body.get("add_generation_prompt", True)
         try:
-            text = generator.tokenizer.render(messages, add_generation_prompt=bool(add),
-                                              **(body.get("chat_template_kwargs") or {}))
+            text, typed = generator.tokenizer.render_chat(messages, add_generation_prompt=bool(add),
+                                                          **(body.get("chat_template_kwargs") or {}))
         except ValueError as e:
             raise ApiError(f"messages: {' '.join(str(e).split())}", "messages") from None
-        return generator.tokenizer.encode(text).tolist()
+        return generator.tokenizer.encode(text, typed).tolist()  # typed special tokens as text, as the chat
     return _prompt_ids(body, generator)[0].tolist()
