@@ -149,28 +149,27 @@ def rope_inv_freq(dim: int, theta: float) -> np.ndarray:
 
 
 def rotary_tables(b: Builder, rope_pos: Value, inv_freq, head_dim: int) -> tuple[Value, Value]:
-    """cos and sin [B, 2, head_dim / 2] from (row, col) ids [2, B]: the angles cat(row*f, col*f)
-    twice, as `apply_rotary` reads them (each half of the head on an axis of its own)."""
+    """cos and sin [B, head_dim] from (row, col) ids [2, B]: angles cat(row*f, col*f) twice."""
     _, n = rope_pos.shape
     quarter = head_dim // 4
     pos = b.convert(rope_pos, "f32", hint="pos")
     freq = b.broadcast_in_dim(b.constant_array(inv_freq, hint="inv_freq"), (2, n, quarter), [2], hint="inv_freq")
     angles = b.multiply(b.broadcast_in_dim(pos, (2, n, quarter), [0, 1]), freq, hint="angles")
     half = b.reshape(b.transpose(angles, [1, 0, 2]), (n, head_dim // 2), hint="angles")
-    # The two halves as a broadcast, not a concatenate: with run-time rows IREE 3.13 fused
-    # cat(half, half) into the rotation as a per-element branch, in scalar code (the 2B tower
-    # at 512 patches 5% slower); a broadcast fuses as a plain read.
-    full = b.broadcast_in_dim(half, (n, 2, head_dim // 2), [0, 2], hint="angles")
+    # cat(half, half) as a broadcast over a new axis, not a concatenate: with run-time rows
+    # IREE 3.13 fused a concatenate into the rotation as a per-element branch, in scalar
+    # code (the 2B tower at 512 patches 5% slower); a broadcast fuses as a plain read.
+    full = b.reshape(b.broadcast_in_dim(half, (n, 2, head_dim // 2), [0, 2], hint="angles"), (n, head_dim),
+                     hint="angles")
     return b.cosine(full, hint="cos"), b.sine(full, hint="sin")
 
 
 def apply_rotary(b: Builder, x: Value, cos: Value, sin: Value) -> Value:
-    """x*cos + rotate_half(x)*sin on [B, heads, head_dim]; cos/sin are [B, 2, head_dim/2]
-    (`rotary_tables`). Computed over [B, heads, 2, head_dim/2] (the halves on an axis of
-    their own), with rotate_half(x) = cat(-x2, x1) a select along that axis between the two
-    halves broadcast over it: every operand is then read through a broadcast, so the
-    rotation fuses into its consumer (a concatenate or a reverse is a dispatch of its own in
-    IREE 3.13)."""
+    """x*cos + rotate_half(x)*sin on [B, heads, head_dim]; cos/sin are [B, head_dim].
+    Computed over [B, heads, 2, head_dim/2] (the halves on an axis of their own), with
+    rotate_half(x) = cat(-x2, x1) a select along that axis between the two halves
+    broadcast over it: every operand is then read through a broadcast, so the rotation
+    fuses into its consumer (a concatenate or a reverse is a dispatch of its own in IREE 3.13)."""
     n, heads, d = x.shape
     halves = (n, heads, 2, d // 2)
     x = b.reshape(x, halves, hint="halves")
@@ -180,7 +179,7 @@ def apply_rotary(b: Builder, x: Value, cos: Value, sin: Value) -> Value:
         return b.broadcast_in_dim(part, halves, [0, 1, 3], hint=hint)
 
     def table(t, hint):
-        return b.broadcast_in_dim(t, halves, [0, 2, 3], hint=hint)
+        return b.broadcast_in_dim(b.reshape(t, (n, 2, d // 2), hint=hint), halves, [0, 2, 3], hint=hint)
 
     first = b.compare("EQ", b.iota(halves, 2, hint="half"), b.constant(0, halves, "i32"), hint="first_half")
     rotated = b.select(first, b.negate(half(1, "x2"), hint="neg_x2"), half(0, "x1"), hint="rotated")
