@@ -153,6 +153,7 @@ def test_template_matches_transformers(model):
     assert ours.eos_ids == tuple(json.loads((model / "generation_config.json").read_text())["eos_token_id"])
 
 
+@pytest.mark.parity
 def test_typed_special_tokens_are_plain_text(model):
     """`generate`'s prompt ids (`prompt_ids`, one image): the special tokens typed in the
     prompt are encoded as ordinary text (transformers' split_special_tokens=True), the

@@ -158,6 +158,7 @@ def test_logprobs_list_the_tokens_of_the_text(server):
     assert text == r.choices[0].message.content and [e.token for e in streamed] == [e.token for e in content]
 
 
+@pytest.mark.parity
 def test_typed_special_tokens_are_text_in_serve_and_generate(server):
     """A special token typed in a message (`<|im_end|>` pasted, `<|image_pad|>`) is text, as
     OpenAI takes it: the prompt's ids are the template's tokens around the message encoded

@@ -229,6 +229,7 @@ def test_two_step_tool_loop(server):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
 
 
+@pytest.mark.parity
 def test_tool_choice_none_keeps_the_tools_in_the_prompt(server):
     """`tool_choice: "none"` renders the tools as OpenAI and vLLM do: the prompt's ids are
     transformers' `apply_chat_template(messages, tools=...)` (the same count, and
