@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from .builder import Builder, Value
+from .dims import Dim
 from .config import LAYER_NORM_EPS
 from . import quant
 from .kernel_calls import block_matmul
@@ -324,7 +325,7 @@ def quantized_project(b: Builder, x: Value, weight: QuantizedWeight, hint: str =
     dequantized matmul: docs/history/performance-notebook.md, "Integer activations")."""
     if b.activations == "i8" and x.rank == 2:
         return integer_project(b, x, weight, hint)
-    if x.rank != 2 or x.shape[0] > SPLIT_K_ROWS:
+    if x.rank != 2 or isinstance(x.shape[0], Dim) or x.shape[0] > SPLIT_K_ROWS:  # run-time rows: many
         w = per_call_weight(b, weight)
         w_t = dequantized(b, w.q, w.scales, hint + "_weight", w.biases)
         return b.dot_general(cast(b, x, "f32", hint + "_f32"), w_t, ([x.rank - 1], [0]), hint=hint,
