@@ -52,10 +52,10 @@ def compile_command(target: str = "llvm-cpu", extra_flags=()) -> list[str]:
     return [find_tool("iree-compile"), "-", *BASE_FLAGS, *target_flags(target), *search_flags(), *extra_flags]
 
 
-# iree-compile's pace on a CPU target: about 20 core-seconds per MB of MLIR (the 2B tower's
-# two entries, 5.2 MB, in 25 s on 2 cores of a Zen 5; the tiny one, 0.9 MB, in 6 s). A module's
-# compile does not scale past a few cores.
-COMPILE_CORE_SECONDS_PER_MB = 20
+# iree-compile's pace on a CPU target: about 10 core-seconds per MB of MLIR (on 2 quiet cores
+# of a Zen 5, the 2B tower's two entries, 5.2 MB, in 18.5 s; its language model, 5.8 MB, in
+# 36 s). A module's compile does not scale past a few cores.
+COMPILE_CORE_SECONDS_PER_MB = 10
 
 
 def compile_estimate(text: str) -> int:
