@@ -37,6 +37,7 @@ from emitter.text_config import TextConfig
 from emitter.identity import weight_schema_fields
 
 from runtime.artifact.digests import Digests, sha256_range
+from runtime.artifact.iree_module import return_freed_memory
 from runtime.artifact.irpa import write_irpa
 from runtime.checkpoints import (gguf_blocks, gguf_text, gguf_vision, mlx_quant, text as text_checkpoint,
                                  vision as checkpoint)
@@ -241,6 +242,7 @@ def cached_entries(cache, fields: dict, specs, arrays, label: str, precision: Pr
     def write(path: Path) -> None:
         report(f"{label}: writing {path.name} ({precision}, {sum(map(spec_bytes, specs)) / 1e9:.2f} GB) ...")
         write_entries(path, arrays(), specs)
+        return_freed_memory()  # the converted tensors' heap, so that a first run peaks no higher than the next
 
     path, _ = cache.get_or_write(fields, "irpa", write, progress)
     return path
