@@ -5,7 +5,6 @@ features out."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import threading

@@ -13,7 +13,6 @@ import numpy as np
 from emitter.errors import Failure, one_line_error as one_line
 
 
-from runtime.inputs.packing import pack, patch_count
 from runtime.inputs.processor import image_grid, process_image
 
 

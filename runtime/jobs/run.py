@@ -19,7 +19,7 @@ from emitter.identity import DEFAULT_LADDER
 
 from runtime.artifact.build import make_plan
 from runtime.outputs import check_finite, check_output_path
-from runtime.inputs.packing import pack, patch_count
+from runtime.inputs.packing import pack
 from runtime.inputs.processor import check_image_file, image_grid, process_images
 from runtime.vision import VisionOutput, VisionSession
 from runtime.inputs.video import frame_grids, process_videos, video_grid
