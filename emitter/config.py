@@ -288,8 +288,10 @@ PRESETS: dict[str, VisionConfig] = {
     "tiny": VisionConfig(depth=4, hidden_size=64, intermediate_size=128, out_hidden_size=48,
                          num_heads=4, deepstack_visual_indexes=(1, 2)),
 }
+PRESETS["tiny-moe"] = PRESETS["tiny"]  # the tiny tower beside a tiny mixture-of-experts language model
 DEFAULT_PRESET = "qwen3-vl-2b"
-PRESET_MODEL_TYPES = {"qwen3-vl-30b-a3b": "qwen3_vl_moe", "qwen3-vl-235b-a22b": "qwen3_vl_moe"}
+PRESET_MODEL_TYPES = {"qwen3-vl-30b-a3b": "qwen3_vl_moe", "qwen3-vl-235b-a22b": "qwen3_vl_moe",
+                      "tiny-moe": "qwen3_vl_moe"}
 
 
 def preset(name: str) -> VisionConfig:

@@ -40,7 +40,8 @@ reset(fill [2 x layers] f32): see `reset_function`.
 
 Per layer (transformers' Qwen3VLTextDecoderLayer): h = x + o(attn(rope(q_norm(q(n1))),
 rope(k_norm(k(n1))), v(n1))), n1 = rms(x); y = h + down(silu(gate(n2)) * up(n2)),
-n2 = rms(h). Then the final RMSNorm and lm_head (the embedding table when tied).
+n2 = rms(h); in a mixture-of-experts layer (`TextConfig.sparse`) y = h + moe(n2)
+(emitter/experts.py). Then the final RMSNorm and lm_head (the embedding table when tied).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from __future__ import annotations
 from kernels import decode_attention, q8_matmul
 from kernels.build import object_name
 
-from . import __version__, kernel_calls, quant
+from . import __version__, experts, kernel_calls, quant
 from .builder import Builder, Value
 from .config import PARAMETER_SCOPE, ConfigError, WeightSpec
 from .attention import grouped_attention, token_attention
@@ -77,7 +78,7 @@ def text_weights(cfg: TextConfig, precision: Precision | str = "f32") -> list[We
         if name in layouts:
             specs += layouts[name].specs(name, shape)
         else:
-            matmul = bf16 and name.endswith(MATMUL_SUFFIXES)
+            matmul = bf16 and (name.endswith(MATMUL_SUFFIXES) or experts.is_expert(name))
             specs.append(WeightSpec(name, shape, "bf16" if matmul else "f32", "round_to_bf16" if matmul else "none"))
     return specs
 
@@ -96,9 +97,12 @@ def weight_shapes(cfg: TextConfig) -> list[tuple[str, tuple[int, ...]]]:
             (q + "self_attn.v_proj.weight", (cfg.num_key_value_heads * hd, d)),
             (q + "self_attn.o_proj.weight", (d, cfg.num_attention_heads * hd)),
             (q + "self_attn.q_norm.weight", (hd,)), (q + "self_attn.k_norm.weight", (hd,)),
-            (q + "mlp.gate_proj.weight", (i, d)), (q + "mlp.up_proj.weight", (i, d)),
-            (q + "mlp.down_proj.weight", (d, i)),
         ]
+        if cfg.sparse(n):
+            shapes += experts.sparse_shapes(cfg, q)
+        else:
+            shapes += [(q + "mlp.gate_proj.weight", (i, d)), (q + "mlp.up_proj.weight", (i, d)),
+                       (q + "mlp.down_proj.weight", (d, i))]
     shapes.append((p + "norm.weight", (d,)))
     if not cfg.tie_word_embeddings:
         shapes.append((LM_HEAD, (cfg.vocab_size, d)))
@@ -116,6 +120,7 @@ def weight_layouts(cfg: TextConfig, precision: Precision | str, names) -> dict:
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
     precision = for_graph(precision)
     bits = precision.bits
+    experts.check_precision(cfg, precision)
     if cfg.native_weights and bits:
         raise ConfigError(f"--precision {precision}: the checkpoint's weights are quantized and run in their "
                           "own bits (or expanded under f32)")
@@ -160,8 +165,9 @@ class TextGraph:
     """One function's builder with the weights and KV cache bound (same globals, same order,
     in every function of the module)."""
 
-    def __init__(self, cfg: TextConfig, shape: "TextShape", precision: Precision):
+    def __init__(self, cfg: TextConfig, shape: "TextShape", precision: Precision, decoding: bool = False):
         self.cfg, self.shape, self.b = cfg, shape, Builder(activations=precision.activation_dtype)
+        self.decoding = decoding  # one token a lane (a sparse layer reads only its chosen experts)
         self.kv_dtype = shape.kv_dtype
         self.inputs: dict[str, Value] = {}
         self.w = quant.grouped({s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype,
@@ -292,8 +298,10 @@ class TextGraph:
             q, k, v = self.qkv(rms_norm(b, x, w["input_layernorm.weight"], eps), w, cos, sin)
             x = b.add(x, project(b, attend(q, k, v), w["self_attn.o_proj.weight"], "o"), hint="residual")
         with b.stage(f"layers.{n}.mlp"):
-            return b.add(x, gated_mlp(b, rms_norm(b, x, w["post_attention_layernorm.weight"], eps), w),
-                         hint="residual")
+            normed = rms_norm(b, x, w["post_attention_layernorm.weight"], eps)
+            mlp = (experts.moe_mlp(b, normed, w, self.cfg, gathered=self.decoding) if self.cfg.sparse(n)
+                   else gated_mlp(b, normed, w))
+            return b.add(x, mlp, hint="residual")
 
     def logits(self, row: Value) -> Value:
         """Final RMSNorm and lm_head of one row [1, D] -> [1, vocab]."""
@@ -372,7 +380,7 @@ def decode_function(cfg: TextConfig, shape: TextShape, lanes: int, precision: Pr
     the sequence whose first blocks are tables[i]. Every weight matmul (projections,
     MLP, lm_head) runs once for all lanes, so a step reads the weights once; attention is
     per lane, over its own sequence."""
-    g = TextGraph(cfg, shape, for_graph(precision))
+    g = TextGraph(cfg, shape, for_graph(precision), decoding=True)
     b = g.b
     inputs = {name: g.argument(name, dims, dtype) for name, dims, dtype in decode_inputs(lanes)}
     b.bind(SPAN_BLOCKS.base, b.dimension_size(inputs["tables"], 1, hint="span_blocks"))

@@ -5,6 +5,11 @@ presets of the released dense models (plus `tiny` for tests).
 Both spellings of the rotary settings are read: `rope_parameters {rope_theta,
 mrope_section, ...}` (transformers 5) and the older `rope_theta` + `rope_scaling`.
 `tie_word_embeddings` is read from the top level only, as transformers 5.24 reads it.
+
+A `qwen3_vl_moe` checkpoint's language model is the same decoder with a mixture-of-experts
+MLP in its sparse layers (`TextConfig.sparse`, transformers' Qwen3VLMoeTextDecoderLayer
+rule); the expert count is read as released configs name it (`num_experts`) and as
+transformers 5 writes it (`num_local_experts`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from pathlib import Path
 from .config import ConfigError, read_rope
 
 DENSE_MODEL_TYPE = "qwen3_vl"
-MOE_MODEL_TYPES = ("qwen3_vl_moe",)
+MOE_MODEL_TYPE = "qwen3_vl_moe"
 DEFAULT_ROPE_THETA = 500000.0  # transformers' Qwen3VLTextConfig.default_theta, when the config names none
 DEFAULT_MAX_POSITIONS = 128000  # transformers' Qwen3VLTextConfig.max_position_embeddings default
 MOE_TEXT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+# transformers' Qwen3VLMoeTextConfig defaults, for a qwen3_vl_moe config.json that names none.
+MOE_DEFAULTS = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "decoder_sparse_step": 1}
 DEFAULT_MROPE_SECTION = (24, 20, 20)  # transformers' fallback when rope_parameters has none
 TEXT_PREFIX = "model.language_model."  # Hugging Face names of the decoder's tensors
 LM_HEAD = "lm_head.weight"
@@ -45,16 +52,35 @@ class TextConfig:
     # (runtime/checkpoints/text.py's `native_weights`; emitter/quant.py's `native_layouts`);
     # empty otherwise.
     native_weights: tuple[tuple, ...] = ()
+    # Mixture of experts (qwen3_vl_moe); num_experts 0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         object.__setattr__(self, "native_weights", tuple(tuple(w) for w in self.native_weights))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         self.validate()
 
     @property
     def groups(self) -> int:
         """Query heads per KV head."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is the mixture of experts (else the dense gated
+        MLP of intermediate_size): transformers' Qwen3VLMoeTextDecoderLayer rule, the one place
+        that decides it."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe(self) -> bool:
+        """Some layer's MLP is a mixture of experts."""
+        return any(self.sparse(n) for n in range(self.num_hidden_layers))
 
     def validate(self, source: str = "text_config") -> None:
         def bad(name, value, expected):
@@ -79,6 +105,23 @@ class TextConfig:
             bad("rms_norm_eps", self.rms_norm_eps, "a positive number")
         if not self.rope_theta > 0:
             bad("rope_parameters.rope_theta", self.rope_theta, "a positive number")
+        if self.num_experts:
+            self._validate_experts(bad)
+
+    def _validate_experts(self, bad) -> None:
+        def count(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            if not count(getattr(self, name)) or getattr(self, name) <= 0:
+                bad(name, getattr(self, name), "a positive integer")
+        if self.num_experts_per_tok > self.num_experts:
+            bad("num_experts_per_tok", self.num_experts_per_tok,
+                f"at most num_experts ({self.num_experts}): the experts a token chooses among them")
+        odd = [n for n in self.mlp_only_layers if not count(n) or not 0 <= n < self.num_hidden_layers]
+        if odd:
+            bad("mlp_only_layers", list(self.mlp_only_layers),
+                f"layer indexes in [0, {self.num_hidden_layers}) (num_hidden_layers)")
 
     def check_context(self, context: int) -> None:
         """A KV cache of `context` tokens the model's positions cover (rotary positions past
@@ -92,6 +135,11 @@ class TextConfig:
         d["mrope_section"] = list(self.mrope_section)
         if not self.native_weights:
             del d["native_weights"]  # the identity of a float checkpoint's model as it was
+        if not self.num_experts:  # a dense model's identity as it was
+            for name in (*MOE_TEXT_FIELDS, "mlp_only_layers"):
+                del d[name]
+        else:
+            d["mlp_only_layers"] = list(self.mlp_only_layers)
         return d
 
     def to_hf_text_config(self) -> dict:
@@ -101,7 +149,8 @@ class TextConfig:
                 "mrope_section": d.pop("mrope_section"), "mrope_interleaved": True}
         d.pop("tie_word_embeddings")
         d.pop("native_weights", None)
-        return {"model_type": "qwen3_vl_text", **d, "hidden_act": "silu", "attention_bias": False,
+        model_type = "qwen3_vl_moe_text" if self.num_experts else "qwen3_vl_text"
+        return {"model_type": model_type, **d, "hidden_act": "silu", "attention_bias": False,
                 "rope_parameters": rope}
 
 
@@ -131,21 +180,18 @@ def _rope(text: dict, source: str) -> tuple[float, tuple]:
 
 
 def text_config_from_hf(config: dict, source: str = "config.json") -> tuple[TextConfig, TokenIds]:
-    """The text config and special-token ids of a parsed Qwen3-VL `config.json`; MoE
-    text models are refused by model type."""
+    """The text config and special-token ids of a parsed Qwen3-VL `config.json` (dense
+    `qwen3_vl` or mixture-of-experts `qwen3_vl_moe`)."""
     if not isinstance(config, dict):
         raise ConfigError(f"{source}: expected a JSON object")
     model_type = config.get("model_type")
-    if model_type in MOE_MODEL_TYPES:
-        raise ConfigError(f"{source}: model_type {model_type!r} has a mixture-of-experts language model, which "
-                          f"is not supported yet; expected {DENSE_MODEL_TYPE!r}")
-    if model_type != DENSE_MODEL_TYPE:
-        raise ConfigError(f"{source}: field 'model_type' = {model_type!r}: expected {DENSE_MODEL_TYPE!r}")
+    if model_type not in (DENSE_MODEL_TYPE, MOE_MODEL_TYPE):
+        raise ConfigError(f"{source}: field 'model_type' = {model_type!r}: expected {DENSE_MODEL_TYPE!r} or "
+                          f"{MOE_MODEL_TYPE!r}")
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: field 'text_config' is missing: expected an object")
-    _refuse_moe_text(text, source)
-    kwargs = {}
+    kwargs = _experts(text, source) if model_type == MOE_MODEL_TYPE else _refuse_moe_text(text, source)
     for name in REQUIRED_FIELDS:
         if name not in text:
             raise ConfigError(f"{source}: field 'text_config.{name}' is missing")
@@ -194,14 +240,34 @@ def token_ids_from_hf(config: dict, source: str = "config.json") -> TokenIds:
     return TokenIds(**ids)
 
 
-def _refuse_moe_text(text: dict, source: str) -> None:
+def _refuse_moe_text(text: dict, source: str) -> dict:
     """A mixture-of-experts language model declared only in text_config (its model_type or
-    expert fields) is refused like one declared by the top-level model_type."""
-    experts = [name for name in MOE_TEXT_FIELDS if text.get(name)]
+    expert fields) under a dense top-level model_type is refused: transformers would build
+    a dense model and drop the experts. {} (no expert fields) otherwise."""
+    experts = [name for name in (*MOE_TEXT_FIELDS, "num_local_experts") if text.get(name)]
     if text.get("model_type") == "qwen3_vl_moe_text" or experts:
         what = f"model_type {text.get('model_type')!r}" if not experts else f"field {experts[0]!r}"
-        raise ConfigError(f"{source}: text_config {what} declares a mixture-of-experts language model, which is "
-                          f"not supported yet; expected a dense one")
+        raise ConfigError(f"{source}: text_config {what} declares a mixture-of-experts language model, but "
+                          f"model_type is {DENSE_MODEL_TYPE!r}; expected {MOE_MODEL_TYPE!r}")
+    return {}
+
+
+def _experts(text: dict, source: str) -> dict:
+    """The expert fields of a qwen3_vl_moe text_config (transformers' defaults where absent;
+    the count as `num_experts` or `num_local_experts`, equal where both are given)."""
+    out = {name: text.get(name, default) for name, default in MOE_DEFAULTS.items()}
+    if "num_local_experts" in text:
+        if "num_experts" in text and text["num_experts"] != text["num_local_experts"]:
+            raise ConfigError(f"{source}: fields 'text_config.num_experts' = {text['num_experts']!r} and "
+                              f"'text_config.num_local_experts' = {text['num_local_experts']!r}: expected one "
+                              "expert count (give one of them)")
+        out["num_experts"] = text["num_local_experts"]
+    only = text.get("mlp_only_layers") or []
+    if not isinstance(only, list):
+        raise ConfigError(f"{source}: field 'text_config.mlp_only_layers' = {only!r}: expected a list of layer "
+                          "indexes")
+    out["mlp_only_layers"] = tuple(only)
+    return out
 
 
 def load_text_config(model_dir: str | Path) -> tuple[TextConfig, TokenIds]:
@@ -232,11 +298,11 @@ def _read_config(model_dir: str | Path) -> tuple[object, Path]:
     return config, path
 
 
-def _released(hidden, layers, heads, intermediate, tied):
+def _released(hidden, layers, heads, intermediate, tied, kv_heads=8, **experts):
     return TextConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=128,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
                       rope_theta=5000000.0, mrope_section=(24, 20, 20), tie_word_embeddings=tied,
-                      max_position_embeddings=262144)
+                      max_position_embeddings=262144, **experts)
 
 
 TEXT_PRESETS: dict[str, TextConfig] = {
@@ -244,8 +310,15 @@ TEXT_PRESETS: dict[str, TextConfig] = {
     "qwen3-vl-4b": _released(2560, 36, 32, 9728, True),
     "qwen3-vl-8b": _released(4096, 36, 32, 12288, False),
     "qwen3-vl-32b": _released(5120, 64, 64, 25600, False),
+    "qwen3-vl-30b-a3b": _released(2048, 48, 32, 6144, False, kv_heads=4, num_experts=128, num_experts_per_tok=8,
+                                  moe_intermediate_size=768),
     # Small enough to compile and run in a unit test; hidden = the tiny vision preset's out_hidden.
     "tiny": TextConfig(vocab_size=384, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000000.0,
                        mrope_section=(4, 2, 2)),
+    # tiny with experts: layers 0 and 2 sparse (8 experts, 2 a token), layer 1 dense.
+    "tiny-moe": TextConfig(vocab_size=384, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000000.0,
+                           mrope_section=(4, 2, 2), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                           mlp_only_layers=(1,)),
 }

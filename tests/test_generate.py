@@ -1,5 +1,5 @@
-"""`qwen3vl generate` and its inputs: the text config (both rope spellings, tying, MoE
-refused), the tokenizer and template files, and one-line errors for bad input, each
+"""`qwen3vl generate` and its inputs: the text config (both rope spellings, tying, the
+mixture-of-experts fields), the tokenizer and template files, and one-line errors for bad input, each
 before any compile and with nothing left on disk."""
 
 from __future__ import annotations
@@ -88,10 +88,27 @@ def test_defaults_of_a_config_that_names_none_are_transformers(model):
     assert TextConfig(**bare).rope_theta == ours.rope_theta  # the dataclass's own default too
 
 
-def test_moe_refused_by_model_type(model):
+def test_moe_config_both_expert_count_spellings(model):
+    """qwen3_vl_moe: the expert count as released configs name it (num_experts) and as
+    transformers 5 writes it (num_local_experts); transformers' defaults where none is named;
+    contradictions and impossible counts named."""
     config = dict(hf_config(model), model_type="qwen3_vl_moe")
-    with pytest.raises(ConfigError, match="qwen3_vl_moe.*mixture-of-experts"):
-        text_config_from_hf(config)
+    bare, _ = text_config_from_hf(config)
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.moe_intermediate_size, bare.decoder_sparse_step) == \
+        (60, 4, 1408, 1) and bare.moe and all(bare.sparse(n) for n in range(bare.num_hidden_layers))
+    for key in ("num_experts", "num_local_experts"):
+        text = dict(config["text_config"], **{key: 8}, num_experts_per_tok=2, moe_intermediate_size=40,
+                    mlp_only_layers=[1], decoder_sparse_step=1)
+        cfg, _ = text_config_from_hf(dict(config, text_config=text))
+        assert cfg.num_experts == 8 and [cfg.sparse(n) for n in range(3)] == [True, False, True]
+    stepped, _ = text_config_from_hf(dict(config, text_config=dict(config["text_config"], decoder_sparse_step=2)))
+    assert [stepped.sparse(n) for n in range(3)] == [False, True, False]  # (layer + 1) % step == 0
+    for fields, expect in (({"num_experts": 8, "num_local_experts": 6}, "one expert count"),
+                           ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok' = 5: expected at "
+                                                                          "most num_experts \\(4\\)"),
+                           ({"mlp_only_layers": [3]}, "mlp_only_layers' = \\[3\\]: expected layer indexes")):
+        with pytest.raises(ConfigError, match=expect):
+            text_config_from_hf(dict(config, text_config=dict(config["text_config"], **fields)))
 
 
 def test_bad_mrope_section_named(model):
@@ -347,8 +364,8 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
         args += ["--max-new-tokens", 40]
         expect = "more than the context of 48 tokens"
     elif case == "moe":
-        edit = make_moe
-        expect = "'qwen3_vl_moe' has a mixture-of-experts language model"
+        edit = make_moe  # a dense checkpoint's weights under a mixture-of-experts config
+        expect = "model.language_model.layers.0.mlp.gate.weight: missing"
     elif case == "no-tokenizer":
         edit = lambda f: (f / "tokenizer.json").unlink()  # noqa: E731
         expect = "tokenizer.json: missing"
@@ -378,7 +395,8 @@ def test_bad_input_one_line_before_compile(model, tmp_path, case):
         expect = f"field 'image_token_id' = {TEXT_PRESETS['tiny'].vocab_size}: outside the vocabulary"
     elif case == "moe-in-text-config":
         edit = edit_config(text_config__num_experts=8)
-        expect = "text_config field 'num_experts' declares a mixture-of-experts language model"
+        expect = ("text_config field 'num_experts' declares a mixture-of-experts language model, but model_type "
+                  "is 'qwen3_vl'; expected 'qwen3_vl_moe'")
     elif case == "tokenizer-is-folder":
         edit = lambda f: ((f / "tokenizer.json").unlink(), (f / "tokenizer.json").mkdir())  # noqa: E731
         expect = "tokenizer.json: is a folder"

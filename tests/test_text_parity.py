@@ -61,7 +61,7 @@ def reference_chat(model_dir, messages, steps):
     from helpers import decode_all
     from torch_reference import import_torchvision
     import_torchvision()  # the video processor's torchvision, loadable beside torch+cpu
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers import AutoTokenizer, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import VideoMetadata
@@ -77,8 +77,7 @@ def reference_chat(model_dir, messages, steps):
                        video_metadata=[VideoMetadata(total_num_frames=len(frames), fps=fps)
                                        for frames, fps in videos] or None, return_tensors="pt")
     assert "mm_token_type_ids" in inputs
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    model = reference_model(model_dir)
     assert model.config.image_token_id == processor.image_token_id
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=steps, return_dict_in_generate=True,
@@ -86,6 +85,17 @@ def reference_chat(model_dir, messages, steps):
     ids = inputs["input_ids"]
     n = ids.shape[1]
     return ids[0].numpy(), out.sequences[0, n:].tolist(), np.stack([x[0].float().numpy() for x in out.logits])
+
+
+def reference_model(model_dir):
+    """transformers' model of the folder in f32 (eager attention): Qwen3VLForConditionalGeneration,
+    or Qwen3VLMoeForConditionalGeneration for a qwen3_vl_moe checkpoint."""
+    import json
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+
+    moe = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "qwen3_vl_moe"
+    cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    return cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @pytest.mark.parametrize("image_count", [2, 0], ids=["images", "text-only"])

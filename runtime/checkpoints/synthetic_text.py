@@ -14,8 +14,9 @@ import numpy as np
 
 from emitter.atomic import folder_atomic, write_atomic
 from emitter.config import VisionConfig
+from emitter.experts import is_expert
 from emitter.text import text_weights
-from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+from emitter.text_config import DENSE_MODEL_TYPE, LM_HEAD, MOE_MODEL_TYPE, TEXT_PREFIX, TextConfig
 
 from runtime.checkpoints.synthetic import (check_new_folder, safetensors_header, write_checkpoint,
                                            write_safetensors)
@@ -84,9 +85,9 @@ def random_text_tensors(cfg: TextConfig, seed: int = 0):
             w = 1.0 + 0.1 * z
         elif spec.name.endswith("embed_tokens.weight"):
             w = z
-        else:
-            gain = 0.5 if spec.name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-            w = z * np.float32(gain / np.sqrt(spec.shape[1]))
+        else:  # [out, in], or an expert stack [E, out, in]
+            gain = 0.5 if spec.name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0
+            w = z * np.float32(gain / np.sqrt(spec.shape[-1]))
         yield spec.name, np.ascontiguousarray(w, np.float32)
 
 
@@ -108,7 +109,7 @@ def write_text_model(folder, cfg: TextConfig, seed: int = 0, config: dict | None
         weight_map.update(dict.fromkeys(shard, name))
         shard.clear()
 
-    for name, w in random_text_tensors(cfg, seed):
+    for name, w in stored_text_tensors(cfg, seed):
         shard[name] = w
         size += w.nbytes
         if size >= shard_bytes:
@@ -117,32 +118,53 @@ def write_text_model(folder, cfg: TextConfig, seed: int = 0, config: dict | None
     if shard:
         flush()
     _write_json(folder / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
-    _write_json(folder / "config.json", {"model_type": "qwen3_vl", "tie_word_embeddings": cfg.tie_word_embeddings,
+    model_type = MOE_MODEL_TYPE if cfg.num_experts else DENSE_MODEL_TYPE
+    _write_json(folder / "config.json", {"model_type": model_type, "tie_word_embeddings": cfg.tie_word_embeddings,
                                          "text_config": cfg.to_hf_text_config(), **(config or {})})
 
 
+EXPERT_LAYOUTS = ("released", "transformers")
+
+
 def write_generation_checkpoint(model_dir, vision: VisionConfig, text: TextConfig, seed: int = 0,
-                                processor_policy_dict: dict | None = None, thinking: bool = False) -> None:
+                                processor_policy_dict: dict | None = None, thinking: bool = False,
+                                expert_layout: str = "released") -> None:
     """Write the folder (new or empty; whole or not at all: built in a temp folder beside
     it, then renamed). The text hidden size must be the vision tower's out_hidden_size.
-    `thinking`: the Thinking variant of the chat template (`chat_template`)."""
+    `thinking`: the Thinking variant of the chat template (`chat_template`). A text config
+    with experts makes a `qwen3_vl_moe` checkpoint, its expert stacks stored as Qwen's files
+    store them (`expert_layout` "released": [E, in, out]) or as transformers 5 saves them
+    ("transformers": [E, out, in])."""
     if text.hidden_size != vision.out_hidden_size:
         raise ValueError(f"text hidden_size {text.hidden_size} != vision out_hidden_size {vision.out_hidden_size}")
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout {expert_layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
     model_dir = Path(model_dir)
     check_new_folder(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     with folder_atomic(model_dir) as tmp:
-        write_checkpoint(tmp, vision, seed=seed, processor_policy_dict=processor_policy_dict)
-        _add_language_model(tmp, text, seed, thinking)
+        write_checkpoint(tmp, vision, seed=seed, processor_policy_dict=processor_policy_dict,
+                         model_type=MOE_MODEL_TYPE if text.num_experts else DENSE_MODEL_TYPE)
+        _add_language_model(tmp, text, seed, thinking, expert_layout)
 
 
-def _add_language_model(model_dir: Path, text: TextConfig, seed: int, thinking: bool = False) -> None:
+def _add_language_model(model_dir: Path, text: TextConfig, seed: int, thinking: bool = False,
+                        expert_layout: str = "released") -> None:
     """Tokenizer, template, generation config and the whole text model into a vision checkpoint."""
     from safetensors.numpy import load_file
     stored = {name: a for name, a in load_file(str(model_dir / "model.safetensors")).items()
               if not name.startswith(TEXT_PREFIX) and name != LM_HEAD}
-    _write_with_text(model_dir / "model.safetensors", stored, text, seed + 7)
+    _write_with_text(model_dir / "model.safetensors", stored, text, seed + 7, expert_layout)
     add_language_files(model_dir, text, seed, thinking)
+
+
+def stored_text_tensors(text: TextConfig, seed: int, expert_layout: str = "released"):
+    """`random_text_tensors` as a checkpoint stores them: expert stacks transposed to
+    [E, in, out] in the "released" layout."""
+    for name, w in random_text_tensors(text, seed):
+        if is_expert(name) and expert_layout == "released":
+            w = np.ascontiguousarray(w.transpose(0, 2, 1))
+        yield name, w
 
 
 def add_language_files(model_dir: Path, text: TextConfig, seed: int, thinking: bool = False) -> None:
@@ -169,19 +191,22 @@ def add_language_files(model_dir: Path, text: TextConfig, seed: int, thinking: b
                                                        "do_sample": False})
 
 
-def _write_with_text(path: Path, stored: dict[str, np.ndarray], text: TextConfig, seed: int) -> None:
+def _write_with_text(path: Path, stored: dict[str, np.ndarray], text: TextConfig, seed: int,
+                     expert_layout: str = "released") -> None:
     """One safetensors file: the `stored` tensors, then the random text weights, drawn and
     written one at a time (a whole 2B preset never sits in memory). Inside the temp folder
     that is renamed whole; written beside `path` and renamed over it, since `stored` may
     have been read from it."""
     entries = [(name, _tag(a), a.shape, a.nbytes) for name, a in stored.items()]
-    entries += [(s.name, "F32", s.shape, int(np.prod(s.shape)) * 4) for s in text_weights(text)]
+    flip = expert_layout == "released"
+    entries += [(s.name, "F32", (s.shape[0], s.shape[2], s.shape[1]) if flip and is_expert(s.name) else s.shape,
+                 int(np.prod(s.shape)) * 4) for s in text_weights(text)]
     new = path.with_name(path.name + ".new")
     with open(new, "wb") as f:
         f.write(safetensors_header(entries, {"format": "pt"}))
         for a in stored.values():
             f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
-        for _, w in random_text_tensors(text, seed):
+        for _, w in stored_text_tensors(text, seed, expert_layout):
             f.write(memoryview(w.astype("<f4", copy=False)).cast("B"))
     os.replace(new, path)
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from emitter import quant
+from emitter import experts, quant
+from emitter.config import ConfigError
 from emitter.text import text_weights, weight_layouts, weight_shapes
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig, TokenIds, load_text_config
 
@@ -105,11 +106,13 @@ def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, Tenso
     found, where = scan_text_tensors(model_dir)
     prefix, head = next(((p, h) for p, h in LAYOUTS if p + "embed_tokens.weight" in found), LAYOUTS[0])
     out = {}
-    for name, _ in weight_shapes(cfg):
+    for name, shape in weight_shapes(cfg):
         key = head if name == LM_HEAD else prefix + name[len(TEXT_PREFIX):]
         if key not in found:
             hint = "; config.json says the embeddings are untied (tie_word_embeddings false)" if key == head else ""
             raise CheckpointError(f"{key}: missing{hint} (in {where})")
+        if name.endswith(experts.ROUTER) or experts.is_expert(name):
+            check_expert_shape(key, found[key], shape)
         out[name] = (key, found[key])
     stem = prefix + "layers."
     layers = {n[len(stem):].split(".", 1)[0] for n in found if n.startswith(stem)}
@@ -125,6 +128,21 @@ def text_entries(model_dir, cfg: TextConfig) -> tuple[dict[str, tuple[str, Tenso
         raise CheckpointError(f"{unused[0]}: a language-model tensor this config does not use"
                               f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} (in {where})")
     return out, found
+
+
+def check_expert_shape(key: str, entry: TensorEntry, shape: tuple[int, ...]) -> bool:
+    """A mixture-of-experts router's or expert stack's stored shape against the config's
+    (an expert stack in either layout, `experts.orientation`); whether it is stored
+    transposed. CheckpointError naming the tensor and its file."""
+    if experts.is_expert(key):
+        try:
+            return experts.orientation(key, entry.shape, shape, entry.file)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+    if tuple(entry.shape) != tuple(shape):
+        raise CheckpointError(f"{key}: stored shape {list(entry.shape)}: expected {list(shape)} ([num_experts, "
+                              f"hidden_size] of the config) (in {entry.file})")
+    return False
 
 
 def native_weights(model_dir, cfg: TextConfig) -> tuple[tuple, ...]:
@@ -159,6 +177,10 @@ def read_text_weight(key: str, entry: TensorEntry, found: dict[str, TensorEntry]
     checked for its shape and for non-finite values."""
     if is_quantized(key, entry, found):
         w = read_quantized(key, entry, found, shape, qconfig)
+    elif experts.is_expert(key):  # [E, out, in], whichever way the file holds it
+        w = read_float_tensor(entry)
+        if check_expert_shape(key, entry, shape):
+            w = np.ascontiguousarray(w.transpose(0, 2, 1))
     else:
         w = read_float_tensor(entry)
     if w.shape != shape:

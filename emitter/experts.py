@@ -1,0 +1,149 @@
+"""The mixture-of-experts MLP of a qwen3_vl_moe decoder layer (transformers'
+Qwen3VLMoeTextSparseMoeBlock), and the one place that knows how its expert weights are
+stored.
+
+    probs = softmax(x @ router.T)                   f32, over all E experts
+    ids, top = the k largest probs                  (k = num_experts_per_tok)
+    y = sum_r top[r] / sum(top) * down_e(silu(gate_e(x)) * up_e(x)),  e = ids[r]
+
+Weights, by their names in a layer (transformers 5's own layout, [E, out, in]):
+  mlp.gate.weight              [E, hidden]        the router
+  mlp.experts.gate_up_proj     [E, 2 x I, hidden] gate rows first, then up
+  mlp.experts.down_proj        [E, hidden, I]
+Released files store the two expert tensors the other way round ([E, in, out]);
+`orientation` tells the two apart by shape, and refuses a shape that fits both or neither.
+
+Two graph forms of the same sum (`moe_mlp`): decode gathers each lane's chosen experts'
+weights and reads only those; a prompt chunk runs every expert over every row and
+weights the unchosen by an exact zero. Either way a row's answer depends on that row alone.
+"""
+
+from __future__ import annotations
+
+from .builder import Builder, Value
+from .config import ConfigError
+from .layers import activation_dtype, cast, project, silu, softmax
+
+ROUTER = "mlp.gate.weight"
+GATE_UP = "mlp.experts.gate_up_proj"
+DOWN = "mlp.experts.down_proj"
+EXPERT_WEIGHTS = (GATE_UP, DOWN)
+
+
+def sparse_shapes(cfg, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a sparse layer's MLP weights (`prefix`: the layer's), in checkpoint
+    order, the experts as the graph takes them ([E, out, in])."""
+    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    return [(prefix + ROUTER, (e, d)), (prefix + GATE_UP, (e, 2 * i, d)), (prefix + DOWN, (e, d, i))]
+
+
+def is_expert(name: str) -> bool:
+    """A stacked expert tensor ([E, out, in]) of some layer."""
+    return name.endswith(EXPERT_WEIGHTS)
+
+
+def orientation(name: str, stored: tuple[int, ...], shape: tuple[int, ...], where: str = "") -> bool:
+    """Whether an expert tensor stored as `stored` is the transpose of the graph's `shape`
+    ([E, out, in]): False when stored as is (transformers 5's save), True when [E, in, out]
+    (the released files). ConfigError naming the tensor for a shape that fits neither, or
+    both (out == in: the layout cannot be told)."""
+    stored, shape = tuple(stored), tuple(shape)
+    flipped = (shape[0], shape[2], shape[1])
+    fits = [layout for layout, s in (("[E, out, in]", shape), ("[E, in, out]", flipped)) if stored == s]
+    suffix = f" (in {where})" if where else ""
+    if len(fits) == 2:
+        raise ConfigError(f"{name}: stored shape {list(stored)} is both [E, out, in] and [E, in, out] "
+                          f"(out = in = {shape[1]}): the expert layout cannot be told{suffix}")
+    if not fits:
+        raise ConfigError(f"{name}: stored shape {list(stored)}: expected {list(shape)} ([E, out, in]) or "
+                          f"{list(flipped)} ([E, in, out]), from the config's num_experts, hidden_size and "
+                          f"moe_intermediate_size{suffix}")
+    return fits[0] == "[E, in, out]"
+
+
+def route(b: Builder, x: Value, router: Value, k: int) -> tuple[Value, Value]:
+    """(ids [T, k] i32, weights [T, k] f32) of rows x [T, D]: the k most probable experts in
+    order (a tie to the lower index, as torch.topk), their probabilities renormalized to sum
+    to 1. The rank of each expert is how many others beat it, so no sort is needed."""
+    probs = softmax(b, project(b, x, router, "router"))
+    t, e = probs.shape
+    cube = (t, e, e)
+    mine, other = (b.broadcast_in_dim(probs, cube, dims, hint="router_p") for dims in ([0, 1], [0, 2]))
+    me, them = (b.iota(cube, axis, hint="expert") for axis in (1, 2))
+    beats = b.bit_or(b.compare("GT", other, mine, hint="beats"),
+                     b.bit_and(b.compare("EQ", other, mine), b.compare("LT", them, me), hint="tie"), hint="beats")
+    one, zero = b.constant(1, cube, "i32"), b.constant(0, cube, "i32")
+    rank = b.reduce(b.select(beats, one, zero, hint="beats"), [2], hint="rank")  # [T, E]
+    slots = (t, k, e)
+    chosen = b.compare("EQ", b.broadcast_in_dim(rank, slots, [0, 2], hint="rank"), b.iota(slots, 1, hint="slot"),
+                       hint="chosen")
+    ids = b.reduce(b.select(chosen, b.iota(slots, 2, hint="expert"), b.constant(0, slots, "i32")), [2], hint="ids")
+    top = b.reduce(b.select(chosen, b.broadcast_in_dim(probs, slots, [0, 2]), b.constant(0.0, slots)), [2],
+                   hint="top")
+    total = b.broadcast_in_dim(b.reduce(top, [1], hint="top_sum"), (t, k), [0], hint="top_sum")
+    return ids, b.divide(top, total, hint="route_weights")
+
+
+def moe_mlp(b: Builder, x: Value, w: dict, cfg, gathered: bool) -> Value:
+    """A sparse layer's MLP of rows x [T, D] (`w`: the layer's weights by their names here):
+    `gathered` (decode: each lane's chosen experts read alone; the same form at every lane
+    count, so a lane's bits do not depend on its neighbours), else every expert over every
+    row (a prompt chunk)."""
+    ids, weights = route(b, x, w[ROUTER], cfg.num_experts_per_tok)
+    form = _gathered if gathered else _every_expert
+    return form(b, x, ids, weights, w, cfg.moe_intermediate_size)
+
+
+def _gated(b: Builder, h: Value, i: int) -> Value:
+    """silu(gate) * up of the experts' [.., 2 x I] outputs (gate first)."""
+    last = h.rank - 1
+    start, mid, end = [0] * h.rank, list(h.shape), list(h.shape)
+    mid[last] = i
+    up_start = list(start)
+    up_start[last] = i
+    gate, up = b.slice(h, start, mid, hint="gate"), b.slice(h, up_start, end, hint="up")
+    return b.multiply(silu(b, gate), up, hint="gated")
+
+
+def _gathered(b: Builder, x: Value, ids: Value, weights: Value, w: dict, i: int) -> Value:
+    """Each (row, slot)'s expert read on its own: the k chosen experts' weights of each row."""
+    t, k = ids.shape
+    flat = b.reshape(ids, (t * k,), hint="ids")
+
+    def chosen(name):
+        stacked = w[name]
+        picked = b.gather_slices(stacked, 0, flat, hint="experts")
+        return b.reshape(picked, (t, k, *stacked.shape[1:]), hint="experts")
+
+    gate_up, down = chosen(GATE_UP), chosen(DOWN)
+    dtype = activation_dtype(b, gate_up)
+    h = b.dot_general(cast(b, x, dtype), gate_up, contract=([1], [3]), batch=([0], [0]), hint="gate_up",
+                      result_dtype="f32")  # [T, k, 2I]
+    out = b.dot_general(cast(b, _gated(b, h, i), dtype), down, contract=([2], [3]), batch=([0, 1], [0, 1]),
+                        hint="down", result_dtype="f32")  # [T, k, D]
+    return b.dot_general(weights, out, contract=([1], [1]), batch=([0], [0]), hint="experts_sum",
+                         result_dtype="f32")
+
+
+def _every_expert(b: Builder, x: Value, ids: Value, weights: Value, w: dict, i: int) -> Value:
+    """Every expert over every row, each row's unchosen experts weighted by an exact zero."""
+    t, k = ids.shape
+    gate_up, down = w[GATE_UP], w[DOWN]
+    e = gate_up.shape[0]
+    dtype = activation_dtype(b, gate_up)
+    h = b.dot_general(cast(b, x, dtype), gate_up, contract=([1], [2]), hint="gate_up", result_dtype="f32")  # [T, E, 2I]
+    out = b.dot_general(cast(b, _gated(b, h, i), dtype), down, contract=([2], [2]), batch=([1], [0]), hint="down",
+                        result_dtype="f32")  # [E, T, D]
+    slots = (t, k, e)
+    chosen = b.compare("EQ", b.broadcast_in_dim(ids, slots, [0, 1], hint="ids"), b.iota(slots, 2, hint="expert"),
+                       hint="chosen")
+    spread = b.reduce(b.select(chosen, b.broadcast_in_dim(weights, slots, [0, 1]), b.constant(0.0, slots)), [1],
+                      hint="route_weights")  # [T, E]
+    return b.dot_general(spread, out, contract=([1], [0]), batch=([0], [1]), hint="experts_sum", result_dtype="f32")
+
+
+def check_precision(cfg, precision) -> None:
+    """Quantized experts are not built yet: a mixture-of-experts model runs in f32 or bf16."""
+    if cfg.moe and precision.bits:
+        raise ConfigError(f"--precision {precision}: the mixture-of-experts language model runs in f32 or bf16 "
+                          "for now (quantized experts are not built yet)")
