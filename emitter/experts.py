@@ -13,16 +13,20 @@ Weights, by their names in a layer (transformers 5's own layout, [E, out, in]):
 Released files store the two expert tensors the other way round ([E, in, out]);
 `orientation` tells the two apart by shape, and refuses a shape that fits both or neither.
 
-Two graph forms of the same sum (`moe_mlp`): decode gathers each lane's chosen experts'
-weights and reads only those; a prompt chunk runs every expert over every row and
-weights the unchosen by an exact zero. Either way a row's answer depends on that row alone.
+Float experts (f32, bf16) have two graph forms of the same sum (`moe_mlp`): decode gathers
+each lane's chosen experts' weights and reads only those; a prompt chunk runs every expert
+over every row and weights the unchosen by an exact zero. Q8_0 and Q4_0 experts (packed
+stacks, quant.Layout) go through the block kernel's expert entry, the rows grouped by
+expert (`_grouped`). Either way a row's answer depends on that row alone.
 """
 
 from __future__ import annotations
 
+from . import kernel_calls
 from .builder import Builder, Value
 from .config import ConfigError
-from .layers import activation_dtype, cast, project, silu, softmax
+from .layers import activation_dtype, cast, project, quantized_blocks, silu, softmax
+from .quant import BlockWeight
 
 ROUTER = "mlp.gate.weight"
 GATE_UP = "mlp.experts.gate_up_proj"
@@ -90,6 +94,8 @@ def moe_mlp(b: Builder, x: Value, w: dict, cfg, gathered: bool) -> Value:
     count, so a lane's bits do not depend on its neighbours), else every expert over every
     row (a prompt chunk)."""
     ids, weights = route(b, x, w[ROUTER], cfg.num_experts_per_tok)
+    if isinstance(w[GATE_UP], BlockWeight):
+        return _grouped(b, x, ids, weights, w, cfg.moe_intermediate_size)
     form = _gathered if gathered else _every_expert
     return form(b, x, ids, weights, w, cfg.moe_intermediate_size)
 
@@ -142,8 +148,47 @@ def _every_expert(b: Builder, x: Value, ids: Value, weights: Value, w: dict, i: 
     return b.dot_general(spread, out, contract=([1], [0]), batch=([0], [1]), hint="experts_sum", result_dtype="f32")
 
 
+def _grouped(b: Builder, x: Value, ids: Value, weights: Value, w: dict, i: int) -> Value:
+    """q8_0 / q4_0 experts through the block kernel's expert entry (ggml's mul_mat_id): the
+    (row, slot) pairs sorted by expert (stable: a pair's place is the pairs of lower experts
+    plus the earlier pairs of its own), each expert's rows contracted against its weights,
+    read once a call; the outputs taken back to pair order and summed by the route weights.
+    The same form at every row count; a pair's outputs are its row's alone."""
+    t, k = ids.shape
+    p = t * k
+    flat = b.reshape(ids, (p,), hint="ids")
+    square = (p, p)
+    mine, other = (b.broadcast_in_dim(flat, square, [dim], hint="pair_expert") for dim in (0, 1))
+    me, them = (b.iota(square, dim, hint="pair") for dim in (0, 1))
+    before = b.bit_or(b.compare("LT", other, mine), b.bit_and(b.compare("EQ", other, mine), b.compare("LT", them, me)),
+                      hint="before")
+    one, zero = b.constant(1, square, "i32"), b.constant(0, square, "i32")
+    place = b.reduce(b.select(before, one, zero), [1], hint="place")  # [P]: pair p's row in expert order
+    # the token of each sorted row: pair p = token * k + slot sits at row place[p]
+    at = b.compare("EQ", b.broadcast_in_dim(place, square, [1], hint="place"), b.iota(square, 0, hint="row"))
+    token = b.divide(b.iota(square, 1, hint="pair"), b.constant(k, square, "i32"), hint="token")
+    rows = b.reduce(b.select(at, token, zero), [1], hint="sorted_tokens")
+    gate_up, down = w[GATE_UP], w[DOWN]
+    e = gate_up.q.shape[0]
+    edges = (e + 1, p)
+    offsets = b.reduce(b.select(b.compare("LT", b.broadcast_in_dim(flat, edges, [1], hint="ids"),
+                                          b.iota(edges, 0, hint="expert")),
+                                b.constant(1, edges, "i32"), b.constant(0, edges, "i32")), [1], hint="offsets")
+
+    def contract(v: Value, weight: BlockWeight, hint: str) -> Value:
+        return kernel_calls.expert_matmul(b, *quantized_blocks(b, v, hint + "_x"), offsets, weight.q, weight.scales,
+                                          weight.kernel, hint)
+
+    sorted_x = b.gather_rows(x, rows, hint="sorted_rows")
+    out = contract(_gated(b, contract(sorted_x, gate_up, "gate_up"), i), down, "down")  # [P, D], expert order
+    pairs = b.reshape(b.gather_rows(out, place, hint="pair_rows"), (t, k, out.shape[1]), hint="pair_rows")
+    return b.dot_general(weights, pairs, contract=([1], [1]), batch=([0], [0]), hint="experts_sum",
+                         result_dtype="f32")
+
+
 def check_precision(cfg, precision) -> None:
-    """Quantized experts are not built yet: a mixture-of-experts model runs in f32 or bf16."""
-    if cfg.moe and precision.bits:
-        raise ConfigError(f"--precision {precision}: the mixture-of-experts language model runs in f32 or bf16 "
-                          "for now (quantized experts are not built yet)")
+    """Experts run in f32, bf16, or through the block kernel (q8_0, q4_0); the other
+    quantized precisions have no expert form."""
+    if cfg.moe and precision.bits and not precision.kernel:
+        raise ConfigError(f"--precision {precision}: the mixture-of-experts language model runs in f32, bf16, "
+                          "q8_0 or q4_0")

@@ -96,7 +96,10 @@ def levels(bits: int) -> int:
 
 
 def scales_name(weight_name: str) -> str:
-    """`...proj.weight` -> `...proj.scales` (and `lm_head.weight` -> `lm_head.scales`)."""
+    """`...proj.weight` -> `...proj.scales` (and `lm_head.weight` -> `lm_head.scales`); a
+    name not ending in `weight` (an expert stack, `mlp.experts.gate_up_proj`) -> `..._scales`."""
+    if not weight_name.endswith("weight"):
+        return weight_name + "_scales"
     return weight_name[: -len("weight")] + "scales"
 
 
@@ -146,19 +149,22 @@ class Layout:
         return (f"int{self.bits}_g{self.group}" + ("" if self.scales == "f32" else f"_{self.scales}")
                 + ("_searched" if self.searched else ""))
 
-    def specs(self, name: str, shape: tuple[int, int]) -> list[WeightSpec]:
+    def specs(self, name: str, shape: tuple[int, ...]) -> list[WeightSpec]:
         """The graph weights of the [N, K] weight `name`: q [K, N], its scales [N, K / group]
         and an affine weight's biases; their host transforms name the layout (`tag`: so the
-        artifact identity changes with the bits, the group, the scales and the form)."""
+        artifact identity changes with the bits, the group, the scales and the form). A packed
+        layout also takes a stack of experts [E, N, K]: each expert packed, [E, ...] of both."""
         tag = self.tag
-        cut = (shape[0], groups(name, shape, self.group))
         if self.packed:
-            if shape[0] % (2 * TILE):
-                raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] with N a multiple of {2 * TILE} "
-                                  f"(the q{self.bits}_0 kernel's tiles)")
+            *stack, n, k = shape
+            if len(stack) > 1 or n % (2 * TILE):
+                raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] or [E, N, K] with N a multiple of "
+                                  f"{2 * TILE} (the q{self.bits}_0 kernel's tiles)")
+            cut = (*stack, n, groups(name, (n, k), self.group))
             suffix = ("_searched" if self.searched else "") + f"_g{self.group}"
-            return [WeightSpec(name, (shape[0], shape[1] * self.bits // 8), "i8", f"q{self.bits}_0_tiles{suffix}"),
+            return [WeightSpec(name, (*stack, n, k * self.bits // 8), "i8", f"q{self.bits}_0_tiles{suffix}"),
                     WeightSpec(scales_name(name), cut, "f16", f"q{self.bits}_0_tile_scales{suffix}")]
+        cut = (shape[0], groups(name, shape, self.group))
         out = [WeightSpec(name, shape[::-1], self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
                WeightSpec(scales_name(name), cut, self.scales, f"group_scales_{tag}")]
         if self.affine:
@@ -169,7 +175,7 @@ class Layout:
     def source_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The checkpoint's [N, K] of a weight whose graph spec has `shape` (q transposed, unless
         packed: [N, K * bits / 8] bytes)."""
-        return (shape[0], shape[1] * 8 // self.bits) if self.packed else tuple(shape[::-1])
+        return (*shape[:-1], shape[-1] * 8 // self.bits) if self.packed else tuple(shape[::-1])
 
     def store(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q, scales) of an f32 weight [N, K] as the archive holds them: `stored`, or packed
@@ -177,6 +183,9 @@ class Layout:
         [N, K * bits / 8] bytes and [N, K/32] f16 in its tile order)."""
         if not self.packed:
             return stored(w, self)
+        if w.ndim == 3:  # a stack of experts, each packed on its own
+            parts = [self.store(expert) for expert in w]
+            return np.stack([q for q, _ in parts]), np.stack([s for _, s in parts])
         q, scales = block_weight(w, self.bits)
         return pack_weight(q, self.bits).reshape(q.shape[0], -1), pack_scales(scales).reshape(scales.shape)
 
@@ -444,7 +453,7 @@ def grouped(weights: dict, kernel: str | None = None) -> dict:
     (`scales_name`, `biases_name`) bound as one `QuantizedWeight` under the weight's name; a
     packed one (f16 scales) as a `BlockWeight` over the `kernel` object."""
     out = dict(weights)
-    for name in [n for n in out if n.endswith("weight") and scales_name(n) in out]:
+    for name in [n for n in out if scales_name(n) in out]:
         q, scales = out[name], out.pop(scales_name(name))
         if scales.dtype == "f16":
             out[name] = BlockWeight(q, scales, kernel)

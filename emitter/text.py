@@ -134,7 +134,7 @@ def weight_layouts(cfg: TextConfig, precision: Precision | str, names) -> dict:
     shapes = dict(weight_shapes(cfg))
     head = LM_HEAD if LM_HEAD in shapes else TEXT_PREFIX + EMBEDDING
     return {n: precision.layout_for(shapes[n], head=n == head, gathered=n.endswith(EMBEDDING))
-            for n in names if n.endswith(MATMUL_SUFFIXES)}
+            for n in names if n.endswith(MATMUL_SUFFIXES) or experts.is_expert(n)}
 
 
 def kernel_isa(precision: Precision) -> str | None:

@@ -561,3 +561,23 @@ static inline __attribute__((always_inline)) void workgroup(
 Q8_ENTRY(q8_matmul_workgroup, 8)
 Q8_ENTRY(q6_matmul_workgroup, 6)
 Q8_ENTRY(q4_matmul_workgroup, 4)
+
+// Mixture-of-experts (emitter/experts.py): the rows of x sorted by expert, expert e's rows
+// [offsets[e], offsets[e + 1]); w and dw stacks of E experts' packed weights, each as above.
+// Workgroup wg computes expert wg / chunks's rows against its tiles [tiles (wg % chunks), ...):
+// each chosen expert's weights read once a call, however many rows chose it (ggml's mul_mat_id),
+// an expert no row chose not at all. Each row's outputs are the one-matrix entry's bits.
+#define Q8_EXPERTS_ENTRY(name, bits)                                                                           \
+  void name(Q8_MEMREF(const int8_t, xq), Q8_MEMREF(const float, dx), Q8_MEMREF(const int32_t, xs),             \
+            Q8_MEMREF(const int32_t, offsets), Q8_MEMREF(const uint8_t, w), Q8_MEMREF(const uint16_t, dw),     \
+            Q8_MEMREF(float, y), size_t N, size_t K, size_t tiles, size_t chunks, size_t wg) {                 \
+    const int32_t* off = offsets + offsets_off;                                                                \
+    const size_t e = wg / chunks, first = (size_t)off[e], blocks = K / 32;                                     \
+    const size_t rows = (size_t)off[e + 1] - first;                                                            \
+    if (rows == 0) return;                                                                                     \
+    workgroup(xq + xq_off + first * K, dx + dx_off + first * blocks, xs + xs_off + first * blocks,             \
+              w + w_off + e * (N * K * (bits) / 8), dw + dw_off + e * (N * blocks), y + y_off + first * N, rows, \
+              N, K, tiles, wg % chunks, bits);                                                                 \
+  }
+Q8_EXPERTS_ENTRY(q8_experts_workgroup, 8)
+Q8_EXPERTS_ENTRY(q4_experts_workgroup, 4)

@@ -33,6 +33,8 @@ TILE = 16  # outputs per packed weight tile; N a multiple of two tiles
 OUTPUTS_PER_WORKGROUP = 128  # a multiple of 2 * TILE (the AVX-512 loop takes two tiles at once)
 # weight bits -> the C function: Q8_0, Q4_0, and the 6-bit table of q4_0's lm_head (`pack_weight`)
 ENTRIES = {8: "q8_matmul_workgroup", 6: "q6_matmul_workgroup", 4: "q4_matmul_workgroup"}
+# weight bits -> the mixture-of-experts entry: stacks of experts, rows sorted by expert
+EXPERT_ENTRIES = {8: "q8_experts_workgroup", 4: "q4_experts_workgroup"}
 
 
 def check_shape(m: int, n: int, k: int) -> None:
