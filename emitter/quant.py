@@ -86,6 +86,7 @@ ACTIVATION_FLOOR = 1e-30  # the least max|x| of an activation group quantized at
 I4_OUTPUTS = 64
 BLOCK_ROWS = 4096  # rows of a weight rearranged at a time for the archive (even)
 SYMMETRIC = "symmetric"  # the fourth item of a symmetric weight's `native_weights` entry
+PACKED = "packed-"  # ... and of one in the block kernel's tiles: "packed-" + the kernel's ISA
 SCALE_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}  # a layout's scale type -> numpy's
 CANDIDATES = (0.8, 0.85, 0.9, 0.95, 1.0)  # a searched group's trial steps, in units of its signed max / -2^(bits-1)
 
@@ -220,13 +221,34 @@ def held_bits(bits: int, outputs: int) -> int:
 
 def native_layouts(entries) -> dict[str, Layout]:
     """{name: Layout} of a config's `native_weights` entries: (name, bits, group) for an affine
-    weight (MLX's, GGUF's Q4_K / Q5_K), (name, bits, group, SYMMETRIC) for a symmetric one."""
+    weight (MLX's, GGUF's Q4_K / Q5_K), (name, bits, group, SYMMETRIC) for a symmetric one,
+    (name, bits, 32, "packed-ISA") for one held in the block kernel's tiles as it is (a GGUF's
+    Q8_0 / Q4_0 expert stack: its own codes and f16 scales), run by the kernel object of ISA."""
     out = {}
     for name, bits, group, *form in entries:
+        if form and form[0].startswith(PACKED):
+            out[name] = Layout(bits, group, scales="f16", packed=True)
+            continue
         if form not in ([], [SYMMETRIC]):
-            raise ConfigError(f"{name}: quantization form {form[0]!r}: expected {SYMMETRIC!r} or none (affine)")
+            raise ConfigError(f"{name}: quantization form {form[0]!r}: expected {SYMMETRIC!r}, {PACKED}ISA or none "
+                              "(affine)")
         out[name] = Layout(bits, group, affine=not form)
     return out
+
+
+def with_kernel_isa(entries, isa: str) -> tuple[tuple, ...]:
+    """`native_weights` entries with each packed one's form naming the kernel ISA `isa`."""
+    return tuple((name, bits, group, PACKED + isa) if form == [PACKED] else (name, bits, group, *form)
+                 for name, bits, group, *form in entries)
+
+
+def native_kernel_isa(entries) -> str | None:
+    """The ISA of the kernel object that a config's packed `native_weights` entries run on
+    (None where it has none)."""
+    isas = {form[0][len(PACKED):] for _, _, _, *form in entries if form and form[0].startswith(PACKED)}
+    if len(isas) > 1:
+        raise ConfigError(f"native weights packed for several kernel ISAs ({', '.join(sorted(isas))}): expected one")
+    return isas.pop() if isas else None
 
 
 def native_entry(name: str, layout: Layout) -> tuple:

@@ -125,7 +125,8 @@ def weight_layouts(cfg: TextConfig, precision: Precision | str, names) -> dict:
         raise ConfigError(f"--precision {precision}: the checkpoint's weights are quantized and run in their "
                           "own bits (or expanded under f32)")
     layouts = quant.native_layouts(cfg.native_weights)
-    odd = [name for name in layouts if name not in names or not name.endswith(MATMUL_SUFFIXES)]
+    odd = [name for name in layouts if name not in names
+           or not (name.endswith(MATMUL_SUFFIXES) or experts.is_expert(name))]
     if odd:
         raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the projections, the embedding table "
                           "and lm_head can run quantized")
@@ -143,10 +144,11 @@ def kernel_isa(precision: Precision) -> str | None:
     return precision.for_target().isa if precision.kernel else None
 
 
-def kernel_object(precision: Precision) -> str | None:
-    """The file name of the kernel object a graph form of q8_0 or q4_0 links (`kernel_isa`;
-    kernels/build.py `object_name`), else None."""
-    isa = kernel_isa(precision)
+def kernel_object(precision: Precision, cfg: TextConfig | None = None) -> str | None:
+    """The file name of the block kernel's object a graph links (kernels/build.py
+    `object_name`): a graph form of q8_0 or q4_0 (`kernel_isa`), or a checkpoint whose own
+    packed weights run on it (`quant.native_kernel_isa`); else None."""
+    isa = kernel_isa(precision) or (quant.native_kernel_isa(cfg.native_weights) if cfg else None)
     return None if isa is None else object_name(isa, q8_matmul.SOURCE)
 
 
@@ -172,7 +174,7 @@ class TextGraph:
         self.inputs: dict[str, Value] = {}
         self.w = quant.grouped({s.name: self.b.parameter(s.name.removeprefix(TEXT_PREFIX), s.shape, s.dtype,
                                                          key=s.name, scope=PARAMETER_SCOPE)
-                                for s in text_weights(cfg, precision)}, kernel_object(precision))
+                                for s in text_weights(cfg, precision)}, kernel_object(precision, cfg))
         self.attention_kernel = attention_object(cfg, shape, precision)
         pool = pool_shape(cfg.num_key_value_heads, shape.blocks, cfg.head_dim)
         self.pages = [(self.b.state(f"layers.{n}.k_pages", pool, shape.kv_dtype),

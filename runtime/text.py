@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import iree.runtime as rt
 
+from emitter import quant
 from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
@@ -357,7 +358,10 @@ def text_precision(model_dir, cfg, precision: Precision, target: str, progress=N
     native runs the checkpoint's quantized weights in their bits, the rest f32; the others
     as `resolve_precision` has them (bf16-f32 unless bf16 dots pay on `target`)."""
     if precision.native:
-        cfg, precision = replace(cfg, native_weights=native_weights(model_dir, cfg)), PRECISIONS["f32"]
+        entries = native_weights(model_dir, cfg)
+        if any(form == [quant.PACKED] for _, _, _, *form in entries):  # experts on the block kernel of `target`
+            entries = quant.with_kernel_isa(entries, PRECISIONS["q8_0"].for_target(target).isa)
+        cfg, precision = replace(cfg, native_weights=entries), PRECISIONS["f32"]
     return cfg, resolve_precision(precision, target, progress)
 
 

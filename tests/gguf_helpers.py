@@ -91,7 +91,8 @@ def dequantized_folder(path, folder):
     weights = load_text_weights(path, cfg)
     write_safetensors(folder / "model.safetensors",
                       {k: ("F32", w.shape, memoryview(np.ascontiguousarray(w)).cast("B")) for k, w in weights.items()})
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "tie_word_embeddings":
+    model_type = "qwen3_vl_moe" if cfg.num_experts else "qwen3_vl"
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "tie_word_embeddings":
                                                     cfg.tie_word_embeddings, "text_config": cfg.to_hf_text_config()}))
     return folder
 

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from emitter import quant
+from emitter.experts import DOWN, GATE_UP, ROUTER, is_expert
 from emitter.text import text_weights, weight_layouts, weight_shapes
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig, TokenIds, text_config_from_hf
 from runtime.checkpoints.gguf_blocks import LAYOUTS, in_bits
 from runtime.checkpoints.tensor_files import CheckpointError
 
-ARCH = "qwen3vl"
+ARCH, MOE_ARCH = "qwen3vl", "qwen3vlmoe"  # the dense and the mixture-of-experts language models
 MAGIC = b"GGUF"
 FLOAT_TYPES = ("F32", "F16", "BF16")
 TYPES = FLOAT_TYPES + tuple(LAYOUTS)  # what is read; the quantized ones run in their bits
@@ -34,6 +35,11 @@ BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
                "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# The mixture of experts (qwen3vlmoe): the router, and the expert stacks [E, out, in]; llama.cpp
+# stores gate and up apart, the graph takes them as one stack, gate rows first (GATE_UP).
+EXPERT_NAMES = {"ffn_gate_inp": ROUTER, "ffn_gate_exps": GATE_UP + ":gate", "ffn_up_exps": GATE_UP + ":up",
+                "ffn_down_exps": DOWN}
+EXPERT_TYPES = ("Q8_0", "Q4_0")  # expert stacks run in their bits, through the block kernel
 SPECIAL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                   "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 
@@ -73,6 +79,9 @@ def hf_name(name: str) -> str | None:
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK_NAMES:
         return f"{TEXT_PREFIX}layers.{parts[1]}.{BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in EXPERT_NAMES and \
+            parts[3] == "weight":
+        return f"{TEXT_PREFIX}layers.{parts[1]}.{EXPERT_NAMES[parts[2]]}"
     return None
 
 
@@ -104,10 +113,15 @@ def reader(path):
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
     arch = field(r, "general.architecture", path)
-    if arch != ARCH:
-        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; expected {ARCH!r} "
-                              "(a Qwen3-VL text model as llama.cpp's convert_hf_to_gguf.py writes it)")
+    if arch not in (ARCH, MOE_ARCH):
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; expected {ARCH!r} or "
+                              f"{MOE_ARCH!r} (a Qwen3-VL text model as llama.cpp's convert_hf_to_gguf.py writes it)")
     return r
+
+
+def architecture(r) -> str:
+    """The file's architecture (`reader` has checked it): its metadata keys' prefix."""
+    return r.fields["general.architecture"].contents()
 
 
 def field(r, key: str, path, default=None):
@@ -130,7 +144,8 @@ def text_config(path) -> tuple[TextConfig, TokenIds]:
     """The text config and special-token ids of a GGUF text file, from its `qwen3vl.*`
     metadata (tied embeddings where it stores no `output.weight`) and its vocabulary."""
     r = reader(path)
-    key = lambda k, default=None: field(r, f"{ARCH}.{k}", path, default)  # noqa: E731
+    arch = architecture(r)
+    key = lambda k, default=None: field(r, f"{arch}.{k}", path, default)  # noqa: E731
     tokens = field(r, "tokenizer.ggml.tokens", path)
     sections = key("rope.dimension_sections")
     text = {"vocab_size": len(tokens), "hidden_size": key("embedding_length"),
@@ -141,15 +156,34 @@ def text_config(path) -> tuple[TextConfig, TokenIds]:
             "max_position_embeddings": key("context_length"),
             "rope_parameters": {"rope_type": "default", "rope_theta": f32_decimal(key("rope.freq_base")),
                                 "mrope_section": list(sections[:3]), "mrope_interleaved": True}}
+    if arch == MOE_ARCH:
+        text.update(experts_config(r, path, key))
     ids = {name: tokens.index(tok) for name, tok in SPECIAL_TOKENS.items() if tok in tokens}
-    config = {"model_type": "qwen3_vl", "text_config": text, **ids,
+    config = {"model_type": "qwen3_vl_moe" if arch == MOE_ARCH else "qwen3_vl", "text_config": text, **ids,
               "tie_word_embeddings": not any(t.name == "output.weight" for t in r.tensors)}
     return text_config_from_hf(config, source=str(path))
 
 
+def experts_config(r, path, key) -> dict:
+    """The expert fields of a qwen3vlmoe file's text config: counts and width from its
+    metadata (one width for every layer), and as dense (mlp_only_layers) the layers that
+    store no router (llama.cpp writes none such, but a file may hold them)."""
+    width = key("expert_feed_forward_length")
+    if isinstance(width, list):
+        if len(set(width)) != 1:
+            raise CheckpointError(f"{path}: GGUF metadata '{MOE_ARCH}.expert_feed_forward_length' = {width}: expected "
+                                  "one expert width for every layer")
+        width = width[0]
+    routed = {t.name.split(".")[1] for t in r.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+    return {"num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": width, "decoder_sparse_step": 1,
+            "mlp_only_layers": [n for n in range(key("block_count")) if str(n) not in routed]}
+
+
 def deepstack_layers(path) -> int:
     """The decoder layers that take DeepStack features (`qwen3vl.n_deepstack_layers`)."""
-    return int(field(reader(path), f"{ARCH}.n_deepstack_layers", path, 0))
+    r = reader(path)
+    return int(field(r, f"{architecture(r)}.n_deepstack_layers", path, 0))
 
 
 def text_tensors(path, cfg: TextConfig) -> dict:
@@ -166,14 +200,34 @@ def text_tensors(path, cfg: TextConfig) -> dict:
         found[name] = t
     out = {}
     for name, shape in weight_shapes(cfg):
+        if name.endswith(GATE_UP):  # gate's and up's stacks, one weight of the graph
+            parts = [found.get(f"{name}:{half}") for half in ("gate", "up")]
+            if None in parts:
+                raise CheckpointError(f"{path}: the tensors for {name} (ffn_gate_exps and ffn_up_exps) are missing")
+            half = (shape[0], shape[1] // 2, shape[2])
+            for t in parts:
+                check_shape(t, half, path)
+            if parts[0].tensor_type != parts[1].tensor_type:
+                raise CheckpointError(f"{parts[1].name}: GGUF type {parts[1].tensor_type.name}: expected its gate's, "
+                                      f"{parts[0].tensor_type.name} (in {path})")
+            out[name] = parts  # a list: gguf's tensors are named tuples
+            continue
         if name not in found:
             raise CheckpointError(f"{path}: the tensor for {name} is missing")
-        t = found[name]
-        if tuple(int(n) for n in reversed(t.shape)) != tuple(shape):
-            raise CheckpointError(f"{t.name}: shape {list(reversed(t.shape.tolist()))} (expected {list(shape)}) "
-                                  f"(in {path})")
-        out[name] = t
+        check_shape(found[name], shape, path)
+        out[name] = found[name]
+    for name, t in out.items():
+        first = t[0] if isinstance(t, list) else t
+        if is_expert(name) and first.tensor_type.name not in (*FLOAT_TYPES, *EXPERT_TYPES):
+            raise CheckpointError(f"{first.name}: GGUF type {first.tensor_type.name} for an expert stack is not "
+                                  f"supported (in {path}); expected one of {', '.join(EXPERT_TYPES + FLOAT_TYPES)}")
     return out
+
+
+def check_shape(t, shape, path) -> None:
+    if tuple(int(n) for n in reversed(t.shape)) != tuple(shape):
+        raise CheckpointError(f"{t.name}: shape {list(reversed(t.shape.tolist()))} (expected {list(shape)}) "
+                              f"(in {path})")
 
 
 def check_type(t, path) -> None:
@@ -185,9 +239,16 @@ def check_type(t, path) -> None:
 
 def native_entries(tensors: dict, keep=lambda name: True) -> tuple[tuple, ...]:
     """`quant.native_layouts`' entries of the quantized tensors of {Hugging Face name:
-    the reader's tensor} for which `keep(name)`: each in its own bits (gguf_blocks.LAYOUTS)."""
-    return tuple(quant.native_entry(name, LAYOUTS[t.tensor_type.name]) for name, t in tensors.items()
-                 if t.tensor_type.name in LAYOUTS and keep(name))
+    the reader's tensor} for which `keep(name)`: each in its own bits (gguf_blocks.LAYOUTS);
+    an expert stack in the block kernel's tiles (form `quant.PACKED`, its ISA for the runtime
+    to add)."""
+    out = []
+    for name, t in tensors.items():
+        kind = (t[0] if isinstance(t, list) else t).tensor_type.name
+        if kind in LAYOUTS and keep(name):
+            layout = LAYOUTS[kind]
+            out.append((name, layout.bits, 32, quant.PACKED) if is_expert(name) else quant.native_entry(name, layout))
+    return tuple(out)
 
 
 def native_arrays(name: str, t, pending: dict) -> np.ndarray:
@@ -200,11 +261,40 @@ def native_arrays(name: str, t, pending: dict) -> np.ndarray:
 
 
 def dequantized(t) -> np.ndarray:
-    """One tensor as exact f32 in its logical shape (`gguf.quants.dequantize`)."""
+    """One tensor as exact f32 in its logical shape (`gguf.quants.dequantize`); gate's and
+    up's expert stacks as one [E, 2I, D]."""
     from gguf.quants import dequantize
 
+    if isinstance(t, list):
+        return np.concatenate([dequantized(part) for part in t], axis=1)
     shape = tuple(int(n) for n in reversed(t.shape))
     return np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+
+
+def packed_experts(name: str, t) -> tuple[np.ndarray, np.ndarray]:
+    """An expert stack of Q8_0 or Q4_0 blocks (gate's and up's as one, gate rows first) in
+    the block kernel's tiles as it is: each expert's codes and f16 scales repacked
+    (kernels/q8_matmul.py `pack_weight`, `pack_scales`), not a bit changed. ([E, N, K * bits / 8]
+    i8, [E, N, K / 32] f16.)"""
+    from kernels.build import KernelError
+    from kernels.q8_matmul import pack_scales, pack_weight
+    from runtime.checkpoints.gguf_blocks import signed
+
+    parts = t if isinstance(t, list) else [t]
+    kind = parts[0].tensor_type.name
+    bits = LAYOUTS[kind].bits
+    raws = [np.asarray(p.data, np.uint8).reshape(int(p.shape[2]), int(p.shape[1]), -1) for p in parts]
+    k = int(parts[0].shape[0])
+    qs, scales = [], []
+    for e in range(raws[0].shape[0]):
+        rows = [signed(kind, raw[e].reshape(raw.shape[1], k // 32, -1)) for raw in raws]
+        q = np.concatenate([r[0] for r in rows])
+        try:
+            qs.append(pack_weight(q, bits).reshape(q.shape[0], -1))
+        except KernelError as err:
+            raise CheckpointError(f"{parts[0].name}: expert {e}: {err}") from None
+        scales.append(pack_scales(np.concatenate([r[1] for r in rows]).astype(np.float16)).reshape(q.shape[0], -1))
+    return np.stack(qs), np.stack(scales)
 
 
 def native_weights(path, cfg: TextConfig) -> tuple[tuple, ...]:
@@ -233,7 +323,9 @@ def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> Iterator:
             yield (s.name, pending.pop(s.name))
             continue
         layout, t = layouts.get(s.name), tensors[s.name]
-        if s.name in native:
+        if s.name in native and is_expert(s.name):
+            q, pending[quant.scales_name(s.name)] = packed_experts(s.name, t)
+        elif s.name in native:
             q = native_arrays(s.name, t, pending)
         elif layout:
             q, pending[quant.scales_name(s.name)] = layout.store(dequantized(t))
