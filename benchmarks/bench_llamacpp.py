@@ -142,28 +142,53 @@ def build_logits_tool(src: Path, bindir: Path, log: Path) -> Path:
 
 # --- the checkpoint and its GGUF forms ------------------------------------------------------
 
-def write_checkpoint(work: Path, preset: str) -> Path:
-    """The random checkpoint both sides read (written once per preset)."""
-    folder = work / "models" / f"{preset}-hf"
+def model_name(preset: str, layers: int | None) -> str:
+    """The checkpoint's (and its GGUF folder's) name: the preset, and its layer count if cut."""
+    return f"{preset}-{layers}l" if layers else preset
+
+
+def write_checkpoint(work: Path, preset: str, layers: int | None = None) -> Path:
+    """The random checkpoint both sides read (written once per preset and layer count:
+    `random-checkpoint --layers`, the preset's widths at fewer layers)."""
+    folder = work / "models" / f"{model_name(preset, layers)}-hf"
     if not (folder / "config.json").exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
-        run_logged([QWEN3VL, "random-checkpoint", folder, "--preset", preset, "--with-text"], work / "convert.log")
+        run_logged([QWEN3VL, "random-checkpoint", folder, "--preset", preset, "--with-text",
+                    *(["--layers", str(layers)] if layers else [])], work / "convert.log")
     return folder
 
 
-def convert_all(src: Path, bindir: Path, ckpt: Path, out: Path, log: Path) -> dict[str, Path]:
-    """Every GGUF file the rounds use, by name (see PAIRS); each written once."""
+CONVERTED = {"text-f32": ["--outtype", "f32"], "text-bf16": ["--outtype", "bf16"], "text-q8_0": ["--outtype", "q8_0"],
+             "mmproj-f32": ["--mmproj", "--outtype", "f32"], "mmproj-f16": ["--mmproj", "--outtype", "f16"]}
+
+
+def needed_files(rows, tasks) -> set[str]:
+    """The GGUF files the rows' `tasks` read (the vision task's text file is Q4_K_M's)."""
+    names = {text for _, _, text, _ in rows if "text" in tasks or "answer" in tasks}
+    names |= {mmproj for _, _, _, mmproj in rows if "answer" in tasks or "vision" in tasks}
+    return names | ({"text-q4_k_m", "mmproj-f16"} if "vision" in tasks else set())
+
+
+def convert_all(src: Path, bindir: Path, ckpt: Path, out: Path, log: Path, names=None) -> dict[str, Path]:
+    """The GGUF files the rounds use (`names`, default every one), by name (see PAIRS); each
+    written once. llama-quantize's types come from the f32 file, or from the bf16 one where
+    the f32 file is not itself needed (a large checkpoint: half the disk)."""
+    names = set(CONVERTED) | set(LLAMA_QUANTIZE) if names is None else set(names)
+    source = "text-f32" if "text-f32" in names else "text-bf16"
+    if names & set(LLAMA_QUANTIZE):
+        names.add(source)
     out.mkdir(parents=True, exist_ok=True)
     files = {}
-    for name, args in (("text-f32", ["--outtype", "f32"]), ("text-bf16", ["--outtype", "bf16"]),
-                       ("text-q8_0", ["--outtype", "q8_0"]), ("mmproj-f32", ["--mmproj", "--outtype", "f32"]),
-                       ("mmproj-f16", ["--mmproj", "--outtype", "f16"])):
-        files[name] = convert(src, ckpt, out / f"{name}.gguf", args, log)
+    for name, args in CONVERTED.items():
+        if name in names:
+            files[name] = convert(src, ckpt, out / f"{name}.gguf", args, log)
     for name, kind in LLAMA_QUANTIZE.items():
+        if name not in names:
+            continue
         files[name] = out / f"{name}.gguf"
         if not files[name].exists():
             tmp = out / f"{name}.tmp.gguf"
-            run_logged([bindir / "llama-quantize", files["text-f32"], tmp, kind, "2"], log)
+            run_logged([bindir / "llama-quantize", files[source], tmp, kind, "2"], log)
             tmp.rename(files[name])
     return files
 
@@ -274,6 +299,7 @@ def child_text(options: dict) -> dict:
     then prefill of PREFILL random ids and DECODE - 1 greedy decode steps."""
     import numpy as np
 
+    from runtime.sizing import step_bytes
     from runtime.text import TextSession
     from runtime.vision import set_thread_count
 
@@ -294,8 +320,10 @@ def child_text(options: dict) -> dict:
     for _ in range(DECODE - 1):
         token = int(np.argmax(session.decode(token, session.length)))
     decode = (time.perf_counter() - start) / (DECODE - 1)
+    step = step_bytes(session.cfg, session.precision)
     return {"prefill_tok_s": PREFILL / prefill, "decode_ms_token": decode * 1e3, "built_as": session.precision,
-            "archive_bytes": Path(session.archive_path).stat().st_size}
+            "archive_bytes": Path(session.archive_path).stat().st_size, "step_weight_gb": step / 1e9,
+            "decode_weight_gbs": step / decode / 1e9}
 
 
 def ours_answer(model: Path, image: Path, precision: str, threads: int, target: str, tmp: Path,
@@ -510,6 +538,19 @@ def summarize(rounds: list[dict]) -> dict:
     return out
 
 
+def weight_traffic(rounds: list[dict], bandwidth: dict) -> str:
+    """Per row, the weight bytes our decode step reads (a sparse layer's chosen experts only:
+    runtime/sizing.py `step_bytes`) over its median time, against the machine's read roof."""
+    lines = [f"decode weight traffic (read roof {bandwidth['read_gbs']:.1f} GB/s, triad {bandwidth['triad_gbs']:.1f}):"]
+    for name, *_ in PAIRS:
+        runs = [r[name]["text"]["ours"] for r in rounds if name in r and "decode_weight_gbs" in r[name]["text"]["ours"]]
+        if runs:
+            gbs = statistics.median(r["decode_weight_gbs"] for r in runs)
+            lines.append(f"  {name}: {runs[0]['step_weight_gb']:.3f} GB of weights a step, {gbs:.1f} GB/s "
+                         f"= {gbs / bandwidth['read_gbs']:.0%} of the read roof")
+    return "\n".join(lines)
+
+
 def ratio(figure: str, ours: float, llama: float) -> str:
     """"x N" with N > 1 when ours is better (faster, or less memory)."""
     better = ours / llama if figure == "prefill_tok_s" else llama / ours
@@ -557,6 +598,9 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-vl-2b")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="the preset's widths at N language-model layers (random-checkpoint --layers): a large "
+                        "model's stand-in where disk or memory do not hold it whole")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", choices=list(ISAS), default="native",
@@ -590,15 +634,17 @@ def main() -> None:
     bindir = build_tools(src, work / f"build-{args.version}{suffix}", args.jobs, args.isa)
     target = ISAS[args.isa][1]
     print(f"llama.cpp tools: {bindir}", flush=True)
-    model = write_checkpoint(work, args.preset)
-    files = convert_all(src, bindir, model, work / "gguf" / args.preset, work / "convert.log")
+    model = write_checkpoint(work, args.preset, args.layers)
+    name = model_name(args.preset, args.layers)
+    rows = [r for r in PAIRS if r[0] in args.rows]
+    files = convert_all(src, bindir, model, work / "gguf" / name, work / "convert.log",
+                        None if args.quality else needed_files(rows, args.tasks))
     images = write_images(work / "images")
     prepared = time.perf_counter() - start
-    rows = [r for r in PAIRS if r[0] in args.rows]
-    tmp = work / "runs" / args.preset  # per preset: the quality step's logits files are named by precision only
+    tmp = work / "runs" / name  # per model: the quality step's logits files are named by precision only
     tmp.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
-              "preset": args.preset, "threads": args.threads, "isa": args.isa, "target": target, "llama_cpp": f"llama-cpp-python {args.version} sdist",
+              "preset": args.preset, "layers": args.layers, "threads": args.threads, "isa": args.isa, "target": target, "llama_cpp": f"llama-cpp-python {args.version} sdist",
               "converter_patch": patched, "llama_repack": REPACK_NOTE if llama_repacks() else NO_REPACK_NOTE, "machine_before": machine(),
               "prepare_s": prepared,
               "commit": subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
@@ -618,12 +664,17 @@ def main() -> None:
         logits_tool = build_logits_tool(src, bindir, work / "build.log")
         report["quality"] = quality(model, files, rows, logits_tool, args.threads, target, tmp)
     report["machine_after"] = machine()
+    if "text" in args.tasks:
+        from runtime.bench.roof import memory_bandwidth_gbs
+        report["memory_bandwidth"] = memory_bandwidth_gbs(args.threads)
     report["summary"] = summarize(report["rounds"])
     report["table"] = table(report["summary"], bits_labels(report["rounds"]))
     m = report["machine_before"]
     print(f"\n{m['cpu']}, {m['cores']} cores, load {m['load_average']} -> {report['machine_after']['load_average']}")
     print(f"flags: {' '.join(m['flags'])}\n{patched}\n{report['llama_repack']}\n")
     print(report["table"])
+    if "memory_bandwidth" in report:
+        print("\n" + weight_traffic(report["rounds"], report["memory_bandwidth"]))
     if args.quality:
         print("\n" + quality_table(report["quality"]))
     if args.json:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from emitter.experts import is_expert
 from emitter.kv_pages import BLOCK
 from emitter.precision import Precision, precision as precision_of
 from emitter.targets import DEFAULT_TARGET
@@ -20,6 +21,20 @@ from runtime.artifact.build import vision_source
 from runtime.checkpoints import gguf_text, gguf_vision
 from runtime.checkpoints.text import model_text_config as load_text_config
 from runtime.text import CONTEXT_LADDER, DEFAULT_CONTEXT, GenerateError, checkpoint_precision, text_precision
+
+
+def step_bytes(cfg, precision) -> int:
+    """Bytes of weights one token's decode step reads (`cfg`, `precision` as the graph is built:
+    `text_precision`): every weight whole but the embedding table (a row a token, left out) and
+    a sparse layer's expert stacks and their scales, of which it reads num_experts_per_tok of
+    num_experts (emitter/experts.py: only the chosen experts' weights)."""
+    total = 0
+    for spec in text_weights(cfg, precision):
+        if spec.name.endswith(("embed_tokens.weight", "embed_tokens.scales")):
+            continue
+        share = cfg.num_experts_per_tok / cfg.num_experts if is_expert(spec.name.removesuffix("_scales")) else 1
+        total += spec_bytes(spec) * share
+    return int(total)
 
 
 def available_memory() -> int:

@@ -19,7 +19,6 @@ from helpers import chunked_logits, generate_logits
 from emitter import quant
 from emitter.experts import GATE_UP
 from emitter.text_config import TEXT_PREFIX, TEXT_PRESETS
-from kernels import q8_matmul as q8
 from runtime.checkpoints import gguf_text
 from runtime.checkpoints.text import model_text_config
 from runtime.checkpoints.tensor_files import CheckpointError

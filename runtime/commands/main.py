@@ -141,7 +141,10 @@ def export(model, output, buckets, precision, target, name, diagnostics, cache_d
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--with-text", is_flag=True,
               help="Also a random language model, BPE tokenizer and chat template (for generate; docs/text.md).")
-def random_checkpoint(folder, preset_name, layout, dtype, bits, group_size, seed, with_text):
+@click.option("--layers", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --with-text: the language model's first N layers only (a smaller stand-in at the "
+                   "preset's widths, e.g. for benchmarks).")
+def random_checkpoint(folder, preset_name, layout, dtype, bits, group_size, seed, with_text, layers):
     """Write a deterministic random-weight checkpoint folder (for demos and tests).
 
     DIR must be new or empty; the folder is written whole or not at all."""
@@ -150,17 +153,23 @@ def random_checkpoint(folder, preset_name, layout, dtype, bits, group_size, seed
 
     cfg = preset(preset_name)
     if with_text:
-        click.echo(with_text_checkpoint(folder, preset_name, layout, dtype, bits, seed, int(group_size)))
+        click.echo(with_text_checkpoint(folder, preset_name, layout, dtype, bits, seed, int(group_size), layers))
         return
+    if layers:
+        raise click.UsageError("--layers: only with --with-text (the language model's layers)")
     write_checkpoint(folder, cfg, seed=seed, layout=layout, dtype=dtype, bits=int(bits) if bits else None,
                      group_size=int(group_size))
     click.echo(f"wrote {folder} ({preset_name}, {layout}, {dtype}{', ' + bits + '-bit' if bits else ''})")
 
 
-def with_text_checkpoint(folder, preset_name: str, layout: str, dtype: str, bits, seed: int, group_size: int) -> str:
-    """`random-checkpoint --with-text`: the vision and text presets of one name, in the
-    Hugging Face layout in f32 (`synthetic_text`), or in mlx-vlm's (`synthetic_mlx`: any
-    dtype, quantized with `bits`); a line saying what."""
+def with_text_checkpoint(folder, preset_name: str, layout: str, dtype: str, bits, seed: int, group_size: int,
+                         layers: int | None = None) -> str:
+    """`random-checkpoint --with-text`: the vision and text presets of one name (the text
+    model's first `layers` only, where given), in the Hugging Face layout in f32
+    (`synthetic_text`), or in mlx-vlm's (`synthetic_mlx`: any dtype, quantized with `bits`);
+    a line saying what."""
+    from dataclasses import replace
+
     from emitter.config import ConfigError, preset
     from emitter.text_config import TEXT_PRESETS
 
@@ -170,15 +179,23 @@ def with_text_checkpoint(folder, preset_name: str, layout: str, dtype: str, bits
     if preset_name not in TEXT_PRESETS:
         raise ConfigError(f"--preset {preset_name!r}: no language-model preset; expected one of "
                           f"{', '.join(TEXT_PRESETS)}")
+    text = TEXT_PRESETS[preset_name]
+    if layers:
+        if layers > text.num_hidden_layers:
+            raise ConfigError(f"--layers {layers}: more than the preset's {text.num_hidden_layers}")
+        text = replace(text, num_hidden_layers=layers,
+                       mlp_only_layers=tuple(n for n in text.mlp_only_layers if n < layers))
+    what = f", the first {layers} of its {TEXT_PRESETS[preset_name].num_hidden_layers} layers" if layers else ""
     if layout == "mlx":
         from runtime.checkpoints.synthetic_mlx import write_mlx_generation_checkpoint
-        write_mlx_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name],
-                                        int(bits) if bits else None, group_size, dtype, seed)
+        write_mlx_generation_checkpoint(folder, preset(preset_name), text, int(bits) if bits else None, group_size,
+                                        dtype, seed)
         quantized = f", {bits}-bit groups of {group_size}" if bits else ""
-        return f"wrote {folder} ({preset_name}, mlx, {dtype}{quantized}, with a language model, tokenizer and chat template)"
+        return (f"wrote {folder} ({preset_name}, mlx, {dtype}{quantized}, with a language model{what}, tokenizer "
+                "and chat template)")
     from runtime.checkpoints.synthetic_text import write_generation_checkpoint
-    write_generation_checkpoint(folder, preset(preset_name), TEXT_PRESETS[preset_name], seed=seed)
-    return f"wrote {folder} ({preset_name}, hf, f32, with a language model, tokenizer and chat template)"
+    write_generation_checkpoint(folder, preset(preset_name), text, seed=seed)
+    return f"wrote {folder} ({preset_name}, hf, f32, with a language model{what}, tokenizer and chat template)"
 
 
 from runtime.commands.oracle import oracle_command  # noqa: E402
