@@ -230,3 +230,28 @@ def test_bad_moe_checkpoints_get_one_line_before_compile(released, tmp_path, cas
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], out.stderr
     assert nothing_compiled(cache)
+
+
+def test_serve_run_and_embed_take_a_moe_checkpoint(released, tmp_path):
+    """`qwen3vl serve` over the tiny-moe checkpoint answers an image chat through the openai
+    client (streamed too) with `qwen3vl generate`'s answer; `run` and `embed` encode images
+    with its tower."""
+    from serve_helpers import Server, chat, generate, user
+    from test_generate import qwen3vl
+
+    shutil.copytree(released, tmp_path / "model")  # the served model's name: its folder's
+    server = Server(tmp_path, model=tmp_path / "model")
+    try:
+        text, finish, usage = chat(server, [user("What is it?", server.images[:1])], max_tokens=8)
+        streamed, _, _ = chat(server, [user("What is it?", server.images[:1])], stream=True, max_tokens=8)
+        solo = generate(server, "What is it?", server.images[:1], 8)
+        assert text == streamed == solo["text"] and usage["completion_tokens"] == len(solo["tokens"]) > 0
+    finally:
+        server.process.kill()
+        server.process.wait()
+    out = qwen3vl("run", "--model", released, str(server.images[0]), "--output", tmp_path / "run.safetensors",
+                  "--cache-dir", tmp_path / "cache")
+    assert out.returncode == 0 and (tmp_path / "run.safetensors").exists(), out.stderr
+    out = qwen3vl("embed", "--model", released, server.allowed, "--output", tmp_path / "embeds", "--cache-dir",
+                  tmp_path / "cache")
+    assert out.returncode == 0 and (tmp_path / "embeds" / "index.json").exists(), out.stderr
