@@ -175,8 +175,8 @@ def convert_all(src: Path, bindir: Path, ckpt: Path, out: Path, log: Path, names
     the f32 file is not itself needed (a large checkpoint: half the disk)."""
     names = set(CONVERTED) | set(LLAMA_QUANTIZE) if names is None else set(names)
     source = "text-f32" if "text-f32" in names else "text-bf16"
-    if names & set(LLAMA_QUANTIZE):
-        names.add(source)
+    if any(not (out / f"{name}.gguf").exists() for name in names & set(LLAMA_QUANTIZE)):
+        names.add(source)  # (kept or removed after, as the disk allows: not needed again)
     out.mkdir(parents=True, exist_ok=True)
     files = {}
     for name, args in CONVERTED.items():
@@ -321,7 +321,7 @@ def child_text(options: dict) -> dict:
         token = int(np.argmax(session.decode(token, session.length)))
     decode = (time.perf_counter() - start) / (DECODE - 1)
     step = step_bytes(session.cfg, session.precision)
-    return {"prefill_tok_s": PREFILL / prefill, "decode_ms_token": decode * 1e3, "built_as": session.precision,
+    return {"prefill_tok_s": PREFILL / prefill, "decode_ms_token": decode * 1e3, "built_as": str(session.precision),
             "archive_bytes": Path(session.archive_path).stat().st_size, "step_weight_gb": step / 1e9,
             "decode_weight_gbs": step / decode / 1e9}
 
