@@ -292,15 +292,18 @@ def per_call_weight(b: Builder, weight: QuantizedWeight) -> QuantizedWeight:
 def dequantized(b: Builder, q: Value, scales: Value, hint: str, biases: Value | None = None) -> Value:
     """q * scale (+ bias) of its group, f32 [K, N] (the numbers of `quant.dequantize`,
     transposed), for q [K, N] (i8 or i4, as stored), scales and any biases [N, G]: a weight,
-    or columns of the embedding table."""
-    k, n = q.shape
-    g = scales.shape[1]
-    wide = b.convert(b.reshape(q, (g, k // g, n), hint=hint + "_groups"), "f32", hint=hint + "_wide")
-    scaled = b.multiply(wide, b.broadcast_in_dim(wide_scales(b, scales, hint), wide.shape, [2, 0],
+    or columns of the embedding table. A stack (q [E, K, N], scales [E, N, G]: experts),
+    each the same: [E, K, N]."""
+    *stack, k, n = q.shape
+    g = scales.shape[-1]
+    s = len(stack)
+    dims = [*range(s), s + 2, s]  # scales [.., N, G] along the groups' [.., G, K / G, N]
+    wide = b.convert(b.reshape(q, (*stack, g, k // g, n), hint=hint + "_groups"), "f32", hint=hint + "_wide")
+    scaled = b.multiply(wide, b.broadcast_in_dim(wide_scales(b, scales, hint), wide.shape, dims,
                                                  hint=hint + "_scales"), hint=hint)
     if biases is not None:
-        scaled = b.add(scaled, b.broadcast_in_dim(biases, wide.shape, [2, 0], hint=hint + "_biases"), hint=hint)
-    return b.reshape(scaled, (k, n), hint=hint)
+        scaled = b.add(scaled, b.broadcast_in_dim(biases, wide.shape, dims, hint=hint + "_biases"), hint=hint)
+    return b.reshape(scaled, (*stack, k, n), hint=hint)
 
 
 def wide_scales(b: Builder, scales: Value, hint: str) -> Value:

@@ -105,7 +105,10 @@ def scales_name(weight_name: str) -> str:
 
 
 def biases_name(weight_name: str) -> str:
-    """`...proj.weight` -> `...proj.biases` (an affine weight's)."""
+    """`...proj.weight` -> `...proj.biases` (an affine weight's); a name not ending in
+    `weight` (an expert stack) -> `..._biases`, as `scales_name`."""
+    if not weight_name.endswith("weight"):
+        return weight_name + "_biases"
     return weight_name[: -len("weight")] + "biases"
 
 
@@ -153,20 +156,23 @@ class Layout:
     def specs(self, name: str, shape: tuple[int, ...]) -> list[WeightSpec]:
         """The graph weights of the [N, K] weight `name`: q [K, N], its scales [N, K / group]
         and an affine weight's biases; their host transforms name the layout (`tag`: so the
-        artifact identity changes with the bits, the group, the scales and the form). A packed
-        layout also takes a stack of experts [E, N, K]: each expert packed, [E, ...] of both."""
+        artifact identity changes with the bits, the group, the scales and the form). Every
+        layout also takes a stack of experts [E, N, K]: [E, ...] of each, every expert as one
+        weight (q [E, K, N]; packed: each expert packed)."""
         tag = self.tag
+        *stack, n, k = shape
+        if len(stack) > 1:
+            raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] or a stack of experts [E, N, K]")
         if self.packed:
-            *stack, n, k = shape
-            if len(stack) > 1 or n % (2 * TILE):
+            if n % (2 * TILE):
                 raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] or [E, N, K] with N a multiple of "
                                   f"{2 * TILE} (the q{self.bits}_0 kernel's tiles)")
             cut = (*stack, n, groups(name, (n, k), self.group))
             suffix = ("_searched" if self.searched else "") + f"_g{self.group}"
             return [WeightSpec(name, (*stack, n, k * self.bits // 8), "i8", f"q{self.bits}_0_tiles{suffix}"),
                     WeightSpec(scales_name(name), cut, "f16", f"q{self.bits}_0_tile_scales{suffix}")]
-        cut = (shape[0], groups(name, shape, self.group))
-        out = [WeightSpec(name, shape[::-1], self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
+        cut = (*stack, n, groups(name, (n, k), self.group))
+        out = [WeightSpec(name, (*stack, k, n), self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
                WeightSpec(scales_name(name), cut, self.scales, f"group_scales_{tag}")]
         if self.affine:
             out.append(WeightSpec(biases_name(name), cut, "f32", f"recentred_biases_{tag}"))
@@ -174,19 +180,22 @@ class Layout:
 
 
     def source_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The checkpoint's [N, K] of a weight whose graph spec has `shape` (q transposed, unless
-        packed: [N, K * bits / 8] bytes)."""
-        return (*shape[:-1], shape[-1] * 8 // self.bits) if self.packed else tuple(shape[::-1])
+        """The checkpoint's [N, K] (or [E, N, K]) of a weight whose graph spec has `shape` (q
+        transposed, unless packed: [N, K * bits / 8] bytes)."""
+        if self.packed:
+            return (*shape[:-1], shape[-1] * 8 // self.bits)
+        return (*shape[:-2], shape[-1], shape[-2])
 
     def store(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q, scales) of an f32 weight [N, K] as the archive holds them: `stored`, or packed
         for the kernel (`block_weight`, then kernels/q8_matmul.py's `pack_weight`, `pack_scales`:
-        [N, K * bits / 8] bytes and [N, K/32] f16 in its tile order)."""
-        if not self.packed:
-            return stored(w, self)
-        if w.ndim == 3:  # a stack of experts, each packed on its own
+        [N, K * bits / 8] bytes and [N, K/32] f16 in its tile order). A stack of experts
+        [E, N, K]: each expert on its own, stacked."""
+        if w.ndim == 3:
             parts = [self.store(expert) for expert in w]
             return np.stack([q for q, _ in parts]), np.stack([s for _, s in parts])
+        if not self.packed:
+            return stored(w, self)
         q, scales = block_weight(w, self.bits)
         return pack_weight(q, self.bits).reshape(q.shape[0], -1), pack_scales(scales).reshape(scales.shape)
 
@@ -436,19 +445,20 @@ def integer_matmul(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarr
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized [N, K] weight in a graph: q transposed [K, N] (i8 or i4), its scales
-    [N, K / group] (f32) and, affine, its biases (f32, like the scales; else None)."""
+    [N, K / group] (f32) and, affine, its biases (f32, like the scales; else None). A stack
+    of experts [E, N, K]: q [E, K, N], scales and biases [E, N, K / group]."""
     q: object  # builder.Value
     scales: object  # builder.Value
     biases: object = None  # builder.Value
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The weight's [N, K]."""
-        return self.q.shape[1], self.q.shape[0]
+    def shape(self) -> tuple[int, ...]:
+        """The weight's [N, K] (a stack's [E, N, K])."""
+        return (*self.q.shape[:-2], self.q.shape[-1], self.q.shape[-2])
 
     @property
     def group(self) -> int:
-        return self.q.shape[0] // self.scales.shape[1]
+        return self.q.shape[-2] // self.scales.shape[-1]
 
     @property
     def parts(self) -> list:
