@@ -12,12 +12,17 @@ Weights, by their names in a layer (transformers 5's own layout, [E, out, in]):
   mlp.experts.down_proj        [E, hidden, I]
 Released files store the two expert tensors the other way round ([E, in, out]);
 `orientation` tells the two apart by shape, and refuses a shape that fits both or neither.
+mlx-vlm's checkpoints store them per projection (`switch_mlp`, [E, out, in] each, float or
+affine-quantized: `switch_parts`), gate_proj and up_proj making gate_up_proj.
 
 Float experts (f32, bf16) have two graph forms of the same sum (`moe_mlp`): decode gathers
 each lane's chosen experts' weights and reads only those; a prompt chunk runs every expert
 over every row and weights the unchosen by an exact zero. Q8_0 and Q4_0 experts (packed
 stacks, quant.Layout) go through the block kernel's expert entry, the rows grouped by
-expert (`_grouped`). Either way a row's answer depends on that row alone.
+expert (`_grouped`). MLX affine-quantized stacks run in their bits (q [E, in, out] i8 / i4,
+scales and biases [E, out, in / group]) in the float forms, dequantized in the graph: decode
+only the chosen experts' (gathered first), a chunk every expert's per call. Either way a
+row's answer depends on that row alone.
 """
 
 from __future__ import annotations
@@ -25,13 +30,18 @@ from __future__ import annotations
 from . import kernel_calls
 from .builder import Builder, Value
 from .config import ConfigError
-from .layers import activation_dtype, cast, project, quantized_blocks, silu, softmax
-from .quant import BlockWeight
+from .layers import (activation_dtype, cast, dequantized, held, per_call_weight, project, quantized_blocks, silu,
+                     softmax)
+from .quant import BlockWeight, QuantizedWeight
 
 ROUTER = "mlp.gate.weight"
 GATE_UP = "mlp.experts.gate_up_proj"
 DOWN = "mlp.experts.down_proj"
 EXPERT_WEIGHTS = (GATE_UP, DOWN)
+# mlx-vlm's layout (its sanitize, `switch_mlp`): one [E, out, in] stack per projection,
+# quantized as such; the graph's gate_up_proj is the gate_proj stack's rows, then up_proj's.
+SWITCH_PARTS = {GATE_UP: ("mlp.switch_mlp.gate_proj.weight", "mlp.switch_mlp.up_proj.weight"),
+                DOWN: ("mlp.switch_mlp.down_proj.weight",)}
 
 
 def sparse_shapes(cfg, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -44,6 +54,16 @@ def sparse_shapes(cfg, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
 def is_expert(name: str) -> bool:
     """A stacked expert tensor ([E, out, in]) of some layer."""
     return name.endswith(EXPERT_WEIGHTS)
+
+
+def switch_parts(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the stacks mlx-vlm's switch_mlp stores the expert tensor `name` (of
+    the graph's `shape`, [E, out, in]; any prefix kept) as, in their order along out: gate_proj
+    then up_proj for gate_up_proj, down_proj for down_proj. Each [E, out / parts, in]."""
+    suffix = next(s for s in EXPERT_WEIGHTS if name.endswith(s))
+    parts = SWITCH_PARTS[suffix]
+    e, out, n_in = shape
+    return [(name[: -len(suffix)] + part, (e, out // len(parts), n_in)) for part in parts]
 
 
 def orientation(name: str, stored: tuple[int, ...], shape: tuple[int, ...], where: str = "") -> bool:
@@ -92,12 +112,44 @@ def moe_mlp(b: Builder, x: Value, w: dict, cfg, gathered: bool) -> Value:
     """A sparse layer's MLP of rows x [T, D] (`w`: the layer's weights by their names here):
     `gathered` (decode: each lane's chosen experts read alone; the same form at every lane
     count, so a lane's bits do not depend on its neighbours), else every expert over every
-    row (a prompt chunk)."""
+    row (a prompt chunk). Affine-quantized stacks (an MLX checkpoint in its bits,
+    `quant.QuantizedWeight` [E, ...]) take the same two forms over weights dequantized in
+    the graph: decode the chosen experts' q, scales and biases gathered and only those
+    dequantized (`_chosen`); a chunk every expert's, dequantized per call (`_every`)."""
     ids, weights = route(b, x, w[ROUTER], cfg.num_experts_per_tok)
     if isinstance(w[GATE_UP], BlockWeight):
         return _grouped(b, x, ids, weights, w, cfg.moe_intermediate_size)
-    form = _gathered if gathered else _every_expert
-    return form(b, x, ids, weights, w, cfg.moe_intermediate_size)
+    if gathered:
+        t, k = ids.shape
+        flat = b.reshape(ids, (t * k,), hint="ids")
+        stacks = {name: _chosen(b, w[name], flat, (t, k)) for name in EXPERT_WEIGHTS}
+        return _gathered(b, x, weights, stacks, cfg.moe_intermediate_size)
+    return _every_expert(b, x, ids, weights, {name: _every(b, w[name]) for name in EXPERT_WEIGHTS},
+                         cfg.moe_intermediate_size)
+
+
+def _chosen(b: Builder, stack, flat: Value, lanes: tuple[int, int]) -> tuple[Value, int]:
+    """(the chosen experts' weights [T, k, ...], the axis of their inputs) of a stack, for
+    each (row, slot)'s expert in `flat` [T * k]: gathered along E as stored ([.., out, in]);
+    a quantized stack's q, scales and biases gathered (behind a barrier: `held`, so that IREE
+    keeps no relaid copy of the globals) and those alone dequantized, [.., in, out]."""
+    if isinstance(stack, QuantizedWeight):
+        parts = [b.gather_slices(v, 0, flat, hint="experts_" + part)
+                 for v, part in zip(held(b, stack).parts, ("q", "scales", "biases"))]
+        picked, axis = dequantized(b, parts[0], parts[1], "experts", *parts[2:]), -2
+    else:
+        picked, axis = b.gather_slices(stack, 0, flat, hint="experts"), -1
+    return b.reshape(picked, (*lanes, *picked.shape[1:]), hint="experts"), axis
+
+
+def _every(b: Builder, stack) -> tuple[Value, int]:
+    """(every expert's weights [E, ...], the axis of their inputs): a float stack as stored
+    ([E, out, in]); a quantized one dequantized per call ([E, in, out]; `per_call_weight`,
+    so that IREE keeps no resident f32 copy of the experts)."""
+    if isinstance(stack, QuantizedWeight):
+        w = per_call_weight(b, stack)
+        return dequantized(b, w.q, w.scales, "experts", w.biases), -2
+    return stack, -1
 
 
 def _gated(b: Builder, h: Value, i: int) -> Value:
@@ -111,35 +163,30 @@ def _gated(b: Builder, h: Value, i: int) -> Value:
     return b.multiply(silu(b, gate), up, hint="gated")
 
 
-def _gathered(b: Builder, x: Value, ids: Value, weights: Value, w: dict, i: int) -> Value:
-    """Each (row, slot)'s expert read on its own: the k chosen experts' weights of each row."""
-    t, k = ids.shape
-    flat = b.reshape(ids, (t * k,), hint="ids")
-
-    def chosen(name):
-        stacked = w[name]
-        picked = b.gather_slices(stacked, 0, flat, hint="experts")
-        return b.reshape(picked, (t, k, *stacked.shape[1:]), hint="experts")
-
-    gate_up, down = chosen(GATE_UP), chosen(DOWN)
+def _gathered(b: Builder, x: Value, weights: Value, stacks: dict, i: int) -> Value:
+    """Each (row, slot)'s expert read on its own: the k chosen experts' weights of each row
+    (`stacks`: each name's [T, k, ...] and the axis of its inputs, `_chosen`)."""
+    (gate_up, gate_up_in), (down, down_in) = stacks[GATE_UP], stacks[DOWN]
     dtype = activation_dtype(b, gate_up)
-    h = b.dot_general(cast(b, x, dtype), gate_up, contract=([1], [3]), batch=([0], [0]), hint="gate_up",
-                      result_dtype="f32")  # [T, k, 2I]
-    out = b.dot_general(cast(b, _gated(b, h, i), dtype), down, contract=([2], [3]), batch=([0, 1], [0, 1]),
-                        hint="down", result_dtype="f32")  # [T, k, D]
+    h = b.dot_general(cast(b, x, dtype), gate_up, contract=([1], [4 + gate_up_in]), batch=([0], [0]),
+                      hint="gate_up", result_dtype="f32")  # [T, k, 2I]
+    out = b.dot_general(cast(b, _gated(b, h, i), dtype), down, contract=([2], [4 + down_in]),
+                        batch=([0, 1], [0, 1]), hint="down", result_dtype="f32")  # [T, k, D]
     return b.dot_general(weights, out, contract=([1], [1]), batch=([0], [0]), hint="experts_sum",
                          result_dtype="f32")
 
 
-def _every_expert(b: Builder, x: Value, ids: Value, weights: Value, w: dict, i: int) -> Value:
-    """Every expert over every row, each row's unchosen experts weighted by an exact zero."""
+def _every_expert(b: Builder, x: Value, ids: Value, weights: Value, stacks: dict, i: int) -> Value:
+    """Every expert over every row, each row's unchosen experts weighted by an exact zero
+    (`stacks`: each name's [E, ...] and the axis of its inputs, `_every`)."""
     t, k = ids.shape
-    gate_up, down = w[GATE_UP], w[DOWN]
+    (gate_up, gate_up_in), (down, down_in) = stacks[GATE_UP], stacks[DOWN]
     e = gate_up.shape[0]
     dtype = activation_dtype(b, gate_up)
-    h = b.dot_general(cast(b, x, dtype), gate_up, contract=([1], [2]), hint="gate_up", result_dtype="f32")  # [T, E, 2I]
-    out = b.dot_general(cast(b, _gated(b, h, i), dtype), down, contract=([2], [2]), batch=([1], [0]), hint="down",
-                        result_dtype="f32")  # [E, T, D]
+    h = b.dot_general(cast(b, x, dtype), gate_up, contract=([1], [3 + gate_up_in]), hint="gate_up",
+                      result_dtype="f32")  # [T, E, 2I]
+    out = b.dot_general(cast(b, _gated(b, h, i), dtype), down, contract=([2], [3 + down_in]), batch=([1], [0]),
+                        hint="down", result_dtype="f32")  # [E, T, D]
     slots = (t, k, e)
     chosen = b.compare("EQ", b.broadcast_in_dim(ids, slots, [0, 1], hint="ids"), b.iota(slots, 2, hint="expert"),
                        hint="chosen")

@@ -116,7 +116,7 @@ def weight_layouts(cfg: TextConfig, precision: Precision | str, names) -> dict:
     q4_0's packed for their kernel in blocks of 32, q4_0's lm_head table in 6 bits, an embedding
     table not read by lm_head in Q8_0's 8-bit tiles); a checkpoint run in its own bits
     (`cfg.native_weights`: MLX's, GGUF's) the ones it stores quantized, in their own bits,
-    group and form (`quant.native_layouts`).
+    group and form (`quant.native_layouts`; a mixture of experts' stacks and router too).
     `names`: the config's weights. An affine weight that is no matmul weight of them: ConfigError."""
     precision = for_graph(precision)
     bits = precision.bits
@@ -126,10 +126,10 @@ def weight_layouts(cfg: TextConfig, precision: Precision | str, names) -> dict:
                           "own bits (or expanded under f32)")
     layouts = quant.native_layouts(cfg.native_weights)
     odd = [name for name in layouts if name not in names
-           or not (name.endswith(MATMUL_SUFFIXES) or experts.is_expert(name))]
+           or not (name.endswith(MATMUL_SUFFIXES) or experts.is_expert(name) or name.endswith(experts.ROUTER))]
     if odd:
-        raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the projections, the embedding table "
-                          "and lm_head can run quantized")
+        raise ConfigError(f"{odd[0]}: quantized in the checkpoint, but only the projections, the experts and their "
+                          "router, the embedding table and lm_head can run quantized")
     if layouts or not bits:
         return layouts
     shapes = dict(weight_shapes(cfg))
