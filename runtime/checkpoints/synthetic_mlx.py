@@ -9,7 +9,10 @@ codes u packed in uint32 words (`mlx_quant`'s layout), and per group a scale s a
 such that w = s*u + b has mean 0 and about the spread of the f32 recipes
 (`synthetic.random_vision_weights`, `synthetic_text.random_text_tensors`: std gain/sqrt(fan_in),
 the embedding table 1). Norm weights, biases and the conv (channels-last) are float in
-`dtype`. Each tensor is drawn from its own seeded generator as it is written, into shards
+`dtype`. A mixture-of-experts language model (qwen3_vl_moe) is written as mlx-vlm's sanitize
+and convert leave it: each layer's experts as switch_mlp stacks [E, out, in] per projection
+(quantized as such), the router `mlp.gate` at 8 bits in groups of 64 (its quant_predicate,
+a per-module entry of config.json's `quantization`). Each tensor is drawn from its own seeded generator as it is written, into shards
 of about `shard_bytes` with model.safetensors.index.json, so memory stays near one tensor:
 a 4-bit 8B (about 5 GB) is written holding a few hundred MB.
 """
@@ -22,11 +25,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from emitter import experts
 from emitter.atomic import folder_atomic, write_atomic
 from emitter.config import HF_PREFIX, VisionConfig, weight_schema
 from emitter.policy import VIDEO_PREPROCESSOR_CONFIG
 from emitter.text import weight_shapes
-from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig
+from emitter.text_config import DENSE_MODEL_TYPE, LM_HEAD, MOE_MODEL_TYPE, TEXT_PREFIX, TextConfig
 from emitter.video_policy import DEFAULT_VIDEO_POLICY
 
 from runtime.checkpoints.synthetic import (DEFAULT_PROCESSOR, ST_DTYPE, check_new_folder, checkpoint_config,
@@ -38,6 +42,7 @@ from runtime.checkpoints.vision import CONV_NAME, MLX_PREFIX
 STORED_PREFIX = "language_model.model."  # mlx-vlm's names of the decoder's tensors
 STORED_HEAD = "language_model.lm_head"
 ITEM_BYTES = {"U32": 4, "F32": 4, "F16": 2, "BF16": 2}
+ROUTER_QUANTIZATION = {"group_size": 64, "bits": 8}  # mlx-vlm's qwen3_vl_moe quant_predicate for `mlp.gate`
 
 
 def stored_name(name: str) -> str:
@@ -64,19 +69,21 @@ def _float(name: str, shape: tuple[int, ...], mean: float, std: float, dtype: st
 
 def _quantized(module: str, shape: tuple[int, ...], std: float, bits: int, group: int, dtype: str,
                rng) -> list[Entry]:
-    """`module`.weight (uint32 codes), .scales and .biases of a random [out, in] weight."""
-    out, n_in = shape
+    """`module`.weight (uint32 codes), .scales and .biases of a random [out, in] weight (or a
+    stack of experts [E, out, in], each stored so)."""
+    *stack, out, n_in = shape
     levels = (1 << bits) - 1
     scale = std * np.sqrt(12.0 / ((levels + 1) ** 2 - 1))  # the std of s*u, u uniform over the codes
+    cut = (*stack, out, n_in // group)
 
     def scales() -> np.ndarray:  # drawn again for the biases, from the same seed
-        return np.float32(scale) * (1 + 0.1 * rng().standard_normal((out, n_in // group), np.float32))
+        return np.float32(scale) * (1 + 0.1 * rng().standard_normal(cut, np.float32))
 
     tag = ST_DTYPE[dtype]
-    return [Entry(module + ".weight", "U32", (out, n_in * bits // 32), lambda: rng().bytes(out * n_in * bits // 8)),
-            Entry(module + ".scales", tag, (out, n_in // group), lambda: to_bytes(scales(), dtype)[1]),
-            Entry(module + ".biases", tag, (out, n_in // group),
-                  lambda: to_bytes(-scales() * np.float32(levels / 2), dtype)[1])]
+    rows = int(np.prod(shape[:-1]))
+    return [Entry(module + ".weight", "U32", (*stack, out, n_in * bits // 32), lambda: rng().bytes(rows * n_in * bits // 8)),
+            Entry(module + ".scales", tag, cut, lambda: to_bytes(scales(), dtype)[1]),
+            Entry(module + ".biases", tag, cut, lambda: to_bytes(-scales() * np.float32(levels / 2), dtype)[1])]
 
 
 def _vision_entries(cfg: VisionConfig, bits: int | None, group: int, dtype: str, seeded) -> list[Entry]:
@@ -104,12 +111,20 @@ def _vision_entries(cfg: VisionConfig, bits: int | None, group: int, dtype: str,
 def _text_entries(cfg: TextConfig, bits: int | None, group: int, dtype: str, seeded) -> list[Entry]:
     """The language model's tensors under mlx-vlm's names, the recipe of
     `synthetic_text.random_text_tensors`; quantized: every 2-D weight (the embedding
-    table, the projections, an untied lm_head)."""
+    table, the projections, an untied lm_head) and expert stack (switch_mlp's, per
+    projection: `experts.switch_parts`), the routers in ROUTER_QUANTIZATION."""
     entries = []
     for name, shape in weight_shapes(cfg):
         stored = stored_name(name)
         if name.endswith("norm.weight"):
             entries.append(_float(stored, shape, 1.0, 0.1, dtype, seeded(stored)))
+        elif experts.is_expert(name):
+            std = (0.5 if name.endswith(experts.DOWN) else 1.0) / np.sqrt(shape[-1])
+            for part, part_shape in experts.switch_parts(stored, shape):
+                entries += _matrix(part, part_shape, std, bits, group, dtype, seeded)
+        elif name.endswith(experts.ROUTER):
+            entries += _matrix(stored, shape, 1 / np.sqrt(shape[1]), router_bits(shape, bits, group),
+                               ROUTER_QUANTIZATION["group_size"], dtype, seeded)
         else:
             gain = 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
             std = 1.0 if name.endswith("embed_tokens.weight") else gain / np.sqrt(shape[1])
@@ -117,8 +132,16 @@ def _text_entries(cfg: TextConfig, bits: int | None, group: int, dtype: str, see
     return entries
 
 
+def router_bits(shape: tuple[int, int], bits: int | None, group: int) -> int | None:
+    """The bits of a router [E, hidden] in a checkpoint quantized at `bits` / `group`:
+    ROUTER_QUANTIZATION's, where mlx-vlm quantizes it (both groups divide its inputs); else None."""
+    inputs = shape[1]
+    return None if bits is None or inputs % group or inputs % ROUTER_QUANTIZATION["group_size"] \
+        else ROUTER_QUANTIZATION["bits"]
+
+
 def _matrix(stored: str, shape, std: float, bits: int | None, group: int, dtype: str, seeded) -> list[Entry]:
-    if bits is None or shape[1] % group:  # as mlx-vlm leaves a module its group size does not divide
+    if bits is None or shape[-1] % group:  # as mlx-vlm leaves a module its group size does not divide
         return [_float(stored, shape, 0.0, std, dtype, seeded(stored))]
     module = stored[: -len(".weight")]
     return _quantized(module, shape, std, bits, group, dtype, seeded(module))
@@ -171,10 +194,27 @@ def write_mlx_generation_checkpoint(model_dir, vision: VisionConfig, text: TextC
                + _text_entries(text, bits, group_size, dtype, seeded))
     with folder_atomic(model_dir) as tmp:
         write_shards(tmp, entries, shard_bytes, {"format": "mlx"})
-        config = checkpoint_config(vision, dtype)
+        config = checkpoint_config(vision, dtype, MOE_MODEL_TYPE if text.num_experts else DENSE_MODEL_TYPE)
         if bits is not None:
             config.update(quantization_block(bits, group_size))
+            quantization = config["quantization"]  # also `quantization_config`: one dict
+            for name, shape in weight_shapes(text):
+                if name.endswith(experts.ROUTER) and router_bits(shape, bits, group_size):
+                    quantization[stored_name(name)[: -len(".weight")]] = dict(ROUTER_QUANTIZATION)
         write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         write_atomic(tmp / "preprocessor_config.json", json.dumps(DEFAULT_PROCESSOR, indent=2) + "\n")
         write_atomic(tmp / VIDEO_PREPROCESSOR_CONFIG, json.dumps(DEFAULT_VIDEO_POLICY.to_config(), indent=2) + "\n")
         add_language_files(tmp, text, seed)
+        released_rope(tmp / "config.json")
+
+
+def released_rope(path: Path) -> None:
+    """config.json's text_config given the rotary settings also as the released config.json
+    spells them (`rope_theta`, `rope_scaling`), which mlx-vlm's TextConfig requires; beside
+    transformers 5's `rope_parameters`, the same numbers."""
+    config = json.loads(path.read_text())
+    text = config["text_config"]
+    rope = dict(text["rope_parameters"])
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = rope
+    write_atomic(path, json.dumps(config, indent=2) + "\n")
