@@ -247,8 +247,10 @@ def batch_sizes(port: int) -> dict | None:
 
 
 def percentile(values, q: float) -> float:
+    """The q-quantile of `values`; NaN for none (a random model's answers may stream no text
+    until their bytes make whole characters)."""
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
 
 
 def round_of(port: int, bodies, clients: int, requests: int) -> dict:
@@ -295,7 +297,7 @@ def main(argv=None) -> None:
     source.add_argument("--preset", default="tiny", help="A random checkpoint of this preset (default tiny).")
     p.add_argument("--work", default="/tmp/qwen3vl-bench-serve", help="Where --preset checkpoints are written.")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "qwen3vl-iree"))
-    p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--precision", choices=["f32", "bf16", "int8", "int4", "w8a8", "q8_0", "q4_0", "native"], default="f32")
     p.add_argument("--kv-cache-dtype", choices=["f32", "bf16"], default="f32")
     p.add_argument("--kv-cache-memory", type=float, metavar="GB", help="The server's KV pool (default: its own).")
     p.add_argument("--prompt-bucket", type=int, action="append", help="The server's prefill buckets (repeatable).")
