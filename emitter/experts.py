@@ -221,16 +221,36 @@ def _grouped(b: Builder, x: Value, ids: Value, weights: Value, w: dict, i: int) 
     offsets = b.reduce(b.select(b.compare("LT", b.broadcast_in_dim(flat, edges, [1], hint="ids"),
                                           b.iota(edges, 0, hint="expert")),
                                 b.constant(1, edges, "i32"), b.constant(0, edges, "i32")), [1], hint="offsets")
+    chosen = _experts_with_rows(b, offsets, kernel_calls.chosen_count(p, e))
 
     def contract(v: Value, weight: BlockWeight, hint: str) -> Value:
-        return kernel_calls.expert_matmul(b, *quantized_blocks(b, v, hint + "_x"), offsets, weight.q, weight.scales,
-                                          weight.kernel, hint)
+        return kernel_calls.expert_matmul(b, *quantized_blocks(b, v, hint + "_x"), offsets, chosen, weight.q,
+                                          weight.scales, weight.kernel, hint)
 
     sorted_x = b.gather_rows(x, rows, hint="sorted_rows")
     out = contract(_gated(b, contract(sorted_x, gate_up, "gate_up"), i), down, "down")  # [P, D], expert order
     pairs = b.reshape(b.gather_rows(out, place, hint="pair_rows"), (t, k, out.shape[1]), hint="pair_rows")
     return b.dot_general(weights, pairs, contract=([1], [1]), batch=([0], [0]), hint="experts_sum",
                          result_dtype="f32")
+
+
+def _experts_with_rows(b: Builder, offsets: Value, g: int) -> Value:
+    """[G] i32: the experts with rows (offsets [E + 1] as `_grouped` makes them), in order,
+    then -1s: the kernel starts workgroups for these alone (a decode step's k of E)."""
+    e = offsets.shape[0] - 1
+    present = b.compare("GT", b.slice(offsets, [1], [e + 1]), b.slice(offsets, [0], [e]), hint="present")  # [E]
+    square = (e, e)
+    earlier = b.bit_and(b.broadcast_in_dim(present, square, [1], hint="present"),
+                        b.compare("LT", b.iota(square, 1), b.iota(square, 0)), hint="earlier")
+    rank = b.reduce(b.select(earlier, b.constant(1, square, "i32"), b.constant(0, square, "i32")), [1],
+                    hint="chosen_rank")  # [E]: chosen experts before e
+    slots = (g, e)
+    at = b.bit_and(b.broadcast_in_dim(present, slots, [1], hint="present"),
+                   b.compare("EQ", b.broadcast_in_dim(rank, slots, [1], hint="chosen_rank"), b.iota(slots, 0)),
+                   hint="chosen_at")
+    named = b.reduce(b.select(at, b.add(b.iota(slots, 1), b.constant(1, slots, "i32")), b.constant(0, slots, "i32")),
+                     [1], hint="chosen")
+    return b.subtract(named, b.constant(1, (g,), "i32"), hint="chosen")
 
 
 def check_precision(cfg, precision) -> None:

@@ -133,40 +133,51 @@ def experts_executable_name(m: int, n: int, k: int, experts: int, bits: int) -> 
     return f"q{bits}_experts_{m}x{n}x{k}x{experts}"
 
 
+def chosen_count(m: int, experts: int) -> int:
+    """How many distinct experts M sorted rows can name: the expert entry's list of them."""
+    return min(m, experts)
+
+
 def experts_executable(obj: str | os.PathLike, m: int, n: int, k: int, experts: int, bits: int) -> str:
     """`matmul_executable`'s mixture-of-experts form: y [M, N] from M rows sorted by expert
     (xq, dx, xs as there), offsets [E + 1] i32 (expert e's rows [offsets[e], offsets[e + 1])),
-    and stacks of E packed weights [E * N * K * bits / 8] i8 and scales [E * N * K / 32] f16;
-    E x ceil(N / 128) workgroups, each one expert's rows against 128 of its outputs (one that no
-    row chose returns at once)."""
+    the chosen experts [G] i32 (in order, then -1s; G = `chosen_count`), and stacks of E packed
+    weights [E * N * K * bits / 8] i8 and scales [E * N * K / 32] f16; G x ceil(N / 128)
+    workgroups, each one chosen expert's rows against 128 of its outputs (one past the chosen
+    returns at once)."""
     check_shape(m, n, k)
     if bits not in EXPERT_ENTRIES:
         raise KernelError(f"q8_matmul experts: weight bits {bits}: expected one of {', '.join(map(str, EXPERT_ENTRIES))}")
     g, export = k // BLOCK, experts_executable_name(m, n, k, experts, bits)
     chunks = -(-n // OUTPUTS_PER_WORKGROUP)
     shapes = {"x": (m * k, "i8"), "dx": (m * g, "f32"), "xs": (m * g, "i32"), "offsets": (experts + 1, "i32"),
-              "w": (experts * n * k * bits // 8, "i8"), "dw": (experts * n * g, "f16"), "y": (m * n, "f32")}
+              "chosen": (chosen_count(m, experts), "i32"), "w": (experts * n * k * bits // 8, "i8"),
+              "dw": (experts * n * g, "f16"), "y": (m * n, "f32")}
     return object_executable(obj, export, EXPERT_ENTRIES[bits],
                              {name: f"memref<{size}x{t}>" for name, (size, t) in shapes.items()},
                              {"n": n, "k": k, "tiles": OUTPUTS_PER_WORKGROUP // TILE, "chunks": chunks}, WORKGROUPS)
 
 
-def expert_matmul(b: Builder, xq: Value, dx: Value, xs: Value, offsets: Value, w: Value, scales: Value,
-                  obj: str | os.PathLike, hint: str = "experts") -> Value:
+def expert_matmul(b: Builder, xq: Value, dx: Value, xs: Value, offsets: Value, chosen: Value, w: Value,
+                  scales: Value, obj: str | os.PathLike, hint: str = "experts") -> Value:
     """Rows sorted by expert (xq [M, K] i8, dx, xs as `block_matmul` takes them; offsets
-    [E + 1] i32) against their experts' packed weights (w [E, N, K * bits / 8] i8, scales
-    [E, N, K / 32] f16: quant.Layout's packed stacks) -> [M, N] f32, each row through the
-    block kernel of `block_matmul`, each chosen expert's weights read once."""
+    [E + 1] i32; chosen [G] i32, the experts some row chose, in order, then -1s) against their
+    experts' packed weights (w [E, N, K * bits / 8] i8, scales [E, N, K / 32] f16: quant.Layout's
+    packed stacks) -> [M, N] f32, each row through the block kernel of `block_matmul`, each
+    chosen expert's weights read once."""
     m, k = xq.shape
     experts, n = scales.shape[0], scales.shape[1]
     bits = 8 * w.shape[2] // k
-    if bits not in EXPERT_ENTRIES or w.shape[:2] != (experts, n) or offsets.type != TensorType((experts + 1,), "i32"):
-        raise KernelError(f"q8_matmul {hint}: weights {w.type}, scales {scales.type}, offsets {offsets.type}: "
-                          f"expected stacks of {experts} experts in 8 or 4 bits and {experts + 1} offsets")
+    if (bits not in EXPERT_ENTRIES or w.shape[:2] != (experts, n) or offsets.type != TensorType((experts + 1,), "i32")
+            or chosen.type != TensorType((chosen_count(m, experts),), "i32")):
+        raise KernelError(f"q8_matmul {hint}: weights {w.type}, scales {scales.type}, offsets {offsets.type}, chosen "
+                          f"{chosen.type}: expected stacks of {experts} experts in 8 or 4 bits, {experts + 1} offsets "
+                          f"and {chosen_count(m, experts)} chosen")
     flat = [b.reshape(v, (int(np.prod(v.shape)),), hint=hint + "_flat") for v in (w, scales)]
     name = experts_executable_name(m, n, k, experts, bits)
-    return b.dispatch(name, experts_executable(obj, m, n, k, experts, bits), name, [xq, dx, xs, offsets, *flat],
-                      TensorType((m, n), "f32"), workload=experts * -(-n // OUTPUTS_PER_WORKGROUP), hint=hint)
+    return b.dispatch(name, experts_executable(obj, m, n, k, experts, bits), name,
+                      [xq, dx, xs, offsets, chosen, *flat], TensorType((m, n), "f32"),
+                      workload=chosen_count(m, experts) * -(-n // OUTPUTS_PER_WORKGROUP), hint=hint)
 
 
 def block_rows(b: Builder, w: Value, scales: Value, rows: Value, hint: str = "q8_rows") -> Value:

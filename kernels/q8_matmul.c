@@ -563,16 +563,21 @@ Q8_ENTRY(q6_matmul_workgroup, 6)
 Q8_ENTRY(q4_matmul_workgroup, 4)
 
 // Mixture-of-experts (emitter/experts.py): the rows of x sorted by expert, expert e's rows
-// [offsets[e], offsets[e + 1]); w and dw stacks of E experts' packed weights, each as above.
-// Workgroup wg computes expert wg / chunks's rows against its tiles [tiles (wg % chunks), ...):
-// each chosen expert's weights read once a call, however many rows chose it (ggml's mul_mat_id),
-// an expert no row chose not at all. Each row's outputs are the one-matrix entry's bits.
+// [offsets[e], offsets[e + 1]); w and dw stacks of E experts' packed weights, each as above;
+// chosen[G] the experts some row chose, in order, then -1s (G = min(E, rows)). Workgroup wg
+// computes expert chosen[wg / chunks]'s rows against its tiles [tiles (wg % chunks), ...): each
+// chosen expert's weights read once a call, however many rows chose it (ggml's mul_mat_id), an
+// expert no row chose not at all, and no workgroup started for it. Each row's outputs are the
+// one-matrix entry's bits.
 #define Q8_EXPERTS_ENTRY(name, bits)                                                                           \
   void name(Q8_MEMREF(const int8_t, xq), Q8_MEMREF(const float, dx), Q8_MEMREF(const int32_t, xs),             \
-            Q8_MEMREF(const int32_t, offsets), Q8_MEMREF(const uint8_t, w), Q8_MEMREF(const uint16_t, dw),     \
-            Q8_MEMREF(float, y), size_t N, size_t K, size_t tiles, size_t chunks, size_t wg) {                 \
+            Q8_MEMREF(const int32_t, offsets), Q8_MEMREF(const int32_t, chosen), Q8_MEMREF(const uint8_t, w),  \
+            Q8_MEMREF(const uint16_t, dw), Q8_MEMREF(float, y), size_t N, size_t K, size_t tiles, size_t chunks, \
+            size_t wg) {                                                                                       \
     const int32_t* off = offsets + offsets_off;                                                                \
-    const size_t e = wg / chunks, first = (size_t)off[e], blocks = K / 32;                                     \
+    const int32_t expert = chosen[chosen_off + wg / chunks];                                                   \
+    if (expert < 0) return;                                                                                    \
+    const size_t e = (size_t)expert, first = (size_t)off[e], blocks = K / 32;                                  \
     const size_t rows = (size_t)off[e + 1] - first;                                                            \
     if (rows == 0) return;                                                                                     \
     workgroup(xq + xq_off + first * K, dx + dx_off + first * blocks, xs + xs_off + first * blocks,             \

@@ -156,13 +156,15 @@ def test_expert_kernel_is_numpys_integer_math_bit_for_bit(tmp_path, bits):
     obj = build.build_object(calls.target_isa(tuple(target_flags("llvm-cpu"))), tmp_path, q8.SOURCE)
     b = Builder()
     args = [b.argument("xq", (m, k), "i8"), b.argument("dx", (m, k // 32)), b.argument("xs", (m, k // 32), "i32"),
-            b.argument("offsets", (e + 1,), "i32"), b.argument("w", (e, n, k * bits // 8), "i8"),
+            b.argument("offsets", (e + 1,), "i32"), b.argument("chosen", (e,), "i32"),
+            b.argument("w", (e, n, k * bits // 8), "i8"),
             b.argument("s", (e, n, k // 32), "f16")]
     y = calls.expert_matmul(b, *args, obj)
     module = LoadedModule(compile_mlir(render_module(b, [("y", y)], title="expert kernel test"), "llvm-cpu"))
     w = np.stack([q8.pack_weight(q, bits).reshape(n, -1) for q, _ in stack])
     s = np.stack([q8.pack_scales(scales).reshape(n, -1) for _, scales in stack])
-    (got,) = module(xq, dx, xs, offsets, w, s)
+    chosen = np.array([x for x, c in enumerate(counts) if c] + [-1] * counts.count(0), np.int32)
+    (got,) = module(xq, dx, xs, offsets, chosen, w, s)
     for expert, (q, scales) in enumerate(stack):
         rows = slice(offsets[expert], offsets[expert + 1])
         if counts[expert]:
