@@ -67,7 +67,7 @@ beside the packed one (measured: 2.0x the i8 bytes resident, against 1.1x when s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
