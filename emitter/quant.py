@@ -165,8 +165,9 @@ class Layout:
             raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] or a stack of experts [E, N, K]")
         if self.packed:
             if n % (2 * TILE):
-                raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] or [E, N, K] with N a multiple of "
-                                  f"{2 * TILE} (the q{self.bits}_0 kernel's tiles)")
+                form = "[E, N, K]" if stack else "[N, K]"
+                raise ConfigError(f"{name}: shape {list(shape)}: expected {form} with N a multiple of {2 * TILE} "
+                                  f"(the q{self.bits}_0 kernel's tiles)")
             cut = (*stack, n, groups(name, (n, k), self.group))
             suffix = ("_searched" if self.searched else "") + f"_g{self.group}"
             return [WeightSpec(name, (*stack, n, k * self.bits // 8), "i8", f"q{self.bits}_0_tiles{suffix}"),
