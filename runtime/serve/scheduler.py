@@ -17,7 +17,9 @@ later, first in line, by prefilling its prompt and the tokens it had (the prefix
 keeps what it can of them); its client sees nothing but the delay.
 
 Events go back to the request's asyncio queue: ("start", prompt_tokens), ("delta", text,
-logprobs), ("done", finish_reason, usage) or ("error", ApiError).
+logprobs), ("done", finish_reason, usage) or ("error", ApiError). A score job (`classify`:
+runtime/serve/rerank.py) ends at its prefill: ("start", prompt_tokens), then ("logits",
+the last position's logits of its token ids).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
     prompt: object = None  # its chat.Prompt, once prepared
+    classify: tuple | None = None  # token ids: a score job, answered by its prompt's last logits of these (rerank.py)
 
     def send(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -213,6 +216,11 @@ class Engine:
         logits = self.text.prefill_blocks(blocks, prompt, start)
         job.send("start", int(prompt.ids.size))
         self._count_running()
+        if job.classify is not None:  # a score job: no token chosen, the logits asked for are its answer
+            check_finite("logits", logits, "the language model")
+            job.send("logits", np.asarray(logits)[list(job.classify)].copy())
+            self._end(seq, "finished")
+            return True
         self._advance(seq, logits)
         return True
 
