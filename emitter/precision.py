@@ -97,10 +97,13 @@ class Precision:
         channel) when `per_channel`. A `gathered` one (the embedding table, read by rows out of
         the kernel's tiles) of a kernel precision is the head's when it is the head (tied), else
         Q8_0's (an untied q4_0's table stays 8-bit: read a row a token, its bytes are not the
-        decode's). q4_0's 6-bit head is Q8_0 at rows not a multiple of Q6_K_ROW inputs."""
+        decode's). q4_0's 6-bit head is Q8_0 at rows not a multiple of Q6_K_ROW inputs. The
+        tables (head, gathered) of a kernel precision take a vocabulary of any size (`pad_rows`)."""
         layout = (self.head or self.layout) if head else self.layout
         if (gathered and layout.packed and not head) or (layout == Q6_HEAD and shape[-1] % Q6_K_ROW):
-            return KERNEL_LAYOUTS["q8_0"]
+            layout = KERNEL_LAYOUTS["q8_0"]
+        if layout.packed and (head or gathered):
+            return replace(layout, pad_rows=True)
         return replace(layout, group=shape[-1]) if self.per_channel else layout
 
     def for_target(self, target: str | None = None, extra_flags=()) -> "Precision":

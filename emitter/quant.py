@@ -127,13 +127,17 @@ class Layout:
     `group` inputs, and for an `affine` one a bias per group too (module docstring); the
     scales' element type (`scales`: f32 or bf16; biases are f32); whether each group's
     scale is `searched` over all 2^bits levels (else max|w| / levels), made by `quantize`;
-    and a `packed` one (q8_0's, q4_0's) in the block kernel's tile order with f16 scales."""
+    and a `packed` one (q8_0's, q4_0's) in the block kernel's tile order with f16 scales;
+    `pad_rows`: a packed table whose N the kernel's tiles do not divide (a vocabulary of any
+    size: the embedding table, lm_head's) takes zero rows up to the next multiple of them, as
+    llama.cpp takes any row count (the graph's logits drop them: emitter/text.py `logits`)."""
     bits: int
     group: int = GROUP
     affine: bool = False
     scales: str = "f32"
     searched: bool = False
     packed: bool = False
+    pad_rows: bool = False
 
     def __post_init__(self):
         if self.bits not in STORAGE_DTYPE and not (self.packed and self.bits == PACKED_ONLY_BITS):
@@ -164,13 +168,15 @@ class Layout:
         if len(stack) > 1:
             raise ConfigError(f"{name}: shape {list(shape)}: expected [N, K] or a stack of experts [E, N, K]")
         if self.packed:
-            if n % (2 * TILE):
+            padded = self.padded(n)
+            if n % (2 * TILE) and not (self.pad_rows and not stack):
                 form = "[E, N, K]" if stack else "[N, K]"
                 raise ConfigError(f"{name}: shape {list(shape)}: expected {form} with N a multiple of {2 * TILE} "
                                   f"(the q{self.bits}_0 kernel's tiles)")
-            cut = (*stack, n, groups(name, (n, k), self.group))
-            suffix = ("_searched" if self.searched else "") + f"_g{self.group}"
-            return [WeightSpec(name, (*stack, n, k * self.bits // 8), "i8", f"q{self.bits}_0_tiles{suffix}"),
+            cut = (*stack, padded, groups(name, (n, k), self.group))
+            suffix = ("_searched" if self.searched else "") + f"_g{self.group}" + (
+                f"_rows{n}_padded{padded}" if padded != n else "")
+            return [WeightSpec(name, (*stack, padded, k * self.bits // 8), "i8", f"q{self.bits}_0_tiles{suffix}"),
                     WeightSpec(scales_name(name), cut, "f16", f"q{self.bits}_0_tile_scales{suffix}")]
         cut = (*stack, n, groups(name, (n, k), self.group))
         out = [WeightSpec(name, (*stack, k, n), self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
@@ -179,6 +185,10 @@ class Layout:
             out.append(WeightSpec(biases_name(name), cut, "f32", f"recentred_biases_{tag}"))
         return out
 
+    def padded(self, n: int) -> int:
+        """The rows a packed weight of n outputs holds: n, or with `pad_rows` the next multiple
+        of the kernel's two tiles."""
+        return -(-n // (2 * TILE)) * 2 * TILE if self.packed and self.pad_rows else n
 
     def source_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The checkpoint's [N, K] (or [E, N, K]) of a weight whose graph spec has `shape` (q
@@ -197,6 +207,8 @@ class Layout:
             return np.stack([q for q, _ in parts]), np.stack([s for _, s in parts])
         if not self.packed:
             return stored(w, self)
+        if self.padded(w.shape[0]) != w.shape[0]:
+            w = np.concatenate([w, np.zeros((self.padded(w.shape[0]) - w.shape[0], w.shape[1]), w.dtype)])
         q, scales = block_weight(w, self.bits)
         return pack_weight(q, self.bits).reshape(q.shape[0], -1), pack_scales(scales).reshape(scales.shape)
 

@@ -28,6 +28,10 @@ prefill_<S> (a chunk of S tokens at slot `start`, over the sequence's first L sl
   table         [N] i32        the sequence's first N blocks (N <= max_blocks)
   -> logits [1, vocab] f32 of token `last`; K and V of rows 0..S-1 written to slots
   start..start+S-1 (rows past the prompt's end land in block 0 or in slots decode rewrites).
+pool_<S> (only in a pooling module, `TextShape.pooled`: an embedding model's): prefill_<S>'s
+  arguments and K/V writes, -> hidden [1, D] f32: the final RMSNorm of token `last`'s hidden
+  state instead of its logits (the runtime runs a prompt's last chunk through it: last-token
+  pooling; a generative module's entries, identity and MLIR are as without it).
 decode_<B> (B lanes, each one token of a sequence; L holds every lane's slot):
   tokens [B] i32, positions [3, B] i32, slots [B] i32 (lane i's token's slot = its text
   position), tables [B, N] i32 (each lane's sequence's first N blocks; distinct
@@ -58,7 +62,7 @@ from .layers import apply_rotary, dequantized, gated_mlp, held, mrope_tables, pr
 from .module import function, render
 from .precision import Precision, for_graph
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
-from .text_shape import MODULE_NAME, RESET, TextShape, decode_name, lane_counts, prefill_name
+from .text_shape import MODULE_NAME, RESET, TextShape, decode_name, lane_counts, pool_name, prefill_name
 
 EMBEDDING = "embed_tokens.weight"
 MATMUL_SUFFIXES = ("proj.weight", EMBEDDING, LM_HEAD)
@@ -306,12 +310,20 @@ class TextGraph:
             return b.add(x, mlp, hint="residual")
 
     def logits(self, row: Value) -> Value:
-        """Final RMSNorm and lm_head of one row [1, D] -> [1, vocab]."""
+        """Final RMSNorm and lm_head of rows [R, D] (prefill's last, decode's lanes) -> [R, vocab]."""
         b = self.b
         with b.stage("lm_head"):
             normed = rms_norm(b, row, self.w[TEXT_PREFIX + "norm.weight"], self.cfg.rms_norm_eps)
             head = self.w.get(LM_HEAD, self.w[TEXT_PREFIX + "embed_tokens.weight"])
-            return project(b, normed, head, "lm_head")
+            logits = project(b, normed, head, "lm_head")
+            if logits.shape[-1] != self.cfg.vocab_size:  # a packed table's zero rows (quant.Layout pad_rows)
+                logits = b.slice(logits, [0, 0], [logits.shape[0], self.cfg.vocab_size], hint="vocab")
+            return logits
+
+    def pooled(self, row: Value) -> Value:
+        """Final RMSNorm of one row [1, D] (an embedding model's last-token pooling)."""
+        with self.b.stage("pooled"):
+            return rms_norm(self.b, row, self.w[TEXT_PREFIX + "norm.weight"], self.cfg.rms_norm_eps)
 
     def rope(self, positions: Value) -> tuple[Value, Value]:
         with self.b.stage("rope"):
@@ -348,9 +360,10 @@ def decode_inputs(lanes: int) -> list[tuple]:
 
 
 def prefill_function(cfg: TextConfig, shape: TextShape, bucket: int, deepstack_layers: int,
-                     precision: Precision | str = "f32") -> tuple[dict, list[str]]:
+                     precision: Precision | str = "f32", pooled: bool = False) -> tuple[dict, list[str]]:
     """prefill_<bucket>: a chunk of `bucket` tokens at slot `start` of a sequence, over the
-    slots of the blocks its table names."""
+    slots of the blocks its table names (`pooled`: pool_<bucket>, the same chunk returning its
+    last token's normed hidden state)."""
     g = TextGraph(cfg, shape, for_graph(precision))
     b = g.b
     inputs = {name: g.argument(name, dims, dtype)
@@ -373,6 +386,8 @@ def prefill_function(cfg: TextConfig, shape: TextShape, bucket: int, deepstack_l
                   lambda n, q, k, v, mask: g.attend(n, q, k, v, inputs["table"], inputs["start"], mask), deepstack)
     with b.stage("last"):
         row = b.dynamic_slice(x, [inputs["last"], g.zero], (1, d), hint="last")
+    if pooled:
+        return function(b, pool_name(bucket), [("hidden", g.pooled(row))]), b.globals
     return g.function(prefill_name(bucket), g.logits(row)), b.globals
 
 
@@ -430,12 +445,15 @@ def reset_function(cfg: TextConfig, shape: TextShape, precision: Precision | str
 def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, precision: Precision | str = "f32",
                      functions: str = "all") -> str:
     """MLIR text of the language-model module (deterministic: same input, same bytes):
-    `prefill_<S>` for each bucket S, `decode_<B>` for each lane count B, and `reset`
-    (`functions` "prefill" or "decode": only those, for benchmarks)."""
+    `prefill_<S>` for each bucket S, `decode_<B>` for each lane count B, and `reset`; a pooling
+    shape's `pool_<S>` too (`functions` "prefill" or "decode": only those, for benchmarks)."""
     precision = for_graph(precision)
     entries = []
     if functions in ("all", "prefill"):
         entries += [prefill_function(cfg, shape, s, deepstack_layers, precision) for s in shape.buckets]
+        if shape.pooled:
+            entries += [prefill_function(cfg, shape, s, deepstack_layers, precision, pooled=True)
+                        for s in shape.buckets]
     if functions in ("all", "decode"):
         entries += [decode_function(cfg, shape, n, precision) for n in lane_counts(shape.lanes)]
     entries.append(reset_function(cfg, shape, precision))
@@ -449,7 +467,8 @@ def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, p
     kv = "" if shape.kv_dtype == "f32" else f" in {shape.kv_dtype}"
     header = (f"// Qwen3-VL language model, prompt buckets {', '.join(map(str, shape.buckets))}, context "
               f"{shape.context}, {shape.lanes} lanes, KV cache of {shape.blocks} blocks of {BLOCK}{kv}, "
-              f"{deepstack_layers} DeepStack layers{precision.note}{native_note(cfg)}.\n"
+              f"{deepstack_layers} DeepStack layers{precision.note}{native_note(cfg)}"
+              f"{', last-token pooling entries' if shape.pooled else ''}.\n"
               f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
               f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items() if k != 'native_weights')}\n")
     return render(MODULE_NAME, header, shared, functions_)

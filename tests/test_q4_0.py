@@ -33,16 +33,19 @@ Q8_0 = quant.block_weight
 
 # Rows of 256 inputs: lm_head in 6 bits (at 64, CFG's, it is Q8_0, as llama.cpp falls back from Q6_K)
 WIDE = dataclasses.replace(CFG, hidden_size=256, intermediate_size=256)
+WIDE_ODD = dataclasses.replace(WIDE, vocab_size=CFG.vocab_size - 7)  # the tied 6-bit table padded to the tiles
 
 
 @pytest.fixture(scope="module")
 def wide(folders):
     write_text_model(folders / "wide", WIDE, seed=5)
+    write_text_model(folders / "wide-odd", WIDE_ODD, seed=5)
     return folders
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("name, cfg, head", [("untied", UNTIED, Q8_0), ("tied", CFG, Q8_0), ("wide", WIDE, Q6)])
+@pytest.mark.parametrize("name, cfg, head", [("untied", UNTIED, Q8_0), ("tied", CFG, Q8_0), ("wide", WIDE, Q6),
+                                            ("wide-odd", WIDE_ODD, Q6)])
 def test_q4_0_equals_numpys_integer_math(wide, name, cfg, head):
     """Prefill (two chunks: 32 rows, then 5) and greedy decode steps through the kernel
     against numpy's integer math of the same weights (lm_head's in `head`'s blocks: 6-bit at
