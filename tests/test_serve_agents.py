@@ -281,6 +281,9 @@ def test_regex_choice_and_json_object(server):
     assert __import__("re").fullmatch("[a-c]{3}-[0-9]{2}", r.choices[0].message.content)
     r = create(server, extra_body={"guided_choice": ["sunny", "rainy"]})
     assert r.choices[0].message.content in ("sunny", "rainy") and r.choices[0].finish_reason == "stop"
+    # a choice holding the vocabulary's single tokens: those tokens, as the model writes them
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert create(server, extra_body={"guided_choice": [call]}).choices[0].message.content == call
     # Random weights never end a key; a bias on '}' (allowed by the grammar only after '{')
     # closes it: the mask and logit_bias together.
     brace = tokenizer(server).tokenizer.token_to_id("}")

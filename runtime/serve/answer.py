@@ -55,7 +55,7 @@ def resolve(request, tokenizer, vocab_size: int) -> AnswerSpec:
         if kind == "grammar" or "</think>" not in grammars.single_tokens:
             raise ApiError(f"{param}: the chat template opens <think> for the answer, and this constraint cannot "
                            "follow the reasoning; pass chat_template_kwargs {\"enable_thinking\": false}", param)
-        kind, value = "lark", think_first(kind, value, value if kind == "lark" else None)
+        kind, value = "lark", think_first(kind, value, value if kind == "lark" else None, grammars.single_tokens)
     try:
         spec.grammar = (grammars, grammars.compile(kind, value, param))
     except ValueError as e:

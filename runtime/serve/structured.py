@@ -14,6 +14,7 @@ sequence, the matcher's token mask applied to the sequence's logits before sampl
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 
@@ -63,7 +64,7 @@ class Grammars:
             elif kind == "regex":
                 grammar = LLMatcher.grammar_from_regex(value)
             elif kind == "choice":
-                grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+                grammar = LLMatcher.grammar_from_lark("start: " + choices(value, self.single_tokens))
             elif kind == "grammar":
                 grammar = LLMatcher.grammar_from_lark(gbnf_to_lark(value) if "::=" in value else value)
             elif kind == "lark":
@@ -78,7 +79,18 @@ class Grammars:
         return grammar
 
 
-def think_first(kind: str, value, forced_lark: str | None = None) -> str:
+def choices(values, single_tokens=frozenset()) -> str:
+    """Lark's alternatives of `guided_choice` strings: each a string, where it holds one of
+    the vocabulary's single tokens (`<tool_call>`, `<think>`: special to llguidance, whose
+    lexer never matches them as text) that token as a token, as the model writes it."""
+    if not single_tokens:
+        return " | ".join(json.dumps(c) for c in values)
+    split = re.compile("(" + "|".join(re.escape(t) for t in sorted(single_tokens, key=len, reverse=True)) + ")")
+    return " | ".join(" ".join(part if part in single_tokens else json.dumps(part)
+                               for part in split.split(c) if part) or '""' for c in values)
+
+
+def think_first(kind: str, value, forced_lark: str | None = None, single_tokens=frozenset()) -> str:
     """Lark that lets a thinking model think first: free text up to the `</think>` token (its
     text never matches it: llguidance keeps special tokens out of the lexer), the newlines
     Qwen's templates write after it, then the constraint (`kind`, `value`; a forced call's
@@ -93,7 +105,7 @@ def think_first(kind: str, value, forced_lark: str | None = None) -> str:
     elif kind == "regex":
         body = f"answer: /{regex_to_lark(value)}/"
     elif kind == "choice":
-        body = "answer: " + " | ".join(json.dumps(c) for c in value)
+        body = "answer: " + choices(value, single_tokens)
     else:
         raise ValueError(f"{kind}: not after a thinking model's reasoning")
     return "start: thinking </think> /\\n{0,2}/ answer\nthinking: /(?s:.*)/\n" + body
