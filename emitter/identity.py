@@ -137,7 +137,8 @@ def text_artifact_fields(cfg, shape, deepstack_layers: int, precision: Precision
     return artifact_fields("text", cfg.to_dict(), graph, text_weights(cfg, precision), precision, target,
                            extra_flags=precision.compile_flags(cfg.native_weights), buckets=list(shape.buckets),
                            context=shape.context, deepstack_layers=deepstack_layers,
-                           lanes=shape.lanes, kv_blocks=shape.blocks, kv_cache_dtype=shape.kv_dtype)
+                           lanes=shape.lanes, kv_blocks=shape.blocks, kv_cache_dtype=shape.kv_dtype,
+                           **({"pooled": "last"} if shape.pooled else {}))  # a generative module's fields as before
 
 
 def _video_policy_dict(video_policy) -> dict:

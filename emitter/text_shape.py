@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .kv_pages import BLOCK
 
 MODULE_NAME = "qwen3vl_text"
-PREFILL, DECODE, RESET = "prefill", "decode", "reset"
+PREFILL, DECODE, RESET, POOL = "prefill", "decode", "reset", "pool"
 KV_DTYPES = ("f32", "bf16")
 KV_CACHE_HELP = ("KV cache element type: bf16 halves the cache's memory, its keys and values rounded to bf16 "
                  "(docs/text.md gives the distance from f32).")
@@ -40,12 +40,14 @@ def lane_counts(lanes: int) -> list[int]:
 class TextShape:
     """What the module's shapes depend on beside the model: the prompt buckets (multiples
     of BLOCK; the largest is the chunk C), the context, the decode lanes, the KV pool's
-    blocks and its element type."""
+    blocks and its element type; `pooled`: the module also has `pool_<S>` entries (an
+    embedding model's last-token rows)."""
     buckets: tuple[int, ...]
     context: int
     lanes: int = 1
     blocks: int = 0  # 0: one context's blocks per lane, and block 0
     kv_dtype: str = "f32"
+    pooled: bool = False
 
     def __post_init__(self):
         _count(self.context, "--context")
@@ -82,6 +84,10 @@ class TextShape:
 
 def prefill_name(bucket: int) -> str:
     return f"{PREFILL}_{bucket}"
+
+
+def pool_name(bucket: int) -> str:
+    return f"{POOL}_{bucket}"
 
 
 def decode_name(lanes: int) -> str:

@@ -51,13 +51,15 @@ class Generator:
     `precision` None: the checkpoint's own (`checkpoint_precision`). `keep_vision` False:
     the vision session is let go once a request's media are encoded, before the language
     model is loaded (`qwen3vl generate`'s one answer: the tower's weights are then not
-    resident beside the language model's; a later request with images loads it again)."""
+    resident beside the language model's; a later request with images loads it again).
+    `pooling` (runtime/embedding.py's `Pooling`): an embedding model, its text module with
+    the last-token pooling entries (`runtime.embedding.embed` runs them)."""
 
     def __init__(self, model_dir, buckets=DEFAULT_PROMPT_BUCKETS, context: int | None = DEFAULT_CONTEXT,
                  target: str | None = None, cache_dir=None, precision: Precision | str | None = "f32",
                  threads: int | None = None,
                  progress=None, kv_cache_dtype: str = "f32", lanes: int = 1, kv_blocks: int = 0,
-                 prefix_cache: bool = True, keep_vision: bool = True):
+                 prefix_cache: bool = True, keep_vision: bool = True, pooling=None):
         from runtime.vision import set_thread_count
         from runtime.inputs.tokenizer import ChatTokenizer
 
@@ -82,7 +84,8 @@ class Generator:
                      else len(self.vision_cfg.deepstack_visual_indexes))
         self.text_options = dict(buckets=buckets, deepstack_layers=deepstack,
                                  kv_cache_dtype=kv_cache_dtype, lanes=lanes, kv_blocks=kv_blocks,
-                                 prefix_cache=prefix_cache, **self.options)
+                                 prefix_cache=prefix_cache, pooled=pooling is not None, **self.options)
+        self.pooling = pooling  # runtime/embedding.py's Pooling of an embedding model (pool_<S> entries), or None
         self.limit = context
         self.text = TextSession(model_dir, context=context, **self.text_options)
         self._vision = None

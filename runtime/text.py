@@ -30,7 +30,7 @@ from emitter.kv_pages import BLOCK
 from emitter.precision import NATIVE, PRECISIONS, Precision, precision as precision_of
 from emitter.text import emit_text_module, prefill_inputs, text_weights
 from emitter.text_shape import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_blocks, decode_name, lane_counts,
-                                prefill_chunks)
+                                pool_name, prefill_chunks)
 
 from runtime.artifact.archive import release_mapped_pages
 from runtime.artifact.build import compiled_module
@@ -65,10 +65,10 @@ class TextSession:
                  deepstack_layers: int = 0, target: str | None = None, cache_dir=None,
                  precision: Precision | str = "f32",
                  progress=None, config: rt.Config | None = None, kv_cache_dtype: str = "f32", lanes: int = 1,
-                 kv_blocks: int = 0, prefix_cache: bool = True):
+                 kv_blocks: int = 0, prefix_cache: bool = True, pooled: bool = False):
         self.cfg, self.token_ids = load_text_config(model_dir)
         try:
-            self.shape = TextShape(tuple(buckets), context, lanes, kv_blocks, kv_cache_dtype)
+            self.shape = TextShape(tuple(buckets), context, lanes, kv_blocks, kv_cache_dtype, pooled)
         except TextShapeError as e:
             raise GenerateError(str(e)) from None
         self.cfg.check_context(self.context)
@@ -181,16 +181,27 @@ class TextSession:
         self.pool.hit_tokens += start
         return Blocks(shared + self.pool.take(fresh), len(shared), keys), start
 
-    def prefill_blocks(self, seq: Blocks, prompt, start: int) -> np.ndarray:
+    def prefill_blocks(self, seq: Blocks, prompt, start: int, pooled: bool = False) -> np.ndarray:
         """Prefill `prompt`'s slots start.. into `seq` chunk by chunk; its full blocks are
-        then keyed for the prefix cache. The logits [vocab] of its last token."""
+        then keyed for the prefix cache. The logits [vocab] of its last token (`pooled`: its
+        final normed hidden state [D] instead, the last chunk run by `pool_<S>`)."""
         ids = np.asarray(prompt.ids, np.int64).reshape(-1)
         self._check_ids(ids)
+        if pooled and not self.shape.pooled:
+            raise GenerateError("this language model was built without pooling entries (an embedding model's); "
+                                "open it with pooling (serve --pooling last)")
         table = self.pool.table(seq, self.shape.max_blocks)
-        for chunk in prefill_chunks(ids.size, self.shape, start):
+        chunks = prefill_chunks(ids.size, self.shape, start)
+        for chunk in chunks:
             args = self.prefill_arguments(chunk, ids, prompt.positions, prompt.visual, prompt.embeds,
                                           prompt.deepstack)
-            result = invoke(self.module[chunk.name], *args, np.array(chunk.start, np.int32), table[:chunk.blocks])
+            name = pool_name(chunk.size) if pooled and chunk is chunks[-1] else chunk.name
+            result = invoke(self.module[name], *args, np.array(chunk.start, np.int32), table[:chunk.blocks])
+        if pooled:
+            hidden = np.array(result.to_host(), dtype=np.float32, copy=True).reshape(-1)
+            check_finite("hidden state", hidden, "the language model")
+            self.pool.remember(seq.ids[seq.keyed:len(seq.keys)], seq.keys[seq.keyed:])
+            return hidden
         logits = self._logits(result).reshape(-1)
         self.pool.remember(seq.ids[seq.keyed:len(seq.keys)], seq.keys[seq.keyed:])
         return logits
@@ -229,6 +240,19 @@ class TextSession:
         return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]
 
     # -- one sequence (generate) -------------------------------------------------
+
+    def pooled_row(self, prompt) -> np.ndarray:
+        """The final normed hidden state [D] of `prompt`'s last token (a `chat.Prompt`;
+        `prefill_blocks` pooled), its blocks given back after (the prefix cache keeps them)."""
+        self.check_request(int(prompt.ids.size), 1)
+        if self.sequence is not None:
+            self.release(self.sequence)
+            self.sequence = None
+        seq, start = self.admit(prompt)  # the pool holds a whole context: never None here
+        try:
+            return self.prefill_blocks(seq, prompt, start, pooled=True)
+        finally:
+            self.release(seq)
 
     def prefill(self, input_ids, position_ids, visual_positions=None, image_embeds=None,
                 deepstack_features=None) -> np.ndarray:

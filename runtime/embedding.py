@@ -1,0 +1,142 @@
+"""Embedding models (Qwen3-VL-Embedding): how a checkpoint says it is one, the chat it embeds,
+and the vector it gives. The language model's `pool_<S>` entries (emitter/text.py) return the
+final normed hidden state of a prompt's last token; here it becomes the retrieval vector.
+
+- `checkpoint_pooling(model_dir)`: sentence-transformers' files, read as vLLM reads them:
+  modules.json names a `Pooling` module whose config.json has `pooling_mode_lasttoken` true;
+  the vector is normalized when modules.json has a `Normalize` module.
+- `resolve_pooling`: that, or what `--pooling last` / `--normalize` say.
+- `item_messages`: Qwen3-VL-Embedding's format (its model card's embedder): the instruction
+  as the system message (default "Represent the user's input.", ending in punctuation), the
+  user turn's parts (images, videos, text; "NULL" when it has none), and the generation
+  prompt; the vector is the last token's.
+- `finish`: Matryoshka `dimensions` (the first N values), then L2 normalization.
+- `embed(gen, messages, media)`: one item's vector through a `Generator` opened with pooling.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+POOLING_CHOICES = ("last",)
+DEFAULT_INSTRUCTION = "Represent the user's input."
+ST_POOLING = "sentence_transformers.models.Pooling"
+ST_MODULES = ("sentence_transformers.models.Transformer", ST_POOLING, "sentence_transformers.models.Normalize")
+
+
+class PoolingError(ValueError):
+    """A pooling the checkpoint or the options ask for that this runtime cannot give; one line."""
+
+
+@dataclass(frozen=True)
+class Pooling:
+    kind: str = "last"  # last-token pooling of the final normed hidden state
+    normalize: bool = True  # L2, after any Matryoshka truncation
+    source: str = "--pooling"  # what said so: the option, or the checkpoint's files
+
+    def describe(self) -> str:
+        return f"{self.kind}-token pooling{', normalized' if self.normalize else ''} ({self.source})"
+
+
+def checkpoint_pooling(model_dir) -> Pooling | None:
+    """The pooling sentence-transformers' files in `model_dir` declare (modules.json and its
+    Pooling module's config.json), or None when there are none (a generative checkpoint)."""
+    folder = Path(model_dir)
+    path = folder / "modules.json"
+    if not folder.is_dir() or not path.is_file():
+        return None
+    try:
+        modules = json.loads(path.read_text())
+        kinds = [m["type"] for m in modules]
+        pooling = next(m for m in modules if m["type"] == ST_POOLING)
+        config = json.loads((folder / pooling.get("path", "1_Pooling") / "config.json").read_text())
+    except StopIteration:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PoolingError(f"{path}: cannot read sentence-transformers' modules ({type(e).__name__}: {e})") from None
+    other = [k for k in kinds if k not in ST_MODULES]
+    if other:
+        raise PoolingError(f"{path}: module {other[0]}: only Transformer, Pooling and Normalize are supported")
+    modes = sorted(k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_") and v)
+    if modes != ["lasttoken"]:
+        raise PoolingError(f"{path}: pooling {'+'.join(modes) or 'none'}: only last-token pooling "
+                           "(pooling_mode_lasttoken) is supported")
+    return Pooling("last", "sentence_transformers.models.Normalize" in kinds, "checkpoint's modules.json")
+
+
+def resolve_pooling(model_dir, pooling: str | None = None, normalize: bool | None = None) -> Pooling | None:
+    """The embedding pooling to open `model_dir` with: `pooling` ("last") as asked, else the
+    checkpoint's (`checkpoint_pooling`), else None (generative). `normalize` None: the
+    checkpoint's Normalize module where it has files, else true (vLLM's default)."""
+    if pooling is not None and pooling not in POOLING_CHOICES:
+        raise PoolingError(f"--pooling {pooling}: expected one of {', '.join(POOLING_CHOICES)}")
+    found = checkpoint_pooling(model_dir)
+    if found is None and pooling is None:
+        if normalize is not None:
+            raise PoolingError("--normalize/--no-normalize: only with --pooling (or an embedding checkpoint)")
+        return None
+    if found is None:
+        found = Pooling(pooling, True, "--pooling")
+    return Pooling(found.kind, found.normalize if normalize is None else normalize, found.source)
+
+
+def instruction_text(instruction: str | None) -> str:
+    """The system message: `instruction` stripped, a full stop added unless it ends in
+    punctuation (as the model card's embedder does); the default when empty."""
+    text = (instruction or "").strip()
+    if not text:
+        return DEFAULT_INSTRUCTION
+    return text if unicodedata.category(text[-1]).startswith("P") else text + "."
+
+
+def item_messages(parts: list[dict], instruction: str | None = None) -> list[dict]:
+    """One item as Qwen3-VL-Embedding embeds it: the instruction as the system message, the
+    user turn's `parts` ({"type": "image"}, {"type": "video"}, {"type": "text", "text"}) or
+    "NULL" when there are none (empty texts dropped)."""
+    parts = [p for p in parts if p.get("type") != "text" or p.get("text")]
+    return [{"role": "system", "content": [{"type": "text", "text": instruction_text(instruction)}]},
+            {"role": "user", "content": parts or [{"type": "text", "text": "NULL"}]}]
+
+
+def with_instruction(messages: list[dict], instruction: str | None = None) -> list[dict]:
+    """A chat (vLLM's `messages` form) with the instruction as its system message when it has
+    none, so that a plain user turn embeds as `item_messages` of its parts."""
+    if messages and messages[0].get("role") == "system":
+        return messages
+    return [{"role": "system", "content": [{"type": "text", "text": instruction_text(instruction)}]}, *messages]
+
+
+def finish(hidden, normalize: bool = True, dimensions: int | None = None) -> np.ndarray:
+    """The retrieval vector of a pooled hidden state [D]: its first `dimensions` values
+    (Matryoshka), then divided by its L2 norm (torch's F.normalize: at least 1e-12) when
+    `normalize`."""
+    v = np.asarray(hidden, np.float32).reshape(-1)
+    if dimensions is not None:
+        v = v[:dimensions]
+    if normalize:
+        v = (v.astype(np.float64) / max(float(np.linalg.norm(v.astype(np.float64))), 1e-12)).astype(np.float32)
+    return v
+
+
+def check_dimensions(dimensions, hidden: int, name: str = "dimensions") -> int | None:
+    """`dimensions` None, or an integer in [1, hidden]; ValueError naming `name` otherwise."""
+    if dimensions is None:
+        return None
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= hidden:
+        raise PoolingError(f"{name} {dimensions!r}: expected an integer in [1, {hidden}] (the model's hidden size)")
+    return dimensions
+
+
+def embed(gen, messages: list[dict], media=(), dimensions: int | None = None, encode=None) -> tuple[np.ndarray, int]:
+    """(vector, prompt tokens) of one chat through `gen` (a Generator opened with pooling):
+    rendered with the generation prompt, its media encoded, pooled, finished."""
+    if gen.pooling is None:
+        raise PoolingError("this model was opened without pooling: an embedding checkpoint, or --pooling last")
+    check_dimensions(dimensions, gen.text.cfg.hidden_size)
+    prompt = gen.prepare(messages, list(media), 1, encode=encode)
+    return finish(gen.text.pooled_row(prompt), gen.pooling.normalize, dimensions), int(prompt.ids.size)

@@ -1,0 +1,179 @@
+"""Embedding models (runtime/embedding.py, the text module's `pool_<S>` entries): a tiny random
+checkpoint with sentence-transformers' files (last-token pooling, Normalize) against
+transformers' Qwen3VLModel (f32): the last token's final hidden state, normalized, within relL2
+1e-5, for text only, an image, a video and a prompt long enough to be prefilled in chunks,
+in the model card's format (the instruction as the system message); Matryoshka dimensions;
+a generative module's MLIR unchanged by the pooling entries. `/v1/embeddings` through the
+official openai client is in tests/test_serve_embeddings.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import rel_l2
+from helpers import gradient_frames, write_images, write_video
+from emitter.config import PRESETS
+from emitter.text import emit_text_module
+from emitter.text_config import TEXT_PRESETS
+from emitter.text_shape import TextShape
+from runtime.embedding import (DEFAULT_INSTRUCTION, PoolingError, checkpoint_pooling, embed, finish, item_messages,
+                               resolve_pooling)
+from runtime.generator import Generator
+from runtime.inputs.chat import Media
+from runtime.checkpoints.synthetic_text import write_generation_checkpoint
+
+pytestmark = pytest.mark.parity
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_text_parity import SMALL_POLICY, TOL, reference_model  # noqa: E402
+
+WORDS = "the a picture of red green blue cat dog house tree sky river road car window light".split()
+
+
+def write_sentence_transformers(model_dir: Path, normalize: bool = True) -> None:
+    """modules.json and 1_Pooling/config.json as Qwen3-VL-Embedding's repository has them."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 48, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+         "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": True, "include_prompt": True}))
+
+
+def embedding_checkpoint(root: Path) -> Path:
+    model_dir = root / "model"
+    write_generation_checkpoint(model_dir, PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
+                                processor_policy_dict=SMALL_POLICY)
+    write_sentence_transformers(model_dir)
+    return model_dir
+
+
+def long_text(words: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(WORDS, words))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embed")
+    model_dir = embedding_checkpoint(root)
+    gen = Generator(model_dir, buckets=(32, 64), context=512, cache_dir=root / "cache",
+                    pooling=resolve_pooling(model_dir))
+    video = write_video(root / "clip.mp4", gradient_frames(8, 256, 256, seed=9), rate=4)
+    return gen, model_dir, write_images(root, ((96, 64),)), video
+
+
+def reference_embedding(model_dir, messages) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt ids, vector): Qwen3VLProcessor renders `messages` with the generation prompt
+    (image parts {"type": "image", "image": path}, video parts {"type": "video", "video":
+    path}, as tests/test_text_parity.py's `reference_chat`), then Qwen3VLModel's last hidden
+    state (after the final norm) at the last token, L2-normalized (torch.nn.functional.normalize),
+    as the model card's embedder computes it."""
+    from PIL import Image
+    from helpers import decode_all
+    from transformers import AutoTokenizer, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    processor = Qwen3VLProcessor(Qwen2VLImageProcessorPil(**SMALL_POLICY), AutoTokenizer.from_pretrained(model_dir),
+                                 Qwen3VLVideoProcessor(),
+                                 chat_template=(Path(model_dir) / "chat_template.jinja").read_text())
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    parts = [p for m in messages for p in m["content"] if isinstance(p, dict) and p["type"] != "text"]
+    images = [Image.open(p["image"]).convert("RGB") for p in parts if p["type"] == "image"]
+    videos = [decode_all(p["video"]) for p in parts if p["type"] == "video"]
+    inputs = processor(text=[text], images=images or None, videos=[frames for frames, _ in videos] or None,
+                       video_metadata=[VideoMetadata(total_num_frames=len(frames), fps=fps)
+                                       for frames, fps in videos] or None, return_tensors="pt")
+    model = reference_model(model_dir)
+    with torch.inference_mode():
+        hidden = model.model(**inputs).last_hidden_state[0, -1]
+        vector = torch.nn.functional.normalize(hidden, p=2, dim=-1)
+    return inputs["input_ids"][0].numpy(), vector.float().numpy()
+
+
+def reference_item(model_dir, text=None, image=None, video=None, instruction=None):
+    parts = ([{"type": "image", "image": image}] if image else []) + \
+            ([{"type": "video", "video": video}] if video else []) + ([{"type": "text", "text": text}] if text else [])
+    return reference_embedding(model_dir, item_messages(parts, instruction))
+
+
+def ours(gen, text=None, image=None, video=None, instruction=None, dimensions=None):
+    parts = ([{"type": "image"}] if image else []) + ([{"type": "video"}] if video else []) + \
+            ([{"type": "text", "text": text}] if text else [])
+    media = ([Media("image", image)] if image else []) + ([Media("video", video)] if video else [])
+    return embed(gen, item_messages(parts, instruction), media, dimensions)
+
+
+@pytest.mark.parametrize("kind", ["text", "image", "video", "chunked"])
+def test_embedding_matches_transformers(setup, kind):
+    gen, model_dir, images, video = setup
+    item = {"text": dict(text="A cat on a red house."), "image": dict(image=images[0], text="What is it?"),
+            "video": dict(video=video, text="What happens?"),
+            "chunked": dict(text=long_text(150, 1), instruction="Find pictures of dogs")}[kind]
+    ids, expected = reference_item(model_dir, **item)
+    vector, tokens = ours(gen, **item)
+    assert tokens == ids.size
+    if kind == "chunked":
+        assert ids.size > 2 * gen.text.buckets[-1], ids.size  # three chunks at least
+    assert vector.shape == expected.shape == (48,)
+    assert rel_l2(vector, expected) <= TOL, rel_l2(vector, expected)
+    assert abs(np.linalg.norm(vector) - 1) < 1e-6
+
+
+def test_instruction_and_dimensions(setup):
+    """The default instruction is the model card's; another one changes the vector (so the
+    comparison can fail); Matryoshka: the first N values renormalized."""
+    gen, model_dir, _, _ = setup
+    default, _ = ours(gen, text="A cat on a red house.")
+    same, _ = ours(gen, text="A cat on a red house.", instruction=DEFAULT_INSTRUCTION)
+    other, _ = ours(gen, text="A cat on a red house.", instruction="Represent the query")
+    assert np.array_equal(default, same) and rel_l2(other, default) > 100 * TOL
+    short, _ = ours(gen, text="A cat on a red house.", dimensions=16)
+    _, expected = reference_item(model_dir, text="A cat on a red house.")
+    truncated = expected[:16] / np.linalg.norm(expected[:16])
+    assert short.shape == (16,) and rel_l2(short, truncated) <= TOL
+    with pytest.raises(PoolingError, match=r"dimensions 49: expected an integer in \[1, 48\]"):
+        ours(gen, text="x", dimensions=49)
+
+
+def test_detection_and_flags(tmp_path, setup):
+    _, model_dir, _, _ = setup
+    assert checkpoint_pooling(model_dir).normalize is True
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert checkpoint_pooling(plain) is None and resolve_pooling(plain) is None
+    assert resolve_pooling(plain, "last").normalize is True
+    assert resolve_pooling(plain, "last", False).normalize is False
+    with pytest.raises(PoolingError, match="--pooling mean: expected one of last"):
+        resolve_pooling(plain, "mean")
+    with pytest.raises(PoolingError, match="only with --pooling"):
+        resolve_pooling(plain, None, True)
+    mean = tmp_path / "mean"
+    mean.mkdir()
+    write_sentence_transformers(mean)
+    (mean / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    with pytest.raises(PoolingError, match="pooling mean_tokens: only last-token pooling"):
+        checkpoint_pooling(mean)
+    assert np.array_equal(finish([3.0, 4.0, 12.0], False, 2), [3.0, 4.0])
+    assert np.allclose(finish([3.0, 4.0, 12.0], True, 2), [0.6, 0.8])
+
+
+def test_generative_module_unchanged_by_pooling():
+    """The pooling entries are added beside the others: a generative module's MLIR is the
+    same bytes, and a pooling module holds it whole but for its header line."""
+    cfg = TEXT_PRESETS["tiny"]
+    plain = emit_text_module(cfg, TextShape((32,), 64), 2)
+    pooled = emit_text_module(cfg, TextShape((32,), 64, pooled=True), 2)
+    assert "pool_32" not in plain and "func.func @pool_32" in pooled
+    for function in plain.split("\n", 1)[1].split("  func.func ")[1:]:  # globals, each entry: the same text
+        assert "  func.func " + function.removesuffix("}\n") in pooled
