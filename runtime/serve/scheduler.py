@@ -19,7 +19,8 @@ keeps what it can of them); its client sees nothing but the delay.
 Events go back to the request's asyncio queue: ("start", prompt_tokens), ("delta", text,
 logprobs), ("done", finish_reason, usage) or ("error", ApiError). A score job (`classify`:
 runtime/serve/rerank.py) ends at its prefill: ("start", prompt_tokens), then ("logits",
-the last position's logits of its token ids).
+the last position's logits of its token ids); an embedding job (`pooled`:
+runtime/serve/embeddings.py) likewise, then ("hidden", its last token's pooled row [D]).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Sequence:
     stream: TextStream
     eos: tuple
     constraint: object = None  # structured.Constraint: the grammar's token mask, when the request has one
+    budget: object = None  # reasoning.ThinkingBudget, when the request has one
     length: int = 0  # cache slots filled: the next fed token's slot
     tokens: list = field(default_factory=list)  # tokens chosen; the last is fed at the next step
     at: float = 0.0  # when the last was chosen
@@ -85,6 +87,7 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     prompt: object = None  # its chat.Prompt, once prepared
     classify: tuple | None = None  # token ids: a score job, answered by its prompt's last logits of these (rerank.py)
+    pooled: bool = False  # an embedding job, answered by its prompt's pooled row (embeddings.py)
 
     def send(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -209,13 +212,17 @@ class Engine:
         room = gen.text.context - prompt.ids.size + 1
         seq = Sequence(job, prompt, blocks, min(request.max_tokens or room, room), Sampler(job.params, prompt.ids,
                        gen.text.cfg.vocab_size), TextStream(gen.tokenizer, request.stop),
-                       () if request.ignore_eos else gen.tokenizer.eos_ids, constraint(request))
+                       () if request.ignore_eos else gen.tokenizer.eos_ids, constraint(request), budget(request))
         self.running.append(seq)  # ended with its blocks given back if the prefill fails
         self.metrics.prefix_hit_tokens.inc(start)
         self.metrics.prompt_tokens.inc(int(prompt.ids.size))
-        logits = self.text.prefill_blocks(blocks, prompt, start)
+        logits = self.text.prefill_blocks(blocks, prompt, start, pooled=job.pooled)
         job.send("start", int(prompt.ids.size))
         self._count_running()
+        if job.pooled:  # an embedding job: the last token's final normed hidden state is its answer
+            job.send("hidden", logits)
+            self._end(seq, "finished")
+            return True
         if job.classify is not None:  # a score job: no token chosen, the logits asked for are its answer
             check_finite("logits", logits, "the language model")
             job.send("logits", np.asarray(logits)[list(job.classify)].copy())
@@ -276,9 +283,15 @@ class Engine:
                 job.send("error", shutting_down())
             return self._end(seq, "cancelled")
         check_finite("logits", logits, "the language model")  # no token from an overflowed row
-        token = seq.sampler.choose(seq.constraint.mask(logits) if seq.constraint else logits)
+        allowed = seq.constraint.mask(logits) if seq.constraint else logits
+        forced = seq.budget.forced() if seq.budget else None
+        if forced is not None:  # the reasoning's budget is spent: `</think>` now
+            allowed = np.where(np.arange(allowed.shape[-1]) == forced, np.float32(0), np.float32(-np.inf))
+        token = seq.sampler.choose(allowed)
         if seq.constraint:
             seq.constraint.accept(token)
+        if seq.budget:
+            seq.budget.accept(token)
         now = time.monotonic()
         (self.metrics.per_token.observe(now - seq.at) if seq.count else self.metrics.ttft.observe(now - job.arrived))
         seq.at = now
@@ -336,6 +349,15 @@ def constraint(request):
         return None
     from runtime.serve.structured import Constraint
     return Constraint(*grammar)
+
+
+def budget(request):
+    """The request's reasoning budget as a counter of its own (reasoning.ThinkingBudget), or None."""
+    spec = getattr(request.answer, "budget", None)
+    if spec is None:
+        return None
+    from runtime.serve.reasoning import ThinkingBudget
+    return ThinkingBudget(spec[0], request.answer.think_open, spec[1], spec[2])
 
 
 def as_api_error(e: Exception) -> ApiError:
