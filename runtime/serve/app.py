@@ -28,6 +28,7 @@ from runtime.serve.errors import ApiError, shown
 from runtime.serve.guard import LOOPBACK, Guard
 from runtime.serve.answer import Answer, resolve
 from runtime.serve.endpoints import add_routes
+from runtime.serve import responses
 from runtime.serve.image_budget import ImageBudget
 from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import check_logit_bias, parse_chat_request
@@ -84,11 +85,12 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
                                             "owned_by": "qwen3vl-iree"}]}
 
-    async def checked(request: Request) -> tuple[Job, MediaFolder]:
-        """The request as a job, refused (and counted) at its first fault, before it queues."""
+    async def checked(request: Request, translate=None) -> tuple[Job, MediaFolder]:
+        """The request as a job, refused (and counted) at its first fault, before it queues;
+        `translate`: another API's body into a chat body (/v1/responses)."""
         try:
             body = await read_json(request, limits.max_body_bytes)
-            job, folder = make_job(body, generator, model_id, limits)
+            job, folder = make_job(translate(body) if translate else body, generator, model_id, limits)
         except ApiError:
             metrics.requests.labels("refused").inc()
             raise
@@ -102,6 +104,7 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
         return job, folder
 
     add_routes(app, generator, engine, model_id, limits)  # /v1/models/{id}, /v1/completions, /tokenize, ...
+    responses.add_routes(app, engine, model_id, checked)  # /v1/responses, over this chat path
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
