@@ -354,7 +354,7 @@ def thinking(tmp_path_factory, server):
     root = tmp_path_factory.mktemp("thinking")
     write_generation_checkpoint(root / "model", PRESETS["tiny"], TEXT_PRESETS["tiny"], seed=3,
                                 processor_policy_dict=SMALL_POLICY, thinking=True)
-    s = Server(root, model=root / "model", cache=server.cache)
+    s = Server(root, model=root / "model", cache=server.cache, extra=("--thinking-token-budget", "100"))
     yield s
     s.process.kill()
     s.process.wait()
@@ -376,6 +376,23 @@ def test_reasoning_split_on_a_thinking_template(thinking):
                                                      "chat_template_kwargs": {"enable_thinking": False}})
     assert off.choices[0].message.content and not off.choices[0].message.model_dump().get("reasoning")
     assert off.usage.prompt_tokens > r.usage.prompt_tokens  # the closed, empty think block
+
+
+def test_a_reasoning_budget_forces_the_close(thinking):
+    """vLLM's thinking_token_budget: after that many reasoning tokens `</think>` is forced and
+    the answer follows (random weights never close it themselves); the reasoning is what the
+    unbounded run thinks first. The server's --thinking-token-budget (100 here) is the default."""
+    def reasoning(r):
+        return r.choices[0].message.model_dump()["reasoning"]
+
+    free = create(thinking, max_tokens=4, extra_body={"ignore_eos": True})
+    r = create(thinking, max_tokens=12, extra_body={"ignore_eos": True, "thinking_token_budget": 4})
+    assert reasoning(r) == reasoning(free) and r.choices[0].message.content and r.usage.completion_tokens == 12
+    assert create(thinking, max_tokens=110, extra_body={"ignore_eos": True}).choices[0].message.content
+    over = create(thinking, max_tokens=110, extra_body={"ignore_eos": True, "thinking_token_budget": 200})
+    assert not over.choices[0].message.content and len(reasoning(over)) > len(reasoning(free))
+    bad = thinking.post({"messages": [user("Hi")], "thinking_token_budget": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget"
 
 
 def test_constraints_follow_the_reasoning(thinking):

@@ -21,6 +21,7 @@ class AnswerSpec:
     thinks: bool = False  # split <think>...</think> off as reasoning
     think_open: bool = False  # the prompt left <think> open
     grammar: object = None  # (structured.Grammars, grammar text) for the engine
+    budget: tuple | None = None  # (thinking_token_budget, <think> id, </think> id): reasoning.ThinkingBudget's
 
 
 def resolve(request, tokenizer, vocab_size: int) -> AnswerSpec:
@@ -41,6 +42,12 @@ def resolve(request, tokenizer, vocab_size: int) -> AnswerSpec:
     except ValueError as e:
         raise ApiError(" ".join(str(e).split()), "messages") from None
     spec.think_open = spec.thinks and reasoning.opened_by_prompt(text)
+    if spec.thinks and request.thinking_token_budget is not None:
+        ids = [tokenizer.tokenizer.token_to_id(t) for t in (reasoning.OPEN, reasoning.CLOSE)]
+        if ids[1] is None:
+            raise ApiError(f"thinking_token_budget: this checkpoint's vocabulary has no {reasoning.CLOSE} token to "
+                           "end the reasoning with", "thinking_token_budget")
+        spec.budget = (request.thinking_token_budget, *ids)
     forced = agents.forced
     if forced is None and agents.constraint is None:
         return spec

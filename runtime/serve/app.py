@@ -135,6 +135,8 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
     folder = MediaFolder(limits.allowed_local_media, limits.max_image_pixels)
     try:
         media = [Media(kind, folder.path(url, kind, param), name=param, policy=policy if kind == "image" else None)
+    if request.thinking_token_budget is None:
+        request.thinking_token_budget = limits.thinking_token_budget
                  for kind, url, param in request.media]
     except BaseException:
         folder.close()

@@ -23,7 +23,8 @@ SAMPLING_FIELDS = {"temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0),
 MAX_STOPS = 4
 IGNORED = ("user", "metadata", "store", "service_tier")
 KNOWN = ("messages", "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-         "logprobs", "top_logprobs", "ignore_eos", "logit_bias", "mm_processor_kwargs", *SAMPLING_FIELDS, *IGNORED)
+         "logprobs", "top_logprobs", "ignore_eos", "logit_bias", "mm_processor_kwargs", "thinking_token_budget",
+         *SAMPLING_FIELDS, *IGNORED)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class ChatRequest:
     answer: object = None  # answer.AnswerSpec, set by the app: how the text becomes the message
     fingerprint: str | None = None  # system_fingerprint
     echo: str = ""  # /v1/completions' echo: the prompt's text, returned before the answer
+    thinking_token_budget: int | None = None  # vLLM's: reasoning tokens before `</think>` is forced (None: no limit)
 
 
 def _number(body: dict, name: str, kind, low, high):
@@ -210,7 +212,8 @@ def parse_chat_request(body, max_media: int) -> ChatRequest:
         raise ApiError("top_logprobs: only with logprobs: true", "top_logprobs")
     return ChatRequest(messages, media, sampling, max_tokens,
                        _stop(body), _flag(body, "stream"), _include_usage(body), logprobs, top,
-                       _flag(body, "ignore_eos"), agents)
+                       _flag(body, "ignore_eos"), agents,
+                       thinking_token_budget=_number(body, "thinking_token_budget", int, 0, None))
 
 
 def check_logit_bias(sampling: dict, vocab: int) -> None:

@@ -69,3 +69,27 @@ def split_reasoning(text: str, open_at_start: bool) -> tuple[str | None, str]:
     r1, c1 = splitter.feed(text)
     r2, c2 = splitter.finish()
     return ((r1 + r2).strip("\n") if splitter.reasoned else None), c1 + c2
+
+
+class ThinkingBudget:
+    """vLLM's `thinking_token_budget`, token by token: once a sequence has written `budget`
+    tokens of reasoning (inside `<think>`, opened by the prompt or by its first token) without
+    closing it, its next token is `</think>` (`forced()`), and the answer follows as usual."""
+
+    def __init__(self, budget: int, open_at_start: bool, open_id: int | None, close_id: int):
+        self.budget, self.open_id, self.close_id = budget, open_id, close_id
+        self.state = "reasoning" if open_at_start else "start"
+        self.spent = 0
+
+    def forced(self) -> int | None:
+        """The token the next step must write: `</think>` when the budget is spent, else None."""
+        return self.close_id if self.state == "reasoning" and self.spent >= self.budget else None
+
+    def accept(self, token: int) -> None:
+        if self.state == "start":
+            self.state = "reasoning" if token == self.open_id else "answer"
+        elif self.state == "reasoning":
+            if token == self.close_id:
+                self.state = "answer"
+            else:
+                self.spent += 1

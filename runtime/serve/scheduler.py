@@ -56,6 +56,7 @@ class Sequence:
     stream: TextStream
     eos: tuple
     constraint: object = None  # structured.Constraint: the grammar's token mask, when the request has one
+    budget: object = None  # reasoning.ThinkingBudget, when the request has one
     length: int = 0  # cache slots filled: the next fed token's slot
     tokens: list = field(default_factory=list)  # tokens chosen; the last is fed at the next step
     at: float = 0.0  # when the last was chosen
@@ -211,7 +212,7 @@ class Engine:
         room = gen.text.context - prompt.ids.size + 1
         seq = Sequence(job, prompt, blocks, min(request.max_tokens or room, room), Sampler(job.params, prompt.ids,
                        gen.text.cfg.vocab_size), TextStream(gen.tokenizer, request.stop),
-                       () if request.ignore_eos else gen.tokenizer.eos_ids, constraint(request))
+                       () if request.ignore_eos else gen.tokenizer.eos_ids, constraint(request), budget(request))
         self.running.append(seq)  # ended with its blocks given back if the prefill fails
         self.metrics.prefix_hit_tokens.inc(start)
         self.metrics.prompt_tokens.inc(int(prompt.ids.size))
@@ -282,9 +283,15 @@ class Engine:
                 job.send("error", shutting_down())
             return self._end(seq, "cancelled")
         check_finite("logits", logits, "the language model")  # no token from an overflowed row
-        token = seq.sampler.choose(seq.constraint.mask(logits) if seq.constraint else logits)
+        allowed = seq.constraint.mask(logits) if seq.constraint else logits
+        forced = seq.budget.forced() if seq.budget else None
+        if forced is not None:  # the reasoning's budget is spent: `</think>` now
+            allowed = np.where(np.arange(allowed.shape[-1]) == forced, np.float32(0), np.float32(-np.inf))
+        token = seq.sampler.choose(allowed)
         if seq.constraint:
             seq.constraint.accept(token)
+        if seq.budget:
+            seq.budget.accept(token)
         now = time.monotonic()
         (self.metrics.per_token.observe(now - seq.at) if seq.count else self.metrics.ttft.observe(now - job.arrived))
         seq.at = now
@@ -342,6 +349,15 @@ def constraint(request):
         return None
     from runtime.serve.structured import Constraint
     return Constraint(*grammar)
+
+
+def budget(request):
+    """The request's reasoning budget as a counter of its own (reasoning.ThinkingBudget), or None."""
+    spec = getattr(request.answer, "budget", None)
+    if spec is None:
+        return None
+    from runtime.serve.reasoning import ThinkingBudget
+    return ThinkingBudget(spec[0], request.answer.think_open, spec[1], spec[2])
 
 
 def as_api_error(e: Exception) -> ApiError:
