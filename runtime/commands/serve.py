@@ -64,6 +64,8 @@ def positive(name: str, value: int) -> int:
               help="Least tokens an image may take (bounds mm_processor_kwargs; docs/serve.md).")
 @click.option("--image-max-tokens", type=int, metavar="N",
               help="Most tokens an image may take (bounds mm_processor_kwargs; docs/serve.md).")
+@click.option("--web-ui/--no-web-ui", default=True, show_default=True,
+              help="The chat page at / (docs/serve.md, The chat page).")
 @click.option("--ray", metavar="ADDRESS",
               help="Serve as replicas on Ray Serve: 'local', or a running cluster's HOST:PORT (docs/serve.md).")
 @click.option("--replicas", type=int, default=1, show_default=True, metavar="N",
@@ -73,7 +75,7 @@ def positive(name: str, value: int) -> int:
 @click.option("--max-replicas", type=int, metavar="N", help="With --ray: autoscale, up to N replicas.")
 def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed_hosts, allowed_local_media_path,
                   max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace, image_min_tokens,
-                  image_max_tokens, ray, replicas, min_replicas, max_replicas):
+                  image_max_tokens, web_ui, ray, replicas, min_replicas, max_replicas):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn), or as
     replicas on Ray Serve (--ray). Everything is compiled and loaded before the first
     request is accepted."""
@@ -101,7 +103,7 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
                            text.precision, api_key, allowed_local_media_path, text.cache_dir, text.threads, text.target,
                            max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
                            text.kv_cache_dtype, kv_cache_memory, tuple(allowed_hosts),
-                           (image_min_tokens, image_max_tokens))
+                           (image_min_tokens, image_max_tokens), web_ui=web_ui)
     if ray is not None:
         return serve_on_ray(dataclasses.replace(options, threads=text.threads or 1), scaling, ray)
     server = build_server(options)  # bad input, failures: one line

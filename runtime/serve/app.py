@@ -34,6 +34,7 @@ from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import check_logit_bias, parse_chat_request
 from runtime.serve.respond import Departure, fingerprint, next_event, respond, sse
 from runtime.serve.scheduler import Job, as_api_error
+from runtime.serve.webui import add_web_ui
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Limits:
     max_image_pixels: int = 64 << 20
     allowed_hosts: frozenset | None = frozenset(LOOPBACK)  # Host header values answered; None: any
     image_budget: ImageBudget = ImageBudget()  # --image-min-tokens / --image-max-tokens
+    web_ui: bool = True  # GET /: the chat page (runtime/serve/webui.py); --no-web-ui: off
 
 
 def error_response(e: ApiError) -> Response:
@@ -113,6 +115,8 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
                              lambda tokens, gone: collect(job, Reply(model_id, job.request, tokens), gone, folder),
                              lambda tokens: stream(job, Reply(model_id, job.request, tokens), folder), folder)
 
+    if limits.web_ui:
+        add_web_ui(app)  # GET / and /web/*: the chat page, behind the same guard
     app.add_middleware(Guard, api_key=limits.api_key, hosts=limits.allowed_hosts, metrics=metrics)
     return app
 

@@ -33,6 +33,7 @@ class ServeOptions:
     kv_cache_memory: float | None = None
     allowed_hosts: tuple = ()
     image_tokens: tuple = (None, None)
+    web_ui: bool = True  # the chat page at / (--no-web-ui: off)
 
     @property
     def model_id(self) -> str:
@@ -83,6 +84,6 @@ def assemble(options: ServeOptions, say, on_ready=None):
     engine = Engine(generator, metrics, encoder, options.max_waiting)
     limits = Limits(options.api_key, options.allowed_local_media, options.max_body_mb << 20, options.max_media,
                     allowed_hosts=host_names(options.host, options.port, options.allowed_hosts),
-                    image_budget=ImageBudget(*options.image_tokens))
+                    image_budget=ImageBudget(*options.image_tokens), web_ui=options.web_ui)
     app = create_app(generator, engine, metrics, options.model_id, limits, on_ready=on_ready)
     return app, engine, metrics
