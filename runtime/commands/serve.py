@@ -64,6 +64,10 @@ def positive(name: str, value: int) -> int:
               help="Least tokens an image may take (bounds mm_processor_kwargs; docs/serve.md).")
 @click.option("--image-max-tokens", type=int, metavar="N",
               help="Most tokens an image may take (bounds mm_processor_kwargs; docs/serve.md).")
+@click.option("--hf-overrides", "--hf_overrides", "hf_overrides", metavar="JSON",
+              help="vLLM's reranker fields, e.g. '{\"classifier_from_token\": [\"no\", \"yes\"]}': serve the model as "
+                   "a reranker on /v1/rerank and /score (a Qwen3-VL-Reranker checkpoint is one without it; "
+                   "docs/serve.md, Reranker).")
 @click.option("--web-ui/--no-web-ui", default=True, show_default=True,
               help="The chat page at / (docs/serve.md, The chat page).")
 @click.option("--ray", metavar="ADDRESS",
@@ -75,7 +79,7 @@ def positive(name: str, value: int) -> int:
 @click.option("--max-replicas", type=int, metavar="N", help="With --ray: autoscale, up to N replicas.")
 def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed_hosts, allowed_local_media_path,
                   max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace, image_min_tokens,
-                  image_max_tokens, web_ui, ray, replicas, min_replicas, max_replicas):
+                  image_max_tokens, hf_overrides, web_ui, ray, replicas, min_replicas, max_replicas):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn), or as
     replicas on Ray Serve (--ray). Everything is compiled and loaded before the first
     request is accepted."""
@@ -91,6 +95,7 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     check_access(host, api_key)
     text = text.resolved()
+    classifier = reranker_tokens(text.model, hf_overrides)
     scaling = check_replicas(ray, replicas, min_replicas, max_replicas)
     context = text.context
     if context is None:
@@ -103,12 +108,25 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
                            text.precision, api_key, allowed_local_media_path, text.cache_dir, text.threads, text.target,
                            max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
                            text.kv_cache_dtype, kv_cache_memory, tuple(allowed_hosts),
-                           (image_min_tokens, image_max_tokens), web_ui=web_ui)
+                           (image_min_tokens, image_max_tokens), classifier_tokens=classifier, web_ui=web_ui)
     if ray is not None:
         return serve_on_ray(dataclasses.replace(options, threads=text.threads or 1), scaling, ray)
     server = build_server(options)  # bad input, failures: one line
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn takes it over: a graceful stop, exit 0
     server.run()
+
+
+def reranker_tokens(model, overrides: str | None):
+    """A reranker's (negative, positive) classifier tokens: --hf-overrides' classifier_from_token,
+    else ("no", "yes") for a checkpoint that is a reranker by its own files; None: a chat model."""
+    from runtime.serve.rerank import CLASSIFIER_TOKENS, classifier_tokens, reranker_checkpoint
+
+    tokens = classifier_tokens(overrides)
+    if tokens is None and reranker_checkpoint(model):
+        tokens = CLASSIFIER_TOKENS
+        say("reranker: the checkpoint's README.md says it is one; /v1/rerank and /score score with 'no'/'yes' "
+            "(--hf-overrides to choose the tokens)")
+    return tokens
 
 
 def check_replicas(ray, replicas: int, least, most):

@@ -32,6 +32,7 @@ from runtime.serve import responses
 from runtime.serve.image_budget import ImageBudget
 from runtime.serve.media import MediaFolder
 from runtime.serve.protocol import check_logit_bias, parse_chat_request
+from runtime.serve.rerank import add_rerank_routes
 from runtime.serve.respond import Departure, fingerprint, next_event, respond, sse
 from runtime.serve.scheduler import Job, as_api_error
 from runtime.serve.webui import add_web_ui
@@ -46,6 +47,7 @@ class Limits:
     max_image_pixels: int = 64 << 20
     allowed_hosts: frozenset | None = frozenset(LOOPBACK)  # Host header values answered; None: any
     image_budget: ImageBudget = ImageBudget()  # --image-min-tokens / --image-max-tokens
+    reranker: object = None  # rerank.Classifier when the model is served as a reranker (/v1/rerank, /score)
     web_ui: bool = True  # GET /: the chat page (runtime/serve/webui.py); --no-web-ui: off
 
 
@@ -106,6 +108,7 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
         return job, folder
 
     add_routes(app, generator, engine, model_id, limits)  # /v1/models/{id}, /v1/completions, /tokenize, ...
+    add_rerank_routes(app, generator, engine, model_id, limits)  # /v1/rerank, /rerank, /score, /v1/score
     responses.add_routes(app, engine, model_id, checked)  # /v1/responses, over this chat path
 
     @app.post("/v1/chat/completions")

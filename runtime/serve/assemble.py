@@ -33,6 +33,7 @@ class ServeOptions:
     kv_cache_memory: float | None = None
     allowed_hosts: tuple = ()
     image_tokens: tuple = (None, None)
+    classifier_tokens: tuple | None = None  # a reranker's (negative, positive) tokens: --hf-overrides, or detected
     web_ui: bool = True  # the chat page at / (--no-web-ui: off)
 
     @property
@@ -74,9 +75,11 @@ def assemble(options: ServeOptions, say, on_ready=None):
     from runtime.serve.guard import allowed_hosts as host_names
     from runtime.serve.image_budget import ImageBudget
     from runtime.serve.metrics import Metrics
+    from runtime.serve.rerank import Classifier
     from runtime.serve.scheduler import Engine
 
     generator = generator_for(options, say)
+    reranker = Classifier.of(generator.tokenizer, options.classifier_tokens) if options.classifier_tokens else None
     generator.text.module  # noqa: B018 - compiled and loaded now, not at the first request
     generator.vision.artifact()
     metrics = Metrics()
@@ -84,6 +87,6 @@ def assemble(options: ServeOptions, say, on_ready=None):
     engine = Engine(generator, metrics, encoder, options.max_waiting)
     limits = Limits(options.api_key, options.allowed_local_media, options.max_body_mb << 20, options.max_media,
                     allowed_hosts=host_names(options.host, options.port, options.allowed_hosts),
-                    image_budget=ImageBudget(*options.image_tokens), web_ui=options.web_ui)
+                    image_budget=ImageBudget(*options.image_tokens), reranker=reranker, web_ui=options.web_ui)
     app = create_app(generator, engine, metrics, options.model_id, limits, on_ready=on_ready)
     return app, engine, metrics

@@ -4,7 +4,8 @@ leave: `receive()` passes through untouched).
 In order, for every HTTP request:
 - Host: the `Host` header must name the address the server is bound to (`--host`), a
   loopback name, or an `--allowed-host`; else 421 (a DNS-rebinding page cannot reach it).
-- API key: `/v1/*` need `Authorization: Bearer KEY` when the server has one; else 401.
+- API key: `/v1/*` (and vLLM's `/rerank`, `/score`) need `Authorization: Bearer KEY` when the
+  server has one; else 401.
 - Content-Type: a POST's body must be `application/json`; else 415 (a cross-site form or
   text/plain POST, which a browser sends without asking, is never parsed).
 - Anything the app raises becomes OpenAI's error object (500): before the response began,
@@ -23,6 +24,7 @@ from runtime.serve.errors import ApiError, shown
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CHAT_PATH = "/v1/chat/completions"
+KEYED = ("/rerank", "/score")  # outside /v1/, but running the model like it
 
 
 def allowed_hosts(host: str, port: int, extra=()) -> frozenset | None:
@@ -70,7 +72,7 @@ class Guard:
         if self.hosts is not None and host not in self.hosts:
             return ApiError(f"Host header {shown(host)}: this server answers only {', '.join(sorted(self.hosts))} "
                             "(--allowed-host adds a name)", status=421, code="misdirected_request")
-        if self.api_key and scope["path"].startswith("/v1/"):
+        if self.api_key and (scope["path"].startswith("/v1/") or scope["path"] in KEYED):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 return ApiError("missing or wrong API key: expected the header 'Authorization: Bearer <key>' with "
