@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from runtime.commands.options import CONTEXT, text_options
+from runtime.embedding import POOLING_CHOICES
 from runtime.serve.assemble import ServeOptions
 from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
 
@@ -70,6 +71,12 @@ def positive(name: str, value: int) -> int:
                    "docs/serve.md, Reranker).")
 @click.option("--web-ui/--no-web-ui", default=True, show_default=True,
               help="The chat page at / (docs/serve.md, The chat page).")
+@click.option("--pooling", type=click.Choice(POOLING_CHOICES),
+              help="Serve the model as an embedding model on /v1/embeddings: last-token pooling (vLLM's "
+                   "--runner pooling; a checkpoint whose modules.json says so is one without it; docs/serve.md, "
+                   "Embeddings).")
+@click.option("--normalize/--no-normalize", default=None,
+              help="With --pooling: L2-normalize the vectors (default: the checkpoint's Normalize module, else on).")
 @click.option("--ray", metavar="ADDRESS",
               help="Serve as replicas on Ray Serve: 'local', or a running cluster's HOST:PORT (docs/serve.md).")
 @click.option("--replicas", type=int, default=1, show_default=True, metavar="N",
@@ -79,7 +86,8 @@ def positive(name: str, value: int) -> int:
 @click.option("--max-replicas", type=int, metavar="N", help="With --ray: autoscale, up to N replicas.")
 def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed_hosts, allowed_local_media_path,
                   max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace, image_min_tokens,
-                  image_max_tokens, hf_overrides, web_ui, ray, replicas, min_replicas, max_replicas):
+                  image_max_tokens, hf_overrides, web_ui, pooling, normalize, ray, replicas, min_replicas,
+                  max_replicas):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn), or as
     replicas on Ray Serve (--ray). Everything is compiled and loaded before the first
     request is accepted."""
@@ -95,6 +103,7 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
         raise ValueError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
     check_access(host, api_key)
     text = text.resolved()
+    pooling = embedding_pooling(text.model, pooling, normalize)
     classifier = reranker_tokens(text.model, hf_overrides)
     scaling = check_replicas(ray, replicas, min_replicas, max_replicas)
     context = text.context
@@ -109,6 +118,7 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
                            max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
                            text.kv_cache_dtype, kv_cache_memory, tuple(allowed_hosts),
                            (image_min_tokens, image_max_tokens), classifier_tokens=classifier, web_ui=web_ui)
+    options = dataclasses.replace(options, pooling=pooling)
     if ray is not None:
         return serve_on_ray(dataclasses.replace(options, threads=text.threads or 1), scaling, ray)
     server = build_server(options)  # bad input, failures: one line
@@ -127,6 +137,17 @@ def reranker_tokens(model, overrides: str | None):
         say("reranker: the checkpoint's README.md says it is one; /v1/rerank and /score score with 'no'/'yes' "
             "(--hf-overrides to choose the tokens)")
     return tokens
+
+
+def embedding_pooling(model, pooling: str | None, normalize: bool | None):
+    """An embedding model's pooling (runtime/embedding.py's Pooling): --pooling, or the
+    checkpoint's sentence-transformers files; None: a generative model."""
+    from runtime.embedding import resolve_pooling
+
+    found = resolve_pooling(model, pooling, normalize)
+    if found is not None:
+        say(f"embeddings: {found.describe()}; /v1/embeddings serves the vectors")
+    return found
 
 
 def check_replicas(ray, replicas: int, least, most):

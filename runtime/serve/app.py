@@ -28,6 +28,7 @@ from runtime.serve.errors import ApiError, shown
 from runtime.serve.guard import LOOPBACK, Guard
 from runtime.serve.answer import Answer, resolve
 from runtime.serve.endpoints import add_routes
+from runtime.serve.embeddings import add_embedding_routes
 from runtime.serve import responses
 from runtime.serve.image_budget import ImageBudget
 from runtime.serve.media import MediaFolder
@@ -108,6 +109,7 @@ def create_app(generator, engine, metrics, model_id: str, limits: Limits, on_rea
         return job, folder
 
     add_routes(app, generator, engine, model_id, limits)  # /v1/models/{id}, /v1/completions, /tokenize, ...
+    add_embedding_routes(app, generator, engine, model_id, limits)  # /v1/embeddings (an embedding model's)
     add_rerank_routes(app, generator, engine, model_id, limits)  # /v1/rerank, /rerank, /score, /v1/score
     responses.add_routes(app, engine, model_id, checked)  # /v1/responses, over this chat path
 

@@ -35,6 +35,7 @@ class ServeOptions:
     image_tokens: tuple = (None, None)
     classifier_tokens: tuple | None = None  # a reranker's (negative, positive) tokens: --hf-overrides, or detected
     web_ui: bool = True  # the chat page at / (--no-web-ui: off)
+    pooling: object = None  # runtime/embedding.py's Pooling: an embedding model (/v1/embeddings), else None
 
     @property
     def model_id(self) -> str:
@@ -53,7 +54,7 @@ def generator_for(options: ServeOptions, say):
     return Generator(options.model, options.buckets, options.context, target=options.target,
                      cache_dir=options.cache_dir, precision=options.precision, threads=options.threads, progress=say,
                      kv_cache_dtype=options.kv_cache_dtype, lanes=options.max_batch, kv_blocks=blocks,
-                     prefix_cache=options.prompt_cache)
+                     prefix_cache=options.prompt_cache, pooling=options.pooling)
 
 
 def build_artifacts(options: ServeOptions, say) -> None:
