@@ -10,6 +10,7 @@ Skipped when chromium, chromium-driver or selenium is missing (`.ci/run` install
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -49,8 +50,15 @@ def server(tmp_path_factory, serve_cache):
 
 
 @pytest.fixture(scope="module")
-def browser():
+def downloads(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("downloads")
+
+
+@pytest.fixture(scope="module")
+def browser(downloads):
     options = webdriver.ChromeOptions()
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
+                                              "download.prompt_for_download": False})
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1200,860", "--disable-extensions", "--no-first-run"):
@@ -76,15 +84,24 @@ def css(driver, selector):
     return driver.find_elements(By.CSS_SELECTOR, selector)
 
 
-def open_page(driver, server) -> None:
-    """The page loaded and connected: the key typed into its dialog if it asks for one."""
-    driver.get(server.url + "/")
-    wait(driver, lambda d: d.execute_script("return document.body.dataset.ready === 'true' || "
-                                            "document.getElementById('key-dialog').open"))
-    if driver.execute_script("return document.getElementById('key-dialog').open"):
-        driver.find_element(By.ID, "key").send_keys(KEY)
-        driver.find_element(By.ID, "key-submit").click()
-        wait(driver, lambda d: d.execute_script("return document.body.dataset.ready === 'true'"))
+def ready(driver) -> bool:
+    return driver.execute_script("return document.body.dataset.ready === 'true'")
+
+
+def test_the_key_is_asked_for_once(server, browser):
+    """The server has a key: the page asks for it, says so when a wrong one is refused, and
+    keeps the right one in the tab (asked again only in a new tab: sessionStorage)."""
+    browser.get(server.url + "/")
+    wait(browser, lambda d: d.execute_script("return document.getElementById('key-dialog').open"))
+    for key in ("wrong", KEY):
+        browser.find_element(By.ID, "key").send_keys(key)
+        browser.find_element(By.ID, "key-submit").click()
+        if key == "wrong":
+            wait(browser, lambda d: d.find_element(By.ID, "key-error").text == "The server refused that key.")
+    wait(browser, ready)
+    assert not browser.execute_script("return document.getElementById('key-dialog').open")
+    assert browser.find_element(By.ID, "model").text == "model"
+    assert browser.execute_script("return sessionStorage.getItem('qwen3vl-api-key')") == KEY
 
 
 def force(driver, text: str | None, **more) -> None:
@@ -122,7 +139,7 @@ def test_the_page_is_served_as_the_api_is(server):
     csp = page.headers["content-security-policy"]
     assert "script-src 'self';" in csp and "unsafe" not in csp and "http" not in csp, csp
     assert page.headers["x-content-type-options"] == "nosniff"
-    for name in ("app.js", "markdown.js", "grounding.js", "store.js", "style.css"):
+    for name in ("app.js", "api.js", "settings.js", "markdown.js", "grounding.js", "store.js", "style.css"):
         r = httpx.get(f"{server.url}/web/{name}")
         assert r.status_code == 200 and r.headers["content-security-policy"] == csp, name
     missing = httpx.get(server.url + "/web/secret.py")
@@ -137,8 +154,6 @@ def test_the_page_is_served_as_the_api_is(server):
 
 
 def test_an_image_asked_about_streams_its_answer(server, browser, shots):
-    open_page(browser, server)
-    assert browser.find_element(By.ID, "model").text == "model"
     force(browser, DESCRIBED)
     misses = server.metric("qwen3vl_encoder_cache_misses_total")
     answer = ask(browser, "What is in this image?", DEMO)
@@ -153,7 +168,7 @@ def test_an_image_asked_about_streams_its_answer(server, browser, shots):
 
 def test_a_reload_finds_the_conversation(server, browser):
     browser.refresh()
-    wait(browser, lambda d: d.execute_script("return document.body.dataset.ready === 'true'"))
+    wait(browser, ready)
     assert not browser.execute_script("return document.getElementById('key-dialog').open")  # asked once per tab
     titles = [e.text for e in css(browser, "#conversations .open")]
     assert "What is in this image?" in titles, titles
@@ -225,6 +240,48 @@ def test_stop_regenerate_and_edit(server, browser):
     browser.find_element(By.CSS_SELECTOR, ".msg.user .edit").click()
     wait(browser, lambda d: not css(d, ".msg"))
     assert browser.find_element(By.ID, "prompt").get_attribute("value") == "Go on forever."
+
+
+def test_paste_and_drop_attach_media(browser):
+    """An image pasted and a video dropped (the events a browser fires, with files in their
+    DataTransfer) become previews of the next message; × removes one."""
+    browser.find_element(By.ID, "new-chat").click()
+    browser.execute_script("""
+        const png = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+        const files = [new File([png], 'pasted.png', {type: 'image/png'}), new File(['x'], 'clip.mp4', {type: 'video/mp4'})];
+        const paste = new DataTransfer(); paste.items.add(files[0]);
+        document.getElementById('prompt').dispatchEvent(new ClipboardEvent('paste', {clipboardData: paste, bubbles: true}));
+        const drop = new DataTransfer(); drop.items.add(files[1]);
+        document.getElementById('messages').dispatchEvent(new DragEvent('drop', {dataTransfer: drop, bubbles: true}));
+        """, base64.b64encode(DEMO.read_bytes()).decode())
+    wait(browser, lambda d: len(css(d, "#attachments .attachment")) == 2)
+    assert {e.tag_name for e in css(browser, "#attachments .attachment > :first-child")} == {"img", "video"}
+    css(browser, "#attachments .remove")[0].click()
+    wait(browser, lambda d: len(css(d, "#attachments .attachment")) == 1)
+    css(browser, "#attachments .remove")[0].click()
+
+
+def test_export_and_import(server, browser, downloads):
+    """Export writes every conversation (images in them) as JSON; deleted, they come back
+    from that file through Import."""
+    titles = sorted(e.text for e in css(browser, "#conversations .open"))
+    assert len(titles) >= 3, titles
+    browser.find_element(By.ID, "export").click()
+    wait(browser, lambda d: [p for p in downloads.glob("qwen3vl-chats-*.json")], 30)
+    exported = next(downloads.glob("qwen3vl-chats-*.json"))
+    data = json.loads(exported.read_text())
+    assert data["format"] == "qwen3vl-chat" and sorted(c["title"] for c in data["conversations"]) == titles
+    while css(browser, "#conversations .delete"):
+        count = len(css(browser, "#conversations .delete"))
+        css(browser, "#conversations .delete")[0].click()
+        wait(browser, lambda d: len(css(d, "#conversations .delete")) == count - 1)
+    browser.find_element(By.ID, "import-file").send_keys(str(exported))
+    wait(browser, lambda d: len(css(d, "#conversations .open")) == len(titles))
+    assert sorted(e.text for e in css(browser, "#conversations .open")) == titles
+    bad = downloads / "bad.json"
+    bad.write_text('{"conversations": [{"messages": [{"role": "robot", "content": "x"}]}]}')
+    browser.find_element(By.ID, "import-file").send_keys(str(bad))
+    wait(browser, lambda d: "expected {role: user|assistant" in d.find_element(By.ID, "messages").text)
 
 
 def test_no_content_security_policy_was_broken(browser):

@@ -3,49 +3,14 @@
 import {renderMarkdown} from "./markdown.js";
 import {parseGrounding, groundingFigure} from "./grounding.js";
 import * as store from "./store.js";
+import {api, errorText} from "./api.js";
+import {loadSettings, readSettings, saveSettings} from "./settings.js";
 
 const $ = (id) => document.getElementById(id);
-const KEY = "qwen3vl-api-key";          // sessionStorage: this tab only
-const SETTINGS = "qwen3vl-settings";    // localStorage
 let conversation = null;                // the one shown
 let pending = [];                       // attachments of the next message: {kind, url, name}
 let running = null;                     // the AbortController of the answer streaming
 let model = null;
-
-// ---- the API, with the key when the server asks for one
-function headers() {
-  const key = sessionStorage.getItem(KEY);
-  return {"Content-Type": "application/json", ...(key ? {Authorization: `Bearer ${key}`} : {})};
-}
-
-async function api(path, init = {}) {
-  for (;;) {
-    const response = await fetch(path, {...init, headers: headers()});
-    if (response.status !== 401) return response;
-    await askKey(sessionStorage.getItem(KEY) ? "The server refused that key." : "");
-  }
-}
-
-function askKey(message) {
-  const dialog = $("key-dialog");
-  $("key-error").textContent = message;
-  $("key").value = "";
-  if (!dialog.open) dialog.showModal();
-  return new Promise((resolve) => {
-    $("key-form").onsubmit = (event) => {
-      event.preventDefault();
-      const key = $("key").value.trim();
-      if (!key) { $("key-error").textContent = "Enter the key."; return; }
-      sessionStorage.setItem(KEY, key);
-      dialog.close();
-      resolve();
-    };
-  });
-}
-
-async function errorText(response) {
-  try { return (await response.json()).error.message; } catch { return `HTTP ${response.status}`; }
-}
 
 async function connect() {
   try {
@@ -55,38 +20,6 @@ async function connect() {
     $("model").textContent = model;
   } catch (e) {
     $("model").textContent = `not connected: ${e.message}`;
-  }
-}
-
-// ---- settings (kept in localStorage)
-function readSettings() {
-  const extraText = $("extra").value.trim();
-  let extra = {};
-  if (extraText) {
-    try { extra = JSON.parse(extraText); } catch (e) { throw new Error(`Extra request fields: not JSON: ${e.message}`); }
-    if (!extra || typeof extra !== "object" || Array.isArray(extra)) throw new Error("Extra request fields: expected a JSON object");
-  }
-  return {temperature: Number($("temperature").value), maxTokens: Math.round(Number($("max-tokens").value)),
-          thinking: $("thinking").checked, extra, extraText};
-}
-
-function loadSettings() {
-  let saved = {};
-  try { saved = JSON.parse(localStorage.getItem(SETTINGS) || "{}"); } catch { /* defaults */ }
-  if (saved.temperature !== undefined) $("temperature").value = saved.temperature;
-  if (saved.maxTokens !== undefined) $("max-tokens").value = saved.maxTokens;
-  if (saved.thinking !== undefined) $("thinking").checked = saved.thinking;
-  if (saved.extraText !== undefined) $("extra").value = saved.extraText;
-}
-
-function saveSettings() {
-  try {
-    const s = readSettings();
-    $("extra-error").textContent = "";
-    localStorage.setItem(SETTINGS, JSON.stringify({temperature: s.temperature, maxTokens: s.maxTokens,
-                                                   thinking: s.thinking, extraText: s.extraText}));
-  } catch (e) {
-    $("extra-error").textContent = e.message;
   }
 }
 
