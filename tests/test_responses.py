@@ -9,6 +9,7 @@ JSON are forced (tool_choice, text.format) where the test needs them to end."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import pytest
 
@@ -137,7 +138,6 @@ def test_structured_output_text_format(server):
     """text.format json_schema is the chat path's response_format: the text validates, and
     the stream helper parses it into the client's own type."""
     from pydantic import BaseModel
-    from typing import Literal
 
     fmt = {"type": "json_schema", "name": "yes_no", "schema": YES_NO, "strict": True}
     r = create(server, input="Yes or no?", text={"format": fmt}, max_output_tokens=100)
@@ -219,3 +219,45 @@ def test_reasoning_item_on_a_thinking_template(thinking):
     check_order(events, ["reasoning", "message"])
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
     assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 8
+
+
+def test_agents_sdk_default_model_call(server):
+    """The OpenAI Agents SDK's default model (OpenAIResponsesModel) runs a tool loop against
+    this server, run whole and streamed: a forced call (the SDK sends its output type's
+    text.format with it; a forced call writes no text, so the format waits for the next
+    turn), the tool's result back, then the answer in the output type. Optional: skipped
+    where `openai-agents` is not installed."""
+    import asyncio
+
+    agents = pytest.importorskip("agents")
+    from pydantic import BaseModel
+
+    agents.set_tracing_disabled(True)  # no traces sent anywhere
+    calls = []
+
+    @agents.function_tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        calls.append(zone)
+        return "12:00"
+
+    class Answer(BaseModel):
+        answer: Literal["yes", "no"]
+
+    async def run(streamed: bool):
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        agent = agents.Agent(name="a", instructions="Answer briefly.", tools=[get_time], output_type=Answer,
+                             model=agents.OpenAIResponsesModel(model="model", openai_client=client),
+                             model_settings=agents.ModelSettings(tool_choice="required", max_tokens=200,
+                                                                 temperature=0))
+        if not streamed:
+            return await agents.Runner.run(agent, "Is it noon in UTC?", max_turns=3)
+        result = agents.Runner.run_streamed(agent, "Is it noon in UTC?", max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    for streamed in (False, True):
+        result = asyncio.run(run(streamed))
+        assert isinstance(result.final_output, Answer)
+    assert len(calls) == 2 and set(calls) <= {"UTC", "CET"}

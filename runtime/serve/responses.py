@@ -112,7 +112,8 @@ def to_chat(body: dict, names: list) -> dict:
         if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
             raise ApiError("text: expected {format}", "text")
         _refuse_unless(text, "verbosity", (None, "medium"), "text.verbosity")
-        if text.get("format") is not None:
+        forced = chat.get("tool_choice") not in (None, "none", "auto")
+        if text.get("format") is not None and not forced:  # a forced call writes no text to format
             chat["response_format"] = _format(text["format"])
     _reasoning(body.get("reasoning"))
     return chat
