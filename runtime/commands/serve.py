@@ -105,6 +105,9 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
     text = text.resolved()
     pooling = embedding_pooling(text.model, pooling, normalize)
     classifier = reranker_tokens(text.model, hf_overrides)
+    if classifier and pooling is not None:
+        raise ValueError("a reranker (--hf-overrides, or its README) that is also an embedding model (--pooling, or its "
+                         "modules.json): the model is one or the other")
     scaling = check_replicas(ray, replicas, min_replicas, max_replicas)
     context = text.context
     if context is None:
