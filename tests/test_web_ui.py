@@ -88,6 +88,28 @@ def ready(driver) -> bool:
     return driver.execute_script("return document.body.dataset.ready === 'true'")
 
 
+def test_the_page_is_served_as_the_api_is(server):
+    """`/` and the page's files are public and carry the CSP; the API behind them still needs
+    the key; the Host check applies to the page too; nothing is loaded from elsewhere."""
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page.text[:200]
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self';" in csp and "unsafe" not in csp and "http" not in csp, csp
+    assert page.headers["x-content-type-options"] == "nosniff"
+    for name in ("app.js", "api.js", "settings.js", "markdown.js", "grounding.js", "store.js", "style.css"):
+        r = httpx.get(f"{server.url}/web/{name}")
+        assert r.status_code == 200 and r.headers["content-security-policy"] == csp, name
+    missing = httpx.get(server.url + "/web/secret.py")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert httpx.get(server.url + "/", headers={"Host": "evil.example"}).status_code == 421
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    html = (WEB / "index.html").read_text()
+    assert re.findall(r'(?:src|href)="([^"]*)"', html) == ["/web/style.css", "/web/app.js"]
+    assert not re.search(r"<script(?![^>]*\bsrc=)|\son\w+=|\sstyle=", html)  # no inline script, handler, style
+    for js in WEB.glob("*.js"):
+        assert all(m.startswith("./") for m in re.findall(r'from "([^"]+)"', js.read_text())), js
+
+
 def test_the_key_is_asked_for_once(server, browser):
     """The server has a key: the page asks for it, says so when a wrong one is refused, and
     keeps the right one in the tab (asked again only in a new tab: sessionStorage)."""
@@ -129,28 +151,6 @@ def ask(driver, prompt: str, image: Path | None = None):
     answer = css(driver, ".msg.assistant")[-1]
     assert answer.get_attribute("data-state") == "done", answer.text
     return answer
-
-
-def test_the_page_is_served_as_the_api_is(server):
-    """`/` and the page's files are public and carry the CSP; the API behind them still needs
-    the key; the Host check applies to the page too; nothing is loaded from elsewhere."""
-    page = httpx.get(server.url + "/")
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page.text[:200]
-    csp = page.headers["content-security-policy"]
-    assert "script-src 'self';" in csp and "unsafe" not in csp and "http" not in csp, csp
-    assert page.headers["x-content-type-options"] == "nosniff"
-    for name in ("app.js", "api.js", "settings.js", "markdown.js", "grounding.js", "store.js", "style.css"):
-        r = httpx.get(f"{server.url}/web/{name}")
-        assert r.status_code == 200 and r.headers["content-security-policy"] == csp, name
-    missing = httpx.get(server.url + "/web/secret.py")
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
-    assert httpx.get(server.url + "/", headers={"Host": "evil.example"}).status_code == 421
-    assert httpx.get(server.url + "/v1/models").status_code == 401
-    html = (WEB / "index.html").read_text()
-    assert re.findall(r'(?:src|href)="([^"]*)"', html) == ["/web/style.css", "/web/app.js"]
-    assert not re.search(r"<script(?![^>]*\bsrc=)|\son\w+=|\sstyle=", html)  # no inline script, handler, style
-    for js in WEB.glob("*.js"):
-        assert all(m.startswith("./") for m in re.findall(r'from "([^"]+)"', js.read_text())), js
 
 
 def test_an_image_asked_about_streams_its_answer(server, browser, shots):
@@ -219,6 +219,19 @@ def test_a_script_in_an_answer_is_shown_not_run(server, browser, shots):
     assert not markdown.find_elements(By.CSS_SELECTOR, "script, img")  # no element made from the answer's tags
     assert browser.execute_script("return window.injected") is None
     browser.save_screenshot(str(shots / "script.png"))
+
+
+def test_reasoning_is_folded_away(server, browser):
+    """An answer that thinks first: the reasoning in a closed <details>, the answer below."""
+    browser.find_element(By.ID, "new-chat").click()
+    force(browser, "<think>Count the shapes first.</think>Three shapes.")
+    answer = ask(browser, "How many shapes?")
+    details = answer.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert details.is_displayed() and details.get_attribute("open") is None
+    assert details.find_element(By.CSS_SELECTOR, "summary").text == "Reasoning"
+    assert answer.find_element(By.CSS_SELECTOR, ".markdown").text == "Three shapes."
+    details.find_element(By.CSS_SELECTOR, "summary").click()
+    assert details.find_element(By.CSS_SELECTOR, ".thoughts").text == "Count the shapes first."
 
 
 def test_stop_regenerate_and_edit(server, browser):
