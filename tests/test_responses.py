@@ -219,6 +219,11 @@ def test_reasoning_item_on_a_thinking_template(thinking):
     check_order(events, ["reasoning", "message"])
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
     assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 8
+    budget = {"thinking_token_budget": 2}  # the chat path's reasoning budget: </think> forced after 2
+    r = create(thinking, extra_body=budget, **kw)
+    c = chat(thinking, [{"role": "user", "content": "Hi"}], max_tokens=8, extra_body=budget).choices[0].message
+    assert r.output[0].content[0].text == c.model_dump()["reasoning"] and r.output_text == c.content != ""
+    assert r.usage.output_tokens_details.reasoning_tokens == 2
 
 
 def test_agents_sdk_default_model_call(server):

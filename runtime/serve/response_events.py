@@ -56,18 +56,21 @@ class ResponseReply:
     """One response's shapes: the whole object, its usage, and the answer's parser."""
 
     def __init__(self, model_id: str, body: dict, request, rename):
-        self.id, self.created, self.model, self.body, self.rename = _id("resp"), int(time.time()), model_id, body, rename
+        self.id, self.created, self.model = _id("resp"), int(time.time()), model_id
+        self.body, self.rename = body, rename
         self.answer = Answer(request.answer)
         self.thinking = ReasoningSplitter(request.answer.think_open) if request.answer.thinks else None
         self.reasoning_tokens, self.last_in_reasoning = 0, False
 
     def count(self, text: str) -> None:
         """One delta event's text: a token's, but for the engine's last (its flush, no
-        token), so a token counts as reasoning once the next event comes."""
+        token), so a token counts once the next event comes. Reasoning tokens: those inside
+        the think block (not `<think>` or `</think>` themselves)."""
         self.reasoning_tokens += self.last_in_reasoning
         if self.thinking is not None:
-            self.last_in_reasoning = self.thinking.state == "reasoning"
+            before = self.thinking.state
             self.thinking.feed(text)
+            self.last_in_reasoning = before == self.thinking.state == "reasoning"
 
     def usage(self, usage: dict) -> dict:
         return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
