@@ -1,4 +1,5 @@
-"""The templates ship with the package: a built, non-editable wheel emits too."""
+"""The templates ship with the package: a built, non-editable wheel emits too, and serves the
+chat page's files (runtime/serve/web/)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,11 @@ def test_installed_wheel_emits(tmp_path):
                             cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) > 10
+    page = ("import sys; from runtime.serve import webui; assert webui.__file__.startswith(sys.argv[1]), webui.__file__;"
+            "print(' '.join(sorted(webui.page_files())))")
+    result = subprocess.run([sys.executable, "-c", page, str(target)], capture_output=True, text=True,
+                            cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    web = ROOT / "runtime" / "serve" / "web"
+    shipped = sorted(p.name for p in web.iterdir() if p.suffix in (".html", ".js", ".css"))
+    assert result.stdout.split() == shipped
