@@ -266,3 +266,18 @@ def test_agents_sdk_default_model_call(server):
         result = asyncio.run(run(streamed))
         assert isinstance(result.final_output, Answer)
     assert len(calls) == 2 and set(calls) <= {"UTC", "CET"}
+
+
+def test_routing_key_of_a_response_is_its_chats():
+    """Over Ray replicas a Responses request is routed as the chat it becomes: the same
+    conversation keys the same, so its later turns find their prefix on one replica."""
+    from runtime.serve.affinity import routing_key
+
+    image = "data:image/png;base64,AAAA"
+    chat_body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is it?"}]}]}
+    response_body = {"instructions": "Be brief.", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": image}, {"type": "input_text", "text": "What is it?"}]}]}
+    key = routing_key("/v1/chat/completions", json.dumps(chat_body).encode())
+    assert key is not None and routing_key("/v1/responses", json.dumps(response_body).encode()) == key
+    assert routing_key("/v1/responses", b'{"input": [{"type": "bogus"}]}') is None

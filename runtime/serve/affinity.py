@@ -34,7 +34,7 @@ class Route:
 def routing_key(path: str, body: bytes) -> str | None:
     """The key of a POST body to `path` (None when it has no prompt to key on: not JSON,
     another endpoint, an empty prompt)."""
-    if path not in ("/v1/chat/completions", "/v1/completions"):
+    if path not in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         return None
     try:
         request = json.loads(body)
@@ -42,6 +42,13 @@ def routing_key(path: str, body: bytes) -> str | None:
         return None
     if not isinstance(request, dict):
         return None
+    if path == "/v1/responses":  # keyed as the chat body it becomes, so its turns share a chat's replica
+        from runtime.serve.errors import ApiError
+        from runtime.serve.responses import to_chat
+        try:
+            request = to_chat(request, [])
+        except ApiError:
+            return None
     start = prompt_start(request)[:PREFIX_CHARS]
     return hashlib.sha256(start.encode()).hexdigest()[:32] if start else None
 
