@@ -162,12 +162,22 @@ class Generator:
         if context != self.text.context:
             self.text = TextSession(self.model_dir, context=context, **self.text_options)
 
+    def check_size(self, messages, template_kwargs=None) -> None:
+        """Refuse (GenerateError) a chat whose text alone is too long for the context, from
+        its strings' lengths (`ChatTokenizer.least_tokens`): nothing rendered or tokenized,
+        so a huge message costs its length, not a tokenization."""
+        least = self.tokenizer.least_tokens([messages, template_kwargs or {}])
+        if least > self.text.context:
+            raise GenerateError(f"messages: at least {least} tokens of text: longer than the context of "
+                                f"{self.text.context} tokens (--context); give a shorter prompt")
+
     def check_prompt(self, messages, media=(), max_new_tokens: int = 1, template_kwargs=None) -> None:
         """Refuse (GenerateError) a chat the context cannot hold, from the text and the image
         headers alone: nothing decoded, encoded or compiled. A video's tokens are known only
         once its frames are decoded (`prepare` checks again then)."""
         from runtime.inputs.chat import image_tokens
 
+        self.check_size(messages, template_kwargs)
         self._check_vision(media)
         counts = [image_tokens([m], self.policy, self.vision_cfg.merge_unit) for m in media if m.kind == "image"]
         try:  # a too-large image is refused before its prompt is even rendered

@@ -257,6 +257,52 @@ def test_the_guard_answers_a_crash_with_an_error_object():
         thread.join(30)
 
 
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_huge_message_is_refused_from_its_length_while_a_stream_runs(server, tmp_path):
+    """A 16 MiB message (under a 40 MB body limit) is refused (400, context_length_exceeded)
+    from its length, before anything renders or tokenizes it; a stream beside it keeps
+    flowing (no gap of 0.5 s), and the server's memory comes back within 100 MB. (It used
+    to be tokenized first, holding the GIL: 60 s, 4.4 GB.)"""
+    import time
+
+    big = Server(tmp_path, model=server.model, cache=server.cache, extra=("--max-body-mb", "40"))
+    try:
+        response, client = long_stream(big)
+        arrivals, done = [], threading.Event()
+
+        def read():
+            for _ in response.iter_lines():
+                arrivals.append(time.monotonic())
+                if done.is_set():
+                    break
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert wait_for(lambda: len(arrivals) > 8, 60)
+        before = rss_mb(big.process.pid)
+        start = time.monotonic()
+        r = big.post({"messages": [user("a" * (16 << 20))], "max_tokens": 8})
+        end = time.monotonic()
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "longer than the context" in r.json()["error"]["message"]
+        assert wait_for(lambda: arrivals[-1] > end + 0.5, 30)
+        during = [t for t in arrivals if start - 0.5 <= t <= end + 0.5]
+        gap = max(b - a for a, b in zip(during, during[1:]))
+        assert gap < 0.5, f"the stream stalled {gap:.2f} s while the message was refused"
+        assert wait_for(lambda: rss_mb(big.process.pid) < before + 100, 30), (before, rss_mb(big.process.pid))
+        done.set()
+        reader.join()  # it leaves at the stream's next line
+        response.close()
+        client.close()
+    finally:
+        big.process.kill()
+        big.process.wait()
+
+
 def test_sigterm_past_the_grace_answers_every_request(server, tmp_path):
     """SIGTERM with --grace 1, four lanes busy with answers that would run for seconds more
     and a fifth request queued: each stream gets an error event then [DONE], each plain

@@ -133,6 +133,10 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
     if model is not None and model != model_id:
         raise ApiError(f"model: {shown(model)}: this server serves {model_id!r}", "model", 404, "model_not_found")
     vocab = generator.text.cfg.vocab_size
+    try:  # a chat too long for the context, refused from its length before anything renders or tokenizes it
+        generator.check_size(request.messages, {"tools": request.agents.tools, **request.agents.template_kwargs})
+    except ValueError as e:
+        raise as_api_error(e) from None
     check_logit_bias(request.sampling, vocab)
     request.answer = resolve(request, generator.tokenizer, vocab)
     request.fingerprint = fingerprint(generator)
