@@ -24,12 +24,13 @@ from test_embeddings import TOL, embedding_checkpoint, long_text, reference_embe
 
 pytestmark = pytest.mark.parity
 TEXTS = ["A cat on a red house.", "Two birds in the sky over a river."]
+LEAN = ["--max-batch", "1"]  # one decode entry to compile (an embedding job holds a lane only while prefilled)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_embed")
-    s = Server(root, model=embedding_checkpoint(root), extra=["--max-waiting", "16"])  # 8 requests' 2 items queued
+    s = Server(root, model=embedding_checkpoint(root), extra=LEAN + ["--max-waiting", "16"])  # 8 requests' 2 items
     s.video = write_video(s.allowed / "clip.mp4", gradient_frames(8, 256, 256, seed=9), rate=4)
     yield s
     s.process.kill()
@@ -126,7 +127,7 @@ def test_generative_checkpoint(server, tmp_path):
     for f in server.model.iterdir():
         if f.name not in ("modules.json", "1_Pooling"):
             os.symlink(f, plain / f.name)
-    chat = Server(tmp_path, model=plain, cache=server.cache)
+    chat = Server(tmp_path, model=plain, cache=server.cache, extra=LEAN)
     try:
         r = post(chat, {"input": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
@@ -135,7 +136,7 @@ def test_generative_checkpoint(server, tmp_path):
         chat.process.kill()
         chat.process.wait()
     shutil.rmtree(tmp_path / "allowed")
-    flagged = Server(tmp_path, model=plain, cache=server.cache, extra=["--pooling", "last", "--no-normalize"])
+    flagged = Server(tmp_path, model=plain, cache=server.cache, extra=LEAN + ["--pooling", "last", "--no-normalize"])
     try:
         got = np.array(post(flagged, {"input": TEXTS[0]}).json()["data"][0]["embedding"])
         normalized = np.array(post(server, {"input": TEXTS[0]}).json()["data"][0]["embedding"])
