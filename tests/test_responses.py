@@ -268,6 +268,37 @@ def test_agents_sdk_default_model_call(server):
     assert len(calls) == 2 and set(calls) <= {"UTC", "CET"}
 
 
+def test_a_client_that_leaves_cancels_its_response(server):
+    """A stream whose client closes, and a plain request whose client closes its socket,
+    are cancelled (not run on to max_output_tokens): the lane is free again."""
+    import httpx2 as httpx
+    from serve_helpers import wait_for
+
+    cancelled = lambda: server.metric("qwen3vl_requests_total", '{outcome="cancelled"}')  # noqa: E731
+    before = cancelled()
+    long = {"input": "Go on.", "max_output_tokens": 100000, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url + "/v1/responses", json=dict(long, stream=True),
+                           headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert next(line for line in r.iter_lines() if "output_text.delta" in line)
+    assert wait_for(lambda: cancelled() == before + 1, 5)
+    sock = raw(server, long)
+    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 1)
+    sock.close()
+    assert wait_for(lambda: cancelled() == before + 2, 5)
+    assert wait_for(lambda: server.metric("qwen3vl_requests_running") == 0, 5)
+
+
+def raw(server, body: dict):
+    import socket
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {KEY}"
+            f"\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(head.encode() + data)
+    return sock
+
+
 def test_routing_key_of_a_response_is_its_chats():
     """Over Ray replicas a Responses request is routed as the chat it becomes: the same
     conversation keys the same, so its later turns find their prefix on one replica."""

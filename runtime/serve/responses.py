@@ -25,7 +25,7 @@ from runtime.serve.response_events import ResponseReply, collect, stream
 from runtime.serve.respond import respond
 
 PASSED = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", *SAMPLING_FIELDS,
-          "chat_template_kwargs", "mm_processor_kwargs", "thinking_token_budget")  # the same in both (vLLM's too)
+          "chat_template_kwargs", "mm_processor_kwargs", "thinking_token_budget", "ignore_eos")  # vLLM's too
 IGNORED = ("store", "metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key", "stream_options")
 STATEFUL = {"previous_response_id": "previous_response_not_found", "conversation": "conversation_not_found"}
 HANDLED = ("input", "instructions", "tools", "tool_choice", "max_output_tokens", "text", "reasoning", "truncation",
