@@ -2,7 +2,8 @@
 
 POST /v1/chat/completions (streamed as Server-Sent Events or not), GET /v1/models,
 GET /health, GET /metrics; the rest (GET /v1/models/{id}, POST /v1/completions, /tokenize,
-/detokenize) in runtime/serve/endpoints.py. Every response that is not a success is
+/detokenize) in runtime/serve/endpoints.py; POST /v1/responses, translated into this chat
+path, in runtime/serve/responses.py. Every response that is not a success is
 OpenAI's error object with a 4xx/5xx status (the Host, API-key and Content-Type checks and
 the catch-all are in `guard`; the body's bounds in `body`). A client that leaves cancels
 its request at once (`respond`, shared with /v1/completions).
