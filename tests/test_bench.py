@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from emitter.precision import precision
@@ -42,6 +43,10 @@ def test_bench_both_precisions_and_end_to_end(tmp_path):
         assert f["rel_l2_vs_torch"] <= 1e-5
         assert f["rel_l2_bf16_vs_torch_f32"] <= 3e-2
         assert "torch 128" in f["roof"]["bf16"]["all"]
+        chart = ET.parse(out.with_suffix(".svg")).getroot()  # --json's neighbour: the ratios as bars
+        bars = [float(r.get("data-ratio")) for r in chart.iter("{http://www.w3.org/2000/svg}rect")
+                if r.get("class") == "bar"]
+        assert bars == [float(f"{f['ratio']:g}"), float(f"{f['ratio_bf16']:g}")], bars
 
 
 def test_bench_without_torch_times_ours_against_the_roof(tmp_path):
@@ -52,6 +57,8 @@ def test_bench_without_torch_times_ours_against_the_roof(tmp_path):
     assert "torch is not installed" in result.stdout
     f = json.loads(out.read_text())
     assert f["torch"] == "torch is not installed" and f["torch_s"] is None and f["ratio"] is None
+    assert "chart: not written (no ratio: transformers did not run: torch is not installed)" in result.stdout
+    assert not out.with_suffix(".svg").exists()
     assert f["ours_s"] > 0 and f["roof_gflops"] > 0 and f["roof_fraction"] > 0
     assert not any(name.startswith("torch") for name in f["roof"]["f32"]["all"])
     # An f32 bench times no bf16 matmul (on a CPU without a bf16 dot product they were scalar).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from emitter.errors import command_errors
@@ -33,7 +35,9 @@ DEFAULTS = BenchOptions()
 @click.option("--cache-dir", metavar="DIR", help="Artifact cache for --end-to-end (default: a temporary folder).")
 @click.option("--seed", type=int, default=DEFAULTS.seed, show_default=True, help="Seed of the run order.")
 @click.option("--json", "json_path", metavar="FILE", help="Write the figures here.")
-def bench_command(json_path, **options):
+@click.option("--chart", "chart_path", metavar="FILE.svg",
+              help="Write the ratios against transformers as an SVG bar chart (default with --json: beside it, .svg).")
+def bench_command(json_path, chart_path, **options):
     """Time the compiled tower against transformers' (f32 against f32, bf16 against bf16) and
     the machine's matmul roof, in one process.
 
@@ -41,4 +45,23 @@ def bench_command(json_path, **options):
     """
     from runtime.bench.vision import report, run
     with command_errors():
-        click.echo(report(run(BenchOptions(json=json_path, **options))))
+        figures = run(BenchOptions(json=json_path, **options))
+        click.echo(report(figures))
+        chart_path = chart_path or (str(Path(json_path).with_suffix(".svg")) if json_path else None)
+        if chart_path:
+            click.echo(write_ratio_chart(figures, chart_path))
+
+
+def write_ratio_chart(f: dict, path: str) -> str:
+    """The chart of the run's ratios (transformers' time over ours, with the rounds' range),
+    or why there is none."""
+    from runtime.bench.chart import Bar, write_chart
+
+    bars = [Bar(f"{p}: transformers / ours", f[f"ratio{tag}"], f[f"ratio{tag}_min"], f[f"ratio{tag}_max"])
+            for p, tag in (("f32", ""), ("bf16", "_bf16")) if f.get(f"ratio{tag}") is not None]
+    if not bars:
+        return f"chart: not written (no ratio: transformers did not run: {f['torch']})"
+    note = (f"{f['model'] or f['preset']}, bucket {f['bucket']}, images {f['images']}, {f['threads']} threads, "
+            f"load {f['loadavg'][0]:.2f}; median of {f['repeats']} rounds, whiskers: the rounds' range")
+    write_chart(path, bars, "The vision tower: ours faster than transformers by", note)
+    return f"chart: {path}"
