@@ -41,7 +41,8 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
    compiled into the artifact cache outside the clock (and iree-compile's memory is not in
    a measured RSS).
 4. Prints a table of medians (the best round in brackets where there are several), with
-   `lscpu`'s model name and flags, the load average before and after, and writes --json.
+   `lscpu`'s model name and flags, the load average before and after, and writes --json (and
+   --chart, by default beside it: the "ours better by" column as an SVG bar chart).
 
     .venv/bin/python benchmarks/bench_llamacpp.py --json llamacpp.json          # 2B, 2 rounds
     .venv/bin/python benchmarks/bench_llamacpp.py --preset tiny --rounds 1      # a quick check
@@ -551,10 +552,30 @@ def weight_traffic(rounds: list[dict], bandwidth: dict) -> str:
     return "\n".join(lines)
 
 
+def better_by(figure: str, ours: float, llama: float) -> float:
+    """N > 1 when ours is better (faster, or less memory)."""
+    return ours / llama if figure == "prefill_tok_s" else llama / ours
+
+
 def ratio(figure: str, ours: float, llama: float) -> str:
-    """"x N" with N > 1 when ours is better (faster, or less memory)."""
-    better = ours / llama if figure == "prefill_tok_s" else llama / ours
-    return f"x{better:.2f}"
+    return f"x{better_by(figure, ours, llama):.2f}"
+
+
+def write_ratio_chart(report: dict, path: Path) -> str:
+    """The table's "ours better by" column as an SVG bar chart (runtime/bench/chart.py): one bar
+    per row and figure, the ratio of the medians."""
+    from runtime.bench.chart import Bar, write_chart
+
+    bars = [Bar(f"{name}: {key}", better_by(key, sides["ours"]["median"], sides["llama"]["median"]))
+            for name, row in report["summary"].items() for key, sides in row.items() if sides["llama"] and sides["ours"]]
+    if not bars:
+        return "chart: not written (no figure of both sides)"
+    m = report["machine_before"]
+    layers = f", {report['layers']} layers" if report["layers"] else ""
+    note = (f"{report['preset']}{layers}, {report['threads']} threads, {m['cpu']}, load {m['load_average'][0]:.1f}, "
+            f"{report['date']}; medians of {len(report['rounds'])} rounds")
+    write_chart(path, bars, "Ours against llama.cpp: better by (medians)", note)
+    return f"chart: {path}"
 
 
 def table(summary: dict, bits: dict) -> str:
@@ -611,6 +632,8 @@ def main() -> None:
     p.add_argument("--version", default=VERSION, help="llama-cpp-python sdist version")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="build jobs")
     p.add_argument("--json", type=Path, metavar="FILE")
+    p.add_argument("--chart", type=Path, metavar="FILE.svg",
+                   help="the ratios as an SVG bar chart (default with --json: beside it, .svg)")
     p.add_argument("--ours-vision-sizes", type=int, nargs="+", default=list(IMAGE_SIZES),
                    help="images our side encodes (e.g. leave out one that does not fit in memory)")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS),
@@ -679,6 +702,9 @@ def main() -> None:
         print("\n" + quality_table(report["quality"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
+    chart = args.chart or (args.json.with_suffix(".svg") if args.json else None)
+    if chart:
+        print(write_ratio_chart(report, chart))
 
 
 if __name__ == "__main__":
