@@ -19,7 +19,7 @@ from emitter.config import PRESETS
 from emitter.text_config import TEXT_PRESETS
 from runtime.checkpoints.synthetic_text import write_generation_checkpoint
 from runtime.serve.rerank import DEFAULT_INSTRUCTION, SYSTEM, classifier_tokens, reranker_checkpoint
-from serve_helpers import KEY, SMALL_POLICY, Server, data_url, httpx
+from serve_helpers import KEY, SMALL_POLICY, Server, concurrently, data_url, httpx, user
 
 TOL = 1e-5
 QUERY = "what is shown in the picture?"
@@ -61,10 +61,11 @@ def image_document(server) -> dict:
                         {"type": "text", "text": "a photo."}]}
 
 
-def reference(model_dir: Path, query: str, documents: list, instruction: str = DEFAULT_INSTRUCTION):
+def reference(model_dir: Path, pairs: list, instruction: str = DEFAULT_INSTRUCTION):
     """The model card's scoring (Qwen3VLReranker: format_mm_instruction, the processor's chat
     template, the language model's last hidden state times lm_head's yes row minus its no
-    row) in transformers, f32: per document (logit difference, prompt tokens)."""
+    row) in transformers, f32, of `pairs` ((query images, query text), (document images,
+    document text)): per pair (logit difference, prompt tokens)."""
     import torch
     from PIL import Image
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
@@ -79,18 +80,20 @@ def reference(model_dir: Path, query: str, documents: list, instruction: str = D
     vocab = tokenizer.get_vocab()
     with torch.inference_mode():
         row = model.lm_head.weight[vocab["yes"]] - model.lm_head.weight[vocab["no"]]
+
+    def parts(prefix: str, images, text: str) -> list:  # format_mm_content: the prefix, images, then text
+        return ([{"type": "text", "text": prefix}] + [{"type": "image", "image": str(p)} for p in images] +
+                [{"type": "text", "text": text}])
+
     out = []
-    for doc in documents:
-        images = [path for path, _ in [doc]] if isinstance(doc, tuple) else []
-        text = doc[1] if isinstance(doc, tuple) else doc
-        content = ([{"type": "text", "text": "<Instruct>: " + instruction}, {"type": "text", "text": "<Query>:"},
-                    {"type": "text", "text": query}, {"type": "text", "text": "\n<Document>:"}] +
-                   [{"type": "image", "image": str(p)} for p in images] + [{"type": "text", "text": text}])
+    for (q_images, q_text), (d_images, d_text) in pairs:
+        content = ([{"type": "text", "text": "<Instruct>: " + instruction}] + parts("<Query>:", q_images, q_text) +
+                   parts("\n<Document>:", d_images, d_text))
         messages = [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
                     {"role": "user", "content": content}]
         prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        inputs = processor(text=[prompt], images=[Image.open(p).convert("RGB") for p in images] or None,
-                           return_tensors="pt")
+        images = [Image.open(p).convert("RGB") for p in [*q_images, *d_images]]
+        inputs = processor(text=[prompt], images=images or None, return_tensors="pt")
         with torch.inference_mode():
             score = float(model.model(**inputs).last_hidden_state[0, -1] @ row)
         out.append((score, int(inputs["input_ids"].shape[1])))
@@ -105,7 +108,9 @@ def sigmoid(d: float) -> float:
 def test_scores_match_transformers(server):
     pytest.importorskip("transformers")
     docs = [TEXTS[0], image_document(server), TEXTS[1]]
-    expected = reference(server.model, QUERY, [TEXTS[0], (server.images[0], "a photo."), TEXTS[1]])
+    query = ((), QUERY)
+    expected = reference(server.model, [(query, ((), TEXTS[0])), (query, ((server.images[0],), "a photo.")),
+                                        (query, ((), TEXTS[1]))])
     raw = post(server, "/score", {"text_1": QUERY, "text_2": docs, "use_activation": False})
     assert raw.status_code == 200, raw.text
     body = raw.json()
@@ -128,6 +133,22 @@ def test_scores_match_transformers(server):
                                  "total_tokens": body["usage"]["prompt_tokens"]}
 
 
+@pytest.mark.parity
+def test_image_query_and_instruction_match_transformers(server):
+    """A query of an image and text (search by picture; in a list: one {content} object alone is one item per
+    part, as vLLM reads it), and an instruction of the request's own."""
+    pytest.importorskip("transformers")
+    query = {"content": [{"type": "image_url", "image_url": {"url": data_url(server.images[1])}},
+                         {"type": "text", "text": QUERY}]}
+    expected = reference(server.model, [(((server.images[1],), QUERY), ((), TEXTS[0])),
+                                        (((), QUERY), ((), TEXTS[1]))], instruction="Find birds.")
+    got = [post(server, "/score", {"text_1": [q], "text_2": TEXTS[i], "instruction": "Find birds.",
+                                   "use_activation": False}).json()["data"][0]["score"]
+           for i, q in enumerate([query, QUERY])]
+    for g, (want, _) in zip(got, expected):
+        assert abs(g - want) <= TOL * abs(want), (g, want)
+
+
 def test_shapes(server):
     """top_n, return_documents, the aliases, one to one against one to many, an instruction."""
     base = post(server, "/rerank", {"query": QUERY, "documents": TEXTS + ["the sky."], "top_n": 2,
@@ -140,6 +161,22 @@ def test_shapes(server):
     assert pairs[0]["score"] == many[0]["score"] and pairs[1]["score"] != many[1]["score"]
     other = post(server, "/score", {"text_1": QUERY, "text_2": TEXTS[0], "instruction": "Find birds."}).json()
     assert other["data"][0]["score"] != many[0]["score"]
+
+
+def test_beside_chat(server):
+    """Six documents scored while a chat runs: both answered, the scores those of the pairs
+    scored alone, the query's prefix found in the prefix cache by the later pairs."""
+    docs = [f"{w} birds in the sky." for w in ("one", "two", "three", "four", "five", "six")]
+    hits = server.metric("qwen3vl_prefix_cache_hit_tokens_total")
+    ranked, chat = concurrently(
+        lambda: post(server, "/v1/rerank", {"query": QUERY, "documents": docs}),
+        lambda: server.client.chat.completions.create(model="reranker", messages=[user("Go on.")], max_tokens=8))
+    assert ranked.status_code == 200 and len(ranked.json()["results"]) == 6, ranked.text
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert server.metric("qwen3vl_prefix_cache_hit_tokens_total") >= hits + 5 * 16
+    alone = [post(server, "/score", {"text_1": QUERY, "text_2": d}).json()["data"][0]["score"] for d in docs[:2]]
+    scores = {x["index"]: x["relevance_score"] for x in ranked.json()["results"]}
+    assert [scores[0], scores[1]] == alone
 
 
 @pytest.mark.parametrize("path, body, param", [
