@@ -177,3 +177,51 @@ def test_generative_module_unchanged_by_pooling():
     assert "pool_32" not in plain and "func.func @pool_32" in pooled
     for function in plain.split("\n", 1)[1].split("  func.func ")[1:]:  # globals, each entry: the same text
         assert "  func.func " + function.removesuffix("}\n") in pooled
+
+
+def test_embed_command_writes_retrieval_vectors(setup, tmp_path):
+    """`qwen3vl embed`'s retrieval vectors (runtime/jobs/retrieval.py, at the fixture's shape:
+    its module from the cache) on the embedding checkpoint: one row per item (an image of a
+    folder, the lines of a .txt, an (image, text) pair of a .jsonl), each the vector of
+    `embed`; a rerun skips them, a new line is embedded alone. The command's own branch: its
+    one-line refusals."""
+    from click.testing import CliRunner
+    from safetensors.numpy import load_file
+    from runtime.commands.main import main
+    from runtime.jobs.retrieval import embed_items
+
+    gen, model_dir, images, _ = setup
+    folder = tmp_path / "shots"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(Path(images[0]).read_bytes())
+    lines = tmp_path / "queries.txt"
+    lines.write_text("a red cat\n\na dog in the sky\n")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"image": "shots/a.png", "text": "What is it?"}) + "\n")
+    out = tmp_path / "out"
+
+    def run():
+        return embed_items(model_dir, [str(folder), str(lines), str(pairs)], out, gen.pooling, batch=2,
+                           cache_dir=gen.text.cache.root, progress_bar=False, context=512, buckets=(32, 64))
+
+    assert run().items == 4
+    index = json.loads((out / "index.json").read_text())
+    assert index["format"] == "retrieval" and index["dimensions"] == 48 and len(index["items"]) == 4
+    rows = {e["item"]: load_file(str(out / e["shard"]))["embeddings"][e["row"]] for e in index["items"]}
+    expected = {str((folder / "a.png").absolute()): ours(gen, image=images[0]),
+                f"{lines.absolute()}:1": ours(gen, text="a red cat"),
+                f"{lines.absolute()}:3": ours(gen, text="a dog in the sky"),
+                f"{pairs.absolute()}:1": ours(gen, image=images[0], text="What is it?")}
+    assert rows.keys() == expected.keys()
+    for key, (vector, _) in expected.items():
+        assert np.array_equal(rows[key], vector), key  # the same module, the same prompt: the same bits
+    lines.write_text("a red cat\n\na dog in the sky\na tree\n")
+    again = run()
+    assert (again.items, again.skipped) == (1, 4) and len(json.loads((out / "index.json").read_text())["items"]) == 5
+    for extra, message in ((["--ray-local", "2"], "retrieval vectors run in one local process"),
+                           (["--format", "vllm"], "an embedding model writes retrieval vectors")):
+        refused = CliRunner().invoke(main, ["embed", "--model", str(model_dir), str(lines), "-o", str(out), *extra])
+        assert refused.exit_code != 0 and message in refused.output, refused.output
+    refused = CliRunner().invoke(main, ["embed", "--model", str(model_dir), str(lines), "-o", str(out),
+                                        "--no-normalize", "--dimensions", "49"])
+    assert refused.exit_code != 0 and "--dimensions 49: expected an integer in [1, 48]" in refused.output
