@@ -232,12 +232,11 @@ def common(body, known, model_id: str) -> tuple[str, bool]:
 
 
 def make_pairs(body, pairs: list[tuple[Item, Item]], instruction: str, activation: bool, generator, limits,
-               classifier: Classifier) -> Pairs:
-    """Each pair as a score job, its media written to the request's folder (ApiError at the
-    first fault; the folder closed then)."""
+               classifier: Classifier, loop) -> Pairs:
+    """Each pair as a score job answering on `loop`, its media written to the request's folder
+    (ApiError at the first fault; the folder closed then)."""
     policy = limits.image_budget.for_request(body, generator.policy)
     folder = MediaFolder(limits.allowed_local_media, limits.max_image_pixels)
-    loop = asyncio.get_running_loop()
     try:
         written: dict[str, Media] = {}  # a query's media are written once for all its pairs
         jobs = []
@@ -261,7 +260,7 @@ def make_pairs(body, pairs: list[tuple[Item, Item]], instruction: str, activatio
     return Pairs(jobs, folder, activation, [d.param for _, d in pairs])
 
 
-def rerank_pairs(body, generator, limits, model_id: str, classifier: Classifier) -> tuple[Pairs, list, int]:
+def rerank_pairs(body, generator, limits, model_id: str, classifier: Classifier, loop) -> tuple[Pairs, list, int]:
     """A /rerank body checked: (its pairs, the documents, top_n: 0 for all)."""
     instruction, activation = common(body, RERANK_FIELDS, model_id)
     if "query" not in body:
@@ -273,10 +272,10 @@ def rerank_pairs(body, generator, limits, model_id: str, classifier: Classifier)
     top_n = protocol._number(body, "top_n", int, 0, None) or 0
     protocol._flag(body, "return_documents")
     return make_pairs(body, [(query, d) for d in documents], instruction, activation, generator, limits,
-                      classifier), documents, top_n
+                      classifier, loop), documents, top_n
 
 
-def score_pairs(body, generator, limits, model_id: str, classifier: Classifier) -> Pairs:
+def score_pairs(body, generator, limits, model_id: str, classifier: Classifier, loop) -> Pairs:
     """A /score body checked: text_1 against text_2, one to one, one to many or n to n."""
     instruction, activation = common(body, SCORE_FIELDS, model_id)
     for name in ("text_1", "text_2"):
@@ -287,7 +286,7 @@ def score_pairs(body, generator, limits, model_id: str, classifier: Classifier) 
         raise ApiError(f"text_1: {len(first)} items against text_2's {len(second)}: expected 1 to 1, 1 to N or "
                        "N to N", "text_1")
     pairs = list(zip(first * len(second) if len(first) == 1 else first, second))
-    return make_pairs(body, pairs, instruction, activation, generator, limits, classifier)
+    return make_pairs(body, pairs, instruction, activation, generator, limits, classifier, loop)
 
 
 async def run_pairs(request: Request, engine, generator, pairs: Pairs) -> list[tuple[float, int]] | None:
@@ -340,7 +339,8 @@ def add_rerank_routes(app, generator, engine, model_id: str, limits) -> None:
     async def rerank(request: Request):
         found = classifier(request.url.path)
         body = await read_json(request, limits.max_body_bytes)
-        pairs, documents, top_n = rerank_pairs(body, generator, limits, model_id, found)
+        pairs, documents, top_n = await asyncio.to_thread(rerank_pairs, body, generator, limits, model_id, found,
+                                                          asyncio.get_running_loop())  # media decoded off the loop
         scored = await run_pairs(request, engine, generator, pairs)
         if scored is None:
             return Response(status_code=499)
@@ -355,7 +355,9 @@ def add_rerank_routes(app, generator, engine, model_id: str, limits) -> None:
     async def score(request: Request):
         found = classifier(request.url.path)
         body = await read_json(request, limits.max_body_bytes)
-        scored = await run_pairs(request, engine, generator, score_pairs(body, generator, limits, model_id, found))
+        pairs = await asyncio.to_thread(score_pairs, body, generator, limits, model_id, found,
+                                        asyncio.get_running_loop())
+        scored = await run_pairs(request, engine, generator, pairs)
         if scored is None:
             return Response(status_code=499)
         tokens = sum(t for _, t in scored)
