@@ -49,8 +49,9 @@ class Limits:
     max_image_pixels: int = 64 << 20
     allowed_hosts: frozenset | None = frozenset(LOOPBACK)  # Host header values answered; None: any
     image_budget: ImageBudget = ImageBudget()  # --image-min-tokens / --image-max-tokens
-    reranker: object = None  # rerank.Classifier when the model is served as a reranker (/v1/rerank, /score)
+    thinking_token_budget: int | None = None  # --thinking-token-budget: a request's default
     web_ui: bool = True  # GET /: the chat page (runtime/serve/webui.py); --no-web-ui: off
+    reranker: object = None  # rerank.Classifier when the model is served as a reranker (/v1/rerank, /score)
 
 
 def error_response(e: ApiError) -> Response:
@@ -133,12 +134,14 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(f"model: {shown(model)}: this server serves {model_id!r}", "model", 404, "model_not_found")
-    vocab = generator.text.cfg.vocab_size
     try:  # a chat too long for the context, refused from its length before anything renders or tokenizes it
         generator.check_size(request.messages, {"tools": request.agents.tools, **request.agents.template_kwargs})
     except ValueError as e:
         raise as_api_error(e) from None
+    vocab = generator.text.cfg.vocab_size
     check_logit_bias(request.sampling, vocab)
+    if request.thinking_token_budget is None:
+        request.thinking_token_budget = limits.thinking_token_budget
     request.answer = resolve(request, generator.tokenizer, vocab)
     request.fingerprint = fingerprint(generator)
     try:
@@ -149,8 +152,6 @@ def make_job(body, generator, model_id: str, limits: Limits) -> tuple[Job, Media
     folder = MediaFolder(limits.allowed_local_media, limits.max_image_pixels)
     try:
         media = [Media(kind, folder.path(url, kind, param), name=param, policy=policy if kind == "image" else None)
-    if request.thinking_token_budget is None:
-        request.thinking_token_budget = limits.thinking_token_budget
                  for kind, url, param in request.media]
     except BaseException:
         folder.close()
