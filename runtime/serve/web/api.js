@@ -20,6 +20,7 @@ function askKey(message) {
   const dialog = $("key-dialog");
   $("key-error").textContent = message;
   $("key").value = "";
+  dialog.oncancel = (event) => event.preventDefault();  // Escape: the page cannot go on without it
   if (!dialog.open) dialog.showModal();
   return new Promise((resolve) => {
     $("key-form").onsubmit = (event) => {

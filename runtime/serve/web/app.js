@@ -206,9 +206,9 @@ async function send() {
 
 async function answer(settings) {
   const message = {role: "assistant", content: "", reasoning: ""};
-  const body = {messages: apiMessages(conversation.messages), stream: true, temperature: settings.temperature,
-                max_tokens: settings.maxTokens, chat_template_kwargs: {enable_thinking: settings.thinking},
-                ...(model ? {model} : {}), ...settings.extra};
+  const body = {temperature: settings.temperature, max_tokens: settings.maxTokens,
+                chat_template_kwargs: {enable_thinking: settings.thinking}, ...(model ? {model} : {}),
+                ...settings.extra, messages: apiMessages(conversation.messages), stream: true};
   conversation.messages.push(message);
   const index = conversation.messages.length - 1;
   running = new AbortController();

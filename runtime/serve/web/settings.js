@@ -1,7 +1,8 @@
 // The page's settings, kept in localStorage: temperature, max tokens, thinking on or off
 // (chat_template_kwargs.enable_thinking) and extra request fields, a JSON object merged into
 // every request body as it is (any field the API takes: top_p, seed, response_format,
-// guided_choice, ...; the browser tests force exact answers with guided_choice through it).
+// guided_choice, ...; not messages or stream; the browser tests force exact answers with
+// guided_choice through it).
 const $ = (id) => document.getElementById(id);
 const SETTINGS = "qwen3vl-settings";
 
