@@ -69,6 +69,9 @@ def positive(name: str, value: int) -> int:
               help="vLLM's reranker fields, e.g. '{\"classifier_from_token\": [\"no\", \"yes\"]}': serve the model as "
                    "a reranker on /v1/rerank and /score (a Qwen3-VL-Reranker checkpoint is one without it; "
                    "docs/serve.md, Reranker).")
+@click.option("--thinking-token-budget", type=int, metavar="N",
+              help="Reasoning tokens a request may think before </think> is forced (a request's own "
+                   "thinking_token_budget wins; default: no limit; docs/serve.md, Reasoning).")
 @click.option("--web-ui/--no-web-ui", default=True, show_default=True,
               help="The chat page at / (docs/serve.md, The chat page).")
 @click.option("--pooling", type=click.Choice(POOLING_CHOICES),
@@ -86,8 +89,8 @@ def positive(name: str, value: int) -> int:
 @click.option("--max-replicas", type=int, metavar="N", help="With --ray: autoscale, up to N replicas.")
 def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed_hosts, allowed_local_media_path,
                   max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace, image_min_tokens,
-                  image_max_tokens, hf_overrides, web_ui, pooling, normalize, ray, replicas, min_replicas,
-                  max_replicas):
+                  image_max_tokens, hf_overrides, thinking_token_budget, web_ui, pooling, normalize, ray, replicas,
+                  min_replicas, max_replicas):
     """Serve the checkpoint over OpenAI's chat completions API (FastAPI + uvicorn), or as
     replicas on Ray Serve (--ray). Everything is compiled and loaded before the first
     request is accepted."""
@@ -97,6 +100,8 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
     for name, value in (("--image-min-tokens", image_min_tokens), ("--image-max-tokens", image_max_tokens)):
         if value is not None:
             positive(name, value)
+    if thinking_token_budget is not None and thinking_token_budget < 0:
+        raise ValueError(f"--thinking-token-budget {thinking_token_budget}: expected 0 or more")
     if image_min_tokens and image_max_tokens and image_min_tokens > image_max_tokens:
         raise ValueError(f"--image-min-tokens {image_min_tokens} > --image-max-tokens {image_max_tokens}")
     if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
@@ -120,7 +125,8 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
                            text.precision, api_key, allowed_local_media_path, text.cache_dir, text.threads, text.target,
                            max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
                            text.kv_cache_dtype, kv_cache_memory, tuple(allowed_hosts),
-                           (image_min_tokens, image_max_tokens), classifier_tokens=classifier, web_ui=web_ui)
+                           (image_min_tokens, image_max_tokens), classifier_tokens=classifier, web_ui=web_ui,
+                           thinking_token_budget=thinking_token_budget)
     options = dataclasses.replace(options, pooling=pooling)
     if ray is not None:
         return serve_on_ray(dataclasses.replace(options, threads=text.threads or 1), scaling, ray)

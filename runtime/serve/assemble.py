@@ -36,6 +36,7 @@ class ServeOptions:
     classifier_tokens: tuple | None = None  # a reranker's (negative, positive) tokens: --hf-overrides, or detected
     web_ui: bool = True  # the chat page at / (--no-web-ui: off)
     pooling: object = None  # runtime/embedding.py's Pooling: an embedding model (/v1/embeddings), else None
+    thinking_token_budget: int | None = None  # a request's default reasoning budget (--thinking-token-budget)
 
     @property
     def model_id(self) -> str:
@@ -88,6 +89,7 @@ def assemble(options: ServeOptions, say, on_ready=None):
     engine = Engine(generator, metrics, encoder, options.max_waiting)
     limits = Limits(options.api_key, options.allowed_local_media, options.max_body_mb << 20, options.max_media,
                     allowed_hosts=host_names(options.host, options.port, options.allowed_hosts),
-                    image_budget=ImageBudget(*options.image_tokens), reranker=reranker, web_ui=options.web_ui)
+                    image_budget=ImageBudget(*options.image_tokens), reranker=reranker,
+                    web_ui=options.web_ui, thinking_token_budget=options.thinking_token_budget)
     app = create_app(generator, engine, metrics, options.model_id, limits, on_ready=on_ready)
     return app, engine, metrics
