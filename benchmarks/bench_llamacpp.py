@@ -24,10 +24,12 @@ What it does (every step reused on a rerun; nothing of llama.cpp lands in the re
      loaded beside it is the Q4_K_M one) against one `VisionSession` call on the same image
      (`out.seconds["run"]`: packing and the call, preprocessing excluded; bucket = the
      image's patches), after a warm-up call; one image per process on both sides;
-   - prefill tokens/s at 512 tokens and decode ms/token over 64 tokens: `llama-bench -p 512
-     -n 64 -r 1` against a `TextSession` (bucket 512, context 576) in a child process
-     (prefill of 512 random ids, then 64 greedy decode steps, after a warm-up; our KV cache
-     in --kv-cache-dtype, llama-bench's in its default f16);
+   - prefill tokens/s at 512 tokens and decode ms/token over 64 tokens after them: `llama-bench
+     -p 512 -n 64 -d 0,512 -r 1` (prefill at depth 0, decode at depth 512) against a
+     `TextSession` (bucket 512, context 576) in a child process (prefill of 512 random ids,
+     then 64 greedy decode steps, after a warm-up): both decode over the same 512-576 cached
+     tokens; our KV cache in --kv-cache-dtype, llama-bench's in its default f16 (equal bits:
+     --kv-cache-dtype bf16);
    - one answer, one 256x256 image + a short prompt, 16 new tokens, context 4096:
      `llama-mtmd-cli -c 4096 -n 16 --ignore-eos` against `qwen3vl generate --context 4096
      --max-new-tokens 16`: time to first token (llama.cpp: encode + prompt eval; ours:
@@ -255,13 +257,14 @@ def llama_mtmd(bindir: Path, text: Path, mmproj: Path, image: Path, threads: int
 
 
 def llama_bench(bindir: Path, gguf: Path, threads: int, repack: bool = True) -> dict:
-    """One llama-bench run (-p PREFILL -n DECODE -r 1): prefill tokens/s, decode ms/token,
-    and the model's size, parameters and bits per weight as llama-bench reports them."""
+    """One llama-bench run (-p PREFILL -n DECODE -d 0,PREFILL -r 1): prefill tokens/s (at depth 0),
+    decode ms/token at depth PREFILL (over the cached tokens our decode steps see, after their
+    prefill), and the model's size, parameters and bits per weight as llama-bench reports them."""
     out, _, _ = timed_process([bindir / "llama-bench", "-m", gguf, "-t", threads, "-p", PREFILL, "-n", DECODE,
-                               "-r", 1, "-o", "json", *([] if repack else ["--repack", 0])])
+                               "-d", f"0,{PREFILL}", "-r", 1, "-o", "json", *([] if repack else ["--repack", 0])])
     rows = json.loads(out[out.index("["):out.rindex("]") + 1])
-    prefill = next(r for r in rows if r["n_prompt"] == PREFILL and r["n_gen"] == 0)
-    decode = next(r for r in rows if r["n_gen"] == DECODE and r["n_prompt"] == 0)
+    prefill = next(r for r in rows if r["n_prompt"] == PREFILL and r["n_gen"] == 0 and r.get("n_depth", 0) == 0)
+    decode = next(r for r in rows if r["n_gen"] == DECODE and r["n_prompt"] == 0 and r.get("n_depth") == PREFILL)
     return {"prefill_tok_s": prefill["avg_ts"], "decode_ms_token": 1e3 / decode["avg_ts"],
             "model_gb": prefill["model_size"] / 1e9, "params": prefill["model_n_params"],
             "bits_per_weight": prefill["model_size"] * 8 / prefill["model_n_params"]}
