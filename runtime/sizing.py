@@ -12,7 +12,8 @@ from emitter.experts import is_expert
 from emitter.kv_pages import BLOCK
 from emitter.precision import Precision, precision as precision_of
 from emitter.targets import DEFAULT_TARGET
-from emitter.text import text_weights
+from emitter import quant
+from emitter.text import EMBEDDING, text_weights, weight_shapes
 from emitter.text_shape import TextShape, TextShapeError
 from emitter.vision import graph_weights
 
@@ -28,11 +29,15 @@ def step_bytes(cfg, precision) -> int:
     `text_precision`): every weight whole but the embedding table (a row a token, left out) and
     a sparse layer's expert stacks and their scales, of which it reads num_experts_per_tok of
     num_experts (emitter/experts.py: only the chosen experts' weights)."""
+    owner = {}  # each graph weight's checkpoint weight: itself, or the one whose scales or biases it is
+    for name, _ in weight_shapes(cfg):
+        owner.update({name: name, quant.scales_name(name): name, quant.biases_name(name): name})
     total = 0
     for spec in text_weights(cfg, precision):
-        if spec.name.endswith(("embed_tokens.weight", "embed_tokens.scales")):
+        weight = owner[spec.name]
+        if weight.endswith(EMBEDDING):
             continue
-        share = cfg.num_experts_per_tok / cfg.num_experts if is_expert(spec.name.removesuffix("_scales")) else 1
+        share = cfg.num_experts_per_tok / cfg.num_experts if is_expert(weight) else 1
         total += spec_bytes(spec) * share
     return int(total)
 
