@@ -34,6 +34,7 @@ from safetensors.numpy import save
 from emitter.atomic import write_atomic
 from emitter.errors import one_line_error as one_line
 
+from runtime.artifact.archive import cached_text_archive
 from runtime.embedding import check_dimensions, embed, item_messages, instruction_text
 from runtime.inputs.chat import Media
 from runtime.jobs.embed import INDEX_NAME, IMAGE_SUFFIXES, check_out_dir, out_dir_lock
@@ -182,9 +183,9 @@ def embed_items(model, inputs, out_dir, pooling, batch: int = 16, instruction: s
                     progress=say, pooling=pooling)
     dimensions = check_dimensions(dimensions, gen.text.cfg.hidden_size, "--dimensions")
     with out_dir_lock(folder):
-        gen.text.build()
-        # the weights' identity (the module's follows the context fitted to each item)
-        header = {"engine": "local", "weights": Path(gen.text.archive_path).stem, "format": "retrieval",
+        text = gen.text  # the weights' identity (the module's follows the context fitted to each item)
+        weights = Path(cached_text_archive(text.model_dir, text.cfg, text.precision, text.cache, say)).stem
+        header = {"engine": "local", "weights": weights, "format": "retrieval",
                   "dimensions": dimensions or gen.text.cfg.hidden_size, "instruction": instruction_text(instruction),
                   "normalize": pooling.normalize}
         index = RetrievalIndex(folder, header)
