@@ -234,6 +234,43 @@ def test_reasoning_is_folded_away(server, browser):
     assert details.find_element(By.CSS_SELECTOR, ".thoughts").text == "Count the shapes first."
 
 
+def module_call(driver, module: str, function: str, *args):
+    """`function(*args)` of one of the page's modules, run in the page."""
+    return driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        f"import('/web/{module}').then((m) => done(m.{function}(...Array.from(arguments).slice(0, -1))),"
+        " (e) => done({failed: String(e)}));", *args)
+
+
+GROUNDING_FORMS = {  # answer text: the items read from it
+    '{"bbox_2d": [1, 2, 3, 4], "label": "a"}': [("box", [1, 2, 3, 4], "a")],
+    "[{'bbox_2d': [10, 20, 30, 40], 'label': 'quoted'},]": [("box", [10, 20, 30, 40], "quoted")],
+    'Here: {"label": "say \\"hi\\"", "bbox_2d": [300, 400, 100, 200]} and {"point_2d": [5.5, 1200]}':
+        [("box", [100, 200, 300, 400], 'say "hi"'), ("point", [5.5, 1000], "")],
+    '```json\n[{"bbox_2d": [1, 1, 9, 9], "label": "x"}, {"bbox_2d": [2, 2, 8': [("box", [1, 1, 9, 9], "x")],
+    '{bbox_2d: [0, 0, 1000, 1000], label: "bare keys"}': [("box", [0, 0, 1000, 1000], "bare keys")],
+    '{"box": [1, 2, 3, 4]} {"bbox_2d": [1, 2]}': [],
+}
+
+
+def test_the_page_reads_grounding_and_markdown_leniently_and_safely(server, browser):
+    """grounding.js on the shapes Qwen3-VL writes (fenced or not, lists or single objects,
+    either quotes, trailing commas, cut off mid-list, coordinates swapped or past 1000), and
+    markdown.js making only its own tags (no javascript: link, code left as text)."""
+    if not browser.current_url.startswith(server.url):
+        browser.get(server.url + "/")  # the modules are imported from the page's origin
+    for text, expected in GROUNDING_FORMS.items():
+        items = module_call(browser, "grounding.js", "parseGrounding", text)
+        assert isinstance(items, list), items
+        assert [(i["kind"], i["coords"], i["label"]) for i in items] == expected, text
+    html = module_call(browser, "markdown.js", "renderMarkdown",
+                       "# T\n- **a** `<b>`\n- [ok](https://x.test/a_b_c) [no](javascript:alert(1))\n\n"
+                       "```\n<i>x</i>\n```")
+    assert html == ('<h1>T</h1><ul><li><strong>a</strong> <code>&lt;b&gt;</code></li><li><a href="https://x.test/a_b_c" '
+                    'target="_blank" rel="noopener noreferrer">ok</a> [no](javascript:alert(1))</li></ul>'
+                    "<pre><code>&lt;i&gt;x&lt;/i&gt;</code></pre>"), html
+
+
 def test_stop_regenerate_and_edit(server, browser):
     """Stop ends a long answer (the server frees its lane); Regenerate asks again; Edit puts
     the last question back in the composer, without its answer."""

@@ -89,11 +89,12 @@ function emphasis(escaped) {
     links.push([label, url]);
     return `\u0000${links.length - 1}\u0000`;
   });
-  s = s.replace(/\*\*(?=\S)(.+?\S)\*\*/g, "<strong>$1</strong>")
-    .replace(/(^|[^\w])__(?=\S)(.+?\S)__(?!\w)/g, "$1<strong>$2</strong>")
+  s = s.replace(/\*\*\*(\S(?:.*?\S)?)\*\*\*/g, "<strong><em>$1</em></strong>")
+    .replace(/\*\*(\S(?:.*?\S)?)\*\*/g, "<strong>$1</strong>")
+    .replace(/(^|[^\w])__(\S(?:.*?\S)?)__(?!\w)/g, "$1<strong>$2</strong>")
     .replace(/(^|[^*])\*([^\s*](?:[^*]*?[^\s*])?)\*(?!\*)/g, "$1<em>$2</em>")
     .replace(/(^|[^\w])_([^\s_](?:[^_]*?[^\s_])?)_(?!\w)/g, "$1<em>$2</em>")
-    .replace(/~~(?=\S)(.+?\S)~~/g, "<del>$1</del>");
+    .replace(/~~(\S(?:.*?\S)?)~~/g, "<del>$1</del>");
   return s.replace(/\u0000(\d+)\u0000/g, (m, n) => {
     const [label, url] = links[Number(n)];
     return `<a href="${url}" target="_blank" rel="noopener noreferrer">${emphasis(label)}</a>`;
