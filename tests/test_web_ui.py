@@ -166,6 +166,22 @@ def test_an_image_asked_about_streams_its_answer(server, browser, shots):
     browser.save_screenshot(str(shots / "answer.png"))
 
 
+def test_a_video_is_asked_about(server, browser, tmp_path):
+    """A video attached through the same input goes as a video_url and reaches the tower."""
+    from helpers import gradient_frames, write_video
+
+    clip = write_video(tmp_path / "clip.mp4", gradient_frames(4, 64, 64, seed=2), rate=2)
+    browser.find_element(By.ID, "new-chat").click()
+    force(browser, "A short clip.")
+    misses = server.metric("qwen3vl_encoder_cache_misses_total")
+    browser.find_element(By.ID, "file").send_keys(clip)
+    wait(browser, lambda d: css(d, "#attachments .attachment video"))
+    answer = ask(browser, "What happens?")
+    assert answer.find_element(By.CSS_SELECTOR, ".markdown").text == "A short clip."
+    assert css(browser, ".msg.user .media video")[0].get_attribute("src").startswith("data:video/mp4")
+    assert server.metric("qwen3vl_encoder_cache_misses_total") == misses + 1
+
+
 def test_a_reload_finds_the_conversation(server, browser):
     browser.refresh()
     wait(browser, ready)
