@@ -110,7 +110,7 @@ def test_the_page_is_served_as_the_api_is(server):
         assert all(m.startswith("./") for m in re.findall(r'from "([^"]+)"', js.read_text())), js
 
 
-def test_the_key_is_asked_for_once(server, browser):
+def test_the_key_is_asked_for_once(server, browser, shots):
     """The server has a key: the page asks for it, says so when a wrong one is refused, and
     keeps the right one in the tab (asked again only in a new tab: sessionStorage)."""
     browser.get(server.url + "/")
@@ -120,10 +120,14 @@ def test_the_key_is_asked_for_once(server, browser):
         browser.find_element(By.ID, "key-submit").click()
         if key == "wrong":
             wait(browser, lambda d: d.find_element(By.ID, "key-error").text == "The server refused that key.")
+            browser.save_screenshot(str(shots / "key.png"))
     wait(browser, ready)
     assert not browser.execute_script("return document.getElementById('key-dialog').open")
     assert browser.find_element(By.ID, "model").text == "model"
     assert browser.execute_script("return sessionStorage.getItem('qwen3vl-api-key')") == KEY
+    browser.find_element(By.ID, "settings-toggle").click()
+    browser.save_screenshot(str(shots / "settings.png"))
+    browser.find_element(By.ID, "settings-toggle").click()
 
 
 def force(driver, text: str | None, **more) -> None:
