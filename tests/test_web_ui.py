@@ -91,6 +91,7 @@ def ready(driver) -> bool:
 def test_the_page_is_served_as_the_api_is(server):
     """`/` and the page's files are public and carry the CSP; the API behind them still needs
     the key; the Host check applies to the page too; nothing is loaded from elsewhere."""
+    assert f"ready at {server.url}/v1 (chat page: {server.url}/)" in server.output()
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page.text[:200]
     csp = page.headers["content-security-policy"]
@@ -367,6 +368,7 @@ def test_no_web_ui_turns_the_page_off(server, tmp_path):
             r = httpx.get(other.url + path)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.text)
         assert httpx.get(other.url + "/health").status_code == 200
+        assert f"ready at {other.url}/v1\n" in other.output()  # no page named
     finally:
         other.process.kill()
         other.process.wait()

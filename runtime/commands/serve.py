@@ -223,6 +223,8 @@ def build_server(options: ServeOptions):
     from runtime.serve.server import GracefulServer
 
     url = f"http://{options.host}:{options.port}/v1"
+    if options.web_ui:
+        url += f" (chat page: http://{options.host}:{options.port}/)"
     app, engine, _ = assemble(options, say, on_ready=lambda: say(f"qwen3vl serve: {options.model_id} ready at {url}"))
     return GracefulServer(app, engine.cut, options.grace, host=options.host, port=options.port, log_level="warning")
 
