@@ -49,91 +49,7 @@ static inline __attribute__((always_inline)) float load(const void* restrict bas
   return ((const float*)base)[i];
 }
 
-// q . k over head_dim d (a multiple of LANES), k element i at k_base[k0 + i].
-static inline __attribute__((always_inline)) float dot(const float* restrict q, const void* restrict k_base,
-                                                        size_t k0, size_t d, int bf16) {
-  float part[LANES] = {0};
-  for (size_t i = 0; i < d; i += LANES)
-    for (int l = 0; l < LANES; ++l) part[l] += q[i + l] * load(k_base, k0 + i + l, bf16);
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) part[l] = part[l] + part[l + w];
-  return part[0];
-}
-
-static inline __attribute__((always_inline)) void head(
-    const float* restrict q, const void* restrict own_k, const void* restrict own_v, const void* restrict k_pool,
-    const void* restrict v_pool, const int32_t* restrict table, int32_t slot, float* restrict out, size_t blocks,
-    size_t groups, size_t d, size_t span_blocks, float scale, size_t h, int bf16) {
-  float peak[MAX_GROUPS], sum[MAX_GROUPS], acc[MAX_GROUPS][MAX_HEAD_DIM], s[MAX_GROUPS][ROWS];
-  const float* qh = q + h * groups * d;
-  for (size_t g = 0; g < groups; ++g) {  // the token's own key and value first
-    peak[g] = dot(qh + g * d, own_k, h * d, d, bf16) * scale;
-    sum[g] = 1.0f;
-    for (size_t i = 0; i < d; ++i) acc[g][i] = load(own_v, h * d + i, bf16);
-  }
-  size_t seen = slot < 0 ? 0 : (size_t)slot;
-  if (seen > span_blocks * ROWS) seen = span_blocks * ROWS;
-  for (size_t j = 0; j * ROWS < seen; ++j) {
-    const size_t rows = seen - j * ROWS < ROWS ? seen - j * ROWS : ROWS;
-    const size_t block = (size_t)(uint32_t)table[j] < blocks ? (size_t)(uint32_t)table[j] : blocks - 1;
-    const size_t first = (h * blocks + block) * ROWS * d;  // element of the block's row 0
-    for (size_t r = 0; r < rows; ++r)  // each K row read once for every query head of the group
-      for (size_t g = 0; g < groups; ++g) s[g][r] = dot(qh + g * d, k_pool, first + r * d, d, bf16) * scale;
-    for (size_t g = 0; g < groups; ++g) {
-      float top = peak[g];
-      for (size_t r = 0; r < rows; ++r) top = s[g][r] > top ? s[g][r] : top;
-      if (top > peak[g]) {
-        const float c = exp_f32(peak[g] - top);
-        sum[g] *= c;
-        for (size_t i = 0; i < d; ++i) acc[g][i] *= c;
-        peak[g] = top;
-      }
-      for (size_t r = 0; r < rows; ++r) {
-        s[g][r] = exp_f32(s[g][r] - peak[g]);
-        sum[g] += s[g][r];
-      }
-    }
-    for (size_t r = 0; r < rows; ++r)  // each V row read once for every query head of the group
-      for (size_t g = 0; g < groups; ++g)
-        for (size_t i = 0; i < d; ++i) acc[g][i] += s[g][r] * load(v_pool, first + r * d + i, bf16);
-  }
-  for (size_t g = 0; g < groups; ++g)
-    for (size_t i = 0; i < d; ++i) out[(h * groups + g) * d + i] = acc[g][i] / sum[g];
-}
-
-// One MLIR memref as LLVM lowers it to a call (as kernels/q8_matmul.c): allocated and aligned
-// pointers, offset (in elements), size, stride.
-#define MEMREF(type, name) \
-  type* name##_allocated, type* name, size_t name##_off, size_t name##_size, size_t name##_stride
-
-#define ATTENTION_ENTRY(name, pool_type, bf16)                                                                  \
-  void name(MEMREF(const float, q), MEMREF(const pool_type, own_k), MEMREF(const pool_type, own_v),            \
-            MEMREF(const pool_type, k_pool), MEMREF(const pool_type, v_pool), MEMREF(const int32_t, table),     \
-            MEMREF(const int32_t, slot), MEMREF(float, out), size_t blocks, size_t groups, size_t d,            \
-            size_t scale_bits, size_t wg) {                                                                     \
-    if (d == 128) /* Qwen3-VL's head_dim: loops of a constant length */                                       \
-      head(q + q_off, own_k + own_k_off, own_v + own_v_off, k_pool + k_pool_off, v_pool + v_pool_off,          \
-           table + table_off, slot[slot_off], out + out_off, blocks, groups, 128, table_size,                  \
-           bits_f32((uint32_t)scale_bits), wg, bf16);                                                         \
-    else                                                                                                        \
-      head(q + q_off, own_k + own_k_off, own_v + own_v_off, k_pool + k_pool_off, v_pool + v_pool_off,          \
-           table + table_off, slot[slot_off], out + out_off, blocks, groups, d, table_size,                    \
-           bits_f32((uint32_t)scale_bits), wg, bf16);                                                         \
-  }
-ATTENTION_ENTRY(decode_attention_f32, float, 0)
-ATTENTION_ENTRY(decode_attention_bf16, uint16_t, 1)
-
-
-// -- a chunk's attention ------------------------------------------------------------------------
-// A chunk of `rows` tokens at slots start.. (start a multiple of ROWS), whose own K/V the pools
-// already hold: row i (slot p = start + i) attends to slots 0..p exactly as `head` does for a
-// token at slot p whose own k, v are the pools' row p: the own key first, then blocks 0.. in
-// order, the last one holding only the slots before p. A workgroup is one KV head and one tile
-// of ROWS rows (one block of slots), and keeps its rows in vector lanes: the scores of a key are
-// one vector over the rows, the sums and the accumulator ([head_dim] vectors) likewise, so every
-// lane does `head`'s operations in `head`'s order. The tile's own block ends the walk: there
-// key r is one of row i's keys for i > r only, and the other lanes keep their values (selects).
-// Query heads go GROUPS_AT_ONCE at a time, each block's K and V read (and widened) once for them.
+// Vectors (GCC's vector extensions): VL lanes of f32, as many as the ISA's registers hold.
 #if defined(__AVX512F__)  // 32 vector registers
 #define VL 16  // rows a vector holds
 #define KEYS_AT_ONCE 8  // keys a pass of the scores takes
@@ -176,6 +92,131 @@ static inline __attribute__((always_inline)) vf exp_v(vf x) {
   return pick(x < splat(-87.33654f), splat(0.0f), y);
 }
 
+// q . k over head_dim d (a multiple of LANES), k element i at k_base[k0 + i].
+static inline __attribute__((always_inline)) float dot(const float* restrict q, const void* restrict k_base,
+                                                        size_t k0, size_t d, int bf16) {
+  float part[LANES] = {0};
+  for (size_t i = 0; i < d; i += LANES)
+    for (int l = 0; l < LANES; ++l) part[l] += q[i + l] * load(k_base, k0 + i + l, bf16);
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] = part[l] + part[l + w];
+  return part[0];
+}
+
+// `dot`, its LANES partial sums one vector (two at VL 8) and its tree by halves: the same
+// additions, lane by lane, without the partial sums' round trips through memory.
+typedef float v16 __attribute__((vector_size(4 * LANES)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t v16u __attribute__((vector_size(2 * LANES)));
+typedef uint32_t v16i __attribute__((vector_size(4 * LANES)));
+
+// (Through a pointer: a 64-byte vector's return value would be an ABI question on AVX2.)
+static inline __attribute__((always_inline)) void load16(v16* restrict out, const void* restrict base, size_t i,
+                                                         int bf16) {
+  if (bf16) {
+    v16u raw;
+    __builtin_memcpy(&raw, (const uint16_t*)base + i, sizeof raw);
+    *out = (v16)(__builtin_convertvector(raw, v16i) << 16);
+  } else {
+    __builtin_memcpy(out, (const float*)base + i, sizeof *out);
+  }
+}
+
+static inline __attribute__((always_inline)) float dot_v(const float* restrict q, const void* restrict k_base,
+                                                          size_t k0, size_t d, int bf16) {
+  v16 part, qv, kv;
+  load16(&qv, q, 0, 0);
+  load16(&kv, k_base, k0, bf16);
+  part = qv * kv;
+  for (size_t i = LANES; i < d; i += LANES) {
+    load16(&qv, q, i, 0);
+    load16(&kv, k_base, k0 + i, bf16);
+    part += qv * kv;
+  }
+  const v8 eight = __builtin_shufflevector(part, part, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(part, part, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  return (four[0] + four[2]) + (four[1] + four[3]);
+}
+
+static inline __attribute__((always_inline)) void head(
+    const float* restrict q, const void* restrict own_k, const void* restrict own_v, const void* restrict k_pool,
+    const void* restrict v_pool, const int32_t* restrict table, int32_t slot, float* restrict out, size_t blocks,
+    size_t groups, size_t d, size_t span_blocks, float scale, size_t h, int bf16) {
+  float peak[MAX_GROUPS], sum[MAX_GROUPS], acc[MAX_GROUPS][MAX_HEAD_DIM], s[MAX_GROUPS][ROWS] = {{0}};
+  const float* qh = q + h * groups * d;
+  for (size_t g = 0; g < groups; ++g) {  // the token's own key and value first
+    peak[g] = dot(qh + g * d, own_k, h * d, d, bf16) * scale;
+    sum[g] = 1.0f;
+    for (size_t i = 0; i < d; ++i) acc[g][i] = load(own_v, h * d + i, bf16);
+  }
+  size_t seen = slot < 0 ? 0 : (size_t)slot;
+  if (seen > span_blocks * ROWS) seen = span_blocks * ROWS;
+  for (size_t j = 0; j * ROWS < seen; ++j) {
+    const size_t rows = seen - j * ROWS < ROWS ? seen - j * ROWS : ROWS;
+    const size_t block = (size_t)(uint32_t)table[j] < blocks ? (size_t)(uint32_t)table[j] : blocks - 1;
+    const size_t first = (h * blocks + block) * ROWS * d;  // element of the block's row 0
+    for (size_t r = 0; r < rows; ++r)  // each K row read once for every query head of the group
+      for (size_t g = 0; g < groups; ++g) s[g][r] = dot_v(qh + g * d, k_pool, first + r * d, d, bf16) * scale;
+    for (size_t g = 0; g < groups; ++g) {
+      float top = peak[g];
+      for (size_t r = 0; r < rows; ++r) top = s[g][r] > top ? s[g][r] : top;
+      if (top > peak[g]) {
+        const float c = exp_f32(peak[g] - top);
+        sum[g] *= c;
+        for (size_t i = 0; i < d; ++i) acc[g][i] *= c;
+        peak[g] = top;
+      }
+      for (int w = 0; w < ROWS / VL; ++w) {  // exp_f32 of each row's, VL rows at once (past `rows`: unused)
+        vf x;
+        __builtin_memcpy(&x, &s[g][w * VL], sizeof x);
+        x = exp_v(x - splat(peak[g]));
+        __builtin_memcpy(&s[g][w * VL], &x, sizeof x);
+      }
+      for (size_t r = 0; r < rows; ++r) sum[g] += s[g][r];
+    }
+    for (size_t r = 0; r < rows; ++r)  // each V row read once for every query head of the group
+      for (size_t g = 0; g < groups; ++g)
+        for (size_t i = 0; i < d; ++i) acc[g][i] += s[g][r] * load(v_pool, first + r * d + i, bf16);
+  }
+  for (size_t g = 0; g < groups; ++g)
+    for (size_t i = 0; i < d; ++i) out[(h * groups + g) * d + i] = acc[g][i] / sum[g];
+}
+
+// One MLIR memref as LLVM lowers it to a call (as kernels/q8_matmul.c): allocated and aligned
+// pointers, offset (in elements), size, stride.
+#define MEMREF(type, name) \
+  type* name##_allocated, type* name, size_t name##_off, size_t name##_size, size_t name##_stride
+
+#define ATTENTION_ENTRY(name, pool_type, bf16)                                                                  \
+  void name(MEMREF(const float, q), MEMREF(const pool_type, own_k), MEMREF(const pool_type, own_v),            \
+            MEMREF(const pool_type, k_pool), MEMREF(const pool_type, v_pool), MEMREF(const int32_t, table),     \
+            MEMREF(const int32_t, slot), MEMREF(float, out), size_t blocks, size_t groups, size_t d,            \
+            size_t scale_bits, size_t wg) {                                                                     \
+    if (d == 128) /* Qwen3-VL's head_dim: loops of a constant length */                                       \
+      head(q + q_off, own_k + own_k_off, own_v + own_v_off, k_pool + k_pool_off, v_pool + v_pool_off,          \
+           table + table_off, slot[slot_off], out + out_off, blocks, groups, 128, table_size,                  \
+           bits_f32((uint32_t)scale_bits), wg, bf16);                                                         \
+    else                                                                                                        \
+      head(q + q_off, own_k + own_k_off, own_v + own_v_off, k_pool + k_pool_off, v_pool + v_pool_off,          \
+           table + table_off, slot[slot_off], out + out_off, blocks, groups, d, table_size,                    \
+           bits_f32((uint32_t)scale_bits), wg, bf16);                                                         \
+  }
+ATTENTION_ENTRY(decode_attention_f32, float, 0)
+ATTENTION_ENTRY(decode_attention_bf16, uint16_t, 1)
+
+
+// -- a chunk's attention ------------------------------------------------------------------------
+// A chunk of `rows` tokens at slots start.. (start a multiple of ROWS), whose own K/V the pools
+// already hold: row i (slot p = start + i) attends to slots 0..p exactly as `head` does for a
+// token at slot p whose own k, v are the pools' row p: the own key first, then blocks 0.. in
+// order, the last one holding only the slots before p. A workgroup is one KV head and one tile
+// of ROWS rows (one block of slots), and keeps its rows in vector lanes: the scores of a key are
+// one vector over the rows, the sums and the accumulator ([head_dim] vectors) likewise, so every
+// lane does `head`'s operations in `head`'s order. The tile's own block ends the walk: there
+// key r is one of row i's keys for i > r only, and the other lanes keep their values (selects).
+// Query heads go GROUPS_AT_ONCE at a time, each block's K and V read (and widened) once for them.
 // `dot` of each lane's query (qt: [d][NV], lane = row) with key rows k [ROWS][d] f32, times
 // scale: s[r][w]. Partial sum l of every key first (elements l, l + 16, ... of the lanes'
 // queries held in registers across the keys), then each key's partials as `dot`'s tree.
