@@ -18,7 +18,7 @@ import pytest
 
 from conftest import rel_l2
 from helpers import gradient_frames, write_video
-from serve_helpers import KEY, Server, concurrently, data_url, httpx
+from serve_helpers import KEY, Server, concurrently, data_url, httpx, long_stream
 from runtime.embedding import item_messages
 from test_embeddings import TOL, embedding_checkpoint, long_text, reference_embedding, reference_item
 
@@ -101,6 +101,38 @@ def test_concurrent_requests(server):
     for i, r in enumerate(results[1:]):
         assert r.status_code == 200 and all(d["embedding"] == solo[i % 2] for d in r.json()["data"])
     assert health and max(health) < 1.0, health
+
+
+def test_embedding_beside_a_stream_holding_every_lane(server):
+    """The server's one lane decodes a long stream: an embedding request still answers while
+    the stream runs (its prefill between two decode steps, the lane given back at once); the
+    lane frees only when the stream ends, so an answer after the end would mean it waited."""
+    import threading
+
+    expected = post(server, {"input": TEXTS[0]}).json()["data"][0]["embedding"]
+    response, client = long_stream(server)
+    running, ended = threading.Event(), threading.Event()
+
+    def read():
+        try:
+            for line in response.iter_lines():
+                running.set()
+                if line == "data: [DONE]" or ('"finish_reason": ' in line and '"finish_reason": null' not in line):
+                    ended.set()
+        except httpx.HTTPError:
+            pass  # closed by the test
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert running.wait(60)
+        r = post(server, {"input": TEXTS[0]})
+        assert not ended.is_set(), "the embedding waited for the stream's lane"
+        assert r.status_code == 200 and r.json()["data"][0]["embedding"] == expected
+    finally:
+        response.close()
+        client.close()
+        reader.join(10)
 
 
 @pytest.mark.parametrize("body, param", [

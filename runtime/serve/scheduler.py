@@ -20,7 +20,8 @@ Events go back to the request's asyncio queue: ("start", prompt_tokens), ("delta
 logprobs), ("done", finish_reason, usage) or ("error", ApiError). A score job (`classify`:
 runtime/serve/rerank.py) ends at its prefill: ("start", prompt_tokens), then ("logits",
 the last position's logits of its token ids); an embedding job (`pooled`:
-runtime/serve/embeddings.py) likewise, then ("hidden", its last token's pooled row [D]).
+runtime/serve/embeddings.py) likewise, then ("hidden", its last token's pooled row [D]); it
+starts even while every lane decodes (it holds one only while prefilled: `_admit_pooled`).
 """
 
 from __future__ import annotations
@@ -180,7 +181,28 @@ class Engine:
             if self._guarded([item], lambda _: start(item)) is False:
                 self.held.appendleft(item)  # no blocks: it waits, first in line, until some come back
                 return True
-        return True
+        return self._admit_pooled()
+
+    def _admit_pooled(self) -> bool:
+        """While every lane decodes: the embedding jobs at the head of the line still start
+        (a prefill each, their lane given back at once); the first other one waits for a
+        lane where it is, in order. False at stop."""
+        while True:
+            if self.held:
+                head = self.held[0]
+            else:
+                with self.queue.mutex:
+                    head = self.queue.queue[0] if self.queue.queue else None
+            if not getattr(head, "pooled", False):
+                return True
+            item = self._next()
+            if item is None:
+                return False
+            if item is False:
+                return True
+            if self._guarded([item], lambda _: self._start(item)) is False:
+                self.held.appendleft(item)
+                return True
 
     def _guarded(self, items, work):
         """`work(items)`, its result; an exception ends `items` (jobs or sequences) with an
