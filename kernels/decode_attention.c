@@ -110,6 +110,22 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef uint16_t v16u __attribute__((vector_size(2 * LANES)));
 typedef uint32_t v16i __attribute__((vector_size(4 * LANES)));
+#ifndef PV_VECTORS
+#define PV_VECTORS 8  // accumulator vectors (VL lanes) a pass of `head`'s weighted V sum holds
+#endif
+typedef uint16_t vu __attribute__((vector_size(2 * VL)));
+typedef uint32_t vw __attribute__((vector_size(4 * VL)));
+
+static inline __attribute__((always_inline)) void load_v(vf* restrict out, const void* restrict base, size_t i,
+                                                         int bf16) {
+  if (bf16) {
+    vu raw;
+    __builtin_memcpy(&raw, (const uint16_t*)base + i, sizeof raw);
+    *out = (vf)(__builtin_convertvector(raw, vw) << 16);
+  } else {
+    __builtin_memcpy(out, (const float*)base + i, sizeof *out);
+  }
+}
 
 // (Through a pointer: a 64-byte vector's return value would be an ABI question on AVX2.)
 static inline __attribute__((always_inline)) void load16(v16* restrict out, const void* restrict base, size_t i,
@@ -145,6 +161,7 @@ static inline __attribute__((always_inline)) void head(
     const void* restrict v_pool, const int32_t* restrict table, int32_t slot, float* restrict out, size_t blocks,
     size_t groups, size_t d, size_t span_blocks, float scale, size_t h, int bf16) {
   float peak[MAX_GROUPS], sum[MAX_GROUPS], acc[MAX_GROUPS][MAX_HEAD_DIM], s[MAX_GROUPS][ROWS] = {{0}};
+  float wide[ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));  // a bf16 block's V rows, widened
   const float* qh = q + h * groups * d;
   for (size_t g = 0; g < groups; ++g) {  // the token's own key and value first
     peak[g] = dot(qh + g * d, own_k, h * d, d, bf16) * scale;
@@ -176,9 +193,24 @@ static inline __attribute__((always_inline)) void head(
       }
       for (size_t r = 0; r < rows; ++r) sum[g] += s[g][r];
     }
-    for (size_t r = 0; r < rows; ++r)  // each V row read once for every query head of the group
-      for (size_t g = 0; g < groups; ++g)
-        for (size_t i = 0; i < d; ++i) acc[g][i] += s[g][r] * load(v_pool, first + r * d + i, bf16);
+    const float* vf32 = (const float*)v_pool + (bf16 ? 0 : first);  // the block's V rows in f32
+    if (bf16) {  // widened once for all the group's heads (exact)
+      for (size_t i = 0; i < rows * d; i += VL) load_v((vf*)&wide[i], v_pool, first + i, 1);
+      vf32 = wide;
+    }
+    for (size_t g = 0; g < groups; ++g)  // a head's accumulator, PV_VECTORS at a time, in registers over the rows
+      for (size_t j0 = 0; j0 < d / VL; j0 += PV_VECTORS) {
+        vf a[PV_VECTORS], vv;
+        for (int j = 0; j < PV_VECTORS; ++j) __builtin_memcpy(&a[j], &acc[g][(j0 + j) * VL], sizeof a[j]);
+        for (size_t r = 0; r < rows; ++r) {
+          const vf p = splat(s[g][r]);
+          for (int j = 0; j < PV_VECTORS; ++j) {
+            load_v(&vv, vf32, r * d + (j0 + j) * VL, 0);
+            a[j] += p * vv;
+          }
+        }
+        for (int j = 0; j < PV_VECTORS; ++j) __builtin_memcpy(&acc[g][(j0 + j) * VL], &a[j], sizeof a[j]);
+      }
   }
   for (size_t g = 0; g < groups; ++g)
     for (size_t i = 0; i < d; ++i) out[(h * groups + g) * d + i] = acc[g][i] / sum[g];
