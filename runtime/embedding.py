@@ -4,7 +4,9 @@ final normed hidden state of a prompt's last token; here it becomes the retrieva
 
 - `checkpoint_pooling(model_dir)`: sentence-transformers' files, read as vLLM reads them:
   modules.json names a `Pooling` module whose config.json has `pooling_mode_lasttoken` true;
-  the vector is normalized when modules.json has a `Normalize` module.
+  the vector is normalized when modules.json has a `Normalize` module. Without them, the
+  model card (README.md's front matter) of Qwen3-VL-Embedding: a tag naming embedding, or
+  `pipeline_tag: feature-extraction` (last-token pooling, normalized, as the card's embedder).
 - `resolve_pooling`: that, or what `--pooling last` / `--normalize` say.
 - `item_messages`: Qwen3-VL-Embedding's format (its model card's embedder): the instruction
   as the system message (default "Represent the user's input.", ending in punctuation), the
@@ -48,8 +50,10 @@ def checkpoint_pooling(model_dir) -> Pooling | None:
     Pooling module's config.json), or None when there are none (a generative checkpoint)."""
     folder = Path(model_dir)
     path = folder / "modules.json"
-    if not folder.is_dir() or not path.is_file():
+    if not folder.is_dir():
         return None
+    if not path.is_file():
+        return Pooling("last", True, "checkpoint's README.md") if card_says_embedding(folder) else None
     try:
         modules = json.loads(path.read_text())
         kinds = [m["type"] for m in modules]
@@ -67,6 +71,27 @@ def checkpoint_pooling(model_dir) -> Pooling | None:
         raise PoolingError(f"{path}: pooling {'+'.join(modes) or 'none'}: only last-token pooling "
                            "(pooling_mode_lasttoken) is supported")
     return Pooling("last", "sentence_transformers.models.Normalize" in kinds, "checkpoint's modules.json")
+
+
+def card_says_embedding(folder: Path) -> bool:
+    """Whether README.md's front matter (the Hugging Face model card) names an embedding model:
+    `pipeline_tag: feature-extraction`, or a tag naming embedding (Qwen3-VL-Embedding's card
+    has both), and no rerank tag."""
+    path = folder / "README.md"
+    if not path.is_file():
+        return False
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return False
+    head = []
+    for line in lines[1:200]:
+        if line.strip() == "---":
+            break
+        head.append(line.strip().lower())
+    if any("rerank" in line for line in head):
+        return False
+    return any(line.replace(" ", "") == "pipeline_tag:feature-extraction" or
+               (line.startswith("- ") and "embedding" in line) for line in head)
 
 
 def resolve_pooling(model_dir, pooling: str | None = None, normalize: bool | None = None) -> Pooling | None:

@@ -20,8 +20,8 @@ from emitter.config import PRESETS
 from emitter.text import emit_text_module
 from emitter.text_config import TEXT_PRESETS
 from emitter.text_shape import TextShape
-from runtime.embedding import (DEFAULT_INSTRUCTION, PoolingError, checkpoint_pooling, embed, finish, item_messages,
-                               resolve_pooling)
+from runtime.embedding import (DEFAULT_INSTRUCTION, Pooling, PoolingError, checkpoint_pooling, embed, finish,
+                               item_messages, resolve_pooling)
 from runtime.generator import Generator
 from runtime.inputs.chat import Media
 from runtime.checkpoints.synthetic_text import write_generation_checkpoint
@@ -164,6 +164,13 @@ def test_detection_and_flags(tmp_path, setup):
     (mean / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     with pytest.raises(PoolingError, match="pooling mean_tokens: only last-token pooling"):
         checkpoint_pooling(mean)
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "README.md").write_text("---\nlicense: apache-2.0\npipeline_tag: feature-extraction\ntags:\n"
+                                    "- transformers\n- multimodal embedding\n---\n# Qwen3-VL-Embedding-2B\n")
+    assert checkpoint_pooling(card) == Pooling("last", True, "checkpoint's README.md")
+    (card / "README.md").write_text("---\npipeline_tag: image-text-to-text\ntags:\n- multimodal rerank\n---\n")
+    assert checkpoint_pooling(card) is None
     assert np.array_equal(finish([3.0, 4.0, 12.0], False, 2), [3.0, 4.0])
     assert np.allclose(finish([3.0, 4.0, 12.0], True, 2), [0.6, 0.8])
 
