@@ -35,8 +35,8 @@ SOME_FAILED = EXIT_FAILED  # exit status when an image could not be embedded (re
 @cache_dir_option
 @threads_option("one per core locally, 1 per Ray actor")
 @click.option("--pooling", type=click.Choice(POOLING_CHOICES),
-              help="Write retrieval vectors of an embedding model (a checkpoint whose modules.json says last-token "
-                   "pooling is one without it; docs/embed.md, Retrieval vectors).")
+              help="Write retrieval vectors of an embedding model (a checkpoint whose modules.json or model card "
+                   "says so is one without it; docs/embed.md, Retrieval vectors).")
 @click.option("--normalize/--no-normalize", default=None,
               help="Retrieval vectors: L2-normalized (default: the checkpoint's Normalize module, else on).")
 @click.option("--instruction", metavar="TEXT",
@@ -58,8 +58,8 @@ def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, pr
     --bucket) fits no bucket is recorded as failed and the job goes on; the exit status is 1 when any
     image of INPUT... failed.
 
-    On an embedding model (its sentence-transformers files, or --pooling last) it writes
-    retrieval vectors instead, one row per item: image files and folders, .txt files (one
+    On an embedding model (its sentence-transformers files or model card, or --pooling last),
+    it writes retrieval vectors instead, one row per item: image files and folders, .txt files (one
     text a line) and .jsonl files ({image, text, instruction} a line), into
     OUT_DIR/vectors-NNNNN.safetensors and OUT_DIR/index.json, resumable the same way."""
     from runtime.embedding import resolve_pooling

@@ -76,8 +76,8 @@ def positive(name: str, value: int) -> int:
               help="The chat page at / (docs/serve.md, The chat page).")
 @click.option("--pooling", type=click.Choice(POOLING_CHOICES),
               help="Serve the model as an embedding model on /v1/embeddings: last-token pooling (vLLM's "
-                   "--runner pooling; a checkpoint whose modules.json says so is one without it; docs/serve.md, "
-                   "Embeddings).")
+                   "--runner pooling; a checkpoint whose modules.json or model card says so is one without it; "
+                   "docs/serve.md, Embeddings).")
 @click.option("--normalize/--no-normalize", default=None,
               help="With --pooling: L2-normalize the vectors (default: the checkpoint's Normalize module, else on).")
 @click.option("--ray", metavar="ADDRESS",
