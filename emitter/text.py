@@ -31,7 +31,9 @@ prefill_<S> (a chunk of S tokens at slot `start`, over the sequence's first L sl
 pool_<S> (only in a pooling module, `TextShape.pooled`: an embedding model's): prefill_<S>'s
   arguments and K/V writes, -> hidden [1, D] f32: the final RMSNorm of token `last`'s hidden
   state instead of its logits (the runtime runs a prompt's last chunk through it: last-token
-  pooling; a generative module's entries, identity and MLIR are as without it).
+  pooling; a generative module's entries, identity and MLIR are as without it); and
+  pool_<S0>x<B>, B such prompts of one chunk of the smallest bucket in one call
+  (emitter/text_pool.py).
 decode_<B> (B lanes, each one token of a sequence; L holds every lane's slot):
   tokens [B] i32, positions [3, B] i32, slots [B] i32 (lane i's token's slot = its text
   position), tables [B, N] i32 (each lane's sequence's first N blocks; distinct
@@ -446,14 +448,18 @@ def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, p
                      functions: str = "all") -> str:
     """MLIR text of the language-model module (deterministic: same input, same bytes):
     `prefill_<S>` for each bucket S, `decode_<B>` for each lane count B, and `reset`; a pooling
-    shape's `pool_<S>` too (`functions` "prefill" or "decode": only those, for benchmarks)."""
+    shape's `pool_<S>` and `pool_<S0>x<B>` too (emitter/text_pool.py; `functions` "prefill" or
+    "decode": only those, for benchmarks)."""
     precision = for_graph(precision)
     entries = []
     if functions in ("all", "prefill"):
         entries += [prefill_function(cfg, shape, s, deepstack_layers, precision) for s in shape.buckets]
         if shape.pooled:
+            from .text_pool import pool_lane_counts, pool_lanes_function
             entries += [prefill_function(cfg, shape, s, deepstack_layers, precision, pooled=True)
                         for s in shape.buckets]
+            entries += [pool_lanes_function(cfg, shape, shape.buckets[0], n, deepstack_layers, precision)
+                        for n in pool_lane_counts(shape)]
     if functions in ("all", "decode"):
         entries += [decode_function(cfg, shape, n, precision) for n in lane_counts(shape.lanes)]
     entries.append(reset_function(cfg, shape, precision))

@@ -165,3 +165,46 @@ def embed(gen, messages: list[dict], media=(), dimensions: int | None = None, en
     check_dimensions(dimensions, gen.text.cfg.hidden_size)
     prompt = gen.prepare(messages, list(media), 1, encode=encode)
     return finish(gen.text.pooled_row(prompt), gen.pooling.normalize, dimensions), int(prompt.ids.size)
+
+
+def batched(text, prompt, start: int) -> bool:
+    """Whether `prompt` (its slots from `start` on) is one chunk of the smallest bucket, as a
+    lane of the batched entry `pool_<S0>x<B>` (emitter/text_pool.py) takes it."""
+    bucket = text.buckets[0]
+    return int(prompt.ids.size) - start <= bucket and start + bucket <= text.slots and text.shape.pooled
+
+
+def pooled_rows(text, seqs, prompts, starts) -> np.ndarray:
+    """The final normed hidden states [n, D] of n (2 to the lanes) prompts' last tokens, each
+    `batched` in the block table `seqs[i]` from slot `starts[i]`, in one call of the smallest
+    `pool_<S0>x<B>` that holds them (spare lanes repeat lane 0 whole); their full blocks then
+    keyed for the prefix cache, as `TextSession.prefill_blocks` keys them."""
+    from emitter.text_pool import pool_lane_counts, pool_lanes_inputs, pool_lanes_name
+    from emitter.text_shape import Chunk
+    from runtime.artifact.iree_module import invoke
+    from runtime.outputs import check_finite
+
+    n, bucket = len(seqs), text.buckets[0]
+    lanes = next(b for b in pool_lane_counts(text.shape) if b >= n)
+    chunks = [Chunk(start, bucket) for start in starts]
+    blocks = max(chunk.blocks for chunk in chunks)
+    per_lane = []
+    for prompt, chunk in zip(prompts, chunks):
+        ids = np.asarray(prompt.ids, np.int64).reshape(-1)
+        text._check_ids(ids)
+        per_lane.append(text.prefill_arguments(chunk, ids, prompt.positions, prompt.visual, prompt.embeds,
+                                               prompt.deepstack))
+    per_lane += [per_lane[0]] * (lanes - n)
+    names = [name for name, _, _ in pool_lanes_inputs(text.cfg, bucket, lanes, text.deepstack_layers)]
+    axes = {"deepstack": 1, "positions": 1}
+    args = [np.ascontiguousarray(np.stack([lane[i] for lane in per_lane], axis=axes.get(name, 0)))
+            for i, name in enumerate(names[:-2])]
+    order = list(range(n)) + [0] * (lanes - n)
+    starts = np.array([starts[i] for i in order], np.int32)
+    tables = np.stack([text.pool.table(seqs[i], blocks) for i in order])
+    result = invoke(text.module[pool_lanes_name(bucket, lanes)], *args, starts, tables)
+    hidden = np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]
+    check_finite("hidden state", hidden, "the language model")
+    for seq in seqs:
+        text.pool.remember(seq.ids[seq.keyed:len(seq.keys)], seq.keys[seq.keyed:])
+    return hidden

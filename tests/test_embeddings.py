@@ -65,8 +65,8 @@ def long_text(words: int, seed: int) -> str:
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("embed")
     model_dir = embedding_checkpoint(root)
-    gen = Generator(model_dir, buckets=(32, 64), context=512, cache_dir=root / "cache",
-                    pooling=resolve_pooling(model_dir))
+    gen = Generator(model_dir, buckets=(32, 64), context=512, cache_dir=root / "cache", lanes=2,
+                    pooling=resolve_pooling(model_dir))  # 2 lanes: pool_32x2, two prompts in one call
     video = write_video(root / "clip.mp4", gradient_frames(8, 256, 256, seed=9), rate=4)
     return gen, model_dir, write_images(root, ((96, 64),)), video
 
@@ -128,6 +128,34 @@ def test_embedding_matches_transformers(setup, kind):
     assert vector.shape == expected.shape == (48,)
     assert rel_l2(vector, expected) <= TOL, rel_l2(vector, expected)
     assert abs(np.linalg.norm(vector) - 1) < 1e-6
+
+
+def test_two_prompts_in_one_call(setup):
+    """pool_32x2 (emitter/text_pool.py): two prompts' rests, each one chunk of the smallest
+    bucket from its own slot (the shared instruction's block found in the prefix cache), in
+    one call: each row its prompt's alone (`pooled_row`), and transformers' within 1e-5."""
+    from runtime.embedding import batched, pooled_rows
+
+    gen, model_dir, images, _ = setup
+    items = [dict(text="a cat"), dict(image=images[0])]
+    prompts = []
+    for item in items:
+        parts, media = ([{"type": "text", "text": item["text"]}], []) if "text" in item else \
+            ([{"type": "image"}], [Media("image", item["image"])])
+        prompts.append(gen.prepare(item_messages(parts), media, 1))
+    solo = [gen.text.pooled_row(p) for p in prompts]  # its blocks then in the prefix cache
+    text = gen.text
+    placed = [text.admit(p) for p in prompts]
+    try:
+        assert all(batched(text, p, start) for p, (_, start) in zip(prompts, placed))
+        rows = pooled_rows(text, [seq for seq, _ in placed], prompts, [start for _, start in placed])
+    finally:
+        for seq, _ in placed:
+            text.release(seq)
+    for row, alone, item in zip(rows, solo, items):
+        assert rel_l2(row, alone) <= 1e-6
+        _, expected = reference_item(model_dir, **item)
+        assert rel_l2(finish(row), expected) <= TOL
 
 
 def test_instruction_and_dimensions(setup):

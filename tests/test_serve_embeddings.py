@@ -24,7 +24,7 @@ from test_embeddings import TOL, embedding_checkpoint, long_text, reference_embe
 
 pytestmark = pytest.mark.parity
 TEXTS = ["A cat on a red house.", "Two birds in the sky over a river."]
-LEAN = ["--max-batch", "1"]  # one decode entry to compile (an embedding job holds a lane only while prefilled)
+LEAN = ["--max-batch", "2"]  # two decode entries and pool_64x2 to compile
 
 
 @pytest.fixture(scope="module")
@@ -103,36 +103,40 @@ def test_concurrent_requests(server):
     assert health and max(health) < 1.0, health
 
 
-def test_embedding_beside_a_stream_holding_every_lane(server):
-    """The server's one lane decodes a long stream: an embedding request still answers while
-    the stream runs (its prefill between two decode steps, the lane given back at once); the
-    lane frees only when the stream ends, so an answer after the end would mean it waited."""
+def test_embedding_beside_streams_holding_every_lane(server):
+    """Both lanes of the server decode long streams: an embedding request still answers while
+    they run (it holds no lane); a lane frees only when a stream ends, so an answer after an
+    end would mean it waited."""
     import threading
 
     expected = post(server, {"input": TEXTS[0]}).json()["data"][0]["embedding"]
-    response, client = long_stream(server)
-    running, ended = threading.Event(), threading.Event()
+    streams = [long_stream(server) for _ in range(2)]
+    running, ended = [threading.Event() for _ in streams], threading.Event()
 
-    def read():
+    def read(response, started):
         try:
             for line in response.iter_lines():
-                running.set()
+                started.set()
                 if line == "data: [DONE]" or ('"finish_reason": ' in line and '"finish_reason": null' not in line):
                     ended.set()
         except httpx.HTTPError:
             pass  # closed by the test
 
-    reader = threading.Thread(target=read)
-    reader.start()
+    readers = [threading.Thread(target=read, args=(response, started))
+               for (response, _), started in zip(streams, running)]
+    for reader in readers:
+        reader.start()
     try:
-        assert running.wait(60)
+        assert all(started.wait(60) for started in running)
         r = post(server, {"input": TEXTS[0]})
-        assert not ended.is_set(), "the embedding waited for the stream's lane"
+        assert not ended.is_set(), "the embedding waited for a stream's lane"
         assert r.status_code == 200 and r.json()["data"][0]["embedding"] == expected
     finally:
-        response.close()
-        client.close()
-        reader.join(10)
+        for response, client in streams:
+            response.close()
+            client.close()
+        for reader in readers:
+            reader.join(10)
 
 
 @pytest.mark.parametrize("body, param", [

@@ -14,11 +14,14 @@ started on a checkpoint whose sentence-transformers files say last-token pooling
   base64 (little-endian f32, as OpenAI's client decodes it), `usage` {prompt_tokens,
   total_tokens}.
 
-Each item is a job of the engine (runtime/serve/scheduler.py, `Job.pooled`): prefilled like a
-chat's prompt, its last chunk through the module's `pool_<S>` entry, admitted between
-decode steps beside the running chats (a shared prefix, e.g. the instruction, found in the
-prefix cache); at most WINDOW of a request's items wait in the queue at once. Nothing is
-tokenized or decoded on the event loop.
+Each item is a job of the engine (runtime/serve/scheduler.py, `Job.pooled`), started between
+decode steps, even while every lane decodes (`start_pooled`, on the engine's thread): it and
+the embedding jobs right behind it in line, as many as the module's batched entry has lanes,
+are prepared and placed in blocks (a shared prefix, e.g. the instruction, found in the prefix
+cache); those whose rest is one chunk of the smallest bucket are prefilled and pooled in one
+call (`pool_<S0>x<B>`, emitter/text_pool.py), the others each alone through `pool_<S>`. At
+most WINDOW of a request's items wait in the queue at once. Nothing is tokenized or decoded
+on the event loop.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from runtime.embedding import PoolingError, check_dimensions, finish, item_messages, with_instruction
+from runtime.embedding import (PoolingError, batched, check_dimensions, finish, item_messages, pooled_rows,
+                               with_instruction)
 from runtime.inputs.chat import Media, build_prompt
 from runtime.serve import protocol
 from runtime.serve.body import read_json
@@ -194,6 +198,74 @@ async def run_items(request: Request, engine, items: Items) -> list[tuple[np.nda
         items.folder.close()
         for job in items.jobs:
             job.cancelled.set()  # a no-op for those done; the rest never start
+
+
+def start_pooled(engine, first: Job) -> bool:
+    """The engine's start of an embedding job (`Engine._start`, on its thread): `first` and the
+    embedding jobs right behind it (up to the batched entry's lanes) each prepared and placed
+    in blocks, then pooled (batched where `batched`, else alone), each answered ("start",
+    prompt tokens), ("hidden", row), their blocks given back. False (`first` kept, first in
+    line) when its blocks are not free now; a job behind it that finds none waits first in
+    line, with those after it."""
+    from emitter.text_pool import pool_lane_counts
+
+    text, gen = engine.text, engine.generator
+    jobs = [first] + engine.take_pooled(max([1] + pool_lane_counts(text.shape)) - 1)
+    placed = []
+    for i, job in enumerate(jobs):
+        if i and job.cancelled.is_set():
+            engine.metrics.requests.labels("cancelled").inc()
+            continue
+        try:
+            if job.prompt is None:
+                job.prompt = gen.prepare(job.request.messages, job.media, 1, encode=engine.encode)
+            got = text.admit(job.prompt)
+        except Exception as e:  # noqa: BLE001 - one item's fault ends it alone
+            _fail(engine, job, e)
+            continue
+        if got is None:  # no blocks now: this one and those after it wait, first in line
+            engine.held.extendleft(reversed(jobs[max(i, 1):]))
+            if i == 0:
+                return False
+            break
+        placed.append((job, *got))
+    try:
+        group = [p for p in placed if batched(text, p[0].prompt, p[2])]
+        group = group if len(group) > 1 else []
+        for job, blocks, start in placed:
+            if not any(job is g[0] for g in group):
+                try:
+                    _answer(engine, job, text.prefill_blocks(blocks, job.prompt, start, pooled=True), start)
+                except Exception as e:  # noqa: BLE001
+                    _fail(engine, job, e)
+        if group:
+            try:
+                rows = pooled_rows(text, [g[1] for g in group], [g[0].prompt for g in group], [g[2] for g in group])
+            except Exception as e:  # noqa: BLE001 - the call's fault ends its items
+                for job, _, _ in group:
+                    _fail(engine, job, e)
+            else:
+                for (job, _, start), row in zip(group, rows):
+                    _answer(engine, job, row, start)
+    finally:
+        for _, blocks, _ in placed:
+            text.release(blocks)
+    return True
+
+
+def _answer(engine, job: Job, row: np.ndarray, start: int) -> None:
+    tokens = int(job.prompt.ids.size)
+    engine.metrics.prefix_hit_tokens.inc(start)
+    engine.metrics.prompt_tokens.inc(tokens)
+    engine.metrics.requests.labels("finished").inc()
+    job.send("start", tokens)
+    job.send("hidden", row)
+
+
+def _fail(engine, job: Job, e: Exception) -> None:
+    error = e if isinstance(e, ApiError) else as_api_error(e)
+    engine.metrics.requests.labels("refused" if error.status < 500 else "failed").inc()
+    job.send("error", error)
 
 
 def encoded(vector: np.ndarray, encoding: str):

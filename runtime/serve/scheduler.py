@@ -20,8 +20,9 @@ Events go back to the request's asyncio queue: ("start", prompt_tokens), ("delta
 logprobs), ("done", finish_reason, usage) or ("error", ApiError). A score job (`classify`:
 runtime/serve/rerank.py) ends at its prefill: ("start", prompt_tokens), then ("logits",
 the last position's logits of its token ids); an embedding job (`pooled`:
-runtime/serve/embeddings.py) likewise, then ("hidden", its last token's pooled row [D]); it
-starts even while every lane decodes (it holds one only while prefilled: `_admit_pooled`).
+runtime/serve/embeddings.py, `start_pooled`) likewise, then ("hidden", its last token's pooled
+row [D]); it starts even while every lane decodes (`_admit_pooled`: it holds no lane), with
+the embedding jobs right behind it, the short ones in one call.
 """
 
 from __future__ import annotations
@@ -188,12 +189,7 @@ class Engine:
         (a prefill each, their lane given back at once); the first other one waits for a
         lane where it is, in order. False at stop."""
         while True:
-            if self.held:
-                head = self.held[0]
-            else:
-                with self.queue.mutex:
-                    head = self.queue.queue[0] if self.queue.queue else None
-            if not getattr(head, "pooled", False):
+            if not getattr(self.head(), "pooled", False):
                 return True
             item = self._next()
             if item is None:
@@ -203,6 +199,20 @@ class Engine:
             if self._guarded([item], lambda _: self._start(item)) is False:
                 self.held.appendleft(item)
                 return True
+
+    def head(self):
+        """The next job or sequence in line (held ones first), not taken; None when none."""
+        if self.held:
+            return self.held[0]
+        with self.queue.mutex:
+            return self.queue.queue[0] if self.queue.queue else None
+
+    def take_pooled(self, most: int) -> list:
+        """Up to `most` embedding jobs from the head of the line, in order (none past another job)."""
+        taken = []
+        while len(taken) < most and getattr(self.head(), "pooled", False):
+            taken.append(self._next())
+        return taken
 
     def _guarded(self, items, work):
         """`work(items)`, its result; an exception ends `items` (jobs or sequences) with an
@@ -222,6 +232,9 @@ class Engine:
         if job.cancelled.is_set():
             self.metrics.requests.labels("cancelled").inc()
             return True
+        if job.pooled:  # it and the embedding jobs behind it: runtime/serve/embeddings.py
+            from runtime.serve.embeddings import start_pooled
+            return start_pooled(self, job)
         gen, request = self.generator, job.request
         if job.prompt is None:
             job.prompt = gen.prepare(request.messages, job.media, 1, encode=self.encode,
@@ -238,13 +251,9 @@ class Engine:
         self.running.append(seq)  # ended with its blocks given back if the prefill fails
         self.metrics.prefix_hit_tokens.inc(start)
         self.metrics.prompt_tokens.inc(int(prompt.ids.size))
-        logits = self.text.prefill_blocks(blocks, prompt, start, pooled=job.pooled)
+        logits = self.text.prefill_blocks(blocks, prompt, start)
         job.send("start", int(prompt.ids.size))
         self._count_running()
-        if job.pooled:  # an embedding job: the last token's final normed hidden state is its answer
-            job.send("hidden", logits)
-            self._end(seq, "finished")
-            return True
         if job.classify is not None:  # a score job: no token chosen, the logits asked for are its answer
             check_finite("logits", logits, "the language model")
             job.send("logits", np.asarray(logits)[list(job.classify)].copy())
