@@ -160,10 +160,11 @@ def kernel_object(precision: Precision, cfg: TextConfig | None = None) -> str | 
 
 def attention_object(cfg: TextConfig, shape: "TextShape", precision: Precision) -> str | None:
     """The file name of the attention kernels' object (kernels/decode_attention.py) a graph
-    form of q8_0 or q4_0 links for its one-token attention, and for a chunk's where
-    `chunk_fits` (`kernel_isa`'s); None for other precisions (their graphs are the same for
-    every target), or a shape the kernel does not take."""
-    isa = kernel_isa(precision)
+    form of q8_0 or q4_0, or a checkpoint whose own packed weights run on the block kernel,
+    links for its one-token attention, and for a chunk's where `chunk_fits` (the block
+    kernel's ISA: `kernel_object`'s); None for other precisions (their graphs are the same
+    for every target), or a shape the kernel does not take."""
+    isa = kernel_isa(precision) or quant.native_kernel_isa(cfg.native_weights)
     if isa is None or not decode_attention.fits(cfg.groups, cfg.head_dim, shape.kv_dtype):
         return None
     return object_name(isa, decode_attention.SOURCE)

@@ -38,7 +38,8 @@ def files(tmp_path_factory):
     work = tmp_path_factory.mktemp("gguf")
     ckpt, convert = converted_checkpoint(work, CFG, seed=5)
     out = {t: convert(f"text-{t}.gguf", "--outtype", t) for t in ("f32", "q8_0")}
-    out["q4_0"] = requantize(out["f32"], work / "text-q4_0.gguf", gguf.GGMLQuantizationType.Q4_0)
+    q4_0 = gguf.GGMLQuantizationType.Q4_0  # every matrix, the embedding table too (as llama-quantize's Q4_0)
+    out["q4_0"] = requantize(out["f32"], work / "text-q4_0.gguf", lambda name, data: q4_0 if data.ndim == 2 else None)
     for t in ("f32", "q8_0"):
         out[f"mmproj-{t}"] = convert(f"mmproj-{t}.gguf", "--mmproj", "--outtype", t)
     out["hf"] = ckpt
@@ -57,21 +58,35 @@ def test_config_from_metadata(files):
     assert cfg == hf
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("kind, bits", [("q8_0", 8), ("q4_0", 4)])
-def test_in_its_bits_equals_f32_over_gguf_dequantize(files, kind, bits, tmp_path):
-    """The session over the GGUF file in its bits against the f32 session over the same
-    weights dequantized by gguf: relL2 <= 1e-5; every projection runs in its bits; the
-    dequantized weights are near the checkpoint's. Symmetric: no biases stored."""
+def test_in_its_bits_is_llama_cpps_math_of_its_blocks(files, kind, bits, tmp_path):
+    """The session over the GGUF file in its bits: every Q8_0 or Q4_0 matrix (the projections,
+    the embedding table, lm_head) in the block kernel's tiles as the file holds it, each row's
+    activations in Q8_0 blocks (llama.cpp's math), against numpy's integer math of the same
+    blocks (transformers over gguf's dequantized weights, whose blocks llama.cpp's rule gives
+    back exactly, every projection and lm_head in `q8_matmul.reference`, activations quantized
+    as our graph does): relL2 <= 1e-5, greedy tokens equal. The f32 session over the
+    dequantized weights differs (the control: the activations' blocks)."""
+    from helpers import q4_0_blocks, q8_0_blocks
+    from test_q8_0 import reference_logits
+
     path = files[kind]
     cfg, _ = model_text_config(path)
     layouts = quant.native_layouts(gguf_text.native_weights(path, cfg))
-    assert len(layouts) >= 7 * CFG.num_hidden_layers and set(layouts.values()) == {quant.Layout(bits, 32)}
-    cache = tmp_path / "cache"
-    ours = logits(path, cache, "mlx")  # the alias of native
-    ref = logits(dequantized_folder(path, tmp_path / "deq"), cache, "f32")
-    assert rel_l2(ours, ref) <= TOL
-    original = logits(files["hf"], cache, "f32")
-    assert rel_l2(ours, original) < (0.05 if bits == 8 else 0.5)  # quantized, but the same model
+    assert len(layouts) >= 7 * CFG.num_hidden_layers + 1
+    assert set(layouts.values()) == {quant.Layout(bits, 32, scales="f16", packed=True)}
+    cache, steps = tmp_path / "cache", 3
+    folder = dequantized_folder(path, tmp_path / "deq")
+    ours = logits(path, cache, "native", steps)
+    blocks = q8_0_blocks if bits == 8 else q4_0_blocks
+    ref = reference_logits(folder, cfg, np.arange(37) * 7 % cfg.vocab_size, steps, "ours", blocks, blocks, blocks)
+    assert ours.shape == ref.shape
+    assert max(rel_l2(a, b) for a, b in zip(ours, ref)) <= TOL
+    assert np.array_equal(ours.argmax(1), ref.argmax(1))
+    assert rel_l2(ours, logits(folder, cache, "f32", steps)) > 100 * TOL
+    original = logits(files["hf"], cache, "f32", steps)  # the prompt's row: the steps follow each side's tokens
+    assert rel_l2(ours[0], original[0]) < (0.05 if bits == 8 else 0.5)  # quantized, but the same model
 
 
 def test_w8a8_against_q8_0_at_equal_bits(files, tmp_path):
@@ -200,9 +215,9 @@ def test_tokenizer_equals_the_checkpoints(files):
 
 def test_generate_text_only_from_the_gguf_file(files, tmp_path):
     """`qwen3vl generate --model text-q8_0.gguf` (its bits, tokenizer and template from the
-    file) gives the logits of the same command over the Hugging Face folder whose text
-    weights are gguf's dequantization of the file: within 1e-5. An image without the
-    mmproj is one line."""
+    file) gives the logits of the same command under `--precision q8_0` over the Hugging Face
+    folder whose text weights are gguf's dequantization of the file (their Q8_0 blocks are the
+    file's: the same kernel math): within 1e-5. An image without the mmproj is one line."""
     import shutil
     import subprocess
     import sys
@@ -216,7 +231,7 @@ def test_generate_text_only_from_the_gguf_file(files, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     cache = tmp_path / "cache"
     ours = generate_logits(path, None, None, cache, tmp_path)
-    ref = generate_logits(folder, None, "f32", cache, tmp_path)
+    ref = generate_logits(folder, None, "q8_0", cache, tmp_path)
     assert rel_l2(ours, ref) <= TOL
     out = subprocess.run([sys.executable, "-c", "from runtime.commands.main import main; main()", "generate",
                           "--model", path, "--image", files["hf"] / "config.json", "--prompt", "hi", "--cache-dir",

@@ -1,7 +1,7 @@
 """llama.cpp's K-quants in their bits (runtime/checkpoints/gguf_blocks.py): Q4_K and Q5_K as
 the affine layout in groups of 32, Q6_K as int8 symmetric in groups of 16, Q8_0 and Q4_0
 symmetric in groups of 32 (no biases). The unpacking against `gguf.quants.dequantize` over
-real block bytes; a Q4_K_M-style file (Q4_K, Q6_K, a Q5_K, a Q8_0 and a Q5_0 tensor, f32 norms:
+real block bytes; a Q4_K_M-style file (Q4_K, Q6_K, a Q5_K, a Q4_1 and a Q5_0 tensor, f32 norms:
 llama.cpp's converter's f32 file re-encoded by the tests' encoder, gguf_encode.py) run in
 its bits against the f32 session over gguf's dequantization of the same file: logits
 relL2 <= 1e-5, text and mmproj."""
@@ -35,13 +35,14 @@ Q = gguf.GGMLQuantizationType
 
 def q4_k_m(name: str, data: np.ndarray):
     """llama.cpp's Q4_K_M mix, in small: Q6_K for lm_head and for attn_v / ffn_down of the
-    first layer, Q4_K for the other matrices (the embedding table too), one Q5_K, one Q8_0
-    and one Q5_0 tensor; norms as they are (f32)."""
+    first layer, Q4_K for the other matrices (the embedding table too), one Q5_K, one Q4_1
+    and one Q5_0 tensor; norms as they are (f32). (Q8_0 and Q4_0 matrices run through the
+    block kernel: tests/test_gguf.py.)"""
     if data.ndim != 2:
         return None
     if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
         return Q.Q6_K
-    return {"blk.1.attn_k.weight": Q.Q5_K, "blk.1.attn_q.weight": Q.Q8_0,
+    return {"blk.1.attn_k.weight": Q.Q5_K, "blk.1.attn_q.weight": Q.Q4_1,
             "blk.1.attn_output.weight": Q.Q5_0}.get(name, Q.Q4_K)
 
 
@@ -128,7 +129,7 @@ def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
     cfg, _ = model_text_config(path)
     layouts = quant.native_layouts(gguf_text.native_weights(path, cfg))
     assert len(layouts) == 7 * CFG.num_hidden_layers + 2
-    assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0")}
+    assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0")}
     prefix = "model.language_model.layers.0."
     assert layouts[prefix + "mlp.down_proj.weight"] == quant.Layout(8, 16)  # Q6_K
     assert layouts[prefix + "mlp.up_proj.weight"] == quant.Layout(4, 32, affine=True)  # Q4_K

@@ -17,7 +17,7 @@ from conftest import rel_l2
 from gguf_helpers import converted_checkpoint, dequantized_folder, model_folder, requantize
 from helpers import chunked_logits, generate_logits
 from emitter import quant
-from emitter.experts import GATE_UP
+from emitter.experts import GATE_UP, is_expert
 from emitter.text_config import TEXT_PREFIX, TEXT_PRESETS
 from runtime.checkpoints import gguf_text
 from runtime.checkpoints.text import model_text_config
@@ -74,17 +74,19 @@ def unpacked(q: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind,bits", [("q8_0", 8), ("q4_0", 4)])
 def test_expert_stacks_are_the_files_own_bits(files, tmp_path, kind, bits):
-    """The expert stacks run in the kernel's tiles, the file's numbers exactly (unpacked, equal
-    to gguf's dequantization); the session in those bits near the f32 session over the same
-    dequantized weights (the kernel's Q8_0 activations the only difference)."""
+    """The expert stacks, like every Q8_0 or Q4_0 matrix of the file, run in the kernel's
+    tiles, the file's numbers exactly (unpacked, equal to gguf's dequantization); the session
+    in those bits near the f32 session over the same dequantized weights (the kernel's Q8_0
+    activations the only difference)."""
     path = files[kind]
     cfg, _ = model_text_config(path)
     entries = gguf_text.native_weights(path, cfg)
-    packed = [e for e in entries if e[3:] == (quant.PACKED,)]
-    assert len(packed) == 2 * cfg.num_hidden_layers and {e[1] for e in packed} == {bits}
+    packed = [e[0] for e in entries if e[3:] == (quant.PACKED,)]
+    assert {e[1] for e in entries} == {bits} and len(packed) == len(entries)
+    assert sum(is_expert(name) for name in packed) == 2 * cfg.num_hidden_layers
     tensors = gguf_text.text_tensors(path, cfg)
     name = f"{TEXT_PREFIX}layers.1.{GATE_UP}"
-    q, scales = gguf_text.packed_experts(name, tensors[name])
+    q, scales = gguf_text.packed_blocks(name, tensors[name])
     expected = gguf_text.dequantized(tensors[name])
     for e in range(cfg.num_experts):
         assert np.array_equal(unpacked(q[e], scales[e], bits), expected[e]), e

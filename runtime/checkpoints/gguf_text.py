@@ -39,7 +39,8 @@ BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
 # stores gate and up apart, the graph takes them as one stack, gate rows first (GATE_UP).
 EXPERT_NAMES = {"ffn_gate_inp": ROUTER, "ffn_gate_exps": GATE_UP + ":gate", "ffn_up_exps": GATE_UP + ":up",
                 "ffn_down_exps": DOWN}
-EXPERT_TYPES = ("Q8_0", "Q4_0")  # expert stacks run in their bits, through the block kernel
+KERNEL_TYPES = ("Q8_0", "Q4_0")  # run in their bits through the block kernel, as llama.cpp runs them
+EXPERT_TYPES = KERNEL_TYPES  # the quantized types an expert stack may have
 SPECIAL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                   "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 
@@ -237,18 +238,27 @@ def check_type(t, path) -> None:
                               f"one of {', '.join(TYPES)}")
 
 
-def native_entries(tensors: dict, keep=lambda name: True) -> tuple[tuple, ...]:
+def native_entries(tensors: dict, keep=lambda name: True, packed=lambda name, t: is_expert(name)) -> tuple[tuple, ...]:
     """`quant.native_layouts`' entries of the quantized tensors of {Hugging Face name:
     the reader's tensor} for which `keep(name)`: each in its own bits (gguf_blocks.LAYOUTS);
-    an expert stack in the block kernel's tiles (form `quant.PACKED`, its ISA for the runtime
-    to add)."""
+    those for which `packed(name, t)` (an expert stack; the language model's `on_kernel`) in
+    the block kernel's tiles (form `quant.PACKED`, its ISA for the runtime to add)."""
     out = []
     for name, t in tensors.items():
         kind = (t[0] if isinstance(t, list) else t).tensor_type.name
         if kind in LAYOUTS and keep(name):
             layout = LAYOUTS[kind]
-            out.append((name, layout.bits, 32, quant.PACKED) if is_expert(name) else quant.native_entry(name, layout))
+            out.append((name, layout.bits, 32, quant.PACKED) if packed(name, t) else quant.native_entry(name, layout))
     return tuple(out)
+
+
+def on_kernel(name: str, t) -> bool:
+    """A language-model tensor that runs through the block kernel in its bits, as llama.cpp
+    runs it (its rows' activations in Q8_0 blocks): an expert stack, and any Q8_0 or Q4_0
+    matrix whose rows fill the kernel's tiles (`quant.Layout`'s 32; the others, in their bits,
+    dequantized per call against f32 activations)."""
+    first = t[0] if isinstance(t, list) else t
+    return is_expert(name) or (first.tensor_type.name in KERNEL_TYPES and int(first.shape[1]) % 32 == 0)
 
 
 def native_arrays(name: str, t, pending: dict) -> np.ndarray:
@@ -271,11 +281,11 @@ def dequantized(t) -> np.ndarray:
     return np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
 
 
-def packed_experts(name: str, t) -> tuple[np.ndarray, np.ndarray]:
-    """An expert stack of Q8_0 or Q4_0 blocks (gate's and up's as one, gate rows first) in
-    the block kernel's tiles as it is: each expert's codes and f16 scales repacked
-    (kernels/q8_matmul.py `pack_weight`, `pack_scales`), not a bit changed. ([E, N, K * bits / 8]
-    i8, [E, N, K / 32] f16.)"""
+def packed_blocks(name: str, t) -> tuple[np.ndarray, np.ndarray]:
+    """A matrix of Q8_0 or Q4_0 blocks, or an expert stack of them (gate's and up's as one,
+    gate rows first), in the block kernel's tiles as it is: its (each expert's) codes and f16
+    scales repacked (kernels/q8_matmul.py `pack_weight`, `pack_scales`), not a bit changed.
+    ([N, K * bits / 8] i8 and [N, K / 32] f16; a stack's [E, ...] of each.)"""
     from kernels.build import KernelError
     from kernels.q8_matmul import pack_scales, pack_weight
     from runtime.checkpoints.gguf_blocks import signed
@@ -283,7 +293,9 @@ def packed_experts(name: str, t) -> tuple[np.ndarray, np.ndarray]:
     parts = t if isinstance(t, list) else [t]
     kind = parts[0].tensor_type.name
     bits = LAYOUTS[kind].bits
-    raws = [np.asarray(p.data, np.uint8).reshape(int(p.shape[2]), int(p.shape[1]), -1) for p in parts]
+    stack = len(parts[0].shape) == 3
+    raws = [np.asarray(p.data, np.uint8).reshape(int(p.shape[2]) if stack else 1, int(p.shape[1]), -1)
+            for p in parts]
     k = int(parts[0].shape[0])
     qs, scales = [], []
     for e in range(raws[0].shape[0]):
@@ -292,15 +304,15 @@ def packed_experts(name: str, t) -> tuple[np.ndarray, np.ndarray]:
         try:
             qs.append(pack_weight(q, bits).reshape(q.shape[0], -1))
         except KernelError as err:
-            raise CheckpointError(f"{parts[0].name}: expert {e}: {err}") from None
+            raise CheckpointError(f"{parts[0].name}: " + (f"expert {e}: " if stack else "") + str(err)) from None
         scales.append(pack_scales(np.concatenate([r[1] for r in rows]).astype(np.float16)).reshape(q.shape[0], -1))
-    return np.stack(qs), np.stack(scales)
+    return (np.stack(qs), np.stack(scales)) if stack else (qs[0], scales[0])
 
 
 def native_weights(path, cfg: TextConfig) -> tuple[tuple, ...]:
     """The entries of the quantized weights, each in its own bits (`native_entries`,
     `TextConfig.native_weights`)."""
-    return native_entries(text_tensors(path, cfg))
+    return native_entries(text_tensors(path, cfg), packed=on_kernel)
 
 
 def load_text_weights(path, cfg: TextConfig) -> dict[str, np.ndarray]:
@@ -323,8 +335,8 @@ def text_arrays(path, cfg: TextConfig, precision: str = "f32") -> Iterator:
             yield (s.name, pending.pop(s.name))
             continue
         layout, t = layouts.get(s.name), tensors[s.name]
-        if s.name in native and is_expert(s.name):
-            q, pending[quant.scales_name(s.name)] = packed_experts(s.name, t)
+        if s.name in native and layout.packed:
+            q, pending[quant.scales_name(s.name)] = packed_blocks(s.name, t)
         elif s.name in native:
             q = native_arrays(s.name, t, pending)
         elif layout:
