@@ -20,7 +20,7 @@ the embedding jobs right behind it in line, as many as the module's batched entr
 are prepared and placed in blocks (a shared prefix, e.g. the instruction, found in the prefix
 cache); those whose rest is one chunk of the smallest bucket are prefilled and pooled in one
 call (`pool_<S0>x<B>`, emitter/text_pool.py), the others each alone through `pool_<S>`. At
-most WINDOW of a request's items wait in the queue at once. Nothing is tokenized or decoded
+most WINDOW (or the lanes, if more) of a request's items wait in the queue at once. Nothing is tokenized or decoded
 on the event loop.
 """
 
@@ -49,7 +49,7 @@ from runtime.serve.scheduler import Job, as_api_error
 FIELDS = ("input", "messages", "model", "dimensions", "encoding_format", "instruction", "mm_processor_kwargs",
           *protocol.IGNORED)
 ENCODINGS = ("float", "base64")
-WINDOW = 2  # a request's items queued at once: the engine prefills one while the next waits
+WINDOW = 2  # a request's items queued at once, at least (the lanes, if more: one batched call's worth)
 
 
 @dataclass
@@ -175,9 +175,9 @@ async def run_items(request: Request, engine, items: Items) -> list[tuple[np.nda
     cancelled)."""
     gone, out = Departure(request), []
     try:
-        queued = 0
+        queued, window = 0, max(WINDOW, engine.lanes)
         for i, job in enumerate(items.jobs):
-            while queued < min(i + WINDOW, len(items.jobs)):
+            while queued < min(i + window, len(items.jobs)):
                 engine.submit(items.jobs[queued])
                 queued += 1
             tokens = 0
