@@ -110,6 +110,25 @@ def resolve_pooling(model_dir, pooling: str | None = None, normalize: bool | Non
     return Pooling(found.kind, found.normalize if normalize is None else normalize, found.source)
 
 
+def headless(model_dir, cfg):
+    """The text config an embedding model is opened with: `cfg`, or, for a checkpoint stored
+    without lm_head and untied (an embedding model's needs none: Qwen3VLModel has no head), as
+    if tied, so that the module's chat entries read the embedding table (their logits mean
+    nothing there; the pooled rows never read the head)."""
+    from dataclasses import replace
+
+    from emitter.text_config import LM_HEAD
+    from runtime.checkpoints import gguf_text
+    from runtime.checkpoints.text import LAYOUTS, scan_text_tensors
+
+    if cfg.tie_word_embeddings or gguf_text.is_gguf(model_dir):
+        return cfg
+    found, _ = scan_text_tensors(Path(model_dir))
+    if any(head in found for _, head in LAYOUTS) or LM_HEAD in found:
+        return cfg
+    return replace(cfg, tie_word_embeddings=True)
+
+
 def instruction_text(instruction: str | None) -> str:
     """The system message: `instruction` stripped, a full stop added unless it ends in
     punctuation (as the model card's embedder does); the default when empty."""

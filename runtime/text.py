@@ -67,6 +67,9 @@ class TextSession:
                  progress=None, config: rt.Config | None = None, kv_cache_dtype: str = "f32", lanes: int = 1,
                  kv_blocks: int = 0, prefix_cache: bool = True, pooled: bool = False):
         self.cfg, self.token_ids = load_text_config(model_dir)
+        if pooled:  # an embedding checkpoint may hold no lm_head (runtime/embedding.py)
+            from runtime.embedding import headless
+            self.cfg = headless(model_dir, self.cfg)
         try:
             self.shape = TextShape(tuple(buckets), context, lanes, kv_blocks, kv_cache_dtype, pooled)
         except TextShapeError as e:

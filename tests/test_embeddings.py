@@ -260,3 +260,26 @@ def test_embed_command_writes_retrieval_vectors(setup, tmp_path):
     refused = CliRunner().invoke(main, ["embed", "--model", str(model_dir), str(lines), "-o", str(out),
                                         "--no-normalize", "--dimensions", "49"])
     assert refused.exit_code != 0 and "--dimensions 49: expected an integer in [1, 48]" in refused.output
+
+
+def test_checkpoint_without_lm_head(setup, tmp_path):
+    """An embedding checkpoint stored as Qwen3VLModel stores it (no lm_head, untied) opens with
+    pooling, its vector transformers' (whose Qwen3VLModel reads no head either); without
+    pooling it is refused in one line, as any checkpoint missing a weight."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    from runtime.checkpoints.vision import CheckpointError
+
+    gen, model_dir, _, _ = setup
+    folder = tmp_path / "headless"
+    shutil.copytree(model_dir, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert tensors.pop("lm_head.weight") is not None
+    save_file(tensors, str(folder / "model.safetensors"))
+    headless = Generator(folder, buckets=(32,), context=128, cache_dir=gen.text.cache.root,
+                         pooling=resolve_pooling(folder))
+    vector, _ = ours(headless, text="A cat on a red house.")
+    _, expected = reference_item(folder, text="A cat on a red house.")
+    assert rel_l2(vector, expected) <= TOL
+    with pytest.raises(CheckpointError, match="lm_head.weight: missing"):
+        Generator(folder, buckets=(32,), context=128, cache_dir=gen.text.cache.root)
