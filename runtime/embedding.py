@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.checkpoints.model_card import card_names
+
 POOLING_CHOICES = ("last",)
 DEFAULT_INSTRUCTION = "Represent the user's input."
 ST_POOLING = "sentence_transformers.models.Pooling"
@@ -77,21 +79,8 @@ def card_says_embedding(folder: Path) -> bool:
     """Whether README.md's front matter (the Hugging Face model card) names an embedding model:
     `pipeline_tag: feature-extraction`, or a tag naming embedding (Qwen3-VL-Embedding's card
     has both), and no rerank tag."""
-    path = folder / "README.md"
-    if not path.is_file():
-        return False
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    if not lines or lines[0].strip() != "---":
-        return False
-    head = []
-    for line in lines[1:200]:
-        if line.strip() == "---":
-            break
-        head.append(line.strip().lower())
-    if any("rerank" in line for line in head):
-        return False
-    return any(line.replace(" ", "") == "pipeline_tag:feature-extraction" or
-               (line.startswith("- ") and "embedding" in line) for line in head)
+    return (card_names(folder, "feature-extraction", "embedding")
+            and not card_names(folder, "text-ranking", "rerank"))
 
 
 def resolve_pooling(model_dir, pooling: str | None = None, normalize: bool | None = None) -> Pooling | None:

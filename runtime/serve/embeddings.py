@@ -43,7 +43,7 @@ from runtime.serve import protocol
 from runtime.serve.body import read_json
 from runtime.serve.errors import ApiError, shown
 from runtime.serve.media import MediaFolder
-from runtime.serve.respond import ClientGone, Departure, next_event
+from runtime.serve.respond import answers
 from runtime.serve.scheduler import Job, as_api_error
 
 FIELDS = ("input", "messages", "model", "dimensions", "encoding_format", "instruction", "mm_processor_kwargs",
@@ -173,31 +173,11 @@ def check_items(generator, items: Items) -> None:
 async def run_items(request: Request, engine, items: Items) -> list[tuple[np.ndarray, int]] | None:
     """(pooled row, prompt tokens) of every item, in order; None if the client left (the jobs
     cancelled)."""
-    gone, out = Departure(request), []
     try:
-        queued, window = 0, max(WINDOW, engine.lanes)
-        for i, job in enumerate(items.jobs):
-            while queued < min(i + window, len(items.jobs)):
-                engine.submit(items.jobs[queued])
-                queued += 1
-            tokens = 0
-            while True:
-                event = await next_event(job, gone)
-                if event[0] == "start":
-                    tokens = event[1]
-                elif event[0] == "hidden":
-                    out.append((event[1], tokens))
-                    break
-                else:
-                    raise items.folder.scrub(event[1])
-        return out
-    except ClientGone:
-        return None
+        return await answers(request, engine, items.jobs, max(WINDOW, engine.lanes), "hidden",
+                             lambda i, error: items.folder.scrub(error))
     finally:
-        gone.stop()
         items.folder.close()
-        for job in items.jobs:
-            job.cancelled.set()  # a no-op for those done; the rest never start
 
 
 def start_pooled(engine, first: Job) -> bool:

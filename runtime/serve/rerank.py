@@ -21,17 +21,17 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from runtime.checkpoints.model_card import card_names
 from runtime.inputs.chat import Media
 from runtime.serve import protocol
 from runtime.serve.body import read_json
 from runtime.serve.errors import ApiError, shown
 from runtime.serve.media import MediaFolder
-from runtime.serve.respond import ClientGone, Departure, next_event
+from runtime.serve.respond import answers
 from runtime.serve.scheduler import Job, as_api_error
 
 SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
@@ -80,20 +80,7 @@ def reranker_checkpoint(model_dir) -> bool:
     """Whether the folder is a reranker by its own files: README.md's front matter (the Hugging
     Face model card) with `pipeline_tag: text-ranking` or a tag naming rerank, as
     Qwen3-VL-Reranker's has."""
-    path = Path(model_dir) / "README.md"
-    if not path.is_file():
-        return False
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    if not lines or lines[0].strip() != "---":
-        return False
-    head = []
-    for line in lines[1:200]:
-        if line.strip() == "---":
-            break
-        head.append(line.strip().lower())
-    return any(line.replace(" ", "") == "pipeline_tag:text-ranking" or
-               (line.startswith("- ") and "rerank" in line) or
-               (line.startswith("tags:") and "rerank" in line) for line in head)
+    return card_names(model_dir, "text-ranking", "rerank")
 
 
 @dataclass(frozen=True)
@@ -293,36 +280,16 @@ async def run_pairs(request: Request, engine, generator, pairs: Pairs) -> list[t
     """(score, prompt tokens) of every pair, in order; None if the client left (the jobs
     cancelled). Each prompt is checked against the context first (off the event loop), and
     at most WINDOW of the request's jobs wait in the engine's queue at once."""
-    gone, out = Departure(request), []
     try:
         for i, job in enumerate(pairs.jobs):
             try:
                 await asyncio.to_thread(generator.check_prompt, job.request.messages, job.media, 1)
             except ValueError as e:
                 raise pairs.fault(i, as_api_error(e)) from None
-        queued = 0
-        for i, job in enumerate(pairs.jobs):
-            while queued < min(i + WINDOW, len(pairs.jobs)):
-                engine.submit(pairs.jobs[queued])
-                queued += 1
-            tokens = 0
-            while True:
-                event = await next_event(job, gone)
-                if event[0] == "start":
-                    tokens = event[1]
-                elif event[0] == "logits":
-                    out.append((score_of(event[1], pairs.activation), tokens))
-                    break
-                else:
-                    raise pairs.fault(i, event[1])
-        return out
-    except ClientGone:
-        return None
+        found = await answers(request, engine, pairs.jobs, WINDOW, "logits", pairs.fault)
+        return None if found is None else [(score_of(logits, pairs.activation), tokens) for logits, tokens in found]
     finally:
-        gone.stop()
         pairs.folder.close()
-        for job in pairs.jobs:
-            job.cancelled.set()  # a no-op for those done; the rest never start
 
 
 def add_rerank_routes(app, generator, engine, model_id: str, limits) -> None:

@@ -50,6 +50,38 @@ async def next_event(job: Job, gone: Departure | None):
     raise ClientGone()
 
 
+async def answers(request: Request, engine, jobs: list[Job], window: int, kind: str, fault) -> list | None:
+    """(payload, prompt tokens) of each job's ("start", tokens) then (`kind`, payload) events,
+    in order (the jobs of one /v1/embeddings or /v1/rerank request), at most `window` of them
+    in the engine's queue at once; None if the client left. `fault(i, error)`: what job i's
+    error event raises. Every job is cancelled at the end (a no-op for those done; the rest
+    never start)."""
+    gone, out = Departure(request), []
+    try:
+        queued = 0
+        for i, job in enumerate(jobs):
+            while queued < min(i + window, len(jobs)):
+                engine.submit(jobs[queued])
+                queued += 1
+            tokens = 0
+            while True:
+                event = await next_event(job, gone)
+                if event[0] == "start":
+                    tokens = event[1]
+                elif event[0] == kind:
+                    out.append((event[1], tokens))
+                    break
+                else:
+                    raise fault(i, event[1])
+        return out
+    except ClientGone:
+        return None
+    finally:
+        gone.stop()
+        for job in jobs:
+            job.cancelled.set()
+
+
 async def respond(request: Request, engine, job: Job, collect, stream, folder=None) -> Response:
     """The job submitted and answered: its first event (the prompt's tokens, or its error,
     raised through `folder.scrub`), then `collect(tokens, gone)` (the whole response) or,
