@@ -33,7 +33,7 @@ EMIT = """
 import json, sys
 from dataclasses import replace
 from pathlib import Path
-from emitter.text import emit_text_module
+from emitter.text_module import emit_text_module
 from emitter.text_shape import TextShape
 from emitter.text_config import TEXT_PRESETS
 from runtime.artifact.compiler import compile_command

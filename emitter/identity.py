@@ -129,9 +129,10 @@ def vision_artifact_fields(cfg: VisionConfig, buckets, policy, target: str | Non
 
 def text_artifact_fields(cfg, shape, deepstack_layers: int, precision: Precision | str = "f32",
                          target: str | None = DEFAULT_TARGET, graph: str | None = None) -> dict:
-    """`artifact_fields` of the language-model module (`text.emit_text_module`) of a
+    """`artifact_fields` of the language-model module (`text_module.emit_text_module`) of a
     `text.TextShape`; `graph`: the module's MLIR text when the caller has it already."""
-    from .text import emit_text_module, text_weights
+    from .text import text_weights
+    from .text_module import emit_text_module
     precision = for_graph(precision)
     graph = graph or emit_text_module(cfg, shape, deepstack_layers, precision)
     return artifact_fields("text", cfg.to_dict(), graph, text_weights(cfg, precision), precision, target,

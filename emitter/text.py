@@ -55,16 +55,16 @@ from __future__ import annotations
 from kernels import decode_attention, q8_matmul
 from kernels.build import object_name
 
-from . import __version__, experts, kernel_calls, quant
+from . import experts, kernel_calls, quant
 from .builder import Builder, Value
 from .config import PARAMETER_SCOPE, ConfigError, WeightSpec
 from .attention import grouped_attention, token_attention
 from .kv_pages import BLOCK, SPAN, SPAN_BLOCKS, pool_shape, read_blocks, read_span, write_chunk, write_token
 from .layers import apply_rotary, dequantized, gated_mlp, held, mrope_tables, project, rms_norm, rope_inv_freq
-from .module import function, render
+from .module import function
 from .precision import Precision, for_graph
 from .text_config import LM_HEAD, TEXT_PREFIX, TextConfig
-from .text_shape import MODULE_NAME, RESET, TextShape, decode_name, lane_counts, pool_name, prefill_name
+from .text_shape import RESET, TextShape, decode_name, pool_name, prefill_name
 
 EMBEDDING = "embed_tokens.weight"
 MATMUL_SUFFIXES = ("proj.weight", EMBEDDING, LM_HEAD)
@@ -443,53 +443,6 @@ def reset_function(cfg: TextConfig, shape: TextShape, precision: Precision | str
         value = g.stored(b.reshape(b.slice(fill, (j,), (j + 1,)), (), hint="fill"))
         b.store_state(b.broadcast_in_dim(value, state[1].shape, [], hint="empty"), state)
     return function(b, RESET, [("done", b.constant(0, (), "i32", hint="done"))]), b.globals
-
-
-def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, precision: Precision | str = "f32",
-                     functions: str = "all") -> str:
-    """MLIR text of the language-model module (deterministic: same input, same bytes):
-    `prefill_<S>` for each bucket S, `decode_<B>` for each lane count B, and `reset`; a pooling
-    shape's `pool_<S>` and `pool_<S0>x<B>` too (emitter/text_pool.py; `functions` "prefill" or
-    "decode": only those, for benchmarks)."""
-    precision = for_graph(precision)
-    entries = []
-    if functions in ("all", "prefill"):
-        entries += [prefill_function(cfg, shape, s, deepstack_layers, precision) for s in shape.buckets]
-        if shape.pooled:
-            from .text_pool import pool_lane_counts, pool_lanes_function
-            entries += [prefill_function(cfg, shape, s, deepstack_layers, precision, pooled=True)
-                        for s in shape.buckets]
-            entries += [pool_lanes_function(cfg, shape, shape.buckets[0], n, deepstack_layers, precision)
-                        for n in pool_lane_counts(shape)]
-    if functions in ("all", "decode"):
-        entries += [decode_function(cfg, shape, n, precision) for n in lane_counts(shape.lanes)]
-    entries.append(reset_function(cfg, shape, precision))
-    functions_, shared, weights = [], [], None
-    for entry, globals_ in entries:  # the same weight globals; each its own kernel executables (q8_0)
-        read = [g for g in globals_ if not g.startswith("stream.executable")]
-        assert weights is None or read == weights, "every entry reads the same globals"
-        functions_.append(entry)
-        weights = read
-        shared += [g for g in globals_ if g not in shared]
-    kv = "" if shape.kv_dtype == "f32" else f" in {shape.kv_dtype}"
-    header = (f"// Qwen3-VL language model, prompt buckets {', '.join(map(str, shape.buckets))}, context "
-              f"{shape.context}, {shape.lanes} lanes, KV cache of {shape.blocks} blocks of {BLOCK}{kv}, "
-              f"{deepstack_layers} DeepStack layers{precision.note}{native_note(cfg)}"
-              f"{', last-token pooling entries' if shape.pooled else ''}.\n"
-              f"// Emitted by qwen3vl-iree {__version__}; do not edit by hand.\n"
-              f"// text config: {', '.join(f'{k}={v}' for k, v in cfg.to_dict().items() if k != 'native_weights')}\n")
-    return render(MODULE_NAME, header, shared, functions_)
-
-
-def native_note(cfg: TextConfig) -> str:
-    """The module header's words for a checkpoint run in its own bits: how many weights at
-    which bits, forms and groups (the per-weight list is in the weight schema)."""
-    kinds = sorted({(l.bits, l.group, "affine" if l.affine else "symmetric")
-                    for l in quant.native_layouts(cfg.native_weights).values()})
-    if not kinds:
-        return ""
-    return (f", {len(cfg.native_weights)} weights in the checkpoint's own bits "
-            f"({', '.join(f'{bits}-bit {form} groups of {group}' for bits, group, form in kinds)}), f32 matmuls")
 
 
 def chunk_module(obj: str | None, rows: int, kv_heads: int, groups: int, head_dim: int, blocks: int,

@@ -28,7 +28,8 @@ from emitter.identity import text_artifact_fields
 from emitter.targets import DEFAULT_TARGET
 from emitter.kv_pages import BLOCK
 from emitter.precision import NATIVE, PRECISIONS, Precision, precision as precision_of
-from emitter.text import emit_text_module, prefill_inputs, text_weights
+from emitter.text import prefill_inputs, text_weights
+from emitter.text_module import emit_text_module
 from emitter.text_shape import (MODULE_NAME, RESET, TextShape, TextShapeError, decode_blocks, decode_name, lane_counts,
                                 pool_name, prefill_chunks)
 

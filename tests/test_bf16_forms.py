@@ -19,7 +19,7 @@ from conftest import rel_l2
 from emitter.config import PRESETS
 from emitter.precision import bf16_form, precision
 from emitter.vision import graph_weights
-from emitter.text import emit_text_module
+from emitter.text_module import emit_text_module
 from emitter.text_shape import TextShape
 from emitter.text_config import TEXT_PRESETS
 from emitter.vision import emit_vision_module, result_names

@@ -17,7 +17,7 @@ import pytest
 from conftest import rel_l2
 from helpers import gradient_frames, write_images, write_video
 from emitter.config import PRESETS
-from emitter.text import emit_text_module
+from emitter.text_module import emit_text_module
 from emitter.text_config import TEXT_PRESETS
 from emitter.text_shape import TextShape
 from runtime.embedding import (DEFAULT_INSTRUCTION, Pooling, PoolingError, checkpoint_pooling, embed, finish,

@@ -422,7 +422,7 @@ def test_text_module_compiles_at_long_contexts(preset, context, buckets):
     """Codegen limits are shape dependent: decode over a 4096-slot cache once failed with
     "exceeded stack allocation limit" (a whole score row in one dispatch)."""
     import dataclasses
-    from emitter.text import emit_text_module
+    from emitter.text_module import emit_text_module
     from emitter.text_shape import TextShape
     from runtime.artifact.compiler import compile_mlir
 

@@ -211,7 +211,8 @@ def test_lanes_through_the_attention_kernel_equal_each_alone(folders):
     """Decode and prefill attend through kernels/decode_attention.py in the q8_0 graph, here
     over a bf16 cache: sequences admitted between steps and decoded together (1, 2 and 4-lane steps, each
     lane its own table) give, lane by lane, what each gives alone, bit for bit."""
-    from emitter.text import attention_object, emit_text_module
+    from emitter.text import attention_object
+    from emitter.text_module import emit_text_module
     from emitter.text_shape import TextShape
     from runtime.inputs.chat import Prompt
     from runtime.text import TextSession

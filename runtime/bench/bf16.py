@@ -18,7 +18,8 @@ import numpy as np
 
 from emitter.config import PRESETS
 from emitter.vision import graph_weights
-from emitter.text import emit_text_module, text_weights
+from emitter.text import text_weights
+from emitter.text_module import emit_text_module
 from emitter.text_shape import MODULE_NAME as TEXT_MODULE, TextShape, decode_name, prefill_name
 from emitter.text_config import TextConfig
 from emitter.vision import emit_vision_module, input_specs

@@ -78,6 +78,7 @@ def assemble(options: ServeOptions, say, on_ready=None):
     from runtime.serve.image_budget import ImageBudget
     from runtime.serve.metrics import Metrics
     from runtime.serve.rerank import Classifier
+    from runtime.serve.embeddings import start_pooled
     from runtime.serve.scheduler import Engine
 
     generator = generator_for(options, say)
@@ -86,7 +87,7 @@ def assemble(options: ServeOptions, say, on_ready=None):
     generator.vision.artifact()
     metrics = Metrics()
     encoder = EncoderCache(lambda: generator.vision, options.encoder_cache_mb << 20, metrics)
-    engine = Engine(generator, metrics, encoder, options.max_waiting)
+    engine = Engine(generator, metrics, encoder, options.max_waiting, start_pooled)
     limits = Limits(options.api_key, options.allowed_local_media, options.max_body_mb << 20, options.max_media,
                     allowed_hosts=host_names(options.host, options.port, options.allowed_hosts),
                     image_budget=ImageBudget(*options.image_tokens), reranker=reranker,

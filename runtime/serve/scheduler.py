@@ -98,8 +98,9 @@ class Job:
 class Engine:
     """`submit(job)` queues a request (429 past `max_waiting`); the engine thread runs them."""
 
-    def __init__(self, generator, metrics, encode, max_waiting: int):
+    def __init__(self, generator, metrics, encode, max_waiting: int, start_pooled=None):
         self.generator, self.metrics, self.encode, self.max_waiting = generator, metrics, encode, max_waiting
+        self.start_pooled = start_pooled  # an embedding job's start (runtime/serve/embeddings.py), given by assemble
         self.text = generator.text
         self.lanes = self.text.lanes
         self.queue: queue.Queue = queue.Queue()
@@ -233,8 +234,7 @@ class Engine:
             self.metrics.requests.labels("cancelled").inc()
             return True
         if job.pooled:  # it and the embedding jobs behind it: runtime/serve/embeddings.py
-            from runtime.serve.embeddings import start_pooled
-            return start_pooled(self, job)
+            return self.start_pooled(self, job)
         gen, request = self.generator, job.request
         if job.prompt is None:
             job.prompt = gen.prepare(request.messages, job.media, 1, encode=self.encode,
