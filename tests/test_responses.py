@@ -230,8 +230,8 @@ def test_agents_sdk_default_model_call(server):
     """The OpenAI Agents SDK's default model (OpenAIResponsesModel) runs a tool loop against
     this server, run whole and streamed: a forced call (the SDK sends its output type's
     text.format with it; a forced call writes no text, so the format waits for the next
-    turn), the tool's result back, then the answer in the output type. Optional: skipped
-    where `openai-agents` is not installed."""
+    turn), the tool's result back, then the answer in the output type (`openai-agents`, a
+    pinned test dependency)."""
     import asyncio
 
     agents = pytest.importorskip("agents")
