@@ -92,19 +92,9 @@ static inline __attribute__((always_inline)) vf exp_v(vf x) {
   return pick(x < splat(-87.33654f), splat(0.0f), y);
 }
 
-// q . k over head_dim d (a multiple of LANES), k element i at k_base[k0 + i].
-static inline __attribute__((always_inline)) float dot(const float* restrict q, const void* restrict k_base,
-                                                        size_t k0, size_t d, int bf16) {
-  float part[LANES] = {0};
-  for (size_t i = 0; i < d; i += LANES)
-    for (int l = 0; l < LANES; ++l) part[l] += q[i + l] * load(k_base, k0 + i + l, bf16);
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) part[l] = part[l] + part[l + w];
-  return part[0];
-}
-
-// `dot`, its LANES partial sums one vector (two at VL 8) and its tree by halves: the same
-// additions, lane by lane, without the partial sums' round trips through memory.
+// q . k over head_dim d (a multiple of LANES), k element i at k_base[k0 + i]: LANES partial
+// sums (lane l sums elements l, l + 16, ...) held as one vector (two at VL 8), then their tree
+// by halves (8 + 8, 4 + 4, 2 + 2, 1 + 1).
 typedef float v16 __attribute__((vector_size(4 * LANES)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -164,7 +154,7 @@ static inline __attribute__((always_inline)) void head(
   float wide[ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));  // a bf16 block's V rows, widened
   const float* qh = q + h * groups * d;
   for (size_t g = 0; g < groups; ++g) {  // the token's own key and value first
-    peak[g] = dot(qh + g * d, own_k, h * d, d, bf16) * scale;
+    peak[g] = dot_v(qh + g * d, own_k, h * d, d, bf16) * scale;
     sum[g] = 1.0f;
     for (size_t i = 0; i < d; ++i) acc[g][i] = load(own_v, h * d + i, bf16);
   }
@@ -249,9 +239,9 @@ ATTENTION_ENTRY(decode_attention_bf16, uint16_t, 1)
 // lane does `head`'s operations in `head`'s order. The tile's own block ends the walk: there
 // key r is one of row i's keys for i > r only, and the other lanes keep their values (selects).
 // Query heads go GROUPS_AT_ONCE at a time, each block's K and V read (and widened) once for them.
-// `dot` of each lane's query (qt: [d][NV], lane = row) with key rows k [ROWS][d] f32, times
+// `dot_v` of each lane's query (qt: [d][NV], lane = row) with key rows k [ROWS][d] f32, times
 // scale: s[r][w]. Partial sum l of every key first (elements l, l + 16, ... of the lanes'
-// queries held in registers across the keys), then each key's partials as `dot`'s tree.
+// queries held in registers across the keys), then each key's partials as `dot_v`'s tree.
 static inline __attribute__((always_inline)) void block_scores(const vf* restrict qt, const float* restrict k,
                                                                size_t d, float scale, vf s[ROWS][NV]) {
   for (int w = 0; w < NV; ++w) {
