@@ -253,13 +253,43 @@ def test_embed_command_writes_retrieval_vectors(setup, tmp_path):
     lines.write_text("a red cat\n\na dog in the sky\na tree\n")
     again = run()
     assert (again.items, again.skipped) == (1, 4) and len(json.loads((out / "index.json").read_text())["items"]) == 5
-    for extra, message in ((["--ray-local", "2"], "retrieval vectors run in one local process"),
-                           (["--format", "vllm"], "an embedding model writes retrieval vectors")):
-        refused = CliRunner().invoke(main, ["embed", "--model", str(model_dir), str(lines), "-o", str(out), *extra])
-        assert refused.exit_code != 0 and message in refused.output, refused.output
+    refused = CliRunner().invoke(main, ["embed", "--model", str(model_dir), str(lines), "-o", str(out),
+                                        "--format", "vllm"])
+    assert refused.exit_code != 0 and "an embedding model writes retrieval vectors" in refused.output, refused.output
     refused = CliRunner().invoke(main, ["embed", "--model", str(model_dir), str(lines), "-o", str(out),
                                         "--no-normalize", "--dimensions", "49"])
     assert refused.exit_code != 0 and "--dimensions 49: expected an integer in [1, 48]" in refused.output
+
+
+def test_embed_on_ray_equals_local(setup, tmp_path):
+    """`qwen3vl embed --ray-local 2` on the embedding checkpoint: two actors, each its own
+    Generator opened from the cache; the index and the vectors are the local run's, bit for
+    bit, and an item the context cannot hold is a failed entry with its reason."""
+    pytest.importorskip("ray.data")
+    from safetensors.numpy import load_file
+    from runtime.jobs.retrieval import embed_items
+
+    gen, model_dir, images, _ = setup
+    pairs = tmp_path / "items.jsonl"
+    pairs.write_text("".join(json.dumps(item) + "\n" for item in (
+        {"image": str(images[0]), "text": "What is it?"}, {"text": "a red cat"},
+        {"text": "a dog", "instruction": "Find the animal."}, {"text": long_text(900, 3)}, {"image": str(images[0])})))
+
+    def run(out, **ray):
+        return embed_items(model_dir, [str(pairs)], out, gen.pooling, batch=2, cache_dir=gen.text.cache.root,
+                           progress_bar=False, context=512, buckets=(32, 64), **ray)
+
+    local, ray = run(tmp_path / "local"), run(tmp_path / "ray", ray_local=2)
+    assert (local.items, local.failed) == (ray.items, ray.failed) == (4, 1)
+    indexes = [json.loads((tmp_path / name / "index.json").read_text()) for name in ("local", "ray")]
+    assert [i.pop("engine") for i in indexes] == ["local", "ray"] and indexes[0] == indexes[1]
+    failed = [e for e in indexes[1]["items"] if "error" in e]
+    assert [e["item"] for e in failed] == [f"{pairs.absolute()}:4"] and "512" in failed[0]["error"]
+    for entry in indexes[0]["items"]:
+        if "shard" in entry:
+            rows = [load_file(str(tmp_path / name / entry["shard"]))["embeddings"][entry["row"]]
+                    for name in ("local", "ray")]
+            assert np.array_equal(*rows), entry["item"]
 
 
 def test_checkpoint_without_lm_head(setup, tmp_path):

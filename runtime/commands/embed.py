@@ -61,7 +61,8 @@ def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, pr
     On an embedding model (its sentence-transformers files or model card, or --pooling last),
     it writes retrieval vectors instead, one row per item: image files and folders, .txt files (one
     text a line) and .jsonl files ({image, text, instruction} a line), into
-    OUT_DIR/vectors-NNNNN.safetensors and OUT_DIR/index.json, resumable the same way."""
+    OUT_DIR/vectors-NNNNN.safetensors and OUT_DIR/index.json, resumable the same way, locally or
+    on Ray Data alike."""
     from runtime.embedding import resolve_pooling
     from runtime.jobs.embed import embed
 
@@ -75,7 +76,7 @@ def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, pr
                              "a checkpoint whose modules.json says last-token pooling)")
         if found is not None:
             return retrieval(model, inputs, out_dir, batch, found, instruction, dimensions, context, fmt, precision,
-                             buckets, target, cache_dir, threads, ray_local or ray_address, retry_failed, say,
+                             buckets, target, cache_dir, threads, ray_local, ray_address, retry_failed, say,
                              no_progress)
 
     with command_errors():  # a Ray failure (EngineError) keeps the shards and index written so far
@@ -88,18 +89,17 @@ def embed_command(model, inputs, out_dir, batch, ray_local, ray_address, fmt, pr
 
 
 def retrieval(model, inputs, out_dir, batch, pooling, instruction, dimensions, context, fmt, precision, buckets,
-              target, cache_dir, threads, ray, retry_failed, say, no_progress) -> None:
-    """An embedding model's retrieval vectors (runtime/jobs/retrieval.py), in this process."""
+              target, cache_dir, threads, ray_local, ray_address, retry_failed, say, no_progress) -> None:
+    """An embedding model's retrieval vectors (runtime/jobs/retrieval.py), in this process or on Ray Data."""
     from runtime.jobs.retrieval import embed_items
 
-    if ray:
-        raise ValueError("--ray-local/--ray: retrieval vectors run in one local process for now")
     if fmt != "native" or buckets:
         raise ValueError("--format/--bucket: options of the vision tower's features; an embedding model writes "
                          "retrieval vectors")
     say(f"embedding model: {pooling.describe()}; writing retrieval vectors")
     summary = embed_items(model, inputs, out_dir, pooling, batch, instruction, dimensions, precision, target,
-                          cache_dir, threads, retry_failed, say, progress_bar=not no_progress, context=context)
+                          cache_dir, threads, retry_failed, say, progress_bar=not no_progress, context=context,
+                          ray_local=ray_local, ray_address=ray_address)
     click.echo(summary.line())
     if summary.failed:
         say(f"error: {summary.failed} items failed (reasons in {summary.index})")

@@ -294,10 +294,10 @@ def embed(model, inputs, out_dir, batch: int = 16, fmt: str = "native", precisio
         try:
             if pending and use_ray:
                 from runtime.jobs.embed_ray import RayEngine
-                engine = RayEngine(spec, ray_local, ray_address, say)
+                engine = RayEngine(threads, ray_local, ray_address, say)
                 start = time.perf_counter()  # the cluster is up
             if pending:
-                results = engine.results(pending, batch) if engine else local_engine(spec.open(), pending, batch)
+                results = engine.results(spec, pending, batch) if engine else local_engine(spec.open(), pending, batch)
                 _drain(results, writer, len(pending), progress_bar)
             writer.flush()
         finally:

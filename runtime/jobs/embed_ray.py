@@ -1,6 +1,7 @@
 """The Ray Data engine of `qwen3vl embed`: a Dataset over the image paths, `map_batches`
 with a pool of actors, each holding one vision session opened from the cache the
-driver filled (`embed.prepare`), so nothing is compiled per actor.
+driver filled (`embed.prepare`), so nothing is compiled per actor. Retrieval vectors
+(runtime/jobs/retrieval.py) go through the same pool with their own actor.
 
 Results come back to the driver in input order (`preserve_order`), one row per image:
 its grid, its features as raw f32 bytes ([1 + K, tokens, out_hidden]) or its error.
@@ -13,6 +14,7 @@ Imported only when `--ray-local` or `--ray` is given: Ray is an optional depende
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Iterator
@@ -64,14 +66,15 @@ def quiet() -> None:
 
 
 class RayEngine:
-    """A Ray cluster joined (or started) for one embed job; `results(images, batch)`
-    yields Embedded results in input order, computed by an actor pool (one actor per
-    worker CPU; each session gets `spec.threads` IREE threads, default 1)."""
+    """A Ray cluster joined (or started) for one embed job. `map(worker, spec, rows, batch)`
+    runs rows (dicts) through an actor pool of `worker(spec)` (one actor per worker CPU,
+    each with `threads` IREE threads, default 1) and yields the result rows in input order;
+    `results(spec, images, batch)` is the vision tower's job (Embedded results)."""
 
-    def __init__(self, spec: SessionSpec, ray_local: int | None, address: str | None, say):
+    def __init__(self, threads: int | None, ray_local: int | None, address: str | None, say):
         import ray
 
-        self.spec = SessionSpec(**dict(spec.__dict__, threads=spec.threads or 1))
+        self.threads = threads or 1
         if ray_local is not None:
             say(f"ray: starting a local cluster with {ray_local} workers")
             ray.init(address="local", num_cpus=ray_local, object_store_memory=LOCAL_OBJECT_STORE,
@@ -81,29 +84,32 @@ class RayEngine:
             say(f"ray: joining {address}")
             ray.init(address=address, logging_level=logging.ERROR)
             cpus = int(ray.cluster_resources().get("CPU", 1))
-        self.actors = max(1, cpus // self.spec.threads)
+        self.actors = max(1, cpus // self.threads)
         self.fixed = ray_local is not None  # a local cluster is all ours: every actor at once
 
-    def results(self, images: list[str], batch: int) -> Iterator[Embedded]:
+    def map(self, worker, spec, rows: list[dict], batch: int) -> Iterator[dict]:
         import ray
         import ray.data
 
-        from runtime.artifact.build import make_plan
-
-        cfg = make_plan(self.spec.model, None, self.spec.buckets, self.spec.target, precision=self.spec.precision).cfg
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False
         context.execution_options.preserve_order = True
         pool = (ray.data.ActorPoolStrategy(size=self.actors) if self.fixed
                 else ray.data.ActorPoolStrategy(min_size=1, max_size=self.actors))
-        dataset = ray.data.from_items([{"image": image} for image in images]).map_batches(
-            Encoder, batch_size=batch, compute=pool, num_cpus=self.spec.threads, batch_format="numpy",
-            fn_constructor_kwargs={"spec": self.spec})
+        dataset = ray.data.from_items(rows).map_batches(
+            worker, batch_size=batch, compute=pool, num_cpus=self.threads, batch_format="numpy",
+            fn_constructor_kwargs={"spec": dataclasses.replace(spec, threads=self.threads)})
         try:
-            for row in dataset.iter_rows():
-                yield _embedded(row, cfg)
+            yield from dataset.iter_rows()
         except ray.exceptions.RayError as e:  # an actor that cannot start, a lost node...
             raise EngineError(f"ray: {last_line(e)}") from None
+
+    def results(self, spec: SessionSpec, images: list[str], batch: int) -> Iterator[Embedded]:
+        from runtime.artifact.build import make_plan
+
+        cfg = make_plan(spec.model, None, spec.buckets, spec.target, precision=spec.precision).cfg
+        for row in self.map(Encoder, spec, [{"image": image} for image in images], batch):
+            yield _embedded(row, cfg)
 
     def close(self) -> None:
         import ray

@@ -18,6 +18,11 @@ then the image, then the text; the last token's final normed hidden state, cut t
 {"item", "error"}]}. An item's key is its image's absolute path, or `FILE:LINE` for a line
 of a list. A rerun skips the keys the index holds (`--retry-failed`: not the failed ones),
 and takes back a shard written after the index's last save.
+
+The items are embedded by one Generator in this process, or on Ray Data by an actor pool
+(`--ray-local N`, `--ray ADDRESS`; runtime/jobs/embed_ray.py), each actor one Generator
+opened from the cache the driver filled (the weight archive; a text module compiled once,
+under the cache's lock); only the driver writes, so a retried batch writes nothing twice.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 from safetensors import safe_open
@@ -35,7 +41,7 @@ from emitter.atomic import write_atomic
 from emitter.errors import one_line_error as one_line
 
 from runtime.artifact.archive import cached_text_archive
-from runtime.embedding import check_dimensions, embed, item_messages, instruction_text
+from runtime.embedding import Pooling, check_dimensions, embed, item_messages, instruction_text
 from runtime.inputs.chat import Media
 from runtime.jobs.embed import INDEX_NAME, IMAGE_SUFFIXES, check_out_dir, out_dir_lock
 from runtime.text import DEFAULT_PROMPT_BUCKETS
@@ -162,30 +168,99 @@ class RetrievalIndex:
         write_atomic(self.path, f'{head}, "items": [\n{lines}\n]}}\n' if lines else f'{head}, "items": []}}\n')
 
 
+@dataclass(frozen=True)
+class RetrievalSpec:
+    """What opens an embedding model's Generator and embeds items with it, picklable (a Ray
+    actor opens its own from it). `context` None: fitted to each item."""
+    model: str
+    cache_dir: str | None
+    pooling: Pooling
+    precision: str | None = None
+    target: str | None = None
+    threads: int | None = None
+    context: int | None = None
+    buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
+    instruction: str | None = None
+    dimensions: int | None = None
+
+    def open(self, say=None):
+        from runtime.generator import Generator
+        return Generator(self.model, self.buckets, context=self.context, target=self.target,
+                         cache_dir=self.cache_dir, precision=self.precision, threads=self.threads, progress=say,
+                         pooling=self.pooling)
+
+
+def embed_item(gen, item: Item, spec: RetrievalSpec) -> tuple[np.ndarray | None, str | None]:
+    """(vector, None), or (None, the one-line reason) when it is the item's fault
+    (unreadable, too long for the context)."""
+    parts, media = item.parts()
+    try:
+        vector, _ = embed(gen, item_messages(parts, item.instruction or spec.instruction), media, spec.dimensions)
+        return vector, None
+    except (ValueError, OSError) as e:
+        return None, one_line(e)
+
+
+class Embedder:
+    """One Ray actor: one Generator, opened once; a batch of items -> a vector or an error each."""
+
+    def __init__(self, spec: RetrievalSpec):
+        self.spec, self.gen = spec, spec.open()
+
+    def __call__(self, batch: dict) -> dict:
+        vectors, errors = [], []
+        for key, image, text, instruction in zip(batch["item"], batch["image"], batch["text"], batch["instruction"]):
+            vector, error = embed_item(self.gen, Item(str(key), str(image) or None, str(text) or None,
+                                                      str(instruction) or None), self.spec)
+            vectors.append(b"" if vector is None else np.ascontiguousarray(vector, np.float32).tobytes())
+            errors.append(error or "")
+        return {"item": batch["item"], "vector": np.array(vectors, dtype=object),
+                "error": np.array(errors, dtype=object)}
+
+
+Result = tuple[str, np.ndarray | None, str | None]  # an item's key, and its vector or the reason it failed
+
+
+def ray_results(engine, spec: RetrievalSpec, items: list[Item], batch: int) -> Iterator[Result]:
+    """(key, vector, error) of each item, in order, from Ray actors (runtime/jobs/embed_ray.py's
+    pool), `batch` items per call."""
+    rows = [{"item": i.key, "image": i.image or "", "text": i.text or "", "instruction": i.instruction or ""}
+            for i in items]
+    for row in engine.map(Embedder, spec, rows, batch):
+        error = str(row["error"])
+        yield str(row["item"]), None if error else np.frombuffer(row["vector"], np.float32), error or None
+
+
 def embed_items(model, inputs, out_dir, pooling, batch: int = 16, instruction: str | None = None,
                 dimensions: int | None = None, precision=None, target=None, cache_dir=None, threads=None,
                 retry_failed: bool = False, say=None, progress_bar: bool = True, context: int | None = None,
-                buckets=DEFAULT_PROMPT_BUCKETS) -> "RetrievalSummary":
-    """Retrieval vectors of every item of `inputs` not yet in OUT_DIR's index (one local
-    Generator opened with `pooling`; `context` None: fitted to each item)."""
+                buckets=DEFAULT_PROMPT_BUCKETS, ray_local: int | None = None,
+                ray_address: str | None = None) -> "RetrievalSummary":
+    """Retrieval vectors of every item of `inputs` not yet in OUT_DIR's index: one Generator
+    opened with `pooling` in this process, or one per Ray actor (`ray_local` workers of a
+    cluster of its own, or the cluster at `ray_address`)."""
     from tqdm import tqdm
 
-    from runtime.generator import Generator
+    from runtime.artifact.cache import ArtifactCache
+    from runtime.jobs.embed import check_options
+    from runtime.text import TextSession
 
     say = say or (lambda message: None)
     if batch < 1:
         raise ValueError(f"--batch {batch}: expected 1 or more items per shard")
+    use_ray = check_options(batch, "native", ray_local, ray_address, threads)
     items = list_items(inputs)
     if not items:
         raise ValueError(f"INPUT {' '.join(map(str, inputs))}: no items found")
     folder = check_out_dir(out_dir, model)
-    gen = Generator(model, buckets, context=context, target=target, cache_dir=cache_dir, precision=precision, threads=threads,
-                    progress=say, pooling=pooling)
+    spec = RetrievalSpec(str(Path(model).absolute()), str(ArtifactCache(cache_dir).root.absolute()), pooling,
+                         precision, target, threads, context, tuple(buckets), instruction, dimensions)
+    gen = spec.open(say)  # checks the model; its text module is compiled when the first item needs it
     dimensions = check_dimensions(dimensions, gen.text.cfg.hidden_size, "--dimensions")
     with out_dir_lock(folder):
-        text = gen.text  # the weights' identity (the module's follows the context fitted to each item)
+        text: TextSession = gen.text  # the weights' identity (the module's follows the context fitted to each item)
         weights = Path(cached_text_archive(text.model_dir, text.cfg, text.precision, text.cache, say)).stem
-        header = {"engine": "local", "weights": weights, "format": "retrieval",
+        header = {"engine": "ray" if use_ray else "local", "weights": weights, "format": "retrieval",
                   "dimensions": dimensions or gen.text.cfg.hidden_size, "instruction": instruction_text(instruction),
                   "normalize": pooling.normalize}
         index = RetrievalIndex(folder, header)
@@ -196,19 +271,24 @@ def embed_items(model, inputs, out_dir, pooling, batch: int = 16, instruction: s
         pending = [item for item in items if item.key not in done]
         if len(items) > len(pending):
             say(f"skipping {len(items) - len(pending)} items already in {index.path}")
-        start, keys, rows, embedded = time.perf_counter(), [], [], 0
+        start, keys, rows, embedded, engine = time.perf_counter(), [], [], 0, None
         with tqdm(total=len(pending), unit="item", desc="embed", disable=not progress_bar, mininterval=0.5) as bar:
             try:
-                for item in pending:
-                    parts, media = item.parts()
-                    try:
-                        vector, _ = embed(gen, item_messages(parts, item.instruction or instruction), media,
-                                          dimensions)
-                        keys.append(item.key)
+                if pending and use_ray:
+                    from runtime.jobs.embed_ray import RayEngine
+                    gen = None  # the actors open their own
+                    engine = RayEngine(threads, ray_local, ray_address, say)
+                    start = time.perf_counter()  # the cluster is up
+                    results = ray_results(engine, spec, pending, batch)
+                else:
+                    results = ((i.key, *embed_item(gen, i, spec)) for i in pending)
+                for key, vector, error in results:
+                    if error is None:
+                        keys.append(key)
                         rows.append(vector)
                         embedded += 1
-                    except (ValueError, OSError) as e:  # the item's fault (unreadable, too long): recorded
-                        index.items.append({"item": item.key, "error": one_line(e)})
+                    else:
+                        index.items.append({"item": key, "error": error})
                     bar.update(1)
                     if len(rows) >= batch:
                         index.write_shard(keys, rows)
@@ -217,6 +297,8 @@ def embed_items(model, inputs, out_dir, pooling, batch: int = 16, instruction: s
                 if rows:
                     index.write_shard(keys, rows)
                 index.save()
+                if engine:
+                    engine.close()
     wanted = {item.key for item in items}
     failed = sum(1 for e in index.items if "error" in e and e["item"] in wanted)
     return RetrievalSummary(embedded, time.perf_counter() - start, len(items) - len(pending), failed, index.path)
