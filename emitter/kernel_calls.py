@@ -26,7 +26,8 @@ import numpy as np
 from kernels.build import KernelError, isa_for_features
 from kernels.decode_attention import (CHUNK_ENTRIES, ENTRIES as ATTENTION_ENTRIES, LANES, MAX_CHUNK_HEAD_DIM,
                                       MAX_GROUPS, MAX_HEAD_DIM, ROWS, chunk_fits, fits, scale_bits)
-from kernels.q8_matmul import BLOCK, ENTRIES, EXPERT_ENTRIES, OUTPUTS_PER_WORKGROUP, TILE, check_bits, check_shape
+from kernels.q8_matmul import (BLOCK, ENTRIES, EXPERT_ENTRIES, OUTPUTS_PER_WORKGROUP, Q6_K_ENTRY, Q6_K_ROW_BYTES, SUB,
+                               SUPER, TILE, check_bits, check_shape)
 
 from .builder import Builder, TensorType, Value
 from .kv_pages import BLOCK as KV_BLOCK
@@ -87,7 +88,7 @@ def object_executable(obj: str | os.PathLike, export: str, entry: str, bindings:
 
 
 # -- Q8_0 / Q4_0 projections ----------------------------------------------------
-def matmul_executable_name(m: int, n: int, k: int, bits: int = 8) -> str:
+def matmul_executable_name(m: int, n: int, k: int, bits: int | str = 8) -> str:
     return f"q{bits}_matmul_{m}x{n}x{k}"
 
 
@@ -109,14 +110,46 @@ def matmul_executable(obj: str | os.PathLike, m: int, n: int, k: int, bits: int 
                              {"m": m, "n": n, "k": k, "tiles": OUTPUTS_PER_WORKGROUP // TILE}, workgroups)
 
 
+def q6_k_executable(obj: str | os.PathLike, m: int, n: int, k: int) -> str:
+    """`matmul_executable`'s form for GGUF's Q6_K in its bits (the q6k entry): xs the sums of x's
+    halves of 16 [M, K/16] i32, w [N*K*13/16] i8 (kernels/q8_matmul.py `pack_q6_k`: codes and
+    sub-scales), the scales its f16 d [N*K/256] (`pack_scales` of [N, K/256])."""
+    check_shape(m, n, k)
+    if k % SUPER:
+        raise KernelError(f"q8_matmul q6_k: inputs {k}: expected a multiple of {SUPER}")
+    export = matmul_executable_name(m, n, k, "6k")
+    shapes = {"x": (m * k, "i8"), "dx": (m * k // BLOCK, "f32"), "xs": (m * k // SUB, "i32"),
+              "w": (n * k // SUPER * Q6_K_ROW_BYTES, "i8"), "dw": (n * k // SUPER, "f16"), "y": (m * n, "f32")}
+    workgroups = f"""%x = affine.apply affine_map<()[s0] -> (s0 ceildiv {OUTPUTS_PER_WORKGROUP})>()[%n]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %c1, %c1 : index, index, index"""
+    return object_executable(obj, export, Q6_K_ENTRY, {name: f"memref<{size}x{t}>" for name, (size, t) in shapes.items()},
+                             {"m": m, "n": n, "k": k, "tiles": OUTPUTS_PER_WORKGROUP // TILE}, workgroups)
+
+
+def is_q6_k(w: Value, scales: Value) -> bool:
+    """Whether a packed weight's flat bytes and scales are Q6_K's form (`pack_q6_k`: 208 bytes
+    a d) rather than the 8-, 6- or 4-bit one's (32, 24, 16 bytes a scale); flat, or [N, ...] both."""
+    return w.shape[-1] == Q6_K_ROW_BYTES * scales.shape[-1]
+
+
 def block_matmul(b: Builder, xq: Value, dx: Value, xs: Value, w: Value, scales: Value, obj: str | os.PathLike,
                  hint: str = "q8") -> Value:
     """x @ W.T -> [M, N] f32 through the kernel, from x's Q8_0 blocks (xq [M, K] i8, their scales
     [M, K/32] f32 and sums [M, K/32] i32: emitter/layers.py `quantized_blocks`); `w` the packed
     weight [N*K*bits/8] i8 (kernels/q8_matmul.py `pack_weight`: 8, 6 or 4 bits, told by its
     size), `scales` its packed scales [N*K/32] f16 (`pack_scales`), `obj` the object
-    kernels/build.py made for the graph's target."""
+    kernels/build.py made for the graph's target. A Q6_K weight (`is_q6_k`: `pack_q6_k`'s
+    bytes, d [N*K/256] f16) takes xs as the sums of x's halves of 16, [M, K/16]."""
     m, k = xq.shape
+    if is_q6_k(w, scales):
+        n = scales.shape[0] * SUPER // k
+        if xs.type != TensorType((m, k // SUB), "i32") or n * k != scales.shape[0] * SUPER:
+            raise KernelError(f"q8_matmul {hint}: Q6_K weight {w.type}, d {scales.type}, x's sums {xs.type}: "
+                              f"expected {k} inputs and the sums of {k // SUB} halves a row")
+        name = matmul_executable_name(m, n, k, "6k")
+        return b.dispatch(name, q6_k_executable(obj, m, n, k), name, [xq, dx, xs, w, scales],
+                          TensorType((m, n), "f32"), workload=n, hint=hint)
     n = scales.shape[0] * BLOCK // k
     bits = 8 * w.shape[0] // max(n * k, 1)
     if (bits not in ENTRIES or w.type != TensorType((n * k * bits // 8,), "i8")
@@ -186,6 +219,9 @@ def block_rows(b: Builder, w: Value, scales: Value, rows: Value, hint: str = "q8
     32 times its scale (llama.cpp's `dequantize_row_q8_0`), gathered straight out of the tiles.
     A tile's block is `bits` loads of 64 bytes (16 outputs x 4 bytes), so one gather of (tile,
     output) points takes each row's [K/32, bits, 4] bytes; the codes are unpacked from them."""
+    if is_q6_k(w, scales):
+        raise KernelError(f"q8_matmul {hint}: a Q6_K table's rows are not gathered out of its tiles (it stays on "
+                          "the native path)")
     n, k = scales.shape[0], scales.shape[1] * BLOCK
     bits = check_bits(8 * w.shape[1] // k)
     tile = b.constant(TILE, rows.shape, "i32", hint=hint + "_tile")

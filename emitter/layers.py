@@ -14,7 +14,9 @@ from .builder import Builder, Value
 from .dims import Dim
 from .config import LAYER_NORM_EPS
 from . import quant
-from .kernel_calls import block_matmul
+from .kernel_calls import block_matmul, is_q6_k
+from kernels.q8_matmul import SUB
+
 from .quant import BLOCK, BlockWeight, QuantizedWeight
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -238,23 +240,27 @@ def project(b: Builder, x: Value, weight: Value | QuantizedWeight, hint: str = "
 
 
 def block_project(b: Builder, x: Value, weight: BlockWeight, hint: str) -> Value:
-    """x @ weight.T, f32 [..., N], through the block kernel of its bits (Q8_0, Q4_0, or q4_0's
-    6-bit lm_head: emitter/kernel_calls.py `block_matmul`), every row count (decode's lanes and
+    """x @ weight.T, f32 [..., N], through the block kernel of its bits (Q8_0, Q4_0, q4_0's
+    6-bit lm_head, or GGUF's Q6_K: emitter/kernel_calls.py `block_matmul`), every row count (decode's lanes and
     prefill's chunks alike): x quantized per row and block of 32 here (`quantized_blocks`)."""
     rows = x.shape[:-1]
     flat = b.reshape(cast(b, x, "f32", hint + "_f32"), (int(np.prod(rows)), x.shape[-1]), hint=hint + "_rows")
     q = b.reshape(weight.q, (weight.q.shape[0] * weight.q.shape[1],), hint=hint + "_tiles")
     scales = b.reshape(weight.scales, (weight.scales.shape[0] * weight.scales.shape[1],), hint=hint + "_tile_scales")
-    y = block_matmul(b, *quantized_blocks(b, flat, hint + "_x"), q, scales, weight.kernel, hint)
+    summed = SUB if is_q6_k(weight.q, weight.scales) else BLOCK  # Q6_K: x's sums per half block
+    y = block_matmul(b, *quantized_blocks(b, flat, hint + "_x", summed), q, scales, weight.kernel, hint)
     return y if x.rank == 2 else b.reshape(y, (*rows, weight.shape[0]), hint=hint)
 
 
-def quantized_blocks(b: Builder, x: Value, hint: str) -> tuple[Value, Value, Value]:
-    """(xq [M, K] i8, scales [M, K/32] f32, block sums [M, K/32] i32) of f32 x [M, K]:
-    `quantize_groups` per row and block of 32 (numpy's: `quant.block_activations`)."""
+def quantized_blocks(b: Builder, x: Value, hint: str, summed: int = BLOCK) -> tuple[Value, Value, Value]:
+    """(xq [M, K] i8, scales [M, K/32] f32, sums [M, K/summed] i32) of f32 x [M, K]:
+    `quantize_groups` per row and block of 32 (numpy's: `quant.block_activations`), the codes
+    summed per block (or per half block, `summed` 16: a Q6_K weight's, kernels/q8_matmul.py
+    `half_sums`)."""
     m, k = x.shape
     xq3, dx = quantize_groups(b, b.reshape(x, (m, k // BLOCK, BLOCK), hint=hint + "_blocks"), hint)
-    xs = b.reduce(b.convert(xq3, "i32", hint=hint + "_i32"), [2], "add", hint=hint + "_sums")
+    parts = xq3 if summed == BLOCK else b.reshape(xq3, (m, k // summed, summed), hint=hint + "_halves")
+    xs = b.reduce(b.convert(parts, "i32", hint=hint + "_i32"), [2], "add", hint=hint + "_sums")
     return b.reshape(xq3, (m, k), hint=hint + "_i8"), dx, xs
 
 

@@ -72,7 +72,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from kernels.q8_matmul import BLOCK, TILE, pack_scales, pack_weight
+from kernels.q8_matmul import BLOCK, Q6_K_ROW_BYTES, SUPER, TILE, pack_scales, pack_weight
 
 from .config import ConfigError, WeightSpec
 
@@ -176,14 +176,25 @@ class Layout:
             cut = (*stack, padded, groups(name, (n, k), self.group))
             suffix = ("_searched" if self.searched else "") + f"_g{self.group}" + (
                 f"_rows{n}_padded{padded}" if padded != n else "")
-            return [WeightSpec(name, (*stack, padded, k * self.bits // 8), "i8", f"q{self.bits}_0_tiles{suffix}"),
-                    WeightSpec(scales_name(name), cut, "f16", f"q{self.bits}_0_tile_scales{suffix}")]
+            form = "q6_k" if self.q6_k else f"q{self.bits}_0"
+            return [WeightSpec(name, (*stack, padded, self.row_bytes(k)), "i8", f"{form}_tiles{suffix}"),
+                    WeightSpec(scales_name(name), cut, "f16", f"{form}_tile_scales{suffix}")]
         cut = (*stack, n, groups(name, (n, k), self.group))
         out = [WeightSpec(name, (*stack, k, n), self.dtype, f"{'affine' if self.affine else 'quantize'}_{tag}"),
                WeightSpec(scales_name(name), cut, self.scales, f"group_scales_{tag}")]
         if self.affine:
             out.append(WeightSpec(biases_name(name), cut, "f32", f"recentred_biases_{tag}"))
         return out
+
+    @property
+    def q6_k(self) -> bool:
+        """GGUF's Q6_K in its bits (`Q6_K_TILES`): 6-bit codes with int8 scales per 16 inputs in the
+        tiles, an f16 d per 256 its `scales` (kernels/q8_matmul.py `pack_q6_k`)."""
+        return self.packed and self.bits == PACKED_ONLY_BITS and self.group == SUPER
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of a packed row of k inputs: k * bits / 8, Q6_K's 208 each 256 (codes and sub-scales)."""
+        return k // SUPER * Q6_K_ROW_BYTES if self.q6_k else k * self.bits // 8
 
     def padded(self, n: int) -> int:
         """The rows a packed weight of n outputs holds: n, or with `pad_rows` the next multiple
@@ -194,7 +205,7 @@ class Layout:
         """The checkpoint's [N, K] (or [E, N, K]) of a weight whose graph spec has `shape` (q
         transposed, unless packed: [N, K * bits / 8] bytes)."""
         if self.packed:
-            return (*shape[:-1], shape[-1] * 8 // self.bits)
+            return (*shape[:-1], shape[-1] // Q6_K_ROW_BYTES * SUPER if self.q6_k else shape[-1] * 8 // self.bits)
         return (*shape[:-2], shape[-1], shape[-2])
 
     def store(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -207,6 +218,9 @@ class Layout:
             return np.stack([q for q, _ in parts]), np.stack([s for _, s in parts])
         if not self.packed:
             return stored(w, self)
+        if self.q6_k:
+            raise ConfigError("a Q6_K weight is read in its bits from its GGUF file (gguf_text.packed_blocks), "
+                              "never made from f32")
         if self.padded(w.shape[0]) != w.shape[0]:
             w = np.concatenate([w, np.zeros((self.padded(w.shape[0]) - w.shape[0], w.shape[1]), w.dtype)])
         q, scales = block_weight(w, self.bits)
@@ -222,7 +236,11 @@ KERNEL_LAYOUTS = {"q8_0": Layout(8, BLOCK, scales="f16", searched=True, packed=T
 # in Q8_0 where its rows are not a multiple of Q6_K_ROW inputs, as llama-quantize falls back
 # from Q6_K (a super-block of 256) to Q8_0 there: the same bits as llama.cpp's file either way
 Q6_HEAD = Layout(PACKED_ONLY_BITS, BLOCK, scales="f16", searched=True, packed=True)
-Q6_K_ROW = 256
+Q6_K_ROW = SUPER
+# GGUF's Q6_K matrices in their bits (runtime/checkpoints/gguf_text.py `on_kernel`): the 6-bit codes
+# and int8 scales per 16 inputs in the kernel's tiles, an f16 d per 256 (`Layout.q6_k`), through
+# its q6k entry against Q8_0 activations (the native entry (name, 6, 256, "packed-ISA"))
+Q6_K_TILES = Layout(PACKED_ONLY_BITS, SUPER, scales="f16", packed=True)
 
 
 # iree-compile flags of a module whose weights are weight-only quantized and dequantized per
@@ -490,7 +508,8 @@ class BlockWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.scales.shape[1] * BLOCK
+        q6_k = self.q.shape[1] == Q6_K_ROW_BYTES * self.scales.shape[1]  # d per 256 (Layout.q6_k)
+        return self.q.shape[0], self.scales.shape[1] * (SUPER if q6_k else BLOCK)
 
 
 def grouped(weights: dict, kernel: str | None = None) -> dict:

@@ -24,6 +24,9 @@
 //             4 bits as the 4-bit layout's 256 bytes, then their top 2 bits in [2, 16, 4] bytes: byte
 //             row h (the block's 64-byte load 4 + h) holds step s = h + 2r's (inputs 4s..4s+3) at bits
 //             2r..2r+1, r = 0..3 (26 bytes a block with its scale: 6.5 bits a weight)
+//   w, Q6_K:  the 6-bit codes and GGUF's int8 scales per 16 inputs, a tile's super-block of 256 inputs
+//             in 3328 bytes (Q6K_SUPER_BYTES, below; its d per 256 as dw [N/16, K/256, 16]): the
+//             q6k_matmul_workgroup entry, its math at that entry
 //   dw  f16   [N/16, K/32, 16]: dw[16t + i, b] at (t * K/32 + b) * 16 + i (the blocks' f16 scales)
 //   y   f32   [M, N]
 // N a multiple of 32, K a multiple of 32.
@@ -40,6 +43,17 @@
 
 #define BLOCK_BYTES(bits) (16 * 32 * (bits) / 8)
 #define OFFSET(bits) (1 << ((bits) - 1))
+
+// Q6_K (the q6k entry): one tile's super-block of 256 inputs is its 8 blocks' 6-bit codes (the
+// 6-bit layout's 384 bytes each, 64-byte aligned), then their sub-scales int8 [8 blocks, 2 halves,
+// 16 outputs] (256 bytes): 3328 bytes, 52 lines. Block b's codes and half h's 16 scales:
+#define Q6K_SUPER_BYTES (8 * BLOCK_BYTES(6) + 256)
+static inline __attribute__((always_inline)) const uint8_t* q6k_codes(const uint8_t* restrict wt, size_t b) {
+  return wt + (b / 8) * Q6K_SUPER_BYTES + (b % 8) * BLOCK_BYTES(6);
+}
+static inline __attribute__((always_inline)) const int8_t* q6k_scales(const uint8_t* restrict wt, size_t b, int h) {
+  return (const int8_t*)(wt + (b / 8) * Q6K_SUPER_BYTES + 8 * BLOCK_BYTES(6) + (b % 8) * 32 + h * 16);
+}
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
@@ -215,6 +229,82 @@ static inline __attribute__((always_inline)) void full_pass(
     }
   }
 }
+
+// Q6_K: tiles [0, P) x rows [0, MC), P = 1 at one row (a single stream of weights, prefetched as
+// the 6-bit tile_rows'), else 2. Each block's two halves (steps 0-3: inputs 0-15, 4-7: 16-31) are
+// their own vpdpbusd sums, each started at -OFFSET(6) times its half's sum of x (xh, [M, K/16]):
+// exact dot0, dot1 (|.| <= 16 x 32 x 127 < 2^16); s = sc0 dot0 + sc1 dot1 by vpmulld (|s| <= 2^24:
+// exact in i32 and in f32), then block_epilogue with the super-block's d.
+static inline __attribute__((always_inline)) void q6k_rows(
+    const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xh,
+    const uint8_t* restrict wt, const uint16_t* restrict dt, float* restrict y, size_t N, size_t K,
+    size_t n0, const int MC, const int P) {
+  const size_t blocks = K / 32, supers = K / 256, tile_bytes = supers * Q6K_SUPER_BYTES;
+  __m512 acc[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
+  Q8_UNROLL
+  for (int p = 0; p < P; ++p)
+    Q8_UNROLL
+    for (int m = 0; m < MC; ++m) acc[p][m] = _mm512_setzero_ps();
+  for (size_t b = 0; b < blocks; ++b) {
+    if (MC == 1) {
+      const size_t ahead = b + Q6_ONE_ROW_AHEAD;
+      Q8_UNROLL
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* codes = q6k_codes(wt + p * tile_bytes, ahead);
+        Q8_UNROLL
+        for (int l = 0; l < BLOCK_BYTES(6) / 64; ++l) _mm_prefetch((const char*)(codes + 64 * l), _MM_HINT_T0);
+        _mm_prefetch((const char*)q6k_scales(wt + p * tile_bytes, ahead, 0), _MM_HINT_T0);
+        _mm_prefetch((const char*)(dt + p * 16 * supers + (ahead / 8) * 16), _MM_HINT_T0);
+      }
+    }
+    __m512i s[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
+    Q8_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      __m512i isum[Q8_TILES_AT_ONCE][Q8_ROWS_MAX];
+      Q8_UNROLL
+      for (int m = 0; m < MC; ++m) {
+        const __m512i start = _mm512_set1_epi32(-OFFSET(6) * xh[m * 2 * blocks + 2 * b + h]);
+        Q8_UNROLL
+        for (int p = 0; p < P; ++p) isum[p][m] = start;
+      }
+      Q8_UNROLL
+      for (int q = 4 * h; q < 4 * h + 4; ++q) {
+        __m512i wu[Q8_TILES_AT_ONCE];
+        Q8_UNROLL
+        for (int p = 0; p < P; ++p) wu[p] = unsigned_step(q6k_codes(wt + p * tile_bytes, b), q, 6);
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m) {
+          int32_t quad;
+          __builtin_memcpy(&quad, x + m * K + b * 32 + q * 4, 4);
+          const __m512i xb = _mm512_set1_epi32(quad);
+          Q8_UNROLL
+          for (int p = 0; p < P; ++p) isum[p][m] = _mm512_dpbusd_epi32(isum[p][m], wu[p], xb);
+        }
+      }
+      Q8_UNROLL
+      for (int p = 0; p < P; ++p) {
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q6k_scales(wt + p * tile_bytes, b, h)));
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m) {
+          const __m512i part = _mm512_mullo_epi32(isum[p][m], sc);
+          s[p][m] = h ? _mm512_add_epi32(s[p][m], part) : part;
+        }
+      }
+    }
+    Q8_UNROLL
+    for (int p = 0; p < P; ++p) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dt + p * 16 * supers + (b / 8) * 16)));
+      Q8_UNROLL
+      for (int m = 0; m < MC; ++m) acc[p][m] = block_epilogue(acc[p][m], s[p][m], dv, dx[m * blocks + b]);
+    }
+  }
+  Q8_UNROLL
+  for (int p = 0; p < P; ++p)
+    Q8_UNROLL
+    for (int m = 0; m < MC; ++m) _mm512_storeu_ps(y + m * N + n0 + 16 * p, acc[p][m]);
+}
+#define Q6K_ROWS 4  // rows a pass at more than one row (2 tiles x 4 rows: 24 zmm of sums and accumulators)
+#define Q6K_TILES(MC) ((MC) == 1 ? 1 : 2)
 
 #elif defined(__AVX2__)
 
@@ -511,6 +601,82 @@ static inline __attribute__((always_inline)) void full_pass(
   tile_rows(x, dx, xs, wt, dwt, y, N, K, n0, ROWS(bits), bits);
 }
 
+// Q6_K with AVX2: one tile (its two parts of 8 outputs) and rows [0, MC) a pass, the f32
+// accumulators in y (as tile_rows'). Each half block's i32 sum of vpmaddubsw (codes at most 63)
+// widened by vpmaddwd every step, less OFFSET(6) times the half's sum of x (xh): the exact
+// dot; s = sc0 dot0 + sc1 dot1 by vpmulld, then the block's float epilogue with the
+// super-block's d (the AVX-512 q6k_rows' math). One row: the weights, sub-scales and d
+// prefetched Q6_ONE_ROW_AHEAD blocks ahead.
+static inline __attribute__((always_inline)) void q6k_rows(
+    const int8_t* restrict x, const float* restrict dx, const int32_t* restrict xh,
+    const uint8_t* restrict wt, const uint16_t* restrict dt, float* restrict y, size_t N, size_t K,
+    size_t n0, const int MC, const int P) {
+  (void)P;
+  const size_t blocks = K / 32, supers = K / 256;
+  const __m256i ones = _mm256_set1_epi16(1);
+  Q8_UNROLL
+  for (int m = 0; m < MC; ++m)
+    Q8_UNROLL
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(y + m * N + n0 + 8 * j, _mm256_setzero_ps());
+  for (size_t b = 0; b < blocks; ++b) {
+    const uint8_t* codes = q6k_codes(wt, b);
+    if (MC == 1) {
+      const size_t ahead = b + Q6_ONE_ROW_AHEAD;
+      Q8_UNROLL
+      for (int l = 0; l < BLOCK_BYTES(6) / 64; ++l)
+        _mm_prefetch((const char*)(q6k_codes(wt, ahead) + 64 * l), _MM_HINT_T0);
+      _mm_prefetch((const char*)q6k_scales(wt, ahead, 0), _MM_HINT_T0);
+      _mm_prefetch((const char*)(dt + (ahead / 8) * 16), _MM_HINT_T0);
+    }
+    __m256i s[2][Q8_ROWS_MAX];
+    Q8_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      __m256i isum[2][Q8_ROWS_MAX];
+      Q8_UNROLL
+      for (int j = 0; j < 2; ++j)
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m) isum[j][m] = _mm256_setzero_si256();
+      Q8_UNROLL
+      for (int q = 4 * h; q < 4 * h + 4; ++q) {
+        __m256i w[2];
+        Q8_UNROLL
+        for (int j = 0; j < 2; ++j) w[j] = step_weights(codes + 32 * j, q, 6);
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m) {
+          const __m256i xb = broadcast_quad(x + m * K + b * 32 + q * 4);
+          Q8_UNROLL
+          for (int j = 0; j < 2; ++j) {
+            isum[j][m] = _mm256_add_epi32(isum[j][m], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xb), ones));
+            __asm__("" : "+x"(isum[j][m]));  // one running sum a register
+          }
+        }
+      }
+      Q8_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q6k_scales(wt, b, h) + 8 * j)));
+        Q8_UNROLL
+        for (int m = 0; m < MC; ++m) {
+          const __m256i exact = _mm256_sub_epi32(isum[j][m], _mm256_set1_epi32(OFFSET(6) * xh[m * 2 * blocks + 2 * b + h]));
+          const __m256i part = _mm256_mullo_epi32(exact, sc);
+          s[j][m] = h ? _mm256_add_epi32(s[j][m], part) : part;
+        }
+      }
+    }
+    Q8_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dt + (b / 8) * 16 + 8 * j)));
+      Q8_UNROLL
+      for (int m = 0; m < MC; ++m) {
+        float* acc = y + m * N + n0 + 8 * j;
+        const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[m * blocks + b]));
+        _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s[j][m]))));
+      }
+    }
+  }
+}
+#define Q6K_ROWS 2  // rows a pass (2 parts x 2 rows: 4 half sums and 4 combined, 16 ymm in all)
+#define Q6K_TILES(MC) 1
+
 #else
 #error "q8_matmul needs AVX-512 VNNI (with BW) or AVX2"
 #endif
@@ -561,6 +727,46 @@ static inline __attribute__((always_inline)) void workgroup(
 Q8_ENTRY(q8_matmul_workgroup, 8)
 Q8_ENTRY(q6_matmul_workgroup, 6)
 Q8_ENTRY(q4_matmul_workgroup, 4)
+
+// Q6_K weights (GGUF's, in its bits): y[m, n] = sum over blocks b of 32, in order, of
+// ((float)d[n, b / 8] * dx[m, b]) * (float)(sc[n, 2b] * dot0 + sc[n, 2b + 1] * dot1), dot0 and dot1
+// the exact i32 sums of the block's two halves of 16 (6-bit codes -32..31 against xq), sc the
+// int8 sub-scales, d the f16 scale of each 256 inputs; w in the Q6K_SUPER_BYTES layout, d f16
+// [N/16, K/256, 16], xh int32 [M, K/16] the halves' sums of xq. K a multiple of 256.
+void q6k_matmul_workgroup(Q8_MEMREF(const int8_t, xq), Q8_MEMREF(const float, dx), Q8_MEMREF(const int32_t, xh),
+                          Q8_MEMREF(const uint8_t, w), Q8_MEMREF(const uint16_t, d), Q8_MEMREF(float, y), size_t M,
+                          size_t N, size_t K, size_t tiles, size_t wg) {
+  const int8_t* x = xq + xq_off;
+  const float* dxs = dx + dx_off;
+  const int32_t* xs = xh + xh_off;
+  const uint8_t* wb = w + w_off;
+  const uint16_t* db = d + d_off;
+  float* out = y + y_off;
+  const size_t blocks = K / 32, supers = K / 256, tile_bytes = supers * Q6K_SUPER_BYTES;
+  const size_t end = (wg + 1) * tiles < N / 16 ? (wg + 1) * tiles : N / 16;
+  for (size_t t = wg * tiles; t < end; t += Q8_TILES_AT_ONCE) {
+    if (M == 1) {
+      for (size_t u = t; u < t + Q8_TILES_AT_ONCE; u += Q6K_TILES(1))
+        q6k_rows(x, dxs, xs, wb + u * tile_bytes, db + u * 16 * supers, out, N, K, u * 16, 1, Q6K_TILES(1));
+      continue;
+    }
+    for (size_t u = t; u < t + Q8_TILES_AT_ONCE; u += Q6K_TILES(Q6K_ROWS)) {
+      const uint8_t* wt = wb + u * tile_bytes;
+      const uint16_t* dt = db + u * 16 * supers;
+      size_t m = 0;
+      for (; m + Q6K_ROWS <= M; m += Q6K_ROWS)
+        q6k_rows(x + m * K, dxs + m * blocks, xs + 2 * m * blocks, wt, dt, out + m * N, N, K, u * 16, Q6K_ROWS,
+                 Q6K_TILES(Q6K_ROWS));
+      switch (M - m) {
+#define Q6K_REST(r) \
+  case r: if (r < Q6K_ROWS) q6k_rows(x + m * K, dxs + m * blocks, xs + 2 * m * blocks, wt, dt, out + m * N, N, K, u * 16, r, Q6K_TILES(Q6K_ROWS)); break;
+        Q6K_REST(1) Q6K_REST(2) Q6K_REST(3)
+#undef Q6K_REST
+        default: break;
+      }
+    }
+  }
+}
 
 // Mixture-of-experts (emitter/experts.py): the rows of x sorted by expert, expert e's rows
 // [offsets[e], offsets[e + 1]); w and dw stacks of E experts' packed weights, each as above;

@@ -7,7 +7,9 @@ into an f32 accumulator (`reference`); Q4_0 x Q8_0 the same with the weights in 
 Q4_0's 18 bytes a block of 32 with its f16 scale), and 6 bits (-32..31, 26 bytes a block: q4_0's
 lm_head table, where llama.cpp keeps Q6_K), one C function per weight width (`ENTRIES`) over the
 same loops and activations: AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw), built by
-kernels/build.py. IREE 3.13's own code for the grouped integer forms runs 3-10x slower than one
+kernels/build.py. GGUF's Q6_K runs in its bits through its own entry (`Q6_K_ENTRY`, `pack_q6_k`,
+`reference_q6_k`): the 6-bit codes with Q6_K's int8 scale per 16 inputs and f16 d per 256, each
+block's two halves' exact dots combined in int32 by their scales, then scaled by d and x's scale. IREE 3.13's own code for the grouped integer forms runs 3-10x slower than one
 group (docs/history/performance-notebook.md), so the graph calls this kernel instead: emitter/kernel_calls.py
 emits the call (one workgroup per `OUTPUTS_PER_WORKGROUP` outputs), emitter/quant.py chooses the
 weights' numbers, and the archive writer packs them here.
@@ -35,6 +37,11 @@ OUTPUTS_PER_WORKGROUP = 128  # a multiple of 2 * TILE (the AVX-512 loop takes tw
 ENTRIES = {8: "q8_matmul_workgroup", 6: "q6_matmul_workgroup", 4: "q4_matmul_workgroup"}
 # weight bits -> the mixture-of-experts entry: stacks of experts, rows sorted by expert
 EXPERT_ENTRIES = {8: "q8_experts_workgroup", 4: "q4_experts_workgroup"}
+# GGUF's Q6_K in its bits (`pack_q6_k`, `reference_q6_k`): 6-bit codes, an int8 scale per SUB inputs
+# and an f16 d per SUPER, against the same Q8_0 activations (the halves' sums of x rather than the blocks')
+Q6_K_ENTRY = "q6k_matmul_workgroup"
+SUPER, SUB = 256, 16
+Q6_K_ROW_BYTES = SUPER * 6 // 8 + SUPER // SUB  # bytes a row of 256 inputs in the tiles: codes, sub-scales (208)
 
 
 def check_shape(m: int, n: int, k: int) -> None:
@@ -95,4 +102,41 @@ def reference(xq: np.ndarray, dx: np.ndarray, q: np.ndarray, scales: np.ndarray)
     acc, scales = np.zeros((m, q.shape[0]), np.float32), scales.astype(np.float32)
     for b in range(blocks):
         acc = acc + (scales[None, :, b] * dx[:, b:b + 1]) * sums[:, :, b].astype(np.float32)
+    return acc
+
+
+# -- Q6_K ----------------------------------------------------------------------
+def pack_q6_k(q: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """Q6_K's codes q [N, K] int8 (-32..31) and sub-scales sc [N, K/16] int8 as the q6k entry
+    reads them, flat: each tile's super-block of 256 inputs its 8 blocks' codes in the 6-bit
+    layout (`pack_weight(q, 6)`: 384 bytes a block), then their sub-scales [8 blocks, 2 halves,
+    16 outputs] (256 bytes): 3328 bytes, Q6_K's 210 a row of 256 less d (kernels/q8_matmul.c)."""
+    n, k = q.shape
+    check_shape(1, n, k)
+    if k % SUPER or sc.shape != (n, k // SUB) or sc.dtype != np.int8:
+        raise KernelError(f"q8_matmul q6_k: codes {list(q.shape)} and sub-scales {list(sc.shape)} {sc.dtype}: "
+                          f"expected K a multiple of {SUPER} and int8 [N, K/{SUB}]")
+    supers = k // SUPER
+    codes = pack_weight(q, 6).view(np.uint8).reshape(n // TILE, supers, 8 * 384)
+    scales = sc.view(np.uint8).reshape(n // TILE, TILE, supers, 16).transpose(0, 2, 3, 1)  # tile, super, half, output
+    return np.concatenate([codes, scales.reshape(n // TILE, supers, 256)], axis=2).reshape(-1).view(np.int8)
+
+
+def half_sums(xq: np.ndarray) -> np.ndarray:
+    """The sums [M, K/16] int32 of each half block of x's codes (the q6k entry's xh)."""
+    m, k = xq.shape
+    return xq.reshape(m, k // SUB, SUB).astype(np.int32).sum(axis=2, dtype=np.int32)
+
+
+def reference_q6_k(xq: np.ndarray, dx: np.ndarray, q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """y [M, N] f32 as the q6k entry computes it, bit for bit (q [N, K] int8 codes, sc [N, K/16]
+    int8, d [N, K/256] f16): per block b of 32 in order, s = sc[:, 2b] dot0 + sc[:, 2b+1] dot1 in
+    int32 (exact), acc += (f32(d[:, b // 8]) * dx[:, b]) * f32(s), each op rounded to f32."""
+    m, k = xq.shape
+    halves = np.einsum("mhj,nhj->mnh", xq.reshape(m, k // SUB, SUB).astype(np.int32),
+                       q.reshape(-1, k // SUB, SUB).astype(np.int32), dtype=np.int32)
+    s = (halves * sc.astype(np.int32)[None]).reshape(m, q.shape[0], k // BLOCK, 2).sum(axis=3, dtype=np.int32)
+    acc, d = np.zeros((m, q.shape[0]), np.float32), d.astype(np.float32)
+    for b in range(k // BLOCK):
+        acc = acc + (d[None, :, b // (SUPER // BLOCK)] * dx[:, b:b + 1]) * s[:, :, b].astype(np.float32)
     return acc

@@ -2,7 +2,8 @@
 executables by emitter/kernel_calls.py): compiled by the real iree-compile, run by the IREE runtime
 (python and iree-run-module), bit for bit against numpy's integer math of the same order
 (`q8_matmul.reference`), at 8, 6 and 4 weight bits, for the host's best ISA (AVX-512 VNNI here) and
-for x86-64-v3 code (AVX2), at 1 to 11 rows; bad shapes and weights get a one-line error; a failed
+for x86-64-v3 code (AVX2), at 1 to 11 rows, and GGUF's Q6_K (its int8 scales per 16 and f16 d per
+256) through the q6k entry, at 1, 3 and 6 rows; bad shapes and weights get a one-line error; a failed
 object build leaves nothing behind. The install step (`python -m kernels`) builds every
 kernel's object (this one's and kernels/decode_attention.c's) for every ISA once, and a
 missing C compiler is one line; a graph naming the object by file name compiles from
@@ -97,6 +98,70 @@ def test_6_bit_sums_at_their_extremes_are_exact(tmp_path, target, m):
     xq, dx, _ = block_activations(x)
     assert np.abs(xq).min() == 127
     assert np.array_equal(y, q8.reference(xq, dx, q, scales))
+
+
+K6 = 768  # Q6_K: three super-blocks of 256
+
+
+def q6_k_vmfb(m: int, target: str, objects) -> bytes:
+    """`graph_vmfb` for a Q6_K weight [N, K6] (`q8.pack_q6_k`'s bytes and its d [N, K6/256] f16 in)."""
+    obj = build.build_object(calls.target_isa(tuple(target_flags(target))), objects, q8.SOURCE)
+    b = Builder()
+    x = b.argument("x", (m, K6))
+    row = K6 // q8.SUPER * q8.Q6_K_ROW_BYTES
+    w, d = b.argument("w", (N * row,), "i8"), b.argument("d", (N * K6 // q8.SUPER,), "f16")
+    y = block_project(b, x, BlockWeight(b.reshape(w, (N, row)), b.reshape(d, (N, K6 // q8.SUPER)), obj), "q6k")
+    assert BlockWeight(b.reshape(w, (N, row)), b.reshape(d, (N, K6 // q8.SUPER)), obj).shape == (N, K6)
+    return compile_mlir(render_module(b, [("y", y)], title="q6_k kernel test"), target)
+
+
+def q6_k_weight(seed: int):
+    """(codes q [N, K6] int8 -32..31, every one; sub-scales sc int8 [N, K6/16], -128 and 127 among
+    them; d f16 [N, K6/256]) of a random Q6_K weight."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-32, 32, (N, K6), dtype=np.int8)
+    sc = rng.integers(-128, 128, (N, K6 // q8.SUB), dtype=np.int8)
+    sc[0, :2], q[0, :32] = (-128, 127), -32
+    d = (rng.uniform(0.5, 2, (N, K6 // q8.SUPER)) * 2.0 ** -12).astype(np.float16)
+    return q, sc, d
+
+
+@pytest.mark.parametrize("target", ["llvm-cpu", "llvm-cpu-x86-64-v3"])
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_q6_k_projection_is_numpys_integer_math_bit_for_bit(tmp_path, target, m):
+    """GGUF's Q6_K through the q6k entry (`q8.reference_q6_k`: sub-scales per 16 combined in
+    int32, d per 256), bit for bit: one row (the one-row loops, prefetched), 3 (AVX-512's
+    remainder of 3, AVX2's pass of 2 and remainder of 1) and 6 (a pass of 4 and a remainder of 2
+    on AVX-512, three passes of 2 on AVX2), 7 tiles in 2 workgroups, 3
+    super-blocks; x at +-127 in one block against codes -32 and sub-scale -128 (the largest sum)."""
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, K6), dtype=np.float32)
+    x[0, :32] = 1.0
+    x[-1, 40] = 50.0
+    q, sc, d = q6_k_weight(m)
+    assert set(np.unique(q)) == set(range(-32, 32))
+    y = LoadedModule(q6_k_vmfb(m, target, tmp_path))(x, q8.pack_q6_k(q, sc), q8.pack_scales(d))[0]
+    xq, dx, _ = block_activations(x)
+    assert np.abs(xq[0, :32]).min() == 127
+    ref = q8.reference_q6_k(xq, dx, q, sc, d)
+    assert np.array_equal(y, ref)
+    w = d.astype(np.float32).repeat(q8.SUPER, 1) * sc.astype(np.float32).repeat(q8.SUB, 1) * q
+    assert np.abs(ref - (xq * dx.repeat(q8.BLOCK, 1)) @ w.T).max() <= 1e-4 * np.abs(ref).max()  # the same numbers
+
+
+def test_q6_k_bytes_are_its_codes_and_sub_scales():
+    """A tile's super-block: its 8 blocks' codes in the 6-bit layout, then the int8 sub-scales
+    [8 blocks, 2 halves, 16 outputs]; 208 bytes a row of 256 with Q6_K's d beside them (210)."""
+    q, sc, d = q6_k_weight(2)
+    packed = q8.pack_q6_k(q, sc).view(np.uint8).reshape(N // q8.TILE, K6 // q8.SUPER, -1)
+    assert packed.shape[2] == 3328 and (packed.size + 2 * d.size) * 256 == 210 * q.size
+    codes = packed[:, :, :3072].reshape(-1).view(np.int8)
+    assert np.array_equal(codes, q8.pack_weight(q, 6).reshape(N // q8.TILE, K6 // q8.BLOCK, 384)
+                          .reshape(N // q8.TILE, K6 // q8.SUPER, 3072).reshape(-1))
+    scales = packed[:, :, 3072:].view(np.int8).reshape(N // q8.TILE, K6 // q8.SUPER, 16, q8.TILE)
+    assert np.array_equal(scales.transpose(0, 3, 1, 2).reshape(N, -1), sc)
+    with pytest.raises(build.KernelError, match=r"^q8_matmul q6_k: .*expected K a multiple of 256"):
+        q8.pack_q6_k(q[:, :512 + 32], sc[:, :34])
 
 
 @pytest.mark.parametrize("bits", [8, 6, 4])
