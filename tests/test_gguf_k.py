@@ -1,10 +1,11 @@
 """llama.cpp's K-quants in their bits (runtime/checkpoints/gguf_blocks.py): Q4_K and Q5_K as
 the affine layout in groups of 32, Q6_K as int8 symmetric in groups of 16, Q8_0 and Q4_0
 symmetric in groups of 32 (no biases). The unpacking against `gguf.quants.dequantize` over
-real block bytes; a Q4_K_M-style file (Q4_K, Q6_K, a Q5_K, a Q4_1 and a Q5_0 tensor, f32 norms:
-llama.cpp's converter's f32 file re-encoded by the tests' encoder, gguf_encode.py) run in
+real block bytes; a Q4_K_M-style file (Q4_K, a Q6_K table, a Q5_K, a Q4_1 and a Q5_0 tensor, f32
+norms: llama.cpp's converter's f32 file re-encoded by the tests' encoder, gguf_encode.py) run in
 its bits against the f32 session over gguf's dequantization of the same file: logits
-relL2 <= 1e-5, text and mmproj."""
+relL2 <= 1e-5, text and mmproj; a Q4_0 file with a Q6_K lm_head (llama.cpp's Q4_0 mix), both
+through the block kernel, against numpy's integer math of the file's blocks."""
 
 from __future__ import annotations
 
@@ -34,16 +35,22 @@ Q = gguf.GGMLQuantizationType
 
 
 def q4_k_m(name: str, data: np.ndarray):
-    """llama.cpp's Q4_K_M mix, in small: Q6_K for lm_head and for attn_v / ffn_down of the
-    first layer, Q4_K for the other matrices (the embedding table too), one Q5_K, one Q4_1
-    and one Q5_0 tensor; norms as they are (f32). (Q8_0 and Q4_0 matrices run through the
-    block kernel: tests/test_gguf.py.)"""
+    """llama.cpp's Q4_K_M mix, in small: Q4_K for the matrices, one Q5_K, one Q4_1 and one
+    Q5_0 tensor, and Q6_K for the embedding table (gathered on the native path); norms as they
+    are (f32). (Q4_K_M's Q6_K lm_head, attn_v and ffn_down would run through the block kernel's
+    q6k entry, against Q8_0 activations: `test_q6_k_head_on_the_kernel_is_its_integer_math`;
+    Q8_0 and Q4_0 matrices: tests/test_gguf.py.)"""
     if data.ndim != 2:
         return None
-    if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
+    if name == "token_embd.weight":
         return Q.Q6_K
     return {"blk.1.attn_k.weight": Q.Q5_K, "blk.1.attn_q.weight": Q.Q4_1,
             "blk.1.attn_output.weight": Q.Q5_0}.get(name, Q.Q4_K)
+
+
+def q4_0_q6_k_head(name: str, data: np.ndarray):
+    """llama-quantize's Q4_0 mix: every matrix Q4_0 (the embedding table too), lm_head Q6_K."""
+    return None if data.ndim != 2 else Q.Q6_K if name == "output.weight" else Q.Q4_0
 
 
 def mmproj_mix(name: str, data: np.ndarray):
@@ -67,6 +74,7 @@ def files(tmp_path_factory):
     mmproj = convert("mmproj-f32.gguf", "--mmproj", "--outtype", "f32")
     return {"hf": ckpt, "f32": f32, "mmproj-f32": mmproj,
             "q4_k_m": requantize(f32, work / "text-q4_k_m.gguf", q4_k_m),
+            "q4_0": requantize(f32, work / "text-q4_0.gguf", q4_0_q6_k_head),
             "mmproj-q4_k_m": requantize(mmproj, work / "mmproj-q4_k_m.gguf", mmproj_mix, arch="clip")}
 
 
@@ -131,7 +139,7 @@ def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
     assert len(layouts) == 7 * CFG.num_hidden_layers + 2
     assert set(layouts.values()) == {gguf_blocks.LAYOUTS[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0")}
     prefix = "model.language_model.layers.0."
-    assert layouts[prefix + "mlp.down_proj.weight"] == quant.Layout(8, 16)  # Q6_K
+    assert layouts["model.language_model.embed_tokens.weight"] == quant.Layout(8, 16)  # Q6_K
     assert layouts[prefix + "mlp.up_proj.weight"] == quant.Layout(4, 32, affine=True)  # Q4_K
     native = dataclasses.replace(cfg, native_weights=gguf_text.native_weights(path, cfg))
     biases = {s.name for s in text_weights(native, "f32") if s.name.endswith("biases")}
@@ -145,6 +153,51 @@ def test_q4_k_m_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):
     print(f"Q4_K_M-style logits: relL2 {rel_l2(ours, ref):.2e} against f32 over gguf's dequantization, "
           f"{distance:.3f} against the unquantized checkpoint")
     assert distance < 0.5  # quantized, but the same model
+
+
+@pytest.mark.parity
+def test_q6_k_head_on_the_kernel_is_its_integer_math(files, tmp_path):
+    """A Q4_0 file with a Q6_K lm_head (llama.cpp's Q4_0 mix) in its bits: the Q4_0 matrices and
+    the Q6_K head through the block kernel (the q6k entry: the file's codes, int8 sub-scales and
+    d, not a bit changed), each row's activations in Q8_0 blocks, against numpy's integer math of
+    the same blocks (transformers over gguf's dequantized weights, the projections in
+    `q8_matmul.reference` over llama.cpp's Q4_0 blocks of them, lm_head in
+    `q8_matmul.reference_q6_k` over the file's Q6_K blocks): relL2 <= 1e-5, greedy tokens equal."""
+    from helpers import chunked_logits, q4_0_blocks
+    from kernels import q8_matmul
+    from test_q8_0 import reference_logits
+
+    path = files["q4_0"]
+    cfg, _ = model_text_config(path)
+    layouts = quant.native_layouts(gguf_text.native_weights(path, cfg))
+    assert layouts.pop("lm_head.weight") == quant.Q6_K_TILES
+    assert set(layouts.values()) == {quant.Layout(4, 32, scales="f16", packed=True)}
+    head = next(t for t in gguf_text.reader(path).tensors if t.name == "output.weight")
+    n, k = gguf_blocks.shape_of(head)
+    q, sc, d = gguf_blocks.q6_k_parts(np.asarray(head.data, np.uint8).reshape(n, k // 256, -1))
+    np.testing.assert_array_equal(  # the file's numbers
+        d.astype(np.float32).repeat(256, 1) * sc.astype(np.float32).repeat(16, 1) * q,
+        gguf.quants.dequantize(head.data, Q.Q6_K).reshape(n, k))
+
+    def q6_k_linear(activations):
+        torch = pytest.importorskip("torch")
+
+        class Q6K(torch.nn.Module):
+            def forward(self, x):
+                rows = x.detach().numpy().reshape(-1, x.shape[-1])
+                y = q8_matmul.reference_q6_k(*activations(rows), q, sc, d)
+                return torch.from_numpy(y.reshape(*x.shape[:-1], n))
+        return Q6K()
+
+    # 2 steps: the third's sequence puts one of the body's Q8_0 activation codes on a rounding tie
+    # between the session and transformers (6.3e-3 apart with lm_head in Q4_0 too, the Q6_K head aside)
+    cache, steps = tmp_path / "cache", 2
+    ours = chunked_logits(path, cache, "native", cfg.vocab_size, steps)
+    ref = reference_logits(dequantized_folder(path, tmp_path / "deq"), cfg, np.arange(37) * 7 % cfg.vocab_size, steps,
+                           "ours", q4_0_blocks, table_blocks=q4_0_blocks, head_linear=q6_k_linear)
+    assert ours.shape == ref.shape
+    assert max(rel_l2(a, b) for a, b in zip(ours, ref)) <= TOL
+    assert np.array_equal(ours.argmax(1), ref.argmax(1))
 
 
 def test_k_quant_mmproj_in_its_bits_equals_f32_over_gguf_dequantize(files, tmp_path):

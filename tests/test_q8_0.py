@@ -78,12 +78,13 @@ def table_numbers(w: np.ndarray, blocks=quant.block_weight) -> np.ndarray:
 
 def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "ours",
                      blocks=quant.block_weight, head_blocks=quant.block_weight,
-                     table_blocks=quant.block_weight) -> np.ndarray:
+                     table_blocks=quant.block_weight, head_linear=None) -> np.ndarray:
     """transformers' Qwen3VLTextModel over the checkpoint with every projection in integer math
     (`q8_linear`; the weights' blocks by `blocks`: Q8_0's, or Q4_0's), lm_head in integer math
     over its `head_blocks` (Q8_0's, or q4_0's 6-bit; tied: the table's) and the embedding table's
     `table_numbers` (the head's blocks when tied, else `table_blocks`'; ours, or llama.cpp's
-    rules: tests/helpers.py);
+    rules: tests/helpers.py), or an untied lm_head as `head_linear(activations)` makes it (a
+    GGUF file's Q6_K blocks: tests/test_gguf_k.py);
     activations quantized as our graph does ("ours") or as llama.cpp does ("llama.cpp"). The
     logits of the prompt's last row and of `steps` greedy steps (each step the whole sequence
     again: rows are independent in the kernel's math)."""
@@ -104,7 +105,7 @@ def reference_logits(folder, cfg, prompt: np.ndarray, steps: int, form: str = "o
     weight = raw if cfg.tie_word_embeddings else next(
         load_file(str(f))["lm_head.weight"] for f in folder.glob("*.safetensors")
         if "lm_head.weight" in load_file(str(f)))
-    module = q8_linear(weight, activations, head_blocks)
+    module = head_linear(activations) if head_linear else q8_linear(weight, activations, head_blocks)
     head = lambda h: module(torch.from_numpy(h)).numpy()  # noqa: E731
     ids, rows = list(prompt), []
     with torch.inference_mode():

@@ -90,6 +90,18 @@ def codes(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     raise ValueError(f"GGUF type {kind}: expected one of {', '.join(LAYOUTS)}")
 
 
+def q6_k_parts(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K blocks uint8 [rows, K/256, 210] as they are: (codes q int8 [rows, K] in -32..31,
+    sub-scales sc int8 [rows, K/16], d f16 [rows, K/256]); w = d * sc * q per 16 (the block
+    kernel's q6k entry reads these, kernels/q8_matmul.py `pack_q6_k`)."""
+    rows, count = blocks.shape[:2]
+    u, _, _ = codes("Q6_K", blocks)
+    q = (u - np.uint8(CENTRE["Q6_K"])).view(np.int8).reshape(rows, -1)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, count * 16)
+    d = np.ascontiguousarray(blocks[..., 208:210]).view("<f2").reshape(rows, count)
+    return q, sc, d.astype(np.float16)
+
+
 def legacy(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """`codes` of Q4_0, Q4_1, Q5_0 and Q5_1 blocks of 32 (module docstring): gguf's
     w = d*u + m written as d*u - dm, dm = -m."""

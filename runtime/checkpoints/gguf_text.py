@@ -5,7 +5,8 @@ config from the `qwen3vl.*` metadata, the decoder's tensors under their Hugging 
 BF16 widened; the quantized types by `gguf.quants.dequantize`) or, run in its bits
 (`--precision native`), in emitter/quant.py's layout: Q8_0, Q4_0, Q5_0 and Q6_K symmetric in
 their own groups (32; Q6_K 16), Q4_1, Q5_1, Q4_K and Q5_K affine in groups of 32
-(runtime/checkpoints/gguf_blocks.py).
+(runtime/checkpoints/gguf_blocks.py); the Q8_0, Q4_0 and Q6_K matrices (but a Q6_K embedding
+table) and the expert stacks through the block kernel as the file holds them (`on_kernel`).
 Every problem is a one-line `CheckpointError` naming the file and the tensor.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from emitter import quant
 from emitter.experts import DOWN, GATE_UP, ROUTER, is_expert
-from emitter.text import text_weights, weight_layouts, weight_shapes
+from emitter.text import EMBEDDING, text_weights, weight_layouts, weight_shapes
 from emitter.text_config import LM_HEAD, TEXT_PREFIX, TextConfig, TokenIds, text_config_from_hf
 from runtime.checkpoints.gguf_blocks import LAYOUTS, in_bits
 from runtime.checkpoints.tensor_files import CheckpointError
@@ -41,6 +42,7 @@ EXPERT_NAMES = {"ffn_gate_inp": ROUTER, "ffn_gate_exps": GATE_UP + ":gate", "ffn
                 "ffn_down_exps": DOWN}
 KERNEL_TYPES = ("Q8_0", "Q4_0")  # run in their bits through the block kernel, as llama.cpp runs them
 EXPERT_TYPES = KERNEL_TYPES  # the quantized types an expert stack may have
+Q6_K = "Q6_K"  # a matrix of it (not the embedding table) through the kernel's q6k entry (`quant.Q6_K_TILES`)
 SPECIAL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                   "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 
@@ -248,17 +250,24 @@ def native_entries(tensors: dict, keep=lambda name: True, packed=lambda name, t:
         kind = (t[0] if isinstance(t, list) else t).tensor_type.name
         if kind in LAYOUTS and keep(name):
             layout = LAYOUTS[kind]
-            out.append((name, layout.bits, 32, quant.PACKED) if packed(name, t) else quant.native_entry(name, layout))
+            tiles = quant.Q6_K_TILES if kind == Q6_K else layout  # the kernel's form: Q6_K's d per 256
+            out.append((name, tiles.bits, tiles.group, quant.PACKED) if packed(name, t)
+                       else quant.native_entry(name, layout))
     return tuple(out)
 
 
 def on_kernel(name: str, t) -> bool:
     """A language-model tensor that runs through the block kernel in its bits, as llama.cpp
-    runs it (its rows' activations in Q8_0 blocks): an expert stack, and any Q8_0 or Q4_0
-    matrix whose rows fill the kernel's tiles (`quant.Layout`'s 32; the others, in their bits,
-    dequantized per call against f32 activations)."""
+    runs it (its rows' activations in Q8_0 blocks): an expert stack, any Q8_0 or Q4_0 matrix
+    whose rows fill the kernel's tiles (`quant.Layout`'s 32), and any such Q6_K matrix but the
+    embedding table (lm_head of llama.cpp's Q4_0 files: the q6k entry, int8 scales per 16, d
+    per 256; the table's rows are gathered on the native path, and a tied head with it). The
+    others, in their bits, are dequantized per call against f32 activations."""
     first = t[0] if isinstance(t, list) else t
-    return is_expert(name) or (first.tensor_type.name in KERNEL_TYPES and int(first.shape[1]) % 32 == 0)
+    kind, rows = first.tensor_type.name, int(first.shape[1])
+    if kind == Q6_K:
+        return name != TEXT_PREFIX + EMBEDDING and len(first.shape) == 2 and rows % 32 == 0
+    return is_expert(name) or (kind in KERNEL_TYPES and rows % 32 == 0)
 
 
 def native_arrays(name: str, t, pending: dict) -> np.ndarray:
@@ -292,6 +301,8 @@ def packed_blocks(name: str, t) -> tuple[np.ndarray, np.ndarray]:
 
     parts = t if isinstance(t, list) else [t]
     kind = parts[0].tensor_type.name
+    if kind == Q6_K:
+        return packed_q6_k(parts[0])
     bits = LAYOUTS[kind].bits
     stack = len(parts[0].shape) == 3
     raws = [np.asarray(p.data, np.uint8).reshape(int(p.shape[2]) if stack else 1, int(p.shape[1]), -1)
@@ -307,6 +318,22 @@ def packed_blocks(name: str, t) -> tuple[np.ndarray, np.ndarray]:
             raise CheckpointError(f"{parts[0].name}: " + (f"expert {e}: " if stack else "") + str(err)) from None
         scales.append(pack_scales(np.concatenate([r[1] for r in rows]).astype(np.float16)).reshape(q.shape[0], -1))
     return (np.stack(qs), np.stack(scales)) if stack else (qs[0], scales[0])
+
+
+def packed_q6_k(t) -> tuple[np.ndarray, np.ndarray]:
+    """A Q6_K matrix in the kernel's tiles as it is (`packed_blocks`' form for the q6k entry):
+    its codes and int8 sub-scales ([N, K * 13 / 16] i8: kernels/q8_matmul.py `pack_q6_k`) and
+    its f16 d ([N, K / 256], `pack_scales`), not a bit changed."""
+    from kernels.build import KernelError
+    from kernels.q8_matmul import SUPER, pack_q6_k, pack_scales
+    from runtime.checkpoints.gguf_blocks import q6_k_parts, shape_of
+
+    n, k = shape_of(t)
+    q, sc, d = q6_k_parts(np.asarray(t.data, np.uint8).reshape(n, k // SUPER, -1))
+    try:
+        return pack_q6_k(q, sc).reshape(n, -1), pack_scales(d).reshape(n, -1)
+    except KernelError as err:
+        raise CheckpointError(f"{t.name}: {err}") from None
 
 
 def native_weights(path, cfg: TextConfig) -> tuple[tuple, ...]:
