@@ -26,7 +26,10 @@ signed q in i8 (-128..127) or i4 (-8..7).
 - A checkpoint's own quantized weights (`--precision native`: MLX's, GGUF's block types,
   runtime/checkpoints/gguf_blocks.py) are named with their layout in the config's
   `native_weights` (`native_layouts`): affine, or symmetric in the checkpoint's own group
-  (GGUF's Q8_0, Q4_0 per 32, Q6_K per 16).
+  (GGUF's Q8_0, Q4_0 per 32, Q6_K per 16), or packed in the block kernel's tiles as the file
+  holds them (GGUF's Q8_0 and Q4_0 matrices and expert stacks; its Q6_K matrices as
+  `Q6_K_TILES`: codes and int8 scales per 16 in the tiles, f16 d per 256 as the scales,
+  through the kernel's q6k entry).
 
 - Integer (`--precision w8a8`, vLLM's name: int8 weights, int8 activations): the symmetric
   int8 numbers with one group of all K inputs (a scale per output channel); at run time x is
@@ -500,8 +503,9 @@ class QuantizedWeight:
 @dataclass(frozen=True)
 class BlockWeight:
     """A packed (q8_0, q4_0) [N, K] weight in a graph: q [N, K * bits / 8] i8 and its scales
-    [N, K / 32] f16 in the kernel's tile order, and the path of the kernel object its
-    projections link (emitter/layers.py `block_project`)."""
+    [N, K / 32] f16 in the kernel's tile order (a Q6_K one, `Layout.q6_k`: [N, K * 13 / 16] and
+    its d [N, K / 256]), and the path of the kernel object its projections link
+    (emitter/layers.py `block_project`)."""
     q: object  # builder.Value
     scales: object  # builder.Value
     kernel: str
