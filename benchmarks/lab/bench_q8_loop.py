@@ -4,8 +4,8 @@ the same bytes, alternating round by round in one process (benchmarks/lab/q8_loo
 workers pulling 128-output workgroups off one counter, as IREE's workers do; at least
 `--megabytes` of distinct weights, so that one row reads them from DRAM). Prints ms per
 projection, the GB/s of weight and scale bytes, and that rate over the read's (the roof) for
-each ISA, row count and weight width (8, 6 or 4 bits; a baseline older than the 6-bit entry runs
-this one's in its place at 6 bits: "base missing"). Both builds use the kernel's own flags
+each ISA, row count and weight width (8, 6 or 4 bits, or 6k: GGUF's Q6_K through the q6k entry;
+a baseline older than the 6-bit or the Q6_K entry runs this one's in its place: "base missing"). Both builds use the kernel's own flags
 (kernels/build.py `COMMON_FLAGS`, `ISA_FLAGS`); A's and B's results are compared bit for bit.
 
     git show main:kernels/q8_matmul.c > /tmp/q8_main.c
@@ -37,7 +37,9 @@ def build_loop(isa: str, a: Path, b: Path, folder: Path) -> Path:
     for name, source in (("A", a), ("B", b)):
         obj = folder / f"{isa}-{name}.o"
         subprocess.run([cc, *build.COMMON_FLAGS, *build.ISA_FLAGS[isa], "-fvisibility=default",
-                        *(f"-D{entry}={entry[:2]}_{name}" for entry in q8_matmul.ENTRIES.values()),
+                        *(f"-D{entry}={entry.split('_')[0]}_{name}"
+                          for entry in (*q8_matmul.ENTRIES.values(), q8_matmul.Q6_K_ENTRY)),
+                        *(f"-D{entry}={entry}_{name}" for entry in q8_matmul.EXPERT_ENTRIES.values()),  # apart, unused
                         "-c", str(source), "-o", str(obj)], check=True)
         objects.append(str(obj))
     exe = folder / f"q8_loop-{isa}"
@@ -51,7 +53,8 @@ def main(argv=None) -> list:
                    help="the other version of kernels/q8_matmul.c (A; default: this one, a noise check)")
     p.add_argument("--isa", nargs="+", default=list(build.ISA_FLAGS), choices=list(build.ISA_FLAGS))
     p.add_argument("--rows", type=int, nargs="+", default=[1])
-    p.add_argument("--bits", type=int, nargs="+", default=[8, 4], choices=sorted(q8_matmul.ENTRIES))
+    p.add_argument("--bits", nargs="+", default=["8", "4"], choices=[*map(str, sorted(q8_matmul.ENTRIES)), "6k"],
+                   help="weight widths; 6k: GGUF's Q6_K (the q6k entry)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--megabytes", type=float, default=400)
     p.add_argument("--rounds", type=int, default=9)
@@ -66,7 +69,7 @@ def main(argv=None) -> list:
                     done = subprocess.run([str(exe), str(m), str(bits), str(args.threads), str(args.megabytes),
                                            str(args.rounds)], capture_output=True, text=True, check=True)
                     r = json.loads(done.stdout)
-                    weight = 6144 * 2048 * bits // 8
+                    weight = 6144 * 2048 * 13 // 16 if bits == "6k" else 6144 * 2048 * int(bits) // 8
                     roof = weight / r["read_ms"] / 1e6
                     r.update(isa=isa, m=m, bits=bits, roof_gbs=roof, loadavg=os.getloadavg()[0])
                     for side in "ab":

@@ -3,7 +3,7 @@
 // workers pulling 128-output workgroups off one counter as IREE's do, against a plain read of the
 // same bytes (256-bit loads: the read roof), the three alternating round by round.
 //
-//   q8_loop M BITS THREADS MEGABYTES ROUNDS
+//   q8_loop M BITS THREADS MEGABYTES ROUNDS      (BITS 8, 6, 4, or 6k: GGUF's Q6_K, the q6k entry)
 //
 // prints one line of JSON: ms per [6144, 2048] projection (median of the rounds) of A, B and the
 // read, and whether A and B gave the same bits. A baseline without the 6-bit entry (older
@@ -23,12 +23,13 @@
       size_t, const uint16_t*, const uint16_t*, size_t, size_t, size_t, float*, float*, size_t, size_t, size_t, \
       size_t, size_t, size_t, size_t, size_t
 typedef void entry_t(ENTRY_ARGS);
-entry_t q8_A, q4_A, q8_B, q6_B, q4_B;
-entry_t q6_A __attribute__((weak));  // absent from a baseline older than the 6-bit entry
+entry_t q8_A, q4_A, q8_B, q6_B, q4_B, q6k_B;
+entry_t q6_A __attribute__((weak));   // absent from a baseline older than the 6-bit entry
+entry_t q6k_A __attribute__((weak));  // ... or than the Q6_K one
 #define MEMREF(p) p, p, 0, 0, 0
 
 enum { N = 6144, K = 2048, TILES = 8, GROUPS = N / 16 / TILES };
-static size_t M, W, threads, wbytes;
+static size_t M, W, threads, wbytes, scales;  // scales: f16 scales a weight (Q6_K: its d per 256)
 static uint8_t* w;
 static uint16_t* dw;
 static int8_t* x;
@@ -64,7 +65,7 @@ static void* worker(void* arg) {
       long g;
       while ((g = atomic_fetch_add(&next_group, 1)) < (long)(W * GROUPS))
         run_entry(MEMREF(x), MEMREF(dx), MEMREF(xs), MEMREF(w + g / GROUPS * wbytes),
-                  MEMREF(dw + g / GROUPS * (N * K / 32)), MEMREF(y), M, N, K, TILES, g % GROUPS);
+                  MEMREF(dw + g / GROUPS * scales), MEMREF(y), M, N, K, TILES, g % GROUPS);
     }
     pthread_barrier_wait(&done);
   }
@@ -90,21 +91,24 @@ int main(int argc, char** argv) {
     return 2;
   }
   M = strtoul(argv[1], 0, 10);
-  const int bits = atoi(argv[2]);
+  const int q6k = !strcmp(argv[2], "6k");  // Q6_K: 6-bit codes, int8 scales per 16, f16 d per 256; x's sums per 16
+  const int bits = q6k ? 6 : atoi(argv[2]);
   threads = strtoul(argv[3], 0, 10);
   const double megabytes = atof(argv[4]);
   const int rounds = atoi(argv[5]);
   if (!M || (bits != 8 && bits != 6 && bits != 4) || !threads || threads > 64 || rounds < 1 || rounds > 999) {
-    fprintf(stderr, "q8_loop: expected M >= 1, BITS 8, 6 or 4, THREADS 1-64, ROUNDS 1-999\n");
+    fprintf(stderr, "q8_loop: expected M >= 1, BITS 8, 6, 4 or 6k, THREADS 1-64, ROUNDS 1-999\n");
     return 2;
   }
-  wbytes = (size_t)N * K * bits / 8;
-  W = (size_t)(megabytes * 1e6 / (wbytes + N * K / 16)) + 1;
+  const size_t sum = q6k ? 16 : 32;  // inputs per sum of x
+  wbytes = q6k ? (size_t)N * K * 13 / 16 : (size_t)N * K * bits / 8;
+  scales = q6k ? (size_t)N * K / 256 : (size_t)N * K / 32;
+  W = (size_t)(megabytes * 1e6 / (wbytes + 2 * scales)) + 1;
   w = aligned_alloc(64, W * wbytes);
-  dw = aligned_alloc(64, W * N * K / 32 * 2);
+  dw = aligned_alloc(64, W * scales * 2);
   x = aligned_alloc(64, M * K);
   dx = aligned_alloc(64, M * K / 32 * 4);
-  xs = aligned_alloc(64, M * K / 32 * 4);
+  xs = aligned_alloc(64, M * K / sum * 4);
   y = aligned_alloc(64, M * N * 4);
   float* y0 = aligned_alloc(64, M * N * 4);
   if (!w || !dw || !x || !dx || !xs || !y || !y0) {
@@ -113,16 +117,16 @@ int main(int argc, char** argv) {
   }
   for (size_t i = 0; i < W * wbytes; ++i)  // 8 bits: -127..127 (the layout's range); 6 and 4 bits: any codes
     w[i] = bits == 8 ? (uint8_t)(int8_t)((int)((i * 2654435761u >> 13) % 255) - 127) : (uint8_t)(i * 2654435761u >> 11);
-  for (size_t i = 0; i < W * N * K / 32; ++i) dw[i] = (uint16_t)(0x2000 + i % 1024);
+  for (size_t i = 0; i < W * scales; ++i) dw[i] = (uint16_t)(0x2000 + i % 1024);
   for (size_t i = 0; i < M * K; ++i) x[i] = (int8_t)((int)((i * 40503u >> 7) % 255) - 127);  // -127..127, as Q8_0's
-  for (size_t i = 0; i < M * K / 32; ++i) {
-    dx[i] = 0.01f * (1 + i % 7);
+  for (size_t i = 0; i < M * K / 32; ++i) dx[i] = 0.01f * (1 + i % 7);
+  for (size_t i = 0; i < M * K / sum; ++i) {
     int32_t s = 0;
-    for (int j = 0; j < 32; ++j) s += x[i * 32 + j];
+    for (size_t j = 0; j < sum; ++j) s += x[i * sum + j];
     xs[i] = s;
   }
-  entry_t* b = bits == 8 ? q8_B : bits == 6 ? q6_B : q4_B;
-  entry_t* a = bits == 8 ? q8_A : bits == 6 ? (q6_A ? q6_A : b) : q4_A;
+  entry_t* b = q6k ? q6k_B : bits == 8 ? q8_B : bits == 6 ? q6_B : q4_B;
+  entry_t* a = q6k ? (q6k_A ? q6k_A : b) : bits == 8 ? q8_A : bits == 6 ? (q6_A ? q6_A : b) : q4_A;
   for (size_t g = 0; g < GROUPS; ++g) a(MEMREF(x), MEMREF(dx), MEMREF(xs), MEMREF(w), MEMREF(dw), MEMREF(y0), M, N, K, TILES, g);
   for (size_t g = 0; g < GROUPS; ++g) b(MEMREF(x), MEMREF(dx), MEMREF(xs), MEMREF(w), MEMREF(dw), MEMREF(y), M, N, K, TILES, g);
   const int same = !memcmp(y0, y, M * N * 4);
@@ -137,7 +141,7 @@ int main(int argc, char** argv) {
   qsort(ta, rounds, 8, by_value), qsort(tb, rounds, 8, by_value), qsort(tr, rounds, 8, by_value);
   printf("{\"weights\": %zu, \"weight_bytes\": %zu, \"a_ms\": %.4f, \"b_ms\": %.4f, \"read_ms\": %.4f, \"same\": %s, "
          "\"base_missing\": %s}\n",
-         W, wbytes + N * K / 16, ta[rounds / 2] * 1e3, tb[rounds / 2] * 1e3, tr[rounds / 2] * 1e3,
+         W, wbytes + 2 * scales, ta[rounds / 2] * 1e3, tb[rounds / 2] * 1e3, tr[rounds / 2] * 1e3,
          same ? "true" : "false", a == b ? "true" : "false");
   exit(0);  // the workers wait on the barrier for ever
 }
