@@ -13,15 +13,16 @@ import click
 from runtime.commands.options import CONTEXT, text_options
 from runtime.embedding import POOLING_CHOICES
 from runtime.serve.assemble import ServeOptions
-from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS
+from runtime.text import CONTEXT_LADDER, DEFAULT_PROMPT_BUCKETS, POOLING_PROMPT_BUCKETS
 
 
-def prompt_buckets(buckets, context: int) -> tuple[int, ...]:
-    """The asked buckets, else the default ones that fit the context (the context itself
-    when none does)."""
+def prompt_buckets(buckets, context: int, pooled: bool = False) -> tuple[int, ...]:
+    """The asked buckets, else the default ones (an embedding model's when `pooled`) that fit
+    the context (the context itself when none does)."""
     if buckets:
         return tuple(buckets)
-    return tuple(b for b in DEFAULT_PROMPT_BUCKETS if b <= context) or (context,)
+    defaults = POOLING_PROMPT_BUCKETS if pooled else DEFAULT_PROMPT_BUCKETS
+    return tuple(b for b in defaults if b <= context) or (context,)
 
 
 def positive(name: str, value: int) -> int:
@@ -34,7 +35,8 @@ def positive(name: str, value: int) -> int:
 @text_options(context_help=f"Tokens a sequence may hold, prompt and answer (default {CONTEXT_LADDER[-1]}, as memory "
                            "allows; docs/text.md).",
               buckets_help="Prefill bucket in tokens (repeatable; default those of "
-                           f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context; docs/serve.md).",
+                           f"{' '.join(map(str, DEFAULT_PROMPT_BUCKETS))} within the context, an embedding model's "
+                           f"{' '.join(map(str, POOLING_PROMPT_BUCKETS))}; docs/serve.md).",
               threads_default="one per core; 1 per replica with --ray")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (one other than loopback, without --api-key: a warning).")
@@ -121,8 +123,9 @@ def serve_command(text, host, port, max_batch, kv_cache_memory, api_key, allowed
         context, why = default_context(text.model, text.kv_cache_dtype,
                                        weight_bytes(text.model, text.precision, text.target))
         click.echo(f"context: {context} tokens ({why}; --context to change)", err=True)
-    options = ServeOptions(text.model, context, prompt_buckets(text.buckets, context), host, port, max_batch,
-                           text.precision, api_key, allowed_local_media_path, text.cache_dir, text.threads, text.target,
+    buckets = prompt_buckets(text.buckets, context, pooled=pooling is not None)
+    options = ServeOptions(text.model, context, buckets, host, port, max_batch, text.precision, api_key,
+                           allowed_local_media_path, text.cache_dir, text.threads, text.target,
                            max_waiting, max_media, max_body_mb, encoder_cache_mb, prompt_cache, grace,
                            text.kv_cache_dtype, kv_cache_memory, tuple(allowed_hosts),
                            (image_min_tokens, image_max_tokens), classifier_tokens=classifier, web_ui=web_ui,

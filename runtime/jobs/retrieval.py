@@ -44,7 +44,7 @@ from runtime.artifact.archive import cached_text_archive
 from runtime.embedding import Pooling, check_dimensions, embed, item_messages, instruction_text
 from runtime.inputs.chat import Media
 from runtime.jobs.embed import INDEX_NAME, IMAGE_SUFFIXES, check_out_dir, out_dir_lock
-from runtime.text import DEFAULT_PROMPT_BUCKETS
+from runtime.text import POOLING_PROMPT_BUCKETS
 
 SHARD_FORMAT = "qwen3vl-iree retrieval shard v1"
 
@@ -179,7 +179,7 @@ class RetrievalSpec:
     target: str | None = None
     threads: int | None = None
     context: int | None = None
-    buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
+    buckets: tuple[int, ...] = POOLING_PROMPT_BUCKETS
     instruction: str | None = None
     dimensions: int | None = None
 
@@ -234,7 +234,7 @@ def ray_results(engine, spec: RetrievalSpec, items: list[Item], batch: int) -> I
 def embed_items(model, inputs, out_dir, pooling, batch: int = 16, instruction: str | None = None,
                 dimensions: int | None = None, precision=None, target=None, cache_dir=None, threads=None,
                 retry_failed: bool = False, say=None, progress_bar: bool = True, context: int | None = None,
-                buckets=DEFAULT_PROMPT_BUCKETS, ray_local: int | None = None,
+                buckets=POOLING_PROMPT_BUCKETS, ray_local: int | None = None,
                 ray_address: str | None = None) -> "RetrievalSummary":
     """Retrieval vectors of every item of `inputs` not yet in OUT_DIR's index: one Generator
     opened with `pooling` in this process, or one per Ray actor (`ray_local` workers of a
