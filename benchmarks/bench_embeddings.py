@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench_serve import free_port, get  # noqa: E402
+from bench_serve import free_port, wait_ready  # noqa: E402
 from runtime.embedding import item_messages  # noqa: E402
 
 QWEN3VL = str(Path(sys.executable).with_name("qwen3vl"))
@@ -80,21 +80,10 @@ def start_server(model: Path, port: int, args) -> subprocess.Popen:
     command = [QWEN3VL, "serve", "--model", str(model), "--port", str(port), "--pooling", "last",
                "--max-batch", str(args.batch), "--threads", str(args.threads), "--precision", "f32",
                "--context", str(args.context), "--kv-cache-memory", str(args.kv_cache_memory), "--no-web-ui"]
+    command += ["--cache-dir", args.cache_dir] if args.cache_dir else []
     for bucket in args.prompt_bucket or ():
-        command += ["--prompt-bucket", str(bucket)] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
-    server = subprocess.Popen(command)
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"server exited with status {server.returncode}")
-        try:
-            if get(port, "/health")[0] == 200:
-                return server
-        except OSError:
-            pass
-        time.sleep(1)
-    server.kill()
-    raise SystemExit("server not ready in time")
+        command += ["--prompt-bucket", str(bucket)]
+    return wait_ready(subprocess.Popen(command), port, args.startup_timeout)
 
 
 TOKENS: dict[str, list[int]] = {}  # prompt tokens of each item ours embedded, by kind (the server's usage)
@@ -102,8 +91,7 @@ TOKENS: dict[str, list[int]] = {}  # prompt tokens of each item ours embedded, b
 
 def post(port: int, body: dict, kind: str) -> list[np.ndarray]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-    conn.request("POST", "/v1/embeddings", json.dumps(body),
-                 {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/embeddings", json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
     answer = r.read().decode()
     if r.status != 200:

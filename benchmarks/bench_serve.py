@@ -86,8 +86,12 @@ def start_server(args, model: Path, port: int, extra=()) -> subprocess.Popen:
         command += ["--kv-cache-memory", str(args.kv_cache_memory)]
     for bucket in args.prompt_bucket or ():
         command += ["--prompt-bucket", str(bucket)]
-    server = subprocess.Popen(command)
-    deadline = time.monotonic() + args.startup_timeout
+    return wait_ready(subprocess.Popen(command), port, args.startup_timeout)
+
+
+def wait_ready(server: subprocess.Popen, port: int, timeout: float) -> subprocess.Popen:
+    """`server` once its /health answers 200; SystemExit if it exits or `timeout` s pass first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise SystemExit(f"server exited with status {server.returncode}")
