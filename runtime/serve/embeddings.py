@@ -18,8 +18,9 @@ Each item is a job of the engine (runtime/serve/scheduler.py, `Job.pooled`), sta
 decode steps, even while every lane decodes (`start_pooled`, on the engine's thread): it and
 the embedding jobs right behind it in line, as many as the module's batched entry has lanes,
 are prepared and placed in blocks (a shared prefix, e.g. the instruction, found in the prefix
-cache); those whose rest is one chunk of the smallest bucket are prefilled and pooled in one
-call (`pool_<S0>x<B>`, emitter/text_pool.py), the others each alone through `pool_<S>`. At
+cache); those whose rest is one chunk of the smallest bucket are prefilled and pooled
+together, in calls of exactly B of them (`pool_<S0>x<B>`, emitter/text_pool.py; `lane_groups`:
+no spare lane), the others each alone through `pool_<S>`. At
 most WINDOW (or the lanes, if more) of a request's items wait in the queue at once. Nothing is tokenized or decoded
 on the event loop.
 """
@@ -210,15 +211,14 @@ def start_pooled(engine, first: Job) -> bool:
             break
         placed.append((job, *got))
     try:
-        group = [p for p in placed if batched(text, p[0].prompt, p[2])]
-        group = group if len(group) > 1 else []
+        groups = lane_groups([p for p in placed if batched(text, p[0].prompt, p[2])], pool_lane_counts(text.shape))
         for job, blocks, start in placed:
-            if not any(job is g[0] for g in group):
+            if not any(job is g[0] for group in groups for g in group):
                 try:
                     _answer(engine, job, text.prefill_blocks(blocks, job.prompt, start, pooled=True), start)
                 except Exception as e:  # noqa: BLE001
                     _fail(engine, job, e)
-        if group:
+        for group in groups:
             try:
                 rows = pooled_rows(text, [g[1] for g in group], [g[0].prompt for g in group], [g[2] for g in group])
             except Exception as e:  # noqa: BLE001 - the call's fault ends its items
@@ -231,6 +231,21 @@ def start_pooled(engine, first: Job) -> bool:
         for _, blocks, _ in placed:
             text.release(blocks)
     return True
+
+
+def lane_groups(items: list, counts: list[int]) -> list[list]:
+    """`items` in calls of exactly the batched entries' lane counts (`counts`: 2, 4, ...), the
+    largest first; what is left over (one item) is pooled alone. No lane repeats another: an
+    item costs its tokens' work however it is batched, so a spare lane would be work for
+    nothing (three items: a call of 2 and one alone, not a call of 4)."""
+    groups = []
+    while len(items) > 1 and counts:
+        n = max((c for c in counts if c <= len(items)), default=0)
+        if not n:
+            break
+        groups.append(items[:n])
+        items = items[n:]
+    return groups
 
 
 def _answer(engine, job: Job, row: np.ndarray, start: int) -> None:
