@@ -243,7 +243,6 @@ def embed_items(model, inputs, out_dir, pooling, batch: int = 16, instruction: s
 
     from runtime.artifact.cache import ArtifactCache
     from runtime.jobs.embed import check_options
-    from runtime.text import TextSession
 
     say = say or (lambda message: None)
     if batch < 1:
@@ -258,7 +257,7 @@ def embed_items(model, inputs, out_dir, pooling, batch: int = 16, instruction: s
     gen = spec.open(say)  # checks the model; its text module is compiled when the first item needs it
     dimensions = check_dimensions(dimensions, gen.text.cfg.hidden_size, "--dimensions")
     with out_dir_lock(folder):
-        text: TextSession = gen.text  # the weights' identity (the module's follows the context fitted to each item)
+        text = gen.text  # the weights' identity (the module's follows the context fitted to each item)
         weights = Path(cached_text_archive(text.model_dir, text.cfg, text.precision, text.cache, say)).stem
         header = {"engine": "ray" if use_ray else "local", "weights": weights, "format": "retrieval",
                   "dimensions": dimensions or gen.text.cfg.hidden_size, "instruction": instruction_text(instruction),

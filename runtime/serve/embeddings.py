@@ -239,10 +239,7 @@ def lane_groups(items: list, counts: list[int]) -> list[list]:
     item costs its tokens' work however it is batched, so a spare lane would be work for
     nothing (three items: a call of 2 and one alone, not a call of 4)."""
     groups = []
-    while len(items) > 1 and counts:
-        n = max((c for c in counts if c <= len(items)), default=0)
-        if not n:
-            break
+    while n := max((c for c in counts if c <= len(items)), default=0):
         groups.append(items[:n])
         items = items[n:]
     return groups
