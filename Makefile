@@ -29,7 +29,7 @@ $(VENV)/.test-deps: pyproject.toml $(BIN)/emit-qwen3vl
 	@touch $@
 
 test: test-deps kernels
-	QWEN3VL_REQUIRE_REFERENCES=1 $(BIN)/pytest -q
+	QWEN3VL_REQUIRE_REFERENCES=1 $(BIN)/pytest -q --durations=15
 
 # Only the checks against transformers (and the other reference implementations).
 parity: test-deps

@@ -8,6 +8,10 @@ import socket
 
 INSTALL_HINT = "install the ray extra: pip install 'qwen3vl-iree[ray]' (in a checkout: pip install -e '.[ray]')"
 LOCAL_OBJECT_STORE = 512 * 2**20  # a local cluster's: rows and requests pass through it
+# Ray Serve's proxy ready and health checks, seconds: a proxy still starting on a busy
+# host failed three 5 s checks and was killed before it ran.
+PROXY_CHECKS = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
+PROXY_CHECK_S = 60.0
 
 
 def check_reachable(address: str) -> None:
@@ -34,6 +38,8 @@ def check_ray_serve(address: str) -> None:
     if address != "local":
         check_reachable(address)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read at import: each replica's "ready" line, not just the first
+    for name in PROXY_CHECKS:  # a local cluster's processes inherit them; a busy 2-core host misses Serve's 5-10 s
+        os.environ.setdefault(name, str(PROXY_CHECK_S))
     try:
         from ray import serve  # noqa: F401
     except ImportError as e:

@@ -91,7 +91,7 @@ def test_concurrent_requests_spread_over_both_replicas(cluster):
               for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         responses = list(pool.map(lambda body: post(cluster, body), bodies))
-    assert all(r.status_code == 200 for r in responses)
+    assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses]
     assert {r.headers[REPLICA] for r in responses} == set(cluster.replicas())
 
 
