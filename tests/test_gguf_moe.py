@@ -106,5 +106,6 @@ def test_an_expert_stack_of_another_type_is_one_line(files, tmp_path):
     bad = requantize(files["f32"], tmp_path / "q5.gguf", lambda name, data: (
         gguf.GGMLQuantizationType.Q5_0 if "ffn_down_exps" in name else None), arch=gguf_text.MOE_ARCH)
     with pytest.raises(CheckpointError, match=r"^blk\.0\.ffn_down_exps\.weight: GGUF type Q5_0 for an expert stack is "
-                                              r"not supported .*expected one of Q8_0, Q4_0, F32, F16, BF16$"):
+                                              r"not supported .*expected one of Q8_0, Q4_0, F32, F16, BF16 \(the "
+                                              r"K-quants .* --precision q4_0\)$"):
         TextSession(bad, buckets=(32,), context=64, cache_dir=tmp_path / "c", precision="native")

@@ -223,7 +223,9 @@ def text_tensors(path, cfg: TextConfig) -> dict:
         first = t[0] if isinstance(t, list) else t
         if is_expert(name) and first.tensor_type.name not in (*FLOAT_TYPES, *EXPERT_TYPES):
             raise CheckpointError(f"{first.name}: GGUF type {first.tensor_type.name} for an expert stack is not "
-                                  f"supported (in {path}); expected one of {', '.join(EXPERT_TYPES + FLOAT_TYPES)}")
+                                  f"supported (in {path}); expected one of {', '.join(EXPERT_TYPES + FLOAT_TYPES)} "
+                                  "(the K-quants of a Q4_K_M file have no expert kernel yet: take the model's Q4_0 "
+                                  "or Q8_0 GGUF, or its safetensors with --precision q4_0)")
     return out
 
 
