@@ -2,7 +2,7 @@
 the same random checkpoint, in one run.
 
 A random checkpoint at a preset's widths (default qwen3-vl-2b, every layer; `--layers` for
-fewer), both sides in f32 with the same thread count. Two kinds of item, as the model card's
+fewer), both sides in f32 (or both in bf16, `--precision bf16`) with the same thread count. Two kinds of item, as the model card's
 embedder formats them (the default instruction as the system message, then the item): a
 short text, and one `--image` sized image alone. For each kind, `--batch` distinct items:
 - batch 1: the items one after another (ours: one `/v1/embeddings` request each;
@@ -16,7 +16,10 @@ processing, the forward, pooling; ours over HTTP on localhost. The items are new
 round and mode, so the server's encoder and prefix caches hit only what they share (the
 instruction's blocks). Rounds alternate the sides;
 figures are items/s, min / median / max over `--rounds`, and the ratio of medians. The
-vectors of the two sides are compared (relL2) so the race is between equal answers.
+vectors of the two sides are compared (relL2) so the race is between equal answers. Each
+row's rate is also GFLOP/s of useful work (`item_gflop`: the tower and the language model's
+linears over the item's real tokens, less those ours found in its prefix cache) beside the cores' FMA peak (benchmarks/fma_peak.py,
+measured after the race): how far a side is from what the machine can do.
 
     .venv/bin/python benchmarks/bench_embeddings.py --layers 2 --rounds 2     # quick
     .venv/bin/python benchmarks/bench_embeddings.py --json embeddings.json     # 2B, full depth
@@ -33,6 +36,7 @@ import http.client
 import io
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -50,6 +54,7 @@ from bench_serve import free_port, wait_ready  # noqa: E402
 from runtime.embedding import item_messages  # noqa: E402
 
 QWEN3VL = str(Path(sys.executable).with_name("qwen3vl"))
+DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # ours --precision -> transformers' dtype
 WORDS = ("screenshot settings page dark mode invoice total table chart revenue quarter login form error "
          "dialog button menu photo street night cat dog receipt map route weather forecast").split()
 
@@ -78,7 +83,7 @@ def images(n: int, size: int, seed: int = 0) -> list[bytes]:
 # -- ours: the server --------------------------------------------------------
 def start_server(model: Path, port: int, args) -> subprocess.Popen:
     command = [QWEN3VL, "serve", "--model", str(model), "--port", str(port), "--pooling", "last",
-               "--max-batch", str(args.batch), "--threads", str(args.threads), "--precision", "f32",
+               "--max-batch", str(args.batch), "--threads", str(args.threads), "--precision", args.precision,
                "--context", str(args.context), "--kv-cache-memory", str(args.kv_cache_memory), "--no-web-ui"]
     command += ["--cache-dir", args.cache_dir] if args.cache_dir else []
     for bucket in args.prompt_bucket or ():
@@ -87,6 +92,16 @@ def start_server(model: Path, port: int, args) -> subprocess.Popen:
 
 
 TOKENS: dict[str, list[int]] = {}  # prompt tokens of each item ours embedded, by kind (the server's usage)
+CACHED: dict[tuple, list[float]] = {}  # (kind, mode) -> prompt tokens an item the prefix cache held
+
+
+def prefix_hits(port: int) -> float:
+    """The server's prompt tokens found in its prefix cache so far (/metrics)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    found = re.search(r"^qwen3vl_prefix_cache_hit_tokens_total (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def post(port: int, body: dict, kind: str) -> list[np.ndarray]:
@@ -121,7 +136,7 @@ class Reference:
     the chat rendered with the generation prompt, right padding, the last real token's final
     hidden state, L2-normalized."""
 
-    def __init__(self, model: Path, threads: int):
+    def __init__(self, model: Path, threads: int, precision: str):
         import torch
         from torch_reference import import_torchvision
 
@@ -130,7 +145,7 @@ class Reference:
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.model = Qwen3VLForConditionalGeneration.from_pretrained(model, dtype=torch.float32).model.eval()
+        self.model = Qwen3VLForConditionalGeneration.from_pretrained(model, dtype=getattr(torch, DTYPES[precision])).model.eval()
         self.processor = AutoProcessor.from_pretrained(model)
         self.processor.tokenizer.padding_side = "right"
 
@@ -186,7 +201,10 @@ def race(port: int, reference: Reference, args) -> dict:
                                                    else [reference.embed(kind, [i])[0] for i in batch]))]
                 results = {}
                 for name, fn in (sides if round_ % 2 == 0 else sides[::-1]):
+                    hits = prefix_hits(port)
                     seconds, results[name] = timed(fn)
+                    if name == "ours":
+                        CACHED.setdefault((kind, mode), []).append((prefix_hits(port) - hits) / len(batch))
                     rows.setdefault((kind, mode), {}).setdefault(name, []).append(len(batch) / seconds)
                 worst = max(worst, *(rel_l2(a, b) for a, b in zip(results["ours"], results["transformers"])))
                 gc.collect()
@@ -198,6 +216,46 @@ def race(port: int, reference: Reference, args) -> dict:
                       "round_ratios": [a / b for a, b in zip(sides["ours"], sides["transformers"])]})
     tokens = {kind: f"{min(n):.0f}-{max(n):.0f}" for kind, n in TOKENS.items()}
     return {"rows": table, "max_rel_l2": worst, "prompt_tokens_per_item": tokens}
+
+
+def item_gflop(model: Path, kind: str, tokens: float, image: int) -> float:
+    """An item's useful work, GFLOP: the language model's linears over `tokens` prompt tokens
+    (attention's products left out), plus the tower over one `image`-sided image for an image
+    item. A lower bound: padding and attention are not counted."""
+    from emitter.config import load_model_config
+    from runtime.bench.vision import vision_flops
+    from runtime.checkpoints.text import model_text_config
+
+    t, _ = model_text_config(model)
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    per_token = 2 * t.num_hidden_layers * t.hidden_size * (2 * q + 2 * kv + 3 * t.intermediate_size)
+    flops = per_token * tokens
+    if kind == "image":
+        v = load_model_config(model)
+        side = image // v.patch_size
+        flops += vision_flops(v, [(1, side, side)])
+    return flops / 1e9
+
+
+def roofs(model: Path, result: dict, args) -> None:
+    """Each row's GFLOP/s (items/s x an item's useful GFLOP: transformers computes every prompt
+    token, ours those its prefix cache did not hold) beside the cores' FMA peak in this
+    precision, measured now (benchmarks/fma_peak.py)."""
+    import tempfile
+
+    import fma_peak
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fma_peak.main(["--threads", str(args.threads), "--repeats", "3", "--json", f"{tmp}/peak.json"])
+        peak = json.loads(Path(f"{tmp}/peak.json").read_text())[args.precision]["best"]
+    result["fma_peak_gflops"] = peak
+    for row in result["rows"]:
+        tokens, cached = statistics.mean(TOKENS[row["items"]]), statistics.mean(CACHED[row["items"], row["mode"]])
+        row["cached_tokens_per_item"] = cached
+        row["item_gflop"] = {side: item_gflop(model, row["items"], tokens - skipped, args.image)
+                             for side, skipped in (("ours", cached), ("transformers", 0))}
+        for side in ("ours", "transformers"):
+            row[f"{side}_gflops"] = row[f"{side}_items_per_s"]["median"] * row["item_gflop"][side]
 
 
 def checkpoint(args) -> Path:
@@ -234,6 +292,8 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="the server's KV cache, GB")
     p.add_argument("--prompt-bucket", type=int, action="append", help="the server's --prompt-bucket (repeatable)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", choices=list(DTYPES), default="f32",
+                   help="both sides': the server's --precision, transformers' dtype")
     p.add_argument("--startup-timeout", type=float, default=3600)
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
@@ -241,22 +301,28 @@ def main() -> None:
     port = free_port()
     server = start_server(model, port, args)
     try:
-        reference = Reference(model, args.threads)
+        reference = Reference(model, args.threads, args.precision)
         result = race(port, reference, args)
     finally:
         server.terminate()
         server.wait()
+    del reference
+    gc.collect()
+    roofs(model, result, args)
     result.update(cpu=cpu_line(), threads=args.threads, preset=args.preset, layers=args.layers,
                   prompt_buckets=args.prompt_bucket or "the server's default",
-                  image=f"{args.image}x{args.image}", precision="f32 (both)", rounds=args.rounds)
+                  image=f"{args.image}x{args.image}", precision=f"{args.precision} (both)", rounds=args.rounds)
     print(f"{result['cpu']}, {args.threads} threads, {args.preset}"
-          f"{f' ({args.layers} layers)' if args.layers else ''}, f32; vectors relL2 <= {result['max_rel_l2']:.1e}; "
+          f"{f' ({args.layers} layers)' if args.layers else ''}, {args.precision}; vectors relL2 <= {result['max_rel_l2']:.1e}; "
           f"prompt tokens an item: {result['prompt_tokens_per_item']}")
-    print(f"{'items':6} {'mode':8} {'ours items/s':>22} {'transformers items/s':>22} {'ratio':>6}")
+    print(f"{'items':6} {'mode':8} {'ours items/s':>22} {'transformers items/s':>22} {'ratio':>6}  "
+          f"cached  GFLOP/s ours / theirs, of the {args.precision} FMA peak {result['fma_peak_gflops']:.0f}")
     for row in result["rows"]:
         fmt = lambda s: f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"  # noqa: E731
+        pct = lambda side: f"{row[side + '_gflops']:.0f} ({row[side + '_gflops'] / result['fma_peak_gflops']:.0%})"  # noqa: E731
         print(f"{row['items']:6} {row['mode']:8} {fmt(row['ours_items_per_s']):>22} "
-              f"{fmt(row['transformers_items_per_s']):>22} {row['ratio']:>5.2f}x")
+              f"{fmt(row['transformers_items_per_s']):>22} {row['ratio']:>5.2f}x  {row['cached_tokens_per_item']:6.1f}  "
+              f"{pct('ours')} / {pct('transformers')}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
