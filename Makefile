@@ -29,9 +29,10 @@ $(VENV)/.test-deps: pyproject.toml $(BIN)/emit-qwen3vl
 	@touch $@
 
 # Two workers, each test file whole on one (its module fixtures built once): 27 min 49 s for
-# the suite on a 2-core Zen 4, against 45 min 37 s in one process.
+# the suite on a 2-core Zen 4, against 45 min 37 s in one process. A test still running after
+# 30 min prints every thread's stack and ends its worker (a hang fails, named, instead of CI's clock).
 test: test-deps kernels
-	QWEN3VL_REQUIRE_REFERENCES=1 $(BIN)/pytest -q -n 2 --dist loadfile --durations=15
+	QWEN3VL_REQUIRE_REFERENCES=1 $(BIN)/pytest -q -n 2 --dist loadfile --durations=15 --timeout 1800 --timeout-method thread
 
 # Only the checks against transformers (and the other reference implementations).
 parity: test-deps

@@ -124,3 +124,12 @@ def q4_0_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d))
     q = np.minimum(np.floor(groups * inverse[:, :, None] + np.float32(8.5)), 15) - 8
     return q.astype(np.int8).reshape(n, k), d.astype(np.float16)
+
+
+def exec_after(setup: str, command: list[str]) -> list[str]:
+    """`command` run after the Python statements `setup` (a resource limit, a signal's
+    disposition) in a launcher that then execs it, for a child of the test process: what a
+    preexec_fn would do, without Python code between fork and exec in a process with threads
+    (there a garbage collection in the child can hang it for good)."""
+    import sys
+    return [sys.executable, "-S", "-c", f"{setup}; import os, sys; os.execv(sys.argv[1], sys.argv[1:])", *command]

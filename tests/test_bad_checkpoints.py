@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from emitter.config import PRESETS, load_model_config
+from helpers import exec_after
 from runtime.checkpoints.tensor_files import INDEX_NAME, CheckpointError
 from runtime.checkpoints.vision import check_checkpoint, load_vision_weights
 from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
@@ -259,9 +259,10 @@ def test_index_entry_not_a_file_in_the_folder(tmp_path, shard):
 
 # --------------------------------------------------------------------------- random-checkpoint
 
-def random_checkpoint(folder, *args, preexec_fn=None):
-    return subprocess.run([QWEN3VL, "random-checkpoint", str(folder), *args], capture_output=True, text=True,
-                          preexec_fn=preexec_fn)
+def random_checkpoint(folder, *args, setup=None):
+    """`qwen3vl random-checkpoint FOLDER ARGS`, after the Python statements `setup` if given."""
+    command = [QWEN3VL, "random-checkpoint", str(folder), *args]
+    return subprocess.run(exec_after(setup, command) if setup else command, capture_output=True, text=True)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -298,11 +299,9 @@ def test_random_checkpoint_removes_a_killed_writers_temp_folder(tmp_path):
 def test_random_checkpoint_failed_write_leaves_nothing(tmp_path):
     """A write that fails part way (here a file-size limit: the kernel refuses the write
     past 100 kB, as a full disk would) leaves neither the folder nor any temp behind."""
-    def limit_file_size():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-
     target = tmp_path / "m"
-    msg = one_line_error(random_checkpoint(target, preexec_fn=limit_file_size), str(target), "cannot write")
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))"
+    msg = one_line_error(random_checkpoint(target, setup=limit), str(target), "cannot write")
     assert ".tmp" not in msg  # named by the folder asked for, not the temp one
     assert os.listdir(tmp_path) == []
 

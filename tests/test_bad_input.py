@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from emitter.atomic import WriteError, temp_prefix, write_atomic
 from emitter.config import PRESETS
+from helpers import exec_after
 from runtime.checkpoints.synthetic import DEFAULT_PROCESSOR, write_checkpoint
 
 BIN = Path(sys.executable).parent
@@ -53,9 +54,10 @@ def tiny(tmp_path_factory):
     return folder / "model", image
 
 
-def run(model, image, *args, cache_dir, bucket="64", preexec_fn=None, env=None):
-    return subprocess.run([QWEN3VL, "run", "--model", str(model), str(image), "--cache-dir", cache_dir,
-                           "--bucket", bucket, *args], capture_output=True, text=True, preexec_fn=preexec_fn, env=env)
+def run(model, image, *args, cache_dir, bucket="64", setup=None, env=None):
+    """`qwen3vl run`, after the Python statements `setup` if given."""
+    command = [QWEN3VL, "run", "--model", str(model), str(image), "--cache-dir", cache_dir, "--bucket", bucket, *args]
+    return subprocess.run(exec_after(setup, command) if setup else command, capture_output=True, text=True, env=env)
 
 
 # --------------------------------------------------------------------------- run
@@ -123,11 +125,8 @@ def test_bucket_that_exhausts_the_allocator_is_a_one_line_error(tiny, cache_dir,
     warm = run(model, image, "--threads", "1", bucket="8192", cache_dir=cache_dir)  # compile, unlimited
     assert warm.returncode == 0, warm.stderr
 
-    def limit_address_space():
-        import resource
-        resource.setrlimit(resource.RLIMIT_AS, (640 << 20, 640 << 20))
-
-    result = run(model, image, "--threads", "1", bucket="8192", cache_dir=cache_dir, preexec_fn=limit_address_space,
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_AS, (640 << 20, 640 << 20))"
+    result = run(model, image, "--threads", "1", bucket="8192", cache_dir=cache_dir, setup=limit,
                  env=dict(os.environ, MALLOC_ARENA_MAX="1"))
     one_line_error(result, "--bucket 8192", "does not fit in memory")
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import exec_after
+
 WORKER = r"""
 import signal, sys, time
 import numpy as np
@@ -109,11 +111,11 @@ INTERRUPTED = WORKER.replace("from runtime.commands.main import terminated", "fr
 assert "with command_errors()" in INTERRUPTED
 
 
-def as_in_a_terminal() -> None:
-    """A child's SIGINT handled by default, as under a terminal's shell, whatever the test
-    runner inherited (a shell's background job starts with SIGINT ignored, and Python then
-    installs no Ctrl-C handler): the `preexec_fn` of the Ctrl-C tests' children."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def as_in_a_terminal(command: list[str]) -> list[str]:
+    """`command` with its SIGINT handled by default, as under a terminal's shell, whatever the
+    test runner inherited (a shell's background job starts with SIGINT ignored, and Python
+    then installs no Ctrl-C handler): the Ctrl-C tests' children."""
+    return exec_after("import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)", command)
 
 
 def interrupted(child: subprocess.Popen, wait_for) -> tuple[int, str]:
@@ -133,8 +135,8 @@ def interrupted(child: subprocess.Popen, wait_for) -> tuple[int, str]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads CPU time from /proc")
 def test_ctrl_c_during_a_long_call_is_one_line_and_130():
-    child = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=Path(__file__).resolve().parents[1], preexec_fn=as_in_a_terminal)
+    child = subprocess.Popen(as_in_a_terminal([sys.executable, "-c", INTERRUPTED]), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     status, stderr = interrupted(child, lambda: computing(child) is None)
     assert status == 130, stderr
     assert stderr.strip().splitlines() == ["error: interrupted (SIGINT)"]
@@ -145,9 +147,9 @@ def test_ctrl_c_during_a_compile_is_one_line_and_130(tmp_path):
     from test_bad_input import children_named
 
     qwen3vl = str(Path(sys.executable).parent / "qwen3vl")
-    child = subprocess.Popen([qwen3vl, "build", "--preset", "qwen3-vl-2b", "--bucket", "64", "--cache-dir",
-                              str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=as_in_a_terminal)
+    child = subprocess.Popen(as_in_a_terminal([qwen3vl, "build", "--preset", "qwen3-vl-2b", "--bucket", "64",
+                                               "--cache-dir", str(tmp_path)]),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     status, stderr = interrupted(child, lambda: children_named(child.pid, "iree-compile"))
     assert status == 130, stderr
     assert stderr.strip().splitlines()[-1] == "error: interrupted (SIGINT)" and "Aborted" not in stderr

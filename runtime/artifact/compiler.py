@@ -3,13 +3,14 @@
 iree-compile runs as our own child process, tied to us: it is killed when we die
 (PR_SET_PDEATHSIG on Linux, even on SIGKILL) or when the call is interrupted
 (KeyboardInterrupt, SystemExit from a SIGTERM handler), so no compile outlives the
-command that asked for it."""
+command that asked for it. The death signal is set by a small launcher that then execs
+iree-compile (`tied_to_us`), not by a preexec_fn: Python code between fork and exec in a
+process with threads can hang for good (the child's garbage collector once freed a PyAV
+frame whose thread pool's condition variable then waited forever)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 
@@ -23,9 +24,11 @@ from kernels.build import search_flags
 # What iree.compiler.compile_str put before our flags; kept so the vmfb stays the same.
 BASE_FLAGS = ("--iree-input-type=auto", "--iree-vm-bytecode-module-output-format=flatbuffer-binary",
               "--mlir-print-debuginfo", "--mlir-print-op-on-diagnostic=false")
-PR_SET_PDEATHSIG = 1
-# Looked up here, not in the forked child: between fork and exec the child only makes the call.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+# Run with `python -S -c LAUNCHER PARENT_PID COMMAND...` (no site, no threads): asks the kernel
+# to SIGKILL it when its parent thread exits, leaves at once if the parent is already gone,
+# then becomes COMMAND.
+LAUNCHER = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
+            "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])")
 
 
 class CompileError(Failure):
@@ -39,11 +42,12 @@ class CompileError(Failure):
         return f"{lines[0].rstrip(':')}: {reason}" if reason else lines[0]
 
 
-def die_with_parent() -> None:
-    """In the child, before exec: ask the kernel to SIGKILL us when the thread that
-    started us exits (Linux; elsewhere a no-op)."""
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def tied_to_us(command: list[str]) -> list[str]:
+    """`command` started so that it is SIGKILLed when the thread that starts it exits
+    (Linux; elsewhere `command` as it is)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", LAUNCHER, str(os.getpid()), *command]
 
 
 def compile_command(target: str = "llvm-cpu", extra_flags=()) -> list[str]:
@@ -68,7 +72,7 @@ def compile_mlir(text: str, target: str = "llvm-cpu", extra_flags=()) -> bytes:
     """Compile StableHLO text for `target` with the flags the identity records."""
     command = compile_command(target, extra_flags)
     # run() kills the child on any exception while waiting (KeyboardInterrupt, SystemExit).
-    done = subprocess.run(command, input=text.encode("utf-8"), capture_output=True, preexec_fn=die_with_parent)
+    done = subprocess.run(tied_to_us(command), input=text.encode("utf-8"), capture_output=True)
     if done.returncode != 0:
         reason = (f"killed by signal {-done.returncode}" if done.returncode < 0
                   else f"exit status {done.returncode}")
