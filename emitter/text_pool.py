@@ -28,7 +28,7 @@ def pool_lanes_name(bucket: int, lanes: int) -> str:
 
 
 def pool_lane_counts(shape: TextShape) -> list[int]:
-    """The lane counts of a pooling module's batched entries (its smallest bucket's: the short
+    """The lane counts of a pooling module's batched entries (its lane bucket's: the short
     items that gain from sharing a call): 2, 4, ... up to its lanes."""
     return [n for n in lane_counts(shape.lanes) if n > 1]
 

@@ -5,12 +5,14 @@ a prompt is cut into chunks (`prefill_chunks`). The graph itself: emitter/text.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .kv_pages import BLOCK
 
 MODULE_NAME = "qwen3vl_text"
 PREFILL, DECODE, RESET, POOL = "prefill", "decode", "reset", "pool"
 KV_DTYPES = ("f32", "bf16")
+LANE_ROWS = 32  # the least rows of a lane in a batched pooling call: a 16-row bucket is a tail only
 KV_CACHE_HELP = ("KV cache element type: bf16 halves the cache's memory, its keys and values rounded to bf16 "
                  "(docs/text.md gives the distance from f32).")
 
@@ -81,6 +83,12 @@ class TextShape:
     def max_blocks(self) -> int:
         return self.slots // BLOCK
 
+    @property
+    def lane_bucket(self) -> int:
+        """The bucket of a pooling module's lane-batched entries `pool_<S>x<B>`: the smallest
+        of at least LANE_ROWS rows (a smaller one is a tail for `prefill_chunks`), else the largest."""
+        return next((b for b in self.buckets if b >= LANE_ROWS), self.buckets[-1])
+
 
 def prefill_name(bucket: int) -> str:
     return f"{PREFILL}_{bucket}"
@@ -115,17 +123,38 @@ class Chunk:
         return (self.start + self.size) // BLOCK
 
 
+# What one more call costs beside its rows, in rows: every call reads the weights whole once
+# (2B f32: 6.9 GB, at 25-30 GB/s about what 16 rows' matmuls take at the FMA peak).
+CALL_ROWS = BLOCK
+
+
 def prefill_chunks(n: int, shape: TextShape, start: int = 0) -> list[Chunk] | None:
     """The calls that prefill slots start..n-1 of a prompt of n tokens (slots before
-    `start` already cached; a multiple of BLOCK): each chunk the smallest bucket that holds
-    the rest, or the largest, attending over its sequence's slots up to its end. None if the last one
-    would end past the sequence's slots (only a `start` that is not a multiple of the
-    largest bucket can do that)."""
+    `start` already cached; a multiple of BLOCK), attending over its sequence's slots up to
+    each one's end: the buckets that cover the rest at the least rows, each call counted
+    CALL_ROWS more (`chunk_plan`), largest first. None if the last one would end past the
+    sequence's slots (only a `start` that is not a multiple of the largest bucket can do that)."""
     chunks = []
-    while start < n:
-        size = next((b for b in shape.buckets if b >= n - start), shape.buckets[-1])
-        if start + size > shape.slots:
-            return None
+    for size in chunk_plan(-(-(n - start) // BLOCK), shape.buckets):
         chunks.append(Chunk(start, size))
         start += size
-    return chunks
+    return None if chunks and start > shape.slots else chunks
+
+
+@lru_cache(maxsize=4096)
+def chunk_plan(blocks: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The buckets (largest first) whose rows hold `blocks` blocks at the least cost, a
+    call's cost its rows and CALL_ROWS: 78 rows (5 blocks) over buckets 16, 64, 128 are
+    64 + 16, not 128; 300 over 128, 512 are 3 x 128, not 512."""
+    plans = [()]  # plans[b]: the plan for b blocks
+    costs = [0]
+    for b in range(1, blocks + 1):
+        best = None
+        for size in sorted(buckets, reverse=True):  # ties: the larger first call
+            rest = max(0, b - size // BLOCK)
+            cost = size + CALL_ROWS + costs[rest]
+            if best is None or cost < best[0]:
+                best = (cost, (size,) + plans[rest])
+        costs.append(best[0])
+        plans.append(tuple(sorted(best[1], reverse=True)))
+    return plans[blocks]

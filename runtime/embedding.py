@@ -176,23 +176,23 @@ def embed(gen, messages: list[dict], media=(), dimensions: int | None = None, en
 
 
 def batched(text, prompt, start: int) -> bool:
-    """Whether `prompt` (its slots from `start` on) is one chunk of the smallest bucket, as a
-    lane of the batched entry `pool_<S0>x<B>` (emitter/text_pool.py) takes it."""
-    bucket = text.buckets[0]
+    """Whether `prompt` (its slots from `start` on) is one chunk of the lane bucket, as a
+    lane of the batched entry `pool_<S>x<B>` (emitter/text_pool.py) takes it."""
+    bucket = text.shape.lane_bucket
     return int(prompt.ids.size) - start <= bucket and start + bucket <= text.slots and text.shape.pooled
 
 
 def pooled_rows(text, seqs, prompts, starts) -> np.ndarray:
     """The final normed hidden states [n, D] of n (2 to the lanes) prompts' last tokens, each
     `batched` in the block table `seqs[i]` from slot `starts[i]`, in one call of the smallest
-    `pool_<S0>x<B>` that holds them (spare lanes repeat lane 0 whole); their full blocks then
+    `pool_<S>x<B>` that holds them (spare lanes repeat lane 0 whole); their full blocks then
     keyed for the prefix cache, as `TextSession.prefill_blocks` keys them."""
     from emitter.text_pool import pool_lane_counts, pool_lanes_inputs, pool_lanes_name
     from emitter.text_shape import Chunk
     from runtime.artifact.iree_module import invoke
     from runtime.outputs import check_finite
 
-    n, bucket = len(seqs), text.buckets[0]
+    n, bucket = len(seqs), text.shape.lane_bucket
     lanes = next(b for b in pool_lane_counts(text.shape) if b >= n)
     chunks = [Chunk(start, bucket) for start in starts]
     blocks = max(chunk.blocks for chunk in chunks)

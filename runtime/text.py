@@ -49,8 +49,10 @@ from runtime.kv_cache import BlockPool, Blocks, block_keys
 DEFAULT_PROMPT_BUCKETS = (128, 512)  # a longer prompt runs in chunks of the largest
 # an embedding model's (runtime/embedding.py): its items are mostly short (a query or a caption
 # with its instruction, 20-60 tokens), so a 64-token bucket halves their padding (2B f32, Zen 5:
-# text items 1.07 against 0.54 a second; docs/performance.md, Embeddings against transformers)
-POOLING_PROMPT_BUCKETS = (64, 128, 512)
+# text items 1.07 against 0.54 a second), and a 16-token one takes a rest's tail (an image
+# item's 78 rows as 64 + 16, not 128: 0.45 against 0.36 items a second, 2B f32, Zen 4;
+# docs/performance.md, Embeddings against transformers)
+POOLING_PROMPT_BUCKETS = (16, 64, 128, 512)
 DEFAULT_CONTEXT = 4096  # the least default context (and a TextSession's when none is given)
 CONTEXT_LADDER = (4096, 8192, 16384, 32768)  # generate takes the least that holds its request
 

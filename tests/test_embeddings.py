@@ -130,6 +130,24 @@ def test_embedding_matches_transformers(setup, kind):
     assert abs(np.linalg.norm(vector) - 1) < 1e-6
 
 
+def test_a_tail_bucket_takes_the_rest(setup):
+    """Over buckets 16 and 64 an item's rest runs as 64s and a 16-row tail (`prefill_chunks`
+    pads the fewest rows), the last through `pool_16`: transformers' vector within 1e-5, and
+    the (32, 64) module's."""
+    from emitter.text_shape import prefill_chunks
+
+    gen, model_dir, images, _ = setup
+    tail = Generator(model_dir, buckets=(16, 64), context=512, cache_dir=gen.text.cache.root,
+                     pooling=resolve_pooling(model_dir))
+    assert tail.text.shape.lane_bucket == 64  # 16 rows are a tail only
+    item = next(item for words in range(10, 40) for item in [dict(text=long_text(words, 2), image=images[0])]
+                if [c.size for c in prefill_chunks(ours(gen, **item)[1], tail.text.shape)][-2:] == [64, 16])
+    vector, _ = ours(tail, **item)
+    _, expected = reference_item(model_dir, **item)
+    assert rel_l2(vector, expected) <= TOL, rel_l2(vector, expected)
+    assert rel_l2(vector, ours(gen, **item)[0]) <= 1e-6
+
+
 def test_two_prompts_in_one_call(setup):
     """pool_32x2 (emitter/text_pool.py): two prompts' rests, each one chunk of the smallest
     bucket from its own slot (the shared instruction's block found in the prefix cache), in

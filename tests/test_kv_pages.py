@@ -10,7 +10,7 @@ import pytest
 
 from emitter.config import PRESETS
 from emitter.kv_pages import BLOCK
-from emitter.text_shape import TextShape, TextShapeError, prefill_chunks
+from emitter.text_shape import Chunk, TextShape, TextShapeError, chunk_plan, prefill_chunks
 from emitter.text_config import TEXT_PRESETS
 from runtime.inputs.chat import Prompt
 from runtime.kv_cache import BlockPool, Blocks, block_keys
@@ -137,8 +137,22 @@ def test_shapes_are_checked():
     shape = TextShape((32, 128), 1000, lanes=2)
     assert shape.slots == 1024 and shape.blocks == 2 * 64 + 1
     chunks = prefill_chunks(300, shape, 0)
-    assert [(c.start, c.size, c.blocks) for c in chunks] == [(0, 128, 8), (128, 128, 16), (256, 128, 24)]
+    # 44 rows after two whole chunks: 32 + 32 (64 rows and two calls, counted 96) rather than 128 (144)
+    assert [(c.start, c.size, c.blocks) for c in chunks] == [(0, 128, 8), (128, 128, 16), (256, 32, 18), (288, 32, 20)]
     assert [(c.start, c.size) for c in prefill_chunks(300, shape, 288)] == [(288, 32)]
     assert prefill_chunks(1020, shape, 1008) is None or prefill_chunks(1020, shape, 1008)[-1].start + 32 <= 1024
     assert BLOCK == 16
+
+
+def test_chunk_plans_pad_the_fewest_rows():
+    """A prompt's rest runs in the buckets that cover it at the least rows, each call counted
+    one block more (it reads every weight): a tail bucket takes the remainder, and a few
+    smaller calls beat one mostly padded large one."""
+    assert chunk_plan(5, (16, 64, 128)) == (64, 16)  # 78 rows: 80, not 128
+    assert chunk_plan(6, (16, 64, 128, 512)) == (128,)  # 96: 128 + 16 ties 64 + 16 + 16: the larger first
+    assert chunk_plan(19, (128, 512)) == (128, 128, 128)  # 300: 384 rows in three calls, not 512 in one
+    assert chunk_plan(63, (128, 512)) == (512, 512)  # 1000
+    assert chunk_plan(1, (64, 128)) == (64,)
+    assert chunk_plan(0, (64,)) == ()
+    assert prefill_chunks(300, TextShape((128, 512), 4096), 256) == [Chunk(256, 128)]  # from a cached prefix
 

@@ -18,8 +18,8 @@ Each item is a job of the engine (runtime/serve/scheduler.py, `Job.pooled`), sta
 decode steps, even while every lane decodes (`start_pooled`, on the engine's thread): it and
 the embedding jobs right behind it in line, as many as the module's batched entry has lanes,
 are prepared and placed in blocks (a shared prefix, e.g. the instruction, found in the prefix
-cache); those whose rest is one chunk of the smallest bucket are prefilled and pooled
-together, in calls of exactly B of them (`pool_<S0>x<B>`, emitter/text_pool.py; `lane_groups`:
+cache); those whose rest is one chunk of the lane bucket (`TextShape.lane_bucket`) are prefilled and
+pooled together, in calls of exactly B of them (`pool_<S>x<B>`, emitter/text_pool.py; `lane_groups`:
 no spare lane), the others each alone through `pool_<S>`. At
 most WINDOW (or the lanes, if more) of a request's items wait in the queue at once. Nothing is tokenized or decoded
 on the event loop.
