@@ -146,15 +146,14 @@ def chunk_plan(blocks: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
     """The buckets (largest first) whose rows hold `blocks` blocks at the least cost, a
     call's cost its rows and CALL_ROWS: 78 rows (5 blocks) over buckets 16, 64, 128 are
     64 + 16, not 128; 300 over 128, 512 are 3 x 128, not 512."""
-    plans = [()]  # plans[b]: the plan for b blocks
-    costs = [0]
+    costs, firsts = [0], [0]  # for b blocks: the least cost, and the first call's bucket of a plan at it
     for b in range(1, blocks + 1):
-        best = None
-        for size in sorted(buckets, reverse=True):  # ties: the larger first call
-            rest = max(0, b - size // BLOCK)
-            cost = size + CALL_ROWS + costs[rest]
-            if best is None or cost < best[0]:
-                best = (cost, (size,) + plans[rest])
-        costs.append(best[0])
-        plans.append(tuple(sorted(best[1], reverse=True)))
-    return plans[blocks]
+        # ties: the larger first call
+        cost, first = min((size + CALL_ROWS + costs[max(0, b - size // BLOCK)], -size) for size in buckets)
+        costs.append(cost)
+        firsts.append(-first)
+    plan = []
+    while blocks > 0:
+        plan.append(firsts[blocks])
+        blocks -= firsts[blocks] // BLOCK
+    return tuple(sorted(plan, reverse=True))
