@@ -32,8 +32,8 @@ pool_<S> (only in a pooling module, `TextShape.pooled`: an embedding model's): p
   arguments and K/V writes, -> hidden [1, D] f32: the final RMSNorm of token `last`'s hidden
   state instead of its logits (the runtime runs a prompt's last chunk through it: last-token
   pooling; a generative module's entries, identity and MLIR are as without it); and
-  pool_<S>x<B>, B such prompts of one chunk of the lane bucket S (`TextShape.lane_bucket`)
-  in one call (emitter/text_pool.py).
+  pool_<S>x<B>, B such prompts' chunks of S rows in one call, S each of the lane buckets
+  (`TextShape.lane_buckets`: the lane bucket and its tails; emitter/text_pool.py).
 decode_<B> (B lanes, each one token of a sequence; L holds every lane's slot):
   tokens [B] i32, positions [3, B] i32, slots [B] i32 (lane i's token's slot = its text
   position), tables [B, N] i32 (each lane's sequence's first N blocks; distinct

@@ -18,7 +18,7 @@ def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, p
                      functions: str = "all") -> str:
     """MLIR text of the language-model module (deterministic: same input, same bytes):
     `prefill_<S>` for each bucket S, `decode_<B>` for each lane count B, and `reset`; a pooling
-    shape's `pool_<S>` and `pool_<S>x<B>` (S its lane bucket) too (text_pool.py; `functions` "prefill" or
+    shape's `pool_<S>` and `pool_<S>x<B>` (S each of its lane buckets) too (text_pool.py; `functions` "prefill" or
     "decode": only those, for benchmarks)."""
     precision = for_graph(precision)
     entries = []
@@ -27,8 +27,8 @@ def emit_text_module(cfg: TextConfig, shape: TextShape, deepstack_layers: int, p
         if shape.pooled:
             entries += [prefill_function(cfg, shape, s, deepstack_layers, precision, pooled=True)
                         for s in shape.buckets]
-            entries += [pool_lanes_function(cfg, shape, shape.lane_bucket, n, deepstack_layers, precision)
-                        for n in pool_lane_counts(shape)]
+            entries += [pool_lanes_function(cfg, shape, s, n, deepstack_layers, precision)
+                        for s in shape.lane_buckets for n in pool_lane_counts(shape)]
     if functions in ("all", "decode"):
         entries += [decode_function(cfg, shape, n, precision) for n in lane_counts(shape.lanes)]
     entries.append(reset_function(cfg, shape, precision))

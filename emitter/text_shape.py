@@ -89,6 +89,12 @@ class TextShape:
         of at least LANE_ROWS rows (a smaller one is a tail for `prefill_chunks`), else the largest."""
         return next((b for b in self.buckets if b >= LANE_ROWS), self.buckets[-1])
 
+    @property
+    def lane_buckets(self) -> tuple[int, ...]:
+        """The buckets of the lane-batched entries: the lane bucket and those below it (its
+        tails), so that items whose rests are planned alike share each chunk's call."""
+        return tuple(b for b in self.buckets if b <= self.lane_bucket)
+
 
 def prefill_name(bucket: int) -> str:
     return f"{PREFILL}_{bucket}"

@@ -175,42 +175,54 @@ def embed(gen, messages: list[dict], media=(), dimensions: int | None = None, en
     return finish(gen.text.pooled_row(prompt), gen.pooling.normalize, dimensions), int(prompt.ids.size)
 
 
-def batched(text, prompt, start: int) -> bool:
-    """Whether `prompt` (its slots from `start` on) is one chunk of the lane bucket, as a
-    lane of the batched entry `pool_<S>x<B>` (emitter/text_pool.py) takes it."""
-    bucket = text.shape.lane_bucket
-    return int(prompt.ids.size) - start <= bucket and start + bucket <= text.slots and text.shape.pooled
+def lane_plan(text, prompt, start: int) -> tuple[int, ...] | None:
+    """The chunk sizes that prefill `prompt`'s slots from `start` (`prefill_chunks`) when each
+    is a lane bucket (`TextShape.lane_buckets`), so that the batched entries `pool_<S>x<B>`
+    (emitter/text_pool.py) take them; None otherwise. Prompts of one plan share its calls."""
+    from emitter.text_shape import prefill_chunks
+
+    if not text.shape.pooled:
+        return None
+    chunks = prefill_chunks(int(prompt.ids.size), text.shape, start)
+    if not chunks or any(c.size not in text.shape.lane_buckets for c in chunks):
+        return None
+    return tuple(c.size for c in chunks)
 
 
 def pooled_rows(text, seqs, prompts, starts) -> np.ndarray:
     """The final normed hidden states [n, D] of n (2 to the lanes) prompts' last tokens, each
-    `batched` in the block table `seqs[i]` from slot `starts[i]`, in one call of the smallest
-    `pool_<S>x<B>` that holds them (spare lanes repeat lane 0 whole); their full blocks then
+    in the block table `seqs[i]` from slot `starts[i]`, all of one `lane_plan`: chunk by chunk,
+    the n prompts' chunks in one call of the smallest `pool_<S>x<B>` that holds them (spare
+    lanes repeat lane 0 whole; an earlier chunk's rows are not used); their full blocks then
     keyed for the prefix cache, as `TextSession.prefill_blocks` keys them."""
     from emitter.text_pool import pool_lane_counts, pool_lanes_inputs, pool_lanes_name
     from emitter.text_shape import Chunk
     from runtime.artifact.iree_module import invoke
     from runtime.outputs import check_finite
 
-    n, bucket = len(seqs), text.shape.lane_bucket
+    n = len(seqs)
+    plan = lane_plan(text, prompts[0], starts[0])
+    if plan is None or any(lane_plan(text, p, s) != plan for p, s in zip(prompts, starts)):
+        raise ValueError("pooled_rows: expected prompts of one lane plan")
     lanes = next(b for b in pool_lane_counts(text.shape) if b >= n)
-    chunks = [Chunk(start, bucket) for start in starts]
-    blocks = max(chunk.blocks for chunk in chunks)
-    per_lane = []
-    for prompt, chunk in zip(prompts, chunks):
-        ids = np.asarray(prompt.ids, np.int64).reshape(-1)
-        text._check_ids(ids)
-        per_lane.append(text.prefill_arguments(chunk, ids, prompt.positions, prompt.visual, prompt.embeds,
-                                               prompt.deepstack))
-    per_lane += [per_lane[0]] * (lanes - n)
-    names = [name for name, _, _ in pool_lanes_inputs(text.cfg, bucket, lanes, text.deepstack_layers)]
-    axes = {"deepstack": 1, "positions": 1}
-    args = [np.ascontiguousarray(np.stack([lane[i] for lane in per_lane], axis=axes.get(name, 0)))
-            for i, name in enumerate(names[:-2])]
     order = list(range(n)) + [0] * (lanes - n)
-    starts = np.array([starts[i] for i in order], np.int32)
-    tables = np.stack([text.pool.table(seqs[i], blocks) for i in order])
-    result = invoke(text.module[pool_lanes_name(bucket, lanes)], *args, starts, tables)
+    ids = [np.asarray(prompt.ids, np.int64).reshape(-1) for prompt in prompts]
+    for one in ids:
+        text._check_ids(one)
+    offset = 0
+    for bucket in plan:
+        chunks = [Chunk(start + offset, bucket) for start in starts]
+        blocks = max(chunk.blocks for chunk in chunks)
+        per_lane = [text.prefill_arguments(chunk, one, prompt.positions, prompt.visual, prompt.embeds, prompt.deepstack)
+                    for chunk, one, prompt in zip(chunks, ids, prompts)]
+        names = [name for name, _, _ in pool_lanes_inputs(text.cfg, bucket, lanes, text.deepstack_layers)]
+        axes = {"deepstack": 1, "positions": 1}
+        args = [np.ascontiguousarray(np.stack([per_lane[k][i] for k in order], axis=axes.get(name, 0)))
+                for i, name in enumerate(names[:-2])]
+        lane_starts = np.array([chunks[k].start for k in order], np.int32)
+        tables = np.stack([text.pool.table(seqs[k], blocks) for k in order])
+        result = invoke(text.module[pool_lanes_name(bucket, lanes)], *args, lane_starts, tables)
+        offset += bucket
     hidden = np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]
     check_finite("hidden state", hidden, "the language model")
     for seq in seqs:

@@ -130,16 +130,18 @@ def test_embedding_matches_transformers(setup, kind):
     assert abs(np.linalg.norm(vector) - 1) < 1e-6
 
 
-def test_a_tail_bucket_takes_the_rest(setup):
+def test_a_tail_bucket_takes_the_rest(setup, tmp_path):
     """Over buckets 16 and 64 an item's rest runs as 64s and a 16-row tail (`prefill_chunks`
     pads the fewest rows), the last through `pool_16`: transformers' vector within 1e-5, and
-    the (32, 64) module's."""
+    the (32, 64) module's. Two such items (other images of its size) share each chunk's call,
+    `pool_64x2` then `pool_16x2` (`lane_plan`): each row the (32, 64) module's alone."""
     from emitter.text_shape import prefill_chunks
+    from runtime.embedding import lane_plan, pooled_rows
 
     gen, model_dir, images, _ = setup
-    tail = Generator(model_dir, buckets=(16, 64), context=512, cache_dir=gen.text.cache.root,
+    tail = Generator(model_dir, buckets=(16, 64), context=512, cache_dir=gen.text.cache.root, lanes=2,
                      pooling=resolve_pooling(model_dir))
-    assert tail.text.shape.lane_bucket == 64  # 16 rows are a tail only
+    assert tail.text.shape.lane_bucket == 64 and tail.text.shape.lane_buckets == (16, 64)
     for words in range(10, 40):  # an item whose last chunks over 16 and 64 are 64 and 16
         item = dict(text=long_text(words, 2), image=images[0])
         solo, tokens = ours(gen, **item)
@@ -152,12 +154,32 @@ def test_a_tail_bucket_takes_the_rest(setup):
     assert rel_l2(vector, expected) <= TOL, rel_l2(vector, expected)
     assert rel_l2(vector, solo) <= 1e-6
 
+    text, pictures = tail.text, [write_images(tmp_path, ((96, 64),), seed=s)[0] for s in (5, 6)]
+    for words in range(10, 60):  # two items whose rests after the cached instruction are 64 + 16
+        items = [dict(text=long_text(words, 3), image=p) for p in pictures]
+        prompts = [tail.prepare(item_messages([{"type": "image"}, {"type": "text", "text": i["text"]}]),
+                                [Media("image", i["image"])], 1) for i in items]
+        placed = [text.admit(p) for p in prompts]
+        if {lane_plan(text, p, start) for p, (_, start) in zip(prompts, placed)} == {(64, 16)}:
+            break
+        for seq, _ in placed:
+            text.release(seq)
+    else:
+        pytest.fail("no two items of 10 to 59 words have rests of 64 and 16")
+    try:
+        rows = pooled_rows(text, [seq for seq, _ in placed], prompts, [start for _, start in placed])
+    finally:
+        for seq, _ in placed:
+            text.release(seq)
+    for row, i in zip(rows, items):
+        assert rel_l2(finish(row), ours(gen, **i)[0]) <= 1e-6  # the (32, 64) module's, its own cache
+
 
 def test_two_prompts_in_one_call(setup):
     """pool_32x2 (emitter/text_pool.py): two prompts' rests, each one chunk of the smallest
     bucket from its own slot (the shared instruction's block found in the prefix cache), in
     one call: each row its prompt's alone (`pooled_row`), and transformers' within 1e-5."""
-    from runtime.embedding import batched, pooled_rows
+    from runtime.embedding import lane_plan, pooled_rows
 
     gen, model_dir, images, _ = setup
     items = [dict(text="a cat"), dict(image=images[0])]
@@ -170,7 +192,7 @@ def test_two_prompts_in_one_call(setup):
     text = gen.text
     placed = [text.admit(p) for p in prompts]
     try:
-        assert all(batched(text, p, start) for p, (_, start) in zip(prompts, placed))
+        assert all(lane_plan(text, p, start) == (32,) for p, (_, start) in zip(prompts, placed))
         rows = pooled_rows(text, [seq for seq, _ in placed], prompts, [start for _, start in placed])
     finally:
         for seq, _ in placed:

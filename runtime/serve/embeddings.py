@@ -18,8 +18,9 @@ Each item is a job of the engine (runtime/serve/scheduler.py, `Job.pooled`), sta
 decode steps, even while every lane decodes (`start_pooled`, on the engine's thread): it and
 the embedding jobs right behind it in line, as many as the module's batched entry has lanes,
 are prepared and placed in blocks (a shared prefix, e.g. the instruction, found in the prefix
-cache); those whose rest is one chunk of the lane bucket (`TextShape.lane_bucket`) are prefilled and
-pooled together, in calls of exactly B of them (`pool_<S>x<B>`, emitter/text_pool.py; `lane_groups`:
+cache); those whose rests are planned alike in lane buckets (`runtime.embedding.lane_plan`: chunks of
+the lane bucket and its tails, e.g. an image item's 64 + 16 rows) are prefilled and pooled together,
+chunk by chunk, in calls of exactly B of them (`pool_<S>x<B>`, emitter/text_pool.py; `lane_groups`:
 no spare lane), the others each alone through `pool_<S>`. At
 most WINDOW (or the lanes, if more) of a request's items wait in the queue at once. Nothing is tokenized or decoded
 on the event loop.
@@ -37,7 +38,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from runtime.embedding import (PoolingError, batched, check_dimensions, finish, item_messages, pooled_rows,
+from runtime.embedding import (PoolingError, check_dimensions, finish, item_messages, lane_plan, pooled_rows,
                                with_instruction)
 from runtime.inputs.chat import Media, build_prompt
 from runtime.serve import protocol
@@ -211,7 +212,11 @@ def start_pooled(engine, first: Job) -> bool:
             break
         placed.append((job, *got))
     try:
-        groups = lane_groups([p for p in placed if batched(text, p[0].prompt, p[2])], pool_lane_counts(text.shape))
+        plans: dict[tuple, list] = {}  # items of one lane plan share its calls
+        for p in placed:
+            if (plan := lane_plan(text, p[0].prompt, p[2])) is not None:
+                plans.setdefault(plan, []).append(p)
+        groups = [group for alike in plans.values() for group in lane_groups(alike, pool_lane_counts(text.shape))]
         for job, blocks, start in placed:
             if not any(job is g[0] for group in groups for g in group):
                 try:
