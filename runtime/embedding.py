@@ -189,42 +189,77 @@ def lane_plan(text, prompt, start: int) -> tuple[int, ...] | None:
     return tuple(c.size for c in chunks)
 
 
+def lane_groups(items: list, counts: list[int]) -> list[list]:
+    """`items` in calls of exactly the batched entries' lane counts (`counts`: 2, 4, ...), the
+    largest first; what is left over (one item) goes alone. No lane repeats another: an
+    item costs its tokens' work however it is batched, so a spare lane would be work for
+    nothing (three items: a call of 2 and one alone, not a call of 4)."""
+    groups = []
+    while n := max((c for c in counts if c <= len(items)), default=0):
+        groups.append(items[:n])
+        items = items[n:]
+    return groups
+
+
 def pooled_rows(text, seqs, prompts, starts) -> np.ndarray:
-    """The final normed hidden states [n, D] of n (2 to the lanes) prompts' last tokens, each
-    in the block table `seqs[i]` from slot `starts[i]`, all of one `lane_plan`: chunk by chunk,
-    the n prompts' chunks in one call of the smallest `pool_<S>x<B>` that holds them (spare
-    lanes repeat lane 0 whole; an earlier chunk's rows are not used); their full blocks then
-    keyed for the prefix cache, as `TextSession.prefill_blocks` keys them."""
-    from emitter.text_pool import pool_lane_counts, pool_lanes_inputs, pool_lanes_name
-    from emitter.text_shape import Chunk
-    from runtime.artifact.iree_module import invoke
+    """The final normed hidden states [n, D] of n prompts' last tokens, each with a `lane_plan`
+    in the block table `seqs[i]` from slot `starts[i]`. Step by step (every prompt's first
+    chunk, then the second of those that have one, ...), the step's chunks of one size run
+    in calls of exactly B of them (`pool_<S>x<B>`, `lane_groups`), one left over alone
+    (`pool_<S>`); a prompt's row is its last chunk's. Their full blocks then keyed for the
+    prefix cache, as `TextSession.prefill_blocks` keys them."""
+    from emitter.text_pool import pool_lane_counts
     from runtime.outputs import check_finite
 
-    n = len(seqs)
-    plan = lane_plan(text, prompts[0], starts[0])
-    if plan is None or any(lane_plan(text, p, s) != plan for p, s in zip(prompts, starts)):
-        raise ValueError("pooled_rows: expected prompts of one lane plan")
-    lanes = next(b for b in pool_lane_counts(text.shape) if b >= n)
-    order = list(range(n)) + [0] * (lanes - n)
+    plans = [lane_plan(text, p, s) for p, s in zip(prompts, starts)]
+    if None in plans:
+        raise ValueError("pooled_rows: expected prompts whose chunks are all lane buckets (lane_plan)")
     ids = [np.asarray(prompt.ids, np.int64).reshape(-1) for prompt in prompts]
     for one in ids:
         text._check_ids(one)
-    offset = 0
-    for bucket in plan:
-        chunks = [Chunk(start + offset, bucket) for start in starts]
-        blocks = max(chunk.blocks for chunk in chunks)
-        per_lane = [text.prefill_arguments(chunk, one, prompt.positions, prompt.visual, prompt.embeds, prompt.deepstack)
-                    for chunk, one, prompt in zip(chunks, ids, prompts)]
-        names = [name for name, _, _ in pool_lanes_inputs(text.cfg, bucket, lanes, text.deepstack_layers)]
-        axes = {"deepstack": 1, "positions": 1}
-        args = [np.ascontiguousarray(np.stack([per_lane[k][i] for k in order], axis=axes.get(name, 0)))
-                for i, name in enumerate(names[:-2])]
-        lane_starts = np.array([chunks[k].start for k in order], np.int32)
-        tables = np.stack([text.pool.table(seqs[k], blocks) for k in order])
-        result = invoke(text.module[pool_lanes_name(bucket, lanes)], *args, lane_starts, tables)
-        offset += bucket
-    hidden = np.array(result.to_host(), dtype=np.float32, copy=True).reshape(lanes, -1)[:n]
+    hidden = np.zeros((len(seqs), text.cfg.hidden_size), np.float32)
+    slots = list(starts)
+    for step in range(max(map(len, plans))):
+        sizes: dict[int, list[int]] = {}
+        for i, plan in enumerate(plans):
+            if step < len(plan):
+                sizes.setdefault(plan[step], []).append(i)
+        for bucket, members in sizes.items():
+            groups = lane_groups(members, pool_lane_counts(text.shape))
+            for group in groups + [[i] for i in members[sum(map(len, groups)):]]:
+                hidden[group] = _chunk_call(text, bucket, [(seqs[i], slots[i], ids[i], prompts[i]) for i in group])
+            for i in members:
+                slots[i] += bucket
     check_finite("hidden state", hidden, "the language model")
     for seq in seqs:
         text.pool.remember(seq.ids[seq.keyed:len(seq.keys)], seq.keys[seq.keyed:])
     return hidden
+
+
+def _chunk_call(text, bucket: int, lanes: list[tuple]) -> np.ndarray:
+    """One call for chunks of `bucket` rows, one a lane ((sequence, first slot, ids, prompt)):
+    `pool_<S>` for one, else the smallest `pool_<S>x<B>` that holds them (spare lanes repeat
+    lane 0 whole). The lanes' final normed hidden states of their chunks' last tokens [n, D]."""
+    from emitter.text_pool import pool_lane_counts, pool_lanes_inputs, pool_lanes_name
+    from emitter.text_shape import Chunk, pool_name
+    from runtime.artifact.iree_module import invoke
+
+    chunks = [Chunk(slot, bucket) for _, slot, _, _ in lanes]
+    per_lane = [text.prefill_arguments(chunk, ids, p.positions, p.visual, p.embeds, p.deepstack)
+                for chunk, (_, _, ids, p) in zip(chunks, lanes)]
+    if len(lanes) == 1:
+        result = invoke(text.module[pool_name(bucket)], *per_lane[0], np.array(chunks[0].start, np.int32),
+                        text.pool.table(lanes[0][0], chunks[0].blocks))
+        return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(1, -1)
+    n = len(lanes)
+    width = next(b for b in pool_lane_counts(text.shape) if b >= n)
+    order = list(range(n)) + [0] * (width - n)
+    blocks = max(chunk.blocks for chunk in chunks)
+    names = [name for name, _, _ in pool_lanes_inputs(text.cfg, bucket, width, text.deepstack_layers)]
+    axes = {"deepstack": 1, "positions": 1}
+    args = [np.ascontiguousarray(np.stack([per_lane[k][i] for k in order], axis=axes.get(name, 0)))
+            for i, name in enumerate(names[:-2])]
+    starts = np.array([chunks[k].start for k in order], np.int32)
+    tables = np.stack([text.pool.table(lanes[k][0], blocks) for k in order])
+    result = invoke(text.module[pool_lanes_name(bucket, width)], *args, starts, tables)
+    return np.array(result.to_host(), dtype=np.float32, copy=True).reshape(width, -1)[:n]

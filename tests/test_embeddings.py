@@ -133,8 +133,9 @@ def test_embedding_matches_transformers(setup, kind):
 def test_a_tail_bucket_takes_the_rest(setup, tmp_path):
     """Over buckets 16 and 64 an item's rest runs as 64s and a 16-row tail (`prefill_chunks`
     pads the fewest rows), the last through `pool_16`: transformers' vector within 1e-5, and
-    the (32, 64) module's. Two such items (other images of its size) share each chunk's call,
-    `pool_64x2` then `pool_16x2` (`lane_plan`): each row the (32, 64) module's alone."""
+    the (32, 64) module's. Items pooled together (`pooled_rows`), two such and one whose rest is
+    one chunk of 64: the first chunks as pool_64x2 and pool_64, the tails as pool_16x2; each
+    row the (32, 64) module's alone."""
     from emitter.text_shape import prefill_chunks
     from runtime.embedding import lane_plan, pooled_rows
 
@@ -154,25 +155,29 @@ def test_a_tail_bucket_takes_the_rest(setup, tmp_path):
     assert rel_l2(vector, expected) <= TOL, rel_l2(vector, expected)
     assert rel_l2(vector, solo) <= 1e-6
 
-    text, pictures = tail.text, [write_images(tmp_path, ((96, 64),), seed=s)[0] for s in (5, 6)]
-    for words in range(10, 60):  # two items whose rests after the cached instruction are 64 + 16
-        items = [dict(text=long_text(words, 3), image=p) for p in pictures]
-        prompts = [tail.prepare(item_messages([{"type": "image"}, {"type": "text", "text": i["text"]}]),
-                                [Media("image", i["image"])], 1) for i in items]
-        placed = [text.admit(p) for p in prompts]
-        if {lane_plan(text, p, start) for p, (_, start) in zip(prompts, placed)} == {(64, 16)}:
-            break
-        for seq, _ in placed:
-            text.release(seq)
-    else:
-        pytest.fail("no two items of 10 to 59 words have rests of 64 and 16")
-    try:
-        rows = pooled_rows(text, [seq for seq, _ in placed], prompts, [start for _, start in placed])
+    text, pictures = tail.text, [write_images(tmp_path, ((96, 64),), seed=s)[0] for s in (5, 6, 7)]
+
+    def placed(words: int, picture: str):
+        item = dict(text=long_text(words, 3), image=picture)
+        prompt = tail.prepare(item_messages([{"type": "image"}, {"type": "text", "text": item["text"]}]),
+                              [Media("image", picture)], 1)
+        seq, start = text.admit(prompt)
+        return item, prompt, seq, start, lane_plan(text, prompt, start)
+
+    words = {}  # a rest (after the cached instruction) of 64 + 16 rows, and one of 64
+    for n in range(10, 60):
+        *_, seq, _, plan = placed(n, pictures[0])
+        text.release(seq)
+        words.setdefault(plan, n)
+    assert (64, 16) in words and (64,) in words, words
+    lanes = [placed(words[64, 16], pictures[0]), placed(words[64, 16], pictures[1]), placed(words[64,], pictures[2])]
+    try:  # pool_64x2 and pool_64 (the third), then pool_16x2
+        rows = pooled_rows(text, [lane[2] for lane in lanes], [lane[1] for lane in lanes], [lane[3] for lane in lanes])
     finally:
-        for seq, _ in placed:
-            text.release(seq)
-    for row, i in zip(rows, items):
-        assert rel_l2(finish(row), ours(gen, **i)[0]) <= 1e-6  # the (32, 64) module's, its own cache
+        for lane in lanes:
+            text.release(lane[2])
+    for row, lane in zip(rows, lanes):
+        assert rel_l2(finish(row), ours(gen, **lane[0])[0]) <= 1e-6  # the (32, 64) module's, its own cache
 
 
 def test_two_prompts_in_one_call(setup):

@@ -186,7 +186,7 @@ def test_generative_checkpoint(server, tmp_path):
 def test_lane_groups_have_no_spare_lane():
     """Items batched in calls of exactly an entry's lane count, the largest first; one left over
     goes alone (three items: 2 + 1, never a call of 4 with a lane repeated)."""
-    from runtime.serve.embeddings import lane_groups
+    from runtime.embedding import lane_groups
 
     sizes = {n: [len(g) for g in lane_groups(list(range(n)), [2, 4])] for n in range(1, 8)}
     assert sizes == {1: [], 2: [2], 3: [2], 4: [4], 5: [4], 6: [4, 2], 7: [4, 2]}

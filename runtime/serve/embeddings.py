@@ -18,10 +18,10 @@ Each item is a job of the engine (runtime/serve/scheduler.py, `Job.pooled`), sta
 decode steps, even while every lane decodes (`start_pooled`, on the engine's thread): it and
 the embedding jobs right behind it in line, as many as the module's batched entry has lanes,
 are prepared and placed in blocks (a shared prefix, e.g. the instruction, found in the prefix
-cache); those whose rests are planned alike in lane buckets (`runtime.embedding.lane_plan`: chunks of
+cache); those whose rests are planned in lane buckets (`runtime.embedding.lane_plan`: chunks of
 the lane bucket and its tails, e.g. an image item's 64 + 16 rows) are prefilled and pooled together,
-chunk by chunk, in calls of exactly B of them (`pool_<S>x<B>`, emitter/text_pool.py; `lane_groups`:
-no spare lane), the others each alone through `pool_<S>`. At
+step by step, a step's chunks of one size in calls of exactly B of them (`pool_<S>x<B>`,
+emitter/text_pool.py; runtime/embedding.py `pooled_rows`, `lane_groups`: no spare lane), the others each alone. At
 most WINDOW (or the lanes, if more) of a request's items wait in the queue at once. Nothing is tokenized or decoded
 on the event loop.
 """
@@ -185,7 +185,7 @@ async def run_items(request: Request, engine, items: Items) -> list[tuple[np.nda
 def start_pooled(engine, first: Job) -> bool:
     """The engine's start of an embedding job (`Engine._start`, on its thread): `first` and the
     embedding jobs right behind it (up to the batched entry's lanes) each prepared and placed
-    in blocks, then pooled (batched where `batched`, else alone), each answered ("start",
+    in blocks, then pooled (together where `lane_plan`, else alone), each answered ("start",
     prompt tokens), ("hidden", row), their blocks given back. False (`first` kept, first in
     line) when its blocks are not free now; a job behind it that finds none waits first in
     line, with those after it."""
@@ -212,42 +212,27 @@ def start_pooled(engine, first: Job) -> bool:
             break
         placed.append((job, *got))
     try:
-        plans: dict[tuple, list] = {}  # items of one lane plan share its calls
-        for p in placed:
-            if (plan := lane_plan(text, p[0].prompt, p[2])) is not None:
-                plans.setdefault(plan, []).append(p)
-        groups = [group for alike in plans.values() for group in lane_groups(alike, pool_lane_counts(text.shape))]
+        together = [p for p in placed if lane_plan(text, p[0].prompt, p[2]) is not None]
         for job, blocks, start in placed:
-            if not any(job is g[0] for group in groups for g in group):
+            if not any(job is t[0] for t in together):
                 try:
                     _answer(engine, job, text.prefill_blocks(blocks, job.prompt, start, pooled=True), start)
                 except Exception as e:  # noqa: BLE001
                     _fail(engine, job, e)
-        for group in groups:
+        if together:
             try:
-                rows = pooled_rows(text, [g[1] for g in group], [g[0].prompt for g in group], [g[2] for g in group])
-            except Exception as e:  # noqa: BLE001 - the call's fault ends its items
-                for job, _, _ in group:
+                rows = pooled_rows(text, [t[1] for t in together], [t[0].prompt for t in together],
+                                   [t[2] for t in together])
+            except Exception as e:  # noqa: BLE001 - the calls' fault ends their items
+                for job, _, _ in together:
                     _fail(engine, job, e)
             else:
-                for (job, _, start), row in zip(group, rows):
+                for (job, _, start), row in zip(together, rows):
                     _answer(engine, job, row, start)
     finally:
         for _, blocks, _ in placed:
             text.release(blocks)
     return True
-
-
-def lane_groups(items: list, counts: list[int]) -> list[list]:
-    """`items` in calls of exactly the batched entries' lane counts (`counts`: 2, 4, ...), the
-    largest first; what is left over (one item) is pooled alone. No lane repeats another: an
-    item costs its tokens' work however it is batched, so a spare lane would be work for
-    nothing (three items: a call of 2 and one alone, not a call of 4)."""
-    groups = []
-    while n := max((c for c in counts if c <= len(items)), default=0):
-        groups.append(items[:n])
-        items = items[n:]
-    return groups
 
 
 def _answer(engine, job: Job, row: np.ndarray, start: int) -> None:
