@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -184,7 +185,8 @@ async def run_items(request: Request, engine, items: Items) -> list[tuple[np.nda
 
 def start_pooled(engine, first: Job) -> bool:
     """The engine's start of an embedding job (`Engine._start`, on its thread): `first` and the
-    embedding jobs right behind it (up to the batched entry's lanes) each prepared and placed
+    embedding jobs right behind it (up to the batched entry's lanes; those that join the line
+    while these are prepared, e.g. their images encoded, as well) each prepared and placed
     in blocks, then pooled (together where `lane_plan`, else alone), each answered ("start",
     prompt tokens), ("hidden", row), their blocks given back. False (`first` kept, first in
     line) when its blocks are not free now; a job behind it that finds none waits first in
@@ -192,9 +194,14 @@ def start_pooled(engine, first: Job) -> bool:
     from emitter.text_pool import pool_lane_counts
 
     text, gen = engine.text, engine.generator
-    jobs = [first] + engine.take_pooled(max([1] + pool_lane_counts(text.shape)) - 1)
-    placed = []
-    for i, job in enumerate(jobs):
+    most = max([1] + pool_lane_counts(text.shape))
+    jobs, placed = [first] + engine.take_pooled(most - 1), []
+    for i in itertools.count():
+        if i == len(jobs):  # and those that joined the line while these were prepared
+            jobs += engine.take_pooled(most - len(jobs))
+            if i == len(jobs):
+                break
+        job = jobs[i]
         if i and job.cancelled.is_set():
             engine.metrics.requests.labels("cancelled").inc()
             continue
